@@ -1,0 +1,48 @@
+# memtui: `make demo` runs a real training with the viewer attached; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo demo-no-tui test test-slow lint bench screenshots clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch is the user's: the package does not depend on it, the tests and the demo need it.
+# torch==2.13.0 is the CPU build on this machine's local disk; a looser pin pulls CUDA wheels.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/memtui demo
+
+demo-no-tui: $(STAMP)
+	$(VENV)/bin/memtui demo --no-tui
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check memtui tests benchmarks
+	$(VENV)/bin/ruff format --check memtui tests benchmarks
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check memtui tests benchmarks
+	$(VENV)/bin/ruff format --check memtui tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/hook_overhead.py
+
+screenshots: $(STAMP)
+	$(PY) screenshots/export_screenshots.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,466 @@
+"""The ``memtui`` command: ls, status, set, cancel, demo, attach.
+
+A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
+errors go to stderr, and the exit status says whether the request succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import click
+
+from memtui import registry
+from memtui.client import ClientError, ControlClient
+from memtui.knobs import (
+    KNOBS,
+    KnobError,
+    effective_batch,
+    format_changes,
+    format_value,
+    parse_assignments,
+    parse_changes,
+)
+from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.wire import AppliedChange, Knobs, Snapshot, to_builtins
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"memtui: {message}", err=True)
+    sys.exit(code)
+
+
+def _target(run: str | None) -> registry.Target:
+    try:
+        target = registry.find_run(run)
+    except registry.RunNotFound as exc:
+        _fail(str(exc))
+        raise  # unreachable
+    except registry.RegistryError as exc:
+        _fail(str(exc))
+        raise
+    if target.note:
+        click.echo(f"memtui: {target.note}", err=True)
+    return target
+
+
+def _client(target: registry.Target, timeout: float) -> ControlClient:
+    return ControlClient(target.control, timeout_s=timeout)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memtui")
+def main() -> None:
+    """Watch a training run starve or run out of memory, and retune it at the next checkpoint."""
+
+
+# ---------------------------------------------------------------------------- ls
+
+
+@main.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+def ls_command(as_json: bool) -> None:
+    """List live runs on this host."""
+    try:
+        runs = registry.list_runs()
+    except registry.RegistryError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        rows = [
+            {
+                "run": r.run,
+                "pid": r.pid,
+                "host": r.host,
+                "ranks": r.world_size,
+                "started": r.started,
+                "command": r.command,
+                "cwd": r.cwd,
+                "control": r.control,
+                "endpoints": [to_builtins(k) for k in r.ranks],
+                "state_dir": r.state_dir,
+            }
+            for r in runs
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not runs:
+        click.echo("no live runs")
+        return
+    click.echo(f"{'RUN':<24} {'PID':>7} {'RANKS':>5}  {'STARTED':<8}  COMMAND")
+    for r in runs:
+        started = time.strftime("%H:%M:%S", time.localtime(r.started))
+        command = " ".join(r.command[1:] if len(r.command) > 1 else r.command)
+        click.echo(f"{r.run:<24} {r.pid:>7} {r.world_size:>5}  {started:<8}  {command[:80]}")
+
+
+# ---------------------------------------------------------------------------- status
+
+
+def _knobs_dict(knobs: Knobs) -> dict[str, Any]:
+    return {k: getattr(knobs, k) for k in KNOBS}
+
+
+def _applied_dict(applied: AppliedChange) -> dict[str, Any]:
+    return {
+        "ids": applied.ids,
+        "step": applied.step,
+        "time": applied.time,
+        "changes": {k: {"old": d.old, "new": d.new} for k, d in applied.changes.items()},
+        "note": applied.note,
+    }
+
+
+def status_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """The ``memtui status --json`` object for a snapshot."""
+    info, control = snapshot.info, snapshot.control
+    config = control.config
+    steps = summarize_steps(snapshot.steps)
+    memory = summarize_device(snapshot.device)
+    eff = None
+    if config.batch_size is not None and config.grad_accum is not None:
+        eff = effective_batch(config.batch_size, config.grad_accum, control.world_size)
+    return {
+        "run": info.run,
+        "pid": info.pid,
+        "host": info.host,
+        "started": info.started,
+        "command": info.command,
+        "world_size": info.world_size,
+        "device": info.device,
+        "step": snapshot.step,
+        "config": _knobs_dict(config),
+        "tunable": control.tunable,
+        "effective_batch": eff,
+        "pending": [to_builtins(p) for p in control.pending],
+        "applied": [_applied_dict(a) for a in control.applied],
+        "rejected": [to_builtins(r) for r in control.rejected],
+        "metrics": None
+        if steps is None
+        else {
+            "window_steps": steps.steps,
+            "step_time_s": steps.step_time_s,
+            "data_wait_s": steps.data_wait_s,
+            "data_wait_fraction": steps.data_wait_fraction,
+            "samples_per_s": steps.samples_per_s,
+            "steps_per_s": steps.steps_per_s,
+        },
+        "memory": None
+        if memory is None
+        else {
+            "kind": memory.kind,
+            "capacity_bytes": memory.capacity_bytes,
+            "current_bytes": memory.current_bytes,
+            "reserved_bytes": memory.reserved_bytes,
+            "peak_bytes": memory.peak_bytes,
+            "peak_allocated_bytes": memory.peak_allocated_bytes,
+            "peak_fraction": memory.peak_fraction,
+            "fragmentation_bytes": memory.fragmentation_bytes,
+            "nvml_used_bytes": memory.nvml_used_bytes,
+            "beyond_torch_bytes": memory.beyond_torch_bytes,
+            "ooms": memory.ooms,
+            "alloc_retries": memory.alloc_retries,
+        },
+        "last_step": to_builtins(snapshot.steps[-1]) if snapshot.steps else None,
+        "host_memory": to_builtins(snapshot.host[-1]) if snapshot.host else None,
+        "checkpoints": [
+            {"step": c.step, "time": c.time, "save_s": c.save_s} for c in snapshot.checkpoints[-5:]
+        ],
+        "counters": to_builtins(snapshot.counters) if snapshot.counters else {},
+        "state_dir": info.state_dir,
+        "tuned_path": info.tuned_path,
+        "audit_path": info.audit_path,
+    }
+
+
+def format_status(snapshot: Snapshot) -> str:
+    """The human ``memtui status`` text."""
+    data = status_dict(snapshot)
+    info, control = snapshot.info, snapshot.control
+    lines = []
+    age = format_duration(max(0.0, time.time() - info.started))
+    lines.append(
+        f"run {info.run}  pid {info.pid}  host {info.host}  ranks {info.world_size}  up {age}"
+    )
+    metrics = data["metrics"]
+    if metrics:
+        lines.append(
+            f"step {snapshot.step}  {format_duration(metrics['step_time_s'])}/step  "
+            f"data wait {format_duration(metrics['data_wait_s'])} ({metrics['data_wait_fraction']:.0%})  "
+            f"{metrics['samples_per_s']:.0f} samples/s  {metrics['steps_per_s']:.2f} steps/s"
+        )
+    else:
+        lines.append(f"step {snapshot.step}  (no timed steps yet)")
+    memory = data["memory"]
+    if memory:
+        label = (
+            "device cpu (process-tree RSS)" if memory["kind"] == "cpu" else f"device {info.device}"
+        )
+        line = (
+            f"{label}: {format_bytes(memory['current_bytes'])} now, peak {format_bytes(memory['peak_bytes'])} "
+            f"of {format_bytes(memory['capacity_bytes'])} ({memory['peak_fraction']:.0%})"
+        )
+        if memory["kind"] == "cuda":
+            line += f", fragmentation {format_bytes(memory['fragmentation_bytes'])}"
+            if memory["beyond_torch_bytes"] is not None:
+                line += f", beyond torch {format_bytes(memory['beyond_torch_bytes'])}"
+        lines.append(line)
+    host = snapshot.host[-1] if snapshot.host else None
+    if host:
+        lines.append(
+            f"host: RAM {format_bytes(host.ram_used_bytes)} / {format_bytes(host.ram_total_bytes)} used, "
+            f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
+            f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS)"
+        )
+    config = " ".join(f"{k}={format_value(getattr(control.config, k))}" for k in KNOBS)
+    eff = data["effective_batch"]
+    lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
+    for change in control.pending:
+        note = f"  [{change.note}]" if change.note else ""
+        lines.append(
+            f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}){note}"
+        )
+    for applied in list(control.applied)[-5:]:
+        diffs = ", ".join(
+            f"{k} {format_value(d.old)} -> {format_value(d.new)}"
+            for k, d in applied.changes.items()
+        )
+        ids = ",".join(f"#{i}" for i in applied.ids)
+        lines.append(f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})")
+    for rejected in list(control.rejected)[-3:]:
+        lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
+    counters = snapshot.counters
+    if counters and counters.errors:
+        lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
+    return "\n".join(lines)
+
+
+@main.command("status")
+@click.argument("run", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@click.option("--timeout", default=3.0, show_default=True, help="Seconds to wait for the run.")
+def status_command(run: str | None, as_json: bool, timeout: float) -> None:
+    """Show a run's step, speed, memory, config and changes (RUN: id, prefix, pid or endpoint)."""
+    target = _target(run)
+    try:
+        snapshot = _client(target, timeout).hello()
+    except ClientError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        click.echo(json.dumps(status_dict(snapshot), indent=2))
+    else:
+        click.echo(format_status(snapshot))
+
+
+# ---------------------------------------------------------------------------- set / cancel
+
+
+@main.command("set", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, required=True)
+@click.option(
+    "--keep-effective-batch", is_flag=True, help="Recompute grad_accum so micro x accum stays."
+)
+@click.option("--dry-run", is_flag=True, help="Validate and resolve only; queue nothing.")
+@click.option("--force", is_flag=True, help="Queue even when the change is predicted to be risky.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+@click.option("--timeout", default=3.0, show_default=True)
+def set_command(
+    args: tuple[str, ...],
+    keep_effective_batch: bool,
+    dry_run: bool,
+    force: bool,
+    as_json: bool,
+    timeout: float,
+) -> None:
+    """Queue a change for the next checkpoint: memtui set [RUN] KEY=VALUE...
+
+    Keys: batch_size, grad_accum, num_workers, pin_memory (aliases such as
+    per_device_train_batch_size or gradient_accumulation_steps work too). Prints the change id.
+    """
+    words = list(args)
+    run = words.pop(0) if words and "=" not in words[0] else None
+    try:
+        raw = parse_assignments(words)
+        parse_changes(raw)  # fail early, before contacting the run, on what is wrong anyway
+    except KnobError as exc:
+        _fail(f"rejected: {exc}", 2)
+        return
+    target = _target(run)
+    try:
+        reply = _client(target, timeout).set(
+            dict(raw), keep_effective_batch=keep_effective_batch, dry_run=dry_run, force=force
+        )
+    except ClientError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        click.echo(json.dumps(to_builtins(reply), indent=2))
+        sys.exit(0 if reply.ok else 2)
+    if not reply.ok:
+        _fail(f"rejected: {reply.reason}", 2)
+    if dry_run:
+        click.echo(f"would queue {format_changes(reply.changes)}")
+    else:
+        click.echo(str(reply.id))
+        click.echo(
+            f"queued #{reply.id}: {format_changes(reply.changes)} (applies at the next checkpoint)",
+            err=True,
+        )
+    if reply.note:
+        click.echo(f"note: {reply.note}", err=True)
+
+
+@main.command("cancel")
+@click.argument("args", nargs=-1)
+@click.option("--timeout", default=3.0, show_default=True)
+def cancel_command(args: tuple[str, ...], timeout: float) -> None:
+    """Cancel a pending change: memtui cancel [RUN] ID (or 'all')."""
+    words = list(args)
+    if not words:
+        _fail("give the change id to cancel, or 'all'", 2)
+    which = words.pop()
+    run = words[0] if words else None
+    if which != "all" and not which.lstrip("#").isdigit():
+        _fail(f"expected a change id or 'all', got {which!r}", 2)
+    change_id = 0 if which == "all" else int(which.lstrip("#"))
+    target = _target(run)
+    try:
+        reply = _client(target, timeout).cancel(change_id)
+    except ClientError as exc:
+        _fail(str(exc))
+        return
+    if not reply.ok:
+        _fail(reply.reason, 2)
+    click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled))
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _demo_argv(
+    steps: int,
+    checkpoint_every: int,
+    batch_size: int,
+    grad_accum: int,
+    workers: int,
+    pin_memory: bool,
+    slow_data_ms: float,
+    out: str | None,
+    resume: bool,
+) -> list[str]:
+    argv = [
+        "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
+        "--batch-size", str(batch_size), "--grad-accum", str(grad_accum),
+        "--workers", str(workers), "--slow-data-ms", str(slow_data_ms),
+        "--pin-memory" if pin_memory else "--no-pin-memory",
+    ]  # fmt: skip
+    if out:
+        argv += ["--out", out]
+    if resume:
+        argv.append("--resume")
+    return argv
+
+
+@main.command("demo")
+@click.option(
+    "--no-tui", is_flag=True, help="Run the training in the foreground, without the viewer."
+)
+@click.option("--steps", default=2000, show_default=True, help="Optimizer steps.")
+@click.option(
+    "--checkpoint-every", default=50, show_default=True, help="Steps between checkpoints."
+)
+@click.option("--batch-size", default=16, show_default=True, help="Micro-batch size.")
+@click.option("--grad-accum", default=2, show_default=True, help="Gradient accumulation steps.")
+@click.option("--workers", default=0, show_default=True, help="Data loader workers.")
+@click.option("--pin-memory/--no-pin-memory", default=False, show_default=True)
+@click.option(
+    "--slow-data-ms", default=2.0, show_default=True, help="Wait per sample (slow storage)."
+)
+@click.option("--out", default=None, help="Checkpoint and state directory.")
+@click.option(
+    "--resume", is_flag=True, help="Resume from the checkpoint and tuned config in --out."
+)
+def demo_command(
+    no_tui: bool, steps: int, checkpoint_every: int, batch_size: int, grad_accum: int, workers: int,
+    pin_memory: bool, slow_data_ms: float, out: str | None, resume: bool,
+) -> None:  # fmt: skip
+    """Run the bundled demo training (slow data: it starves until you add workers)."""
+    argv = _demo_argv(
+        steps,
+        checkpoint_every,
+        batch_size,
+        grad_accum,
+        workers,
+        pin_memory,
+        slow_data_ms,
+        out,
+        resume,
+    )
+    if no_tui:
+        from memtui.demo.train import main as demo_main
+
+        sys.exit(demo_main(argv))
+    _demo_with_tui(argv)
+
+
+def _demo_with_tui(argv: list[str]) -> None:
+    """Start the demo training in a subprocess and attach the viewer to it."""
+    try:
+        from memtui.tui.app import run_app
+    except ImportError:
+        _fail("the viewer is not available in this build; use --no-tui")
+        return
+    out_dir = registry.state_home().parent / "demo"
+    log_path = out_dir / "demo.log"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memtui.demo", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        run_id = _wait_for_run_id(log_path, proc)
+        code = run_app(run_id, demo_process=proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    sys.exit(code)
+
+
+def _wait_for_run_id(log_path: Any, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("run "):
+                return str(line.split()[1])
+        if proc.poll() is not None:
+            _fail(f"the demo training exited early; see {log_path}")
+        time.sleep(0.1)
+    _fail(f"the demo training did not start within {timeout:.0f} s; see {log_path}")
+    return ""
+
+
+# ---------------------------------------------------------------------------- attach
+
+
+@main.command("attach")
+@click.argument("run", required=False)
+@click.option("--readonly", is_flag=True, help="Show everything, send nothing (for shared panes).")
+def attach_command(run: str | None, readonly: bool) -> None:
+    """Open the viewer on a run (RUN: id, prefix, pid or endpoint; default: the newest)."""
+    from memtui.tui.app import run_app
+
+    sys.exit(run_app(run, readonly=readonly))

@@ -1,0 +1,107 @@
+"""The client side of the control socket: hello, set and cancel, with timeouts.
+
+Used by the CLI and the TUI's receiver; imports neither torch nor Textual.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from typing import TypeVar
+
+import zmq
+
+from memtui.wire import (
+    CancelReply,
+    CancelRequest,
+    Decoder,
+    ErrorReply,
+    Hello,
+    KnobValue,
+    Message,
+    SetReply,
+    SetRequest,
+    Snapshot,
+    encode,
+)
+
+T = TypeVar("T")
+
+
+class ClientError(RuntimeError):
+    """The run did not answer, or answered with something that is not a reply."""
+
+
+def client_name(tool: str) -> str:
+    """Who is asking, for the audit log: ``tool:user@host:pid``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{tool}:{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+class ControlClient:
+    """Request/reply over a run's control socket; each request uses a fresh REQ socket."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 3.0,
+        context: zmq.Context | None = None,
+        client: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.context = context or zmq.Context.instance()
+        self.client = client or client_name("cli")
+        self.decoder = Decoder()
+
+    def request(self, message: Message, expect: type[T]) -> T:
+        """Send one request and return its reply, or raise ClientError."""
+        sock = self.context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(encode(message))
+            if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+                raise ClientError(f"no answer from {self.endpoint} within {self.timeout_s:g} s")
+            reply = self.decoder.decode(sock.recv())
+        except zmq.ZMQError as exc:
+            raise ClientError(f"cannot reach {self.endpoint}: {exc}")
+        finally:
+            sock.close(0)
+        if isinstance(reply, ErrorReply):
+            raise ClientError(f"the run refused the request: {reply.reason}")
+        if not isinstance(reply, expect):
+            raise ClientError(f"unexpected reply from {self.endpoint}: {type(reply).__name__}")
+        return reply
+
+    def hello(self, history: int = 512) -> Snapshot:
+        """Ask for a snapshot of the run."""
+        return self.request(Hello(client=self.client, history=history), Snapshot)
+
+    def set(
+        self,
+        changes: dict[str, KnobValue | str],
+        *,
+        keep_effective_batch: bool = False,
+        dry_run: bool = False,
+        force: bool = False,
+    ) -> SetReply:
+        """Queue a change; the reply says whether it was accepted."""
+        request = SetRequest(
+            changes=changes,
+            keep_effective_batch=keep_effective_batch,
+            client=self.client,
+            dry_run=dry_run,
+            force=force,
+        )
+        return self.request(request, SetReply)
+
+    def cancel(self, change_id: int = 0) -> CancelReply:
+        """Cancel one pending change (0: every pending change)."""
+        return self.request(CancelRequest(id=change_id, client=self.client), CancelReply)

@@ -1,0 +1,1 @@
+"""The bundled demo training (imports torch; run as ``python -m memtui.demo``)."""

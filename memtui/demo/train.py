@@ -1,0 +1,276 @@
+"""The demo training: a small GPT-style model on synthetic tokens whose data loading is slow.
+
+Each sample waits like a read from slow storage (``--slow-data-ms``) and does a little real CPU
+work, so with ``--workers 0`` the loop visibly starves on data and more workers fix it: the
+seed-003 situation, reproducible on any machine (waiting, unlike busy work, does not compete
+with the training for the CPU cores). It runs on CUDA when present, else on the CPU, saves a
+real checkpoint every ``--checkpoint-every`` steps and resumes from it with ``--resume``.
+
+Run it as ``python -m memtui.demo --help`` or ``memtui demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from memtui import hooks
+from memtui.registry import state_home
+
+
+@dataclass
+class DemoConfig:
+    """The demo's knobs, found by memtui under their usual names."""
+
+    batch_size: int = 16
+    gradient_accumulation_steps: int = 2
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+class SlowTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Synthetic token sequences; each sample costs ``slow_ms`` of waiting plus a little CPU work."""
+
+    def __init__(self, size: int, seq_len: int, vocab: int, slow_ms: float) -> None:
+        self.size = size
+        self.seq_len = seq_len
+        self.vocab = vocab
+        self.slow_s = slow_ms / 1000.0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.slow_s > 0:
+            time.sleep(self.slow_s)  # a read from slow storage: the loader waits, the CPU does not
+        generator = torch.Generator().manual_seed(index)
+        # a learnable sequence: a random walk over the vocabulary (real CPU work, a little)
+        steps = torch.randint(-2, 3, (self.seq_len + 1,), generator=generator)
+        tokens = (steps.cumsum(0) + index) % self.vocab
+        return tokens[:-1], tokens[1:]
+
+
+class TinyGPT(nn.Module):
+    """A small causal transformer language model."""
+
+    def __init__(
+        self, vocab: int, seq_len: int, width: int = 128, layers: int = 2, heads: int = 4
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(seq_len, width))
+        layer = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+        self.mask: torch.Tensor
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy."""
+        length = tokens.shape[1]
+        hidden = self.embed(tokens) + self.position[:length]
+        hidden = self.blocks(hidden, mask=self.mask[:length, :length], is_causal=True)
+        logits = self.head(hidden)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m memtui.demo", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--steps", type=int, default=2000, help="optimizer steps to run (default 2000)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
+    parser.add_argument("--grad-accum", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--workers", type=int, default=0, help="data loader workers")
+    parser.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--slow-data-ms", type=float, default=2.0, help="wait per sample, in ms")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="checkpoint and state directory")
+    parser.add_argument(
+        "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--progress-every", type=float, default=5.0, help="seconds between progress lines"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="demo", help="run id prefix")
+    return parser.parse_args(argv)
+
+
+def save_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tuner: hooks.Tuner,
+    config: DemoConfig,
+    epoch: int,
+) -> None:
+    """Write the checkpoint atomically."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "memtui": tuner.state_dict(),
+            "config": asdict(config),
+            "epoch": epoch,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train until ``--steps``; print the run id first, then a progress line now and then."""
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, args.threads))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = args.out or state_home().parent / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    config = DemoConfig(args.batch_size, args.grad_accum, args.workers, args.pin_memory)
+    vocab = 256
+    model = TinyGPT(vocab, args.seq_len, args.width, args.layers).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    dataset = SlowTokens(1_000_000, args.seq_len, vocab, args.slow_data_ms)
+
+    tuner = hooks.install(
+        config, model=model, optimizer=optimizer, state_dir=out, resume=args.resume, name=args.name
+    )
+
+    def make_loader(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
+        sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=num_workers > 0,
+        )
+
+    loader = tuner.loader(make_loader)
+    epoch = 0
+    if args.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        tuner.load_state_dict(state["memtui"])
+        epoch = int(state.get("epoch", 0))
+    print(f"run {tuner.run_id} pid {os.getpid()} device {device} out {out}", flush=True)
+    if tuner.resumed:
+        print(
+            "resumed tuned config: " + ", ".join(f"{k}={v[1]}" for k, v in tuner.resumed.items()),
+            flush=True,
+        )
+    if tuner.step_count:
+        print(f"resumed from step {tuner.step_count}", flush=True)
+
+    model.train()
+    started = time.perf_counter()
+    last_report = (started, tuner.step_count, 0)
+    samples_seen = 0
+    loss = torch.zeros(())
+    micro = 0
+    try:
+        while tuner.step_count < args.steps:
+            loader.sampler.set_epoch(epoch)
+            for tokens, targets in loader:
+                tokens = tokens.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                loss = model(tokens, targets) / config.gradient_accumulation_steps
+                loss.backward()
+                samples_seen += tokens.shape[0]
+                micro += 1
+                if micro < config.gradient_accumulation_steps:
+                    continue
+                micro = 0
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                tuner.step()
+                step = tuner.step_count
+                if step % args.checkpoint_every == 0 or step >= args.steps:
+                    if rank == 0:
+                        save_checkpoint(ckpt_path, model, optimizer, tuner, config, epoch)
+                    applied = tuner.checkpoint()
+                    if applied:
+                        print(applied, flush=True)
+                now = time.perf_counter()
+                if now - last_report[0] >= args.progress_every:
+                    last_report = _progress(
+                        now, last_report, step, args.steps, samples_seen, config, loss
+                    )
+                if step >= args.steps:
+                    break
+            else:
+                epoch += 1
+                continue
+            break
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        return 130
+    finally:
+        loader.close()
+        tuner.close()
+    elapsed = time.perf_counter() - started
+    print(f"done: {tuner.step_count} steps in {elapsed:.1f} s", flush=True)
+    return 0
+
+
+def _progress(
+    now: float,
+    last: tuple[float, int, int],
+    step: int,
+    total: int,
+    samples: int,
+    config: DemoConfig,
+    loss: torch.Tensor,
+) -> tuple[float, int, int]:
+    t0, step0, samples0 = last
+    dt = max(now - t0, 1e-9)
+    ms_per_step = 1000 * dt / max(step - step0, 1)
+    rate = (samples - samples0) / dt
+    value = float(loss.detach()) * config.gradient_accumulation_steps
+    print(
+        f"step {step}/{total}  {ms_per_step:.0f} ms/step  {rate:.0f} samples/s  "
+        f"batch {config.batch_size}x{config.gradient_accumulation_steps}  "
+        f"workers {config.num_workers}  pin {'on' if config.pin_memory else 'off'}  "
+        f"loss {value if math.isfinite(value) else float('nan'):.3f}",
+        flush=True,
+    )
+    return now, step, samples
+
+
+if __name__ == "__main__":
+    sys.exit(main())

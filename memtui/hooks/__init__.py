@@ -1,0 +1,55 @@
+"""The hook: ``from memtui import hooks; tuner = hooks.install(config)`` in the training script.
+
+Importing this package loads neither Textual nor Rich, and torch only when the training
+script already uses it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from memtui.hooks.binding import BindingError
+from memtui.hooks.loader import TunedLoader
+from memtui.hooks.tuner import Applied, Options, Tuner
+
+__all__ = ["Applied", "BindingError", "Options", "TunedLoader", "Tuner", "install"]
+
+
+def install(
+    trainer: Any = None,
+    *,
+    config: Any = None,
+    knobs: Mapping[str, str] | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    state_dir: str | os.PathLike[str] | None = None,
+    tuned_path: str | os.PathLike[str] | None = None,
+    resume: bool | str | os.PathLike[str] = False,
+    name: str | None = None,
+    auto_step: bool = False,
+    options: Options | None = None,
+) -> Tuner:
+    """Install memtui in this training process and return its Tuner.
+
+    ``trainer`` is the object that holds the knobs: in a plain PyTorch loop, your config (a
+    dataclass, ``argparse.Namespace``, ``SimpleNamespace``, dict, or module / ``globals()``).
+    ``knobs`` maps knob names to (dotted) paths in it when the common names do not apply.
+    ``state_dir`` is where the audit log and the tuned config are written (use your checkpoint
+    directory); ``resume=True`` starts from the tuned config found there (or pass a path).
+    ``auto_step=True`` with ``optimizer`` counts steps from the optimizer's post-step hook.
+    """
+    target = config if config is not None else trainer
+    return Tuner(
+        target,
+        knobs=knobs,
+        model=model,
+        optimizer=optimizer,
+        state_dir=state_dir,
+        tuned_path=tuned_path,
+        resume=resume,
+        name=name,
+        auto_step=auto_step,
+        options=options,
+    )

@@ -1,0 +1,370 @@
+"""The agent thread: owns the ZeroMQ sockets, publishes telemetry in batches, serves the control socket.
+
+Every ``flush_period_s`` (100 ms) it drains the training thread's outbox of step records, adds
+the sampler's latest samples and any change of the control state, and sends one Telemetry frame
+with ``NOBLOCK`` on the PUB socket (a full queue drops the frame and counts it; the history ring
+keeps the records for the next viewer's snapshot). Between flushes it answers hello/set/cancel
+on the ROUTER control socket (rank 0). Every two seconds it checks the run's registry file and
+recreates the runtime directory and sockets if someone removed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import zmq
+
+from memtui import registry
+from memtui.wire import (
+    CancelRequest,
+    CheckpointRecord,
+    Decoder,
+    DeviceSample,
+    ErrorReply,
+    Hello,
+    HookCounters,
+    HostSample,
+    Message,
+    RankInfo,
+    RunRecord,
+    SetRequest,
+    Snapshot,
+    StepRecord,
+    Telemetry,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from memtui.hooks.tuner import Tuner
+
+log = logging.getLogger("memtui")
+
+HISTORY_STEPS = 2048
+MAX_CONTROL_FRAME = 1 << 20
+"""Bigger frames on the control socket are refused by ZeroMQ (a bad peer cannot bloat us)."""
+
+
+class Agent(threading.Thread):
+    """Publishes one rank's telemetry and (on rank 0) serves the control socket."""
+
+    def __init__(
+        self,
+        tuner: Tuner,
+        run_dir: registry.RunDir,
+        *,
+        flush_period_s: float = 0.1,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        super().__init__(name="memtui-agent", daemon=True)
+        self.tuner = tuner
+        self.run_dir = run_dir
+        self.flush_period_s = flush_period_s
+        self.heartbeat_s = heartbeat_s
+        self.steps: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
+        self.device: deque[DeviceSample] = deque(maxlen=600)
+        self.host: deque[HostSample] = deque(maxlen=120)
+        self.checkpoints: deque[CheckpointRecord] = deque(maxlen=128)
+        self.seq = 0
+        self.counters = HookCounters()
+        self.decoder = Decoder()
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self._stop_event = threading.Event()
+        self._context: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._sent_control_seq = 0
+        self._sent_counters: HookCounters | None = None
+        self._last_send = 0.0
+        self._last_step = 0
+        self._host_sent_time = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Send the last batch (``ended``), close the sockets and remove the registry entry."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    def run(self) -> None:
+        """Bind, then flush and serve until stopped; failures are reported, never raised."""
+        try:
+            self._context = zmq.Context()
+            self._bind()
+        except BaseException as exc:
+            self.failed = exc
+            self.tuner._report(exc, "agent start")
+            self.ready.set()
+            self._close()
+            return
+        self.ready.set()
+        next_flush = time.monotonic() + self.flush_period_s
+        next_check = time.monotonic() + 2.0
+        while not self._stop_event.is_set():
+            try:
+                timeout_ms = max(0, int((next_flush - time.monotonic()) * 1000))
+                if self._router is not None:
+                    if self._router.poll(timeout_ms, zmq.POLLIN):
+                        self._serve()
+                else:
+                    self._stop_event.wait(timeout_ms / 1000)
+                now = time.monotonic()
+                if now >= next_flush:
+                    next_flush = max(next_flush + self.flush_period_s, now)
+                    self.flush()
+                if now >= next_check:
+                    next_check = now + 2.0
+                    self._check_registry()
+            except BaseException as exc:  # never let the thread die silently
+                self.tuner._report(exc, "agent")
+                self._stop_event.wait(0.5)
+                with contextlib.suppress(BaseException):
+                    self._rebind()
+        with contextlib.suppress(BaseException):
+            self.flush(ended=True)
+            time.sleep(0.05)  # let the final frame leave before the socket closes
+        self._close()
+        if self.tuner.rank == 0:
+            self.run_dir.remove()
+
+    def _bind(self) -> None:
+        assert self._context is not None
+        self.run_dir.create()
+        pub = self._context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 1000)
+        pub.setsockopt(zmq.LINGER, 100)
+        pub_endpoint = self.run_dir.pub_endpoint(self.tuner.rank)
+        pub.bind(pub_endpoint)
+        self._pub = pub
+        _private(pub_endpoint)
+        if self.tuner.rank == 0:
+            router = self._context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
+            router.setsockopt(zmq.SNDHWM, 100)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            control_endpoint = self.run_dir.control_endpoint()
+            router.bind(control_endpoint)
+            self._router = router
+            _private(control_endpoint)
+            self.run_dir.write(self.record())
+
+    def _close(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.close()
+        self._pub = self._router = None
+        if self._context is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._context.term()
+            self._context = None
+
+    def _rebind(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.close(0)
+        self._pub = self._router = None
+        self._bind()
+
+    def _check_registry(self) -> None:
+        """Recreate the runtime directory, sockets and record if they were removed."""
+        if self.tuner.rank != 0 or self.run_dir.record_path.exists():
+            return
+        self._rebind()
+        self.counters.recoveries += 1
+        log.warning("memtui: the runtime directory %s vanished; recreated it", self.run_dir.path)
+
+    def record(self) -> RunRecord:
+        """This run's registry record."""
+        info = self.tuner.info
+        return RunRecord(
+            run=info.run,
+            pid=info.pid,
+            create_time=registry.process_create_time(info.pid),
+            started=info.started,
+            host=info.host,
+            control=self.run_dir.control_endpoint(),
+            ranks=self.ranks(),
+            command=info.command,
+            cwd=info.cwd,
+            world_size=info.world_size,
+            state_dir=info.state_dir,
+        )
+
+    def ranks(self) -> list[RankInfo]:
+        """Where each rank publishes (this process only, until ranks exchange endpoints)."""
+        info = self.tuner.info
+        return [
+            RankInfo(
+                rank=info.rank,
+                pub=self.run_dir.pub_endpoint(info.rank),
+                local_rank=info.local_rank,
+                host=info.host,
+                pid=info.pid,
+            )
+        ]
+
+    # ------------------------------------------------------------------ telemetry
+
+    def _drain(self) -> list[StepRecord]:
+        outbox = self.tuner._outbox
+        offset = self.tuner._wall_offset
+        records: list[StepRecord] = []
+        last = self._last_step
+        while outbox:
+            step, end, dt, wait, samples, micro, flags = outbox.popleft()
+            if last and step > last + 1:
+                self.counters.records_dropped += step - last - 1
+            last = step
+            records.append(StepRecord(step, end + offset, dt, wait, samples, micro, flags))
+        self._last_step = last
+        self.steps.extend(records)
+        return records
+
+    def flush(self, ended: bool = False) -> None:
+        """Send one batch with everything new since the previous one (or a heartbeat)."""
+        tuner = self.tuner
+        records = self._drain()
+        sampler = tuner._sampler
+        device: list[DeviceSample] = []
+        host: HostSample | None = None
+        if sampler is not None:
+            while sampler.device_samples:
+                device.append(sampler.device_samples.popleft())
+            while sampler.host_samples:
+                host = sampler.host_samples.popleft()
+                self.host.append(host)
+        self.device.extend(device)
+        checkpoints: list[CheckpointRecord] = []
+        while tuner._checkpoint_box:
+            checkpoints.append(tuner._checkpoint_box.popleft())
+        self.checkpoints.extend(checkpoints)
+        control = None
+        control_seq = tuner.control.seq if tuner.control is not None else 0
+        if tuner.control is not None and control_seq != self._sent_control_seq:
+            control = tuner.control.state()
+        counters = self.current_counters()
+        send_counters = counters if counters != self._sent_counters else None
+        now = time.monotonic()
+        quiet = not (records or device or host or checkpoints or control or send_counters)
+        if quiet and not ended and now - self._last_send < self.heartbeat_s:
+            return
+        self.seq += 1
+        message = Telemetry(
+            run=tuner.info.run,
+            rank=tuner.rank,
+            seq=self.seq,
+            time=time.time(),
+            step=tuner._step,
+            steps=records,
+            device=device,
+            host=host,
+            checkpoints=checkpoints,
+            control_seq=control_seq,
+            control=control,
+            counters=send_counters,
+            ended=ended,
+        )
+        if self._send(encode(message)):
+            self._sent_control_seq = control_seq
+            self._sent_counters = counters
+        self._last_send = now
+
+    def _send(self, frame: bytes) -> bool:
+        if self._pub is None:
+            return False
+        try:
+            self._pub.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.counters.messages_dropped += 1
+            return False
+
+    def current_counters(self) -> HookCounters:
+        """The hook's counters now."""
+        return HookCounters(
+            records_dropped=self.counters.records_dropped,
+            messages_dropped=self.counters.messages_dropped,
+            bad_frames=self.decoder.bad_frames,
+            errors=self.tuner._errors,
+            last_error=self.tuner._last_error,
+            recoveries=self.counters.recoveries,
+        )
+
+    # ------------------------------------------------------------------ control
+
+    def _serve(self) -> None:
+        router = self._router
+        assert router is not None
+        for _ in range(64):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.decoder.bad_frames += 1
+                continue
+            envelope, payload = frames[:-1], frames[-1]
+            request = self.decoder.decode(payload)
+            reply = self._answer(request)
+            try:
+                router.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.counters.messages_dropped += 1
+
+    def _answer(self, request: Message | None) -> Message:
+        control = self.tuner.control
+        try:
+            if isinstance(request, Hello):
+                return self.snapshot(request.history)
+            if control is None:
+                return ErrorReply(reason="this rank does not take changes (rank 0 does)")
+            if isinstance(request, SetRequest):
+                return control.queue(request)
+            if isinstance(request, CancelRequest):
+                return control.cancel(request)
+        except Exception as exc:
+            self.tuner._report(exc, "control")
+            return ErrorReply(reason=f"internal error: {exc}")
+        if request is None:
+            return ErrorReply(reason=f"undecodable request ({self.decoder.last_error})")
+        return ErrorReply(reason=f"unexpected {type(request).__name__} on the control socket")
+
+    def snapshot(self, history: int = 512) -> Snapshot:
+        """Everything a new viewer needs, with the last ``history`` step records."""
+        self._drain()
+        tuner = self.tuner
+        control = tuner.control
+        assert control is not None
+        history = max(0, min(history, HISTORY_STEPS))
+        steps = list(self.steps)[-history:] if history else []
+        return Snapshot(
+            info=tuner.current_info(),
+            control=control.state(),
+            ranks=self.ranks(),
+            step=tuner._step,
+            seq=self.seq,
+            control_seq=control.seq,
+            steps=steps,
+            device=list(self.device)[-300:],
+            host=list(self.host),
+            checkpoints=list(self.checkpoints),
+            counters=self.current_counters(),
+        )
+
+
+def _private(endpoint: str) -> None:
+    """Make an ipc socket file readable and writable by its owner only."""
+    path = registry.endpoint_path(endpoint)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)

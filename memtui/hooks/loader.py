@@ -1,0 +1,347 @@
+"""The DataLoader wrapper: times the wait for each batch and rebuilds the loader when knobs change.
+
+``tuner.loader(factory)`` calls ``factory`` (with the keyword arguments among ``batch_size``,
+``num_workers`` and ``pin_memory`` that it accepts) to get a ``torch.utils.data.DataLoader``,
+then iterates a loader built from it with the tuner's current knob values. When a checkpoint
+boundary changes one of those knobs, the next fetch shuts the old loader's workers down and
+continues with a new loader.
+
+How the data position survives a rebuild depends on the loader (``position`` says which):
+
+* ``exact`` (a map-style dataset batched by a plain ``BatchSampler``, the usual case): the
+  wrapper owns the epoch's index stream. Indices the old loader had drawn but not yet delivered
+  (prefetched by workers) are handed to the new loader first, then the same sampler iterator
+  continues: no sample of the epoch is lost or repeated, whatever the sampler.
+* ``restart`` (an ``IterableDataset``, a custom batch sampler, or a DataLoader subclass): the
+  new loader starts a fresh iterator; the rebuild report says so.
+
+``state_dict()``/``load_state_dict()`` carry (epoch, samples consumed in the epoch) across a
+restart; a resumed epoch skips that many indices of the sampler, which is exact when the
+sampler's order is deterministic for the epoch (``DistributedSampler``, or a seeded generator).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memtui.hooks.tuner import Tuner
+
+log = logging.getLogger("memtui")
+
+LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
+
+
+class _EpochStream:
+    """One epoch's indices: the sampler's iterator, plus drawn-but-undelivered ones to replay."""
+
+    def __init__(self, sampler: Any, skip: int = 0) -> None:
+        self.iterator = iter(sampler)
+        self.replay: deque[int] = deque()
+        self.inflight: deque[list[int]] = deque()
+        """Index batches drawn by the current loader and not yet delivered, oldest first."""
+        self.consumed = 0
+        """Samples of this epoch delivered to the training loop."""
+        for _ in range(skip):
+            if next(self.iterator, None) is None:
+                break
+            self.consumed += 1
+
+    def indices(self) -> Iterator[int]:
+        """Replayed indices first, then the rest of the sampler's iterator."""
+        while self.replay:
+            yield self.replay.popleft()
+        yield from self.iterator
+
+    def requeue_inflight(self) -> int:
+        """Put the undelivered batches back in front of the stream; return how many indices."""
+        pending = [i for batch in self.inflight for i in batch]
+        self.inflight.clear()
+        self.replay.extendleft(reversed(pending))
+        return len(pending)
+
+
+class _TrackedBatchSampler:
+    """Batches the owner's current epoch stream, recording each batch it hands out."""
+
+    def __init__(self, owner: TunedLoader, sampler: Any, batch_size: int, drop_last: bool) -> None:
+        self.owner = owner
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        stream = self.owner._stream
+        if stream is None:
+            return
+        size = self.batch_size
+        batch: list[int] = []
+        for index in stream.indices():
+            batch.append(index)
+            if len(batch) == size:
+                stream.inflight.append(batch)
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            stream.inflight.append(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        total = len(self.sampler)
+        return total // self.batch_size if self.drop_last else math.ceil(total / self.batch_size)
+
+
+def _accepted_kwargs(factory: Callable[..., Any]) -> set[str]:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return set(LOADER_KNOBS)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return set(LOADER_KNOBS)
+    return {p.name for p in params if p.name in LOADER_KNOBS}
+
+
+def _shutdown(iterator: Any, loader: Any) -> None:
+    """Stop a DataLoader iterator's worker processes now (they are joined, not leaked)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    if loader is not None and getattr(loader, "_iterator", None) is iterator:
+        loader._iterator = None
+
+
+class TunedLoader:
+    """A DataLoader stand-in that measures data wait and follows the tuner's loader knobs."""
+
+    def __init__(self, tuner: Tuner, factory: Callable[..., Any]) -> None:
+        self._tuner = tuner
+        self._factory = factory
+        self._accepts = _accepted_kwargs(factory)
+        self._stream: _EpochStream | None = None
+        self._loader: Any = None
+        """The DataLoader currently iterated (built by the wrapper from the factory's)."""
+        self._template: Any = None
+        """The factory's latest DataLoader (never iterated: it only describes the loader)."""
+        self._sampler: Any = None
+        self.mode = "exact"
+        """How the data position survives a rebuild: ``exact`` or ``restart``."""
+        self.epoch = -1
+        """The epoch being (or last) iterated, counted by this wrapper from 0."""
+        self._resume: tuple[int, int] | None = None
+        self._built_for: tuple[Any, ...] = ()
+        self.generation = 0
+        """Counts loader rebuilds."""
+        self.last_rebuild = ""
+        """What the last rebuild did, in words."""
+        self.knobs = self._build(initial=True)
+
+    # ---------------------------------------------------------------- building
+
+    def _factory_kwargs(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in knobs.items() if k in self._accepts and v is not None}
+
+    def _build(self, initial: bool = False) -> dict[str, Any]:
+        """Build a loader from the factory with the tuner's current knobs; return the knobs."""
+        from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+        wanted = {k: self._tuner._current_knob(k) for k in LOADER_KNOBS}
+        template = self._factory(**self._factory_kwargs(wanted))
+        if not isinstance(template, DataLoader):
+            raise TypeError(
+                f"the loader factory returned {type(template).__name__}, not a DataLoader"
+            )
+        knobs: dict[str, Any] = {
+            "batch_size": template.batch_size,
+            "num_workers": template.num_workers,
+            "pin_memory": template.pin_memory,
+        }
+        mode = "restart"
+        if type(template) is DataLoader and template.batch_size is not None:
+            if isinstance(template.dataset, IterableDataset):
+                mode = "iterable"
+            elif type(template.batch_sampler) is BatchSampler:
+                mode = "exact"
+        if mode != "restart":
+            knobs.update({k: v for k, v in wanted.items() if v is not None})
+        else:
+            for knob in LOADER_KNOBS:
+                if wanted[knob] is not None and wanted[knob] != knobs[knob] and not initial:
+                    log.warning(
+                        "memtui: the loader factory does not take %s and its DataLoader cannot "
+                        "be rebuilt by memtui (custom batch sampler or subclass): %s stays %s",
+                        knob,
+                        knob,
+                        knobs[knob],
+                    )
+        self._template = template
+        self.mode = "exact" if mode == "exact" else "restart"
+        if self._sampler is not None and template.sampler is not None:
+            epoch = getattr(self._sampler, "epoch", None)
+            if epoch is not None and hasattr(template.sampler, "set_epoch"):
+                template.sampler.set_epoch(epoch)
+        self._sampler = template.sampler
+        if mode == "exact":
+            batch_sampler = _TrackedBatchSampler(
+                self, template.sampler, int(knobs["batch_size"]), template.drop_last
+            )
+            self._loader = DataLoader(
+                template.dataset, batch_sampler=batch_sampler, **_loader_kwargs(template, knobs)
+            )
+        elif mode == "iterable":
+            self._loader = DataLoader(
+                template.dataset,
+                batch_size=knobs["batch_size"],
+                drop_last=template.drop_last,
+                **_loader_kwargs(template, knobs),
+            )
+        else:
+            self._loader = template
+        self._built_for = tuple(knobs[k] for k in LOADER_KNOBS)
+        return knobs
+
+    def _stale(self) -> bool:
+        return self._built_for != tuple(self._tuner._current_knob(k) for k in LOADER_KNOBS)
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate one epoch, timing each fetch and switching loaders when the knobs change."""
+        tuner = self._tuner
+        if self._resume is not None:
+            self.epoch, skip = self._resume
+            self._resume = None
+        else:
+            self.epoch += 1
+            skip = 0
+        if self.mode == "exact":
+            self._stream = _EpochStream(self._sampler, skip)
+        elif skip:
+            log.warning(
+                "memtui: this loader cannot skip to sample %d of the epoch (%s)", skip, self.mode
+            )
+        stream = self._stream if self.mode == "exact" else None
+        iterator = iter(self._loader)
+        generation = tuner._loader_generation
+        perf = time.perf_counter
+        batch_size = self.knobs["batch_size"] or 1
+        while True:
+            if generation != tuner._loader_generation:
+                generation = tuner._loader_generation
+                if self._stale():
+                    iterator = self._switch(iterator)
+                    stream = self._stream if self.mode == "exact" else None
+                    batch_size = self.knobs["batch_size"] or 1
+            t0 = perf()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            t1 = perf()
+            if tuner._t_last is None:
+                tuner._t_last = t0
+            tuner._wait_acc += t1 - t0
+            tuner._micro_acc += 1
+            if stream is not None:
+                n = len(stream.inflight.popleft()) if stream.inflight else batch_size
+                stream.consumed += n
+            else:
+                n = batch_size
+            tuner._samples_acc += n
+            yield batch
+
+    def _switch(self, iterator: Any) -> Any:
+        """Shut the current loader down and continue the epoch with one built for the new knobs."""
+        old = (self._loader, iterator)
+        replayed = self._stream.requeue_inflight() if (self._stream and self.mode == "exact") else 0
+        _shutdown(iterator, old[0])
+        previous_mode = self.mode
+        self.knobs = self._build()
+        self.generation += 1
+        self._tuner._flags |= 2  # STEP_LOADER_REBUILT
+        self._tuner._loader_rebuilt()
+        if previous_mode == "exact" and self.mode == "exact":
+            self.last_rebuild = f"loader rebuilt; the epoch continues exactly ({replayed} prefetched samples re-queued)"
+        else:
+            self._stream = None
+            self.last_rebuild = "loader rebuilt; its iterator restarted (position not kept)"
+        return iter(self._loader)
+
+    # ---------------------------------------------------------------- DataLoader look-alike
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    @property
+    def sampler(self) -> Any:
+        """The factory's sampler (call ``set_epoch`` on it as with a plain DataLoader)."""
+        return self._sampler
+
+    @property
+    def batch_size(self) -> int | None:
+        """The micro-batch size of the loader now iterated."""
+        return self.knobs["batch_size"]
+
+    @property
+    def num_workers(self) -> int:
+        """The worker count of the loader now iterated."""
+        return self.knobs["num_workers"]
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether the loader now iterated pins memory."""
+        return self.knobs["pin_memory"]
+
+    @property
+    def dataloader(self) -> Any:
+        """The torch DataLoader now iterated."""
+        return self._loader
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loop is in the data: the epoch and the samples consumed in it."""
+        consumed = self._stream.consumed if self._stream is not None else 0
+        return {"epoch": max(self.epoch, 0), "samples_in_epoch": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next iteration resume ``state``'s epoch after the samples already consumed."""
+        self._resume = (int(state.get("epoch", 0)), int(state.get("samples_in_epoch", 0)))
+        if self._sampler is not None and hasattr(self._sampler, "set_epoch"):
+            self._sampler.set_epoch(self._resume[0])
+
+    def close(self) -> None:
+        """Shut down the loader's workers (persistent ones included)."""
+        loader = self._loader
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None:
+            _shutdown(iterator, loader)
+
+
+def _loader_kwargs(template: Any, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The DataLoader arguments of ``template``, with the tuned worker and pinning knobs."""
+    workers = int(knobs["num_workers"])
+    kwargs: dict[str, Any] = {
+        "num_workers": workers,
+        "collate_fn": template.collate_fn,
+        "pin_memory": bool(knobs["pin_memory"]),
+        "timeout": template.timeout,
+        "worker_init_fn": template.worker_init_fn,
+        "multiprocessing_context": template.multiprocessing_context,
+        "generator": template.generator,
+        "persistent_workers": bool(template.persistent_workers and workers > 0),
+        "pin_memory_device": template.pin_memory_device,
+    }
+    if workers > 0:
+        kwargs["prefetch_factor"] = template.prefetch_factor or 2
+    if hasattr(template, "in_order"):
+        kwargs["in_order"] = template.in_order
+    return kwargs

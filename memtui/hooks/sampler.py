@@ -1,0 +1,357 @@
+"""The sampler thread: device memory (torch allocator, NVML) and host memory (psutil), at bounded rates.
+
+It runs only in the training process (never in loader workers: threads do not survive the fork
+and the tuner disables itself in forked children). The training thread never waits on it; it
+publishes its samples by appending to bounded deques that the agent thread drains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from memtui.wire import DeviceSample, GpuProcess, HostSample
+
+if TYPE_CHECKING:
+    from memtui.hooks.tuner import Tuner
+
+log = logging.getLogger("memtui")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2 or v1), or None when there is none."""
+    limits: list[int] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            candidates = [Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"]
+            candidates += [
+                p / "memory.max" for p in Path("/sys/fs/cgroup", path.lstrip("/")).parents
+            ]
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory")
+            candidates = [
+                base / path.lstrip("/") / "memory.limit_in_bytes",
+                base / "memory.limit_in_bytes",
+            ]
+        else:
+            continue
+        for candidate in candidates:
+            with contextlib.suppress(OSError, ValueError):
+                text = candidate.read_text().strip()
+                if text and text != "max":
+                    limits.append(int(text))
+    total = psutil.virtual_memory().total
+    real = [limit for limit in limits if 0 < limit < total]
+    return min(real) if real else None
+
+
+def _read_hwm_and_reset() -> int | None:
+    """The main process's peak RSS since the last reset (VmHWM), then reset it (Linux)."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    break
+            else:
+                return None
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return peak
+    except (OSError, ValueError):
+        return None
+
+
+class HostProbe:
+    """Host memory and the RSS of the training's process tree, with cached psutil objects."""
+
+    CHILD_REFRESH_S = 5.0
+    USS_PERIOD_S = 10.0
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.process = psutil.Process(pid)
+        self.limit_bytes = cgroup_memory_limit() or psutil.virtual_memory().total
+        self._children: list[psutil.Process] = []
+        self._children_at = 0.0
+        self._uss_at = 0.0
+        self._workers_uss: int | None = None
+        self._cpu_times: tuple[float, float] | None = None
+        self.refresh_requested = True
+
+    def _refresh_children(self, now: float) -> None:
+        if self.refresh_requested or now - self._children_at > self.CHILD_REFRESH_S:
+            self.refresh_requested = False
+            self._children_at = now
+            try:
+                self._children = self.process.children(recursive=True)
+            except psutil.Error:
+                self._children = []
+
+    def tree_rss(self, now: float) -> tuple[int, int, int]:
+        """(main RSS, live workers, workers' RSS summed)."""
+        self._refresh_children(now)
+        main = self.process.memory_info().rss
+        workers = 0
+        workers_rss = 0
+        for child in self._children:
+            try:
+                workers_rss += child.memory_info().rss
+                workers += 1
+            except psutil.Error:
+                continue
+        return main, workers, workers_rss
+
+    def _uss(self, now: float) -> int | None:
+        if now - self._uss_at >= self.USS_PERIOD_S:
+            self._uss_at = now
+            total = 0
+            for child in self._children:
+                with contextlib.suppress(psutil.Error):
+                    total += child.memory_full_info().uss
+            self._workers_uss = total
+        return self._workers_uss
+
+    def _cpu_percent(self, now: float) -> float | None:
+        used = 0.0
+        for proc in [self.process, *self._children]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                used += times.user + times.system
+        previous = self._cpu_times
+        self._cpu_times = (now, used)
+        if previous is None or now <= previous[0]:
+            return None
+        return max(0.0, 100.0 * (used - previous[1]) / (now - previous[0]))
+
+    def sample(self) -> HostSample:
+        """One host sample."""
+        now = time.monotonic()
+        vm = psutil.virtual_memory()
+        swap = psutil.swap_memory()
+        main, workers, workers_rss = self.tree_rss(now)
+        return HostSample(
+            time=time.time(),
+            ram_total_bytes=vm.total,
+            ram_available_bytes=vm.available,
+            ram_used_bytes=vm.total - vm.available,
+            swap_total_bytes=swap.total,
+            swap_used_bytes=swap.used,
+            limit_bytes=self.limit_bytes,
+            main_rss_bytes=main,
+            workers=workers,
+            workers_rss_bytes=workers_rss,
+            workers_uss_bytes=self._uss(now) if workers else None,
+            cpu_percent=self._cpu_percent(now),
+        )
+
+
+class CpuDeviceProbe:
+    """On CPU runs the host is the device: process-tree RSS against the memory limit."""
+
+    kind = "cpu"
+
+    def __init__(self, host: HostProbe) -> None:
+        self.host = host
+
+    def sample(self, step: int) -> DeviceSample:
+        """One sample; the peak is the main process's high-water mark since the last one."""
+        main, _workers, workers_rss = self.host.tree_rss(time.monotonic())
+        hwm = _read_hwm_and_reset()
+        current = main + workers_rss
+        peak = max(current, (hwm or main) + workers_rss)
+        return DeviceSample(
+            time=time.time(),
+            step=step,
+            kind="cpu",
+            index=-1,
+            name="cpu",
+            capacity_bytes=self.host.limit_bytes,
+            allocated_bytes=current,
+            peak_allocated_bytes=peak,
+            reserved_bytes=current,
+            peak_reserved_bytes=peak,
+        )
+
+
+class CudaDeviceProbe:
+    """Torch allocator statistics and NVML for one CUDA device.
+
+    ``cuda`` is ``torch.cuda`` and ``nvml`` the ``pynvml`` module; tests on machines without a
+    GPU pass stand-ins with the same calls (the only fakes in the suite: no CUDA, no NVML here).
+    """
+
+    kind = "cuda"
+    NVML_PERIOD_S = 1.0
+
+    def __init__(self, cuda: Any, index: int, nvml: Any = None, reset_peaks: bool = True) -> None:
+        self.cuda = cuda
+        self.index = index
+        self.reset_peaks = reset_peaks
+        props = cuda.get_device_properties(index)
+        self.name = str(getattr(props, "name", f"cuda:{index}"))
+        self.capacity = int(props.total_memory)
+        self.nvml = nvml
+        self.handle: Any = None
+        self._nvml_at = 0.0
+        self._nvml_last: tuple[int | None, int | None, float | None, list[GpuProcess]] = (
+            None,
+            None,
+            None,
+            [],
+        )
+        if nvml is not None:
+            self.handle = _nvml_handle(nvml, props, index)
+
+    def sample(self, step: int) -> DeviceSample:
+        """One sample; the allocator's peaks are reset after the read (``reset_peaks``)."""
+        stats = self.cuda.memory_stats(self.index)
+        if self.reset_peaks:
+            self.cuda.reset_peak_memory_stats(self.index)
+        used, total, util, others = self._nvml()
+        return DeviceSample(
+            time=time.time(),
+            step=step,
+            kind="cuda",
+            index=self.index,
+            name=self.name,
+            capacity_bytes=self.capacity,
+            allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
+            peak_allocated_bytes=int(stats.get("allocated_bytes.all.peak", 0)),
+            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+            peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
+            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
+            alloc_retries=int(stats.get("num_alloc_retries", 0)),
+            ooms=int(stats.get("num_ooms", 0)),
+            nvml_used_bytes=used,
+            nvml_total_bytes=total,
+            utilization_pct=util,
+            other_processes=others,
+        )
+
+    def _nvml(self) -> tuple[int | None, int | None, float | None, list[GpuProcess]]:
+        if self.handle is None:
+            return None, None, None, []
+        now = time.monotonic()
+        if now - self._nvml_at < self.NVML_PERIOD_S:
+            return self._nvml_last
+        self._nvml_at = now
+        nvml = self.nvml
+        memory = nvml.nvmlDeviceGetMemoryInfo(self.handle)
+        util: float | None = None
+        with contextlib.suppress(Exception):
+            util = float(nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        others: list[GpuProcess] = []
+        with contextlib.suppress(Exception):
+            me = os.getpid()
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                if proc.pid == me:
+                    continue
+                used = proc.usedGpuMemory or 0
+                name = "?"
+                with contextlib.suppress(psutil.Error):
+                    name = psutil.Process(proc.pid).name()
+                others.append(GpuProcess(pid=int(proc.pid), name=name, used_bytes=int(used)))
+        self._nvml_last = (int(memory.used), int(memory.total), util, others)
+        return self._nvml_last
+
+
+def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
+    """The NVML handle of the torch device: matched by UUID, else by index."""
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        log.info("memtui: NVML unavailable (%s); device memory from torch only", exc)
+        return None
+    uuid = str(getattr(props, "uuid", "") or "")
+    with contextlib.suppress(Exception):
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            found = nvml.nvmlDeviceGetUUID(handle)
+            found = found.decode() if isinstance(found, bytes) else str(found)
+            if uuid and found.replace("GPU-", "") == uuid.replace("GPU-", ""):
+                return handle
+    with contextlib.suppress(Exception):
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    return None
+
+
+def make_device_probe(tuner: Tuner, host: HostProbe) -> CpuDeviceProbe | CudaDeviceProbe:
+    """The CUDA probe if the training process has initialised CUDA, else the CPU one."""
+    torch = sys.modules.get("torch")
+    if torch is not None and tuner._cuda_device is not None:
+        try:
+            import pynvml
+        except ImportError:
+            pynvml = None
+        return CudaDeviceProbe(torch.cuda, tuner._cuda_device, pynvml, tuner.options.reset_peaks)
+    return CpuDeviceProbe(host)
+
+
+class Sampler(threading.Thread):
+    """Samples the device every ``device_period_s`` and the host every ``host_period_s``."""
+
+    def __init__(
+        self, tuner: Tuner, device_period_s: float = 0.2, host_period_s: float = 1.0
+    ) -> None:
+        super().__init__(name="memtui-sampler", daemon=True)
+        self.tuner = tuner
+        self.device_period_s = device_period_s
+        self.host_period_s = host_period_s
+        self.device_samples: deque[DeviceSample] = deque(maxlen=512)
+        self.host_samples: deque[HostSample] = deque(maxlen=64)
+        self.host: HostProbe | None = None
+        self.probe: CpuDeviceProbe | CudaDeviceProbe | None = None
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the thread to end."""
+        self._stop_event.set()
+
+    def run(self) -> None:
+        """Sample until stopped; a failing probe is reported and retried later."""
+        next_host = 0.0
+        failures = 0
+        while not self._stop_event.is_set():
+            now = time.monotonic()
+            try:
+                if self.host is None:
+                    self.host = HostProbe()
+                if self.tuner._rebuilt_flag:
+                    self.tuner._rebuilt_flag = False
+                    self.host.refresh_requested = True
+                if self.tuner._cuda_device is None:
+                    self.tuner._detect_cuda_late()
+                wanted = "cuda" if self.tuner._cuda_device is not None else "cpu"
+                if self.probe is None or self.probe.kind != wanted:
+                    self.probe = make_device_probe(self.tuner, self.host)
+                self.device_samples.append(self.probe.sample(self.tuner._step))
+                if now >= next_host:
+                    next_host = now + self.host_period_s
+                    self.host_samples.append(self.host.sample())
+                failures = 0
+            except Exception as exc:  # a probe failed: report, back off, keep going
+                failures += 1
+                self.tuner._report(exc, "sampler")
+                self.probe = None
+                self._stop_event.wait(min(30.0, self.device_period_s * 2**failures))
+                continue
+            self._stop_event.wait(self.device_period_s)

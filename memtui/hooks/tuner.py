@@ -1,0 +1,554 @@
+"""The Tuner: the training thread's side of memtui (step and checkpoint calls) and its lifecycle.
+
+The per-step work is a few ``perf_counter`` reads and one deque append: ``step()`` closes the
+step's record (wall time, data wait summed by the loader wrapper, samples, micro-batches) and
+appends it to a bounded outbox that the agent thread drains. Everything else (sampling,
+encoding, sending, answering viewers) happens on two daemon threads. Every public method
+catches its own failures: they are counted, logged and published, never raised into training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import getpass
+import logging
+import os
+import socket
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import memtui
+from memtui import registry
+from memtui.hooks.binding import ConfigBinding
+from memtui.hooks.control import Control
+from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
+from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
+from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
+from memtui.wire import (
+    STEP_AFTER_CHECKPOINT,
+    AppliedChange,
+    CheckpointRecord,
+    KnobDiff,
+    Knobs,
+    KnobValue,
+    PendingChange,
+    RunInfo,
+)
+
+log = logging.getLogger("memtui")
+
+OUTBOX_RECORDS = 16384
+"""Step records held for the agent; if it stalls, the oldest are dropped (and counted)."""
+
+_live_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
+
+
+@dataclass
+class Options:
+    """Rates and switches of the hook's background work."""
+
+    flush_period_s: float = 0.1
+    """How often telemetry is sent (at most ~10 batches a second, whatever the step rate)."""
+    device_period_s: float = 0.2
+    """How often device memory is sampled (allocator peaks in between are kept)."""
+    host_period_s: float = 1.0
+    """How often host memory is sampled (psutil)."""
+    reset_peaks: bool = True
+    """Reset the torch allocator's peak counters after each read (per-interval peaks)."""
+    publish: bool = True
+    """Start the sampler and agent threads (False: changes and timing only, nothing sent)."""
+
+
+@dataclass
+class Applied:
+    """What a checkpoint boundary changed: ``{knob: (old, new)}`` at ``step``."""
+
+    step: int
+    changes: dict[str, tuple[Any, Any]]
+    ids: list[int] = field(default_factory=list)
+    note: str = ""
+
+    def __str__(self) -> str:
+        parts = ", ".join(
+            f"{k} {format_value(old)} -> {format_value(new)}"
+            for k, (old, new) in self.changes.items()
+        )
+        text = f"memtui: applied at step {self.step}: {parts or 'no effective change'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _dist() -> Any:
+    """``torch.distributed`` when this process is one rank of several, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = getattr(torch, "distributed", None)
+    try:
+        if (
+            dist is not None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            return dist
+    except Exception:
+        return None
+    return None
+
+
+def _rank_env() -> tuple[int, int, int]:
+    """(rank, local rank, world size) from torch.distributed or the launcher's environment."""
+    dist = _dist()
+    if dist is not None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = int(os.environ.get("RANK", "0") or 0)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
+    return rank, local, world
+
+
+class Tuner:
+    """The hook in one training process: timing, the loaders it owns, and the boundary."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        knobs: Mapping[str, str] | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        tuned_path: str | os.PathLike[str] | None = None,
+        resume: bool | str | os.PathLike[str] = False,
+        name: str | None = None,
+        auto_step: bool = False,
+        options: Options | None = None,
+    ) -> None:
+        # hot-path state first, so every method works even if the rest fails
+        self._step = 0
+        self._t_last: float | None = None
+        self._wait_acc = 0.0
+        self._samples_acc = 0
+        self._micro_acc = 0
+        self._flags = 0
+        self._outbox: deque[tuple[int, float, float, float, int, int, int]] = deque(
+            maxlen=OUTBOX_RECORDS
+        )
+        self._checkpoint_box: deque[CheckpointRecord] = deque(maxlen=256)
+        self._wall_offset = time.time() - time.perf_counter()
+        self._loader_generation = 0
+        self._rebuilt_flag = False
+        self._errors = 0
+        self._last_error = ""
+        self._error_counts: dict[str, int] = {}
+        self._closed = False
+        self._pid = os.getpid()
+        self._cuda_device: int | None = None
+        self._loaders: list[weakref.ref[TunedLoader]] = []
+        self._sampler: Any = None
+        self._agent: Any = None
+        self._hook_handle: Any = None
+
+        self.options = options or Options()
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.binding = ConfigBinding(config, knobs)
+        self.rank, self.local_rank, self.world_size = _rank_env()
+        self.run_id = registry.new_run_id(name)
+        self.state_dir = Path(state_dir) if state_dir else registry.state_home() / self.run_id
+        self.tuned_paths = [self.state_dir / TUNED_FILE]
+        if tuned_path:
+            self.tuned_paths.append(Path(tuned_path))
+        self.values: dict[str, KnobValue | None] = {k: None for k in KNOBS}
+        """The current value of each knob (None: not tunable in this run)."""
+        for knob in KNOBS:
+            if self.binding.has(knob):
+                self.values[knob] = self._coerce(knob, self.binding.read(knob))
+        self.resumed: dict[str, tuple[Any, Any]] = {}
+        if resume:
+            self._resume(resume)
+        audit = AuditLog(self.state_dir / AUDIT_FILE, self.run_id) if self.rank == 0 else None
+        self.control = Control(
+            self.knobs(),
+            self.tunable(),
+            world_size=self.world_size,
+            audit=audit,
+            step=lambda: self._step,
+            report=self._report,
+        )
+        self.info = self._make_info()
+        self._refresh_device()
+        if optimizer is not None and auto_step:
+            self.watch_optimizer(optimizer)
+        _live_tuners.add(self)
+        atexit.register(self.close)
+        if self.options.publish and os.environ.get("MEMTUI_DISABLE", "") not in (
+            "1",
+            "true",
+            "yes",
+        ):
+            self._start_threads()
+
+    # ------------------------------------------------------------------ setup helpers
+
+    @staticmethod
+    def _coerce(knob: str, value: Any) -> KnobValue | None:
+        try:
+            return parse_value(knob, value)
+        except KnobError:
+            return None
+
+    def _resume(self, resume: bool | str | os.PathLike[str]) -> None:
+        """Load the tuned config (the state dir's, or the file given) into the user's config."""
+        path = self.tuned_paths[0] if resume is True else Path(resume)  # type: ignore[arg-type]
+        if not path.exists():
+            log.info("memtui: no tuned config at %s; starting from the script's config", path)
+            return
+        try:
+            values = read_tuned(path)
+        except ValueError as exc:
+            self._report(exc, "resume")
+            return
+        for knob, value in values.items():
+            if knob == "grad_accum" and not self.binding.has(knob):
+                continue
+            old = self.values.get(knob)
+            if self.binding.has(knob):
+                self.binding.write(knob, value)
+            self.values[knob] = value
+            if old != value:
+                self.resumed[knob] = (old, value)
+        if self.resumed:
+            parts = ", ".join(
+                f"{k} {format_value(o)} -> {format_value(n)}" for k, (o, n) in self.resumed.items()
+            )
+            log.warning("memtui: resumed the tuned config from %s: %s", path, parts)
+
+    def _make_info(self) -> RunInfo:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = str(os.getuid())
+        torch = sys.modules.get("torch")
+        return RunInfo(
+            run=self.run_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started=time.time(),
+            command=[sys.executable, *sys.argv],
+            cwd=os.getcwd(),
+            user=user,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            torch_version=str(getattr(torch, "__version__", "")) if torch else "",
+            hook_version=memtui.__version__,
+            state_dir=str(self.state_dir),
+            tuned_path=str(self.tuned_paths[-1]),
+            audit_path=str(self.state_dir / AUDIT_FILE),
+        )
+
+    def current_info(self) -> RunInfo:
+        """RunInfo with the device as the sampler sees it now."""
+        probe = getattr(self._sampler, "probe", None)
+        if probe is None:
+            return self.info
+        if probe.kind == "cuda":
+            device, capacity = f"cuda:{probe.index} {probe.name}", probe.capacity
+        else:
+            device, capacity = "cpu", probe.host.limit_bytes
+        self.info.device, self.info.device_kind, self.info.capacity_bytes = (
+            device,
+            probe.kind,
+            capacity,
+        )
+        return self.info
+
+    def _start_threads(self) -> None:
+        from memtui.hooks.agent import Agent
+        from memtui.hooks.sampler import Sampler
+
+        try:
+            self._sampler = Sampler(self, self.options.device_period_s, self.options.host_period_s)
+            self._sampler.start()
+            self._agent = Agent(
+                self, registry.run_dir(self.run_id), flush_period_s=self.options.flush_period_s
+            )
+            self._agent.start()
+            self._agent.ready.wait(5.0)
+            if self._agent.failed is not None:
+                log.warning("memtui: not publishing (%s); training goes on", self._agent.failed)
+        except Exception as exc:
+            self._report(exc, "start")
+
+    def _refresh_device(self) -> None:
+        """Note which CUDA device the training thread uses (none until CUDA is initialised)."""
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return
+            index = None
+            if self.model is not None:
+                for param in self.model.parameters():
+                    if param.device.type == "cuda":
+                        index = param.device.index
+                    break
+            self._cuda_device = torch.cuda.current_device() if index is None else index
+        except Exception as exc:
+            self._report(exc, "device")
+
+    def _detect_cuda_late(self) -> None:
+        """From the sampler thread: notice CUDA initialised after install (model moved later)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        index = None
+        if self.model is not None:
+            for param in self.model.parameters():
+                if param.device.type == "cuda":
+                    index = param.device.index
+                break
+        if index is None:
+            count = max(1, torch.cuda.device_count())
+            index = int(os.environ.get("LOCAL_RANK", "0") or 0) % count
+        self._cuda_device = index
+
+    def _report(self, exc: BaseException, where: str) -> None:
+        """Count a failure inside memtui, log it (rate-limited) and publish it; never raise."""
+        try:
+            self._errors += 1
+            self._last_error = f"{where}: {type(exc).__name__}: {exc}"[:300]
+            count = self._error_counts.get(where, 0) + 1
+            self._error_counts[where] = count
+            if count <= 3 or count % 1000 == 0:
+                log.warning(
+                    "memtui: %s failed (%s: %s); training goes on", where, type(exc).__name__, exc
+                )
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ knobs
+
+    def knobs(self) -> Knobs:
+        """The current knob values."""
+        return Knobs(**{k: v for k, v in self.values.items()})  # type: ignore[arg-type]
+
+    def tunable(self) -> list[str]:
+        """The knobs this run can change."""
+        return [k for k in KNOBS if self.values[k] is not None]
+
+    def _current_knob(self, knob: str) -> Any:
+        return self.values.get(knob)
+
+    def _sync_control(self) -> None:
+        if self.control is not None:
+            with self.control._lock:
+                self.control.current = self.knobs()
+                self.control.tunable = self.tunable()
+                self.control.seq += 1
+
+    # ------------------------------------------------------------------ the public API
+
+    def loader(self, factory: Callable[..., Any]) -> TunedLoader:
+        """Wrap a DataLoader factory: batches are timed and the loader follows batch/worker changes.
+
+        ``factory`` takes any of ``batch_size``, ``num_workers`` and ``pin_memory`` as keyword
+        arguments and returns a ``torch.utils.data.DataLoader``.
+        """
+        wrapped = TunedLoader(self, factory)
+        for knob in LOADER_KNOBS:
+            if self.values[knob] is None and wrapped.knobs.get(knob) is not None:
+                self.values[knob] = wrapped.knobs[knob]
+        self._loaders.append(weakref.ref(wrapped))
+        self._sync_control()
+        return wrapped
+
+    def step(self, samples: int | None = None) -> None:
+        """Mark the end of one optimizer step (``samples``: override the count the loader made)."""
+        now = time.perf_counter()
+        try:
+            self._step += 1
+            last = self._t_last
+            self._outbox.append(
+                (
+                    self._step,
+                    now,
+                    now - last if last is not None else 0.0,
+                    self._wait_acc,
+                    self._samples_acc if samples is None else samples,
+                    self._micro_acc,
+                    self._flags,
+                )
+            )
+            self._t_last = now
+            self._wait_acc = 0.0
+            self._samples_acc = 0
+            self._micro_acc = 0
+            self._flags = 0
+        except Exception as exc:
+            self._report(exc, "step")
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook)."""
+        try:
+            self._hook_handle = optimizer.register_step_post_hook(lambda *_args: self.step())
+        except Exception as exc:
+            self._report(exc, "watch_optimizer")
+
+    def checkpoint(self) -> Applied | None:
+        """The checkpoint boundary: call it on every rank right after the checkpoint is saved.
+
+        Applies the pending changes (the same set, at this step, on every rank) and returns what
+        changed, or None when nothing did.
+        """
+        now = time.perf_counter()
+        result: Applied | None = None
+        try:
+            save_s = now - self._t_last if self._t_last is not None else 0.0
+            self._checkpoint_box.append(CheckpointRecord(self._step, time.time(), save_s))
+            self._refresh_device()
+            result = self._boundary()
+        except Exception as exc:
+            self._report(exc, "checkpoint")
+        self._t_last = time.perf_counter()
+        self._flags |= STEP_AFTER_CHECKPOINT
+        return result
+
+    def _boundary(self) -> Applied | None:
+        """Decide (rank 0), broadcast, validate and apply the pending changes."""
+        pending: list[PendingChange] = self.control.take_pending() if self.rank == 0 else []
+        dist = _dist()
+        if dist is not None:
+            box: list[Any] = [pending]
+            dist.broadcast_object_list(box, src=0)
+            pending = box[0] or []
+        if not pending:
+            return None
+        merged: dict[str, KnobValue] = {}
+        for change in pending:
+            merged.update(change.changes)
+        step = self._step
+        try:
+            for knob, value in merged.items():
+                if self.values.get(knob) is None:
+                    raise KnobError(f"{knob} is not tunable in this run")
+                if not isinstance(value, bool):
+                    check_range(knob, int(value))
+        except KnobError as exc:
+            self.control.record_rejected(pending, str(exc), step)
+            return None
+        diffs = {
+            k: KnobDiff(self.values.get(k), v) for k, v in merged.items() if self.values.get(k) != v
+        }
+        written: list[str] = []
+        try:
+            for knob, diff in diffs.items():
+                if self.binding.has(knob):
+                    self.binding.write(knob, diff.new)
+                    written.append(knob)
+        except Exception as exc:
+            for knob in written:
+                self.binding.write(knob, diffs[knob].old)
+            reason = f"could not write {knob} into the config: {exc}"
+            self.control.record_rejected(pending, reason, step)
+            self._report(exc, "apply")
+            return None
+        for knob, diff in diffs.items():
+            self.values[knob] = diff.new
+        note = ""
+        if any(k in LOADER_KNOBS for k in diffs):
+            self._loader_generation += 1
+            note = "the data loader is rebuilt at the next batch"
+        applied = AppliedChange(
+            ids=[c.id for c in pending], step=step, time=time.time(), changes=diffs, note=note
+        )
+        self.control.record_applied(applied, self.knobs())
+        if self.rank == 0:
+            self._write_tuned()
+        result = Applied(step, {k: (d.old, d.new) for k, d in diffs.items()}, applied.ids, note)
+        log.info("%s", result)
+        return result
+
+    def _write_tuned(self) -> None:
+        config = {k: v for k, v in self.values.items() if v is not None}
+        for path in self.tuned_paths:
+            try:
+                write_tuned(path, self.run_id, self._step, config)
+            except OSError as exc:
+                self._report(exc, f"writing {path}")
+
+    def _loader_rebuilt(self) -> None:
+        """Tell the sampler to look for the new loader workers now."""
+        self._rebuilt_flag = True
+
+    # ------------------------------------------------------------------ state and lifecycle
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps counted so far (resumed runs continue from ``load_state_dict``)."""
+        return self._step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tuner's place in training: save it in your checkpoint to resume exactly."""
+        loaders = [ref() for ref in self._loaders]
+        return {
+            "step": self._step,
+            "loaders": [loader.state_dict() for loader in loaders if loader is not None],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved ``state_dict()``: the step count and the loaders' data position."""
+        try:
+            self._step = int(state.get("step", 0))
+            loaders = [ref() for ref in self._loaders]
+            for loader, saved in zip(
+                [loader for loader in loaders if loader is not None],
+                state.get("loaders", []),
+                strict=False,
+            ):
+                loader.load_state_dict(saved)
+        except Exception as exc:
+            self._report(exc, "load_state_dict")
+
+    def close(self) -> None:
+        """Send the last telemetry, stop the threads and remove the run from the registry."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        try:
+            if self._hook_handle is not None:
+                self._hook_handle.remove()
+            if self._sampler is not None:
+                self._sampler.stop()
+            if self._agent is not None:
+                self._agent.stop()
+        except Exception as exc:
+            self._report(exc, "close")
+        finally:
+            atexit.unregister(self.close)
+
+    def __enter__(self) -> Tuner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a loader worker) must never publish or sample: disable every tuner."""
+    for tuner in list(_live_tuners):
+        tuner._closed = True
+        tuner._sampler = None
+        tuner._agent = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

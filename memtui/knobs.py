@@ -1,0 +1,201 @@
+"""The four knobs: names and aliases, parsing, validation and keep-effective-batch arithmetic.
+
+Pure functions, shared by the hook (which decides) and the clients (which check early).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from memtui.wire import Knobs, KnobValue
+
+KNOBS: tuple[str, ...] = ("batch_size", "grad_accum", "num_workers", "pin_memory")
+"""The canonical knob names, in display order."""
+
+CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
+    "batch_size": (
+        "batch_size",
+        "batch_size_per_gpu",
+        "per_device_train_batch_size",
+        "micro_batch_size",
+    ),
+    "grad_accum": ("gradient_accumulation_steps", "grad_accum", "accumulation_steps"),
+    "num_workers": ("num_workers", "dataloader_num_workers"),
+    "pin_memory": ("pin_memory", "dataloader_pin_memory"),
+}
+"""Names under which each knob is found in a user's config, in order of preference."""
+
+CLI_ALIASES: dict[str, str] = {
+    alias: knob for knob, aliases in CONFIG_ALIASES.items() for alias in aliases
+} | {"bs": "batch_size", "accum": "grad_accum", "workers": "num_workers", "pin": "pin_memory"}
+"""Names a client may use for a knob in ``memtui set``."""
+
+MAX_BATCH_SIZE = 1 << 20
+MAX_GRAD_ACCUM = 1 << 16
+
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f"}
+
+
+class KnobError(ValueError):
+    """A change that cannot be accepted; the message is the reason shown to the user."""
+
+
+def max_workers(cpu_count: int | None = None) -> int:
+    """The most loader workers memtui accepts: 4 per CPU, at least 64."""
+    cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(64, 4 * cpus)
+
+
+def canonical_name(name: str) -> str:
+    """Map a knob name or alias to its canonical name, or raise KnobError with a suggestion."""
+    key = name.strip().lower().replace("-", "_")
+    if key in KNOBS:
+        return key
+    if key in CLI_ALIASES:
+        return CLI_ALIASES[key]
+    close = difflib.get_close_matches(key, [*KNOBS, *CLI_ALIASES], n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise KnobError(f"unknown knob {name!r}{hint}; knobs are {', '.join(KNOBS)}")
+
+
+def parse_value(knob: str, raw: object) -> KnobValue:
+    """Parse a raw value (a CLI string, or an int/bool off the wire) for ``knob``."""
+    if knob == "pin_memory":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise KnobError(f"pin_memory must be true or false, got {raw!r}")
+    if isinstance(raw, bool):
+        raise KnobError(f"{knob} must be an integer, got {raw!r}")
+    if isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, str):
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise KnobError(f"{knob} must be an integer, got {raw!r}")
+    else:
+        raise KnobError(f"{knob} must be an integer, got {raw!r}")
+    check_range(knob, value)
+    return value
+
+
+def check_range(knob: str, value: int) -> None:
+    """Raise KnobError if an integer knob's value is out of its range."""
+    if knob == "batch_size" and not 1 <= value <= MAX_BATCH_SIZE:
+        raise KnobError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, got {value}")
+    if knob == "grad_accum" and not 1 <= value <= MAX_GRAD_ACCUM:
+        raise KnobError(f"grad_accum must be between 1 and {MAX_GRAD_ACCUM}, got {value}")
+    if knob == "num_workers":
+        limit = max_workers()
+        if value < 0:
+            raise KnobError(f"num_workers must be 0 or more, got {value}")
+        if value > limit:
+            raise KnobError(
+                f"num_workers={value} is absurdly high for a host with {os.cpu_count()} CPUs "
+                f"(limit {limit})"
+            )
+
+
+def parse_changes(raw: Mapping[str, object]) -> dict[str, KnobValue]:
+    """Parse a mapping of names (aliases allowed) to raw values into canonical knob values."""
+    if not raw:
+        raise KnobError("no change given: pass KEY=VALUE, e.g. batch_size=24")
+    parsed: dict[str, KnobValue] = {}
+    for name, value in raw.items():
+        knob = canonical_name(str(name))
+        if knob in parsed:
+            raise KnobError(f"{knob} given twice")
+        parsed[knob] = parse_value(knob, value)
+    return parsed
+
+
+def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Split CLI ``KEY=VALUE`` words into a mapping; raise KnobError on a malformed one."""
+    raw: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise KnobError(f"expected KEY=VALUE, got {item!r}")
+        raw[key.strip()] = value.strip()
+    return raw
+
+
+def effective_batch(batch_size: int, grad_accum: int, world_size: int = 1) -> int:
+    """Samples per optimizer step across the job: micro-batch x accumulation x ranks."""
+    return batch_size * grad_accum * world_size
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A change with keep-effective-batch arithmetic done, and a note for the user."""
+
+    changes: dict[str, KnobValue]
+    note: str = ""
+
+
+def resolve(
+    changes: Mapping[str, KnobValue],
+    current: Knobs,
+    tunable: list[str] | tuple[str, ...],
+    *,
+    keep_effective_batch: bool = False,
+    world_size: int = 1,
+) -> Resolved:
+    """Check a parsed change against the run and apply keep-effective-batch; raise KnobError."""
+    for knob in changes:
+        if knob not in tunable:
+            raise KnobError(f"{knob} is not tunable in this run (the hook did not find it)")
+    resolved = dict(changes)
+    note = ""
+    if keep_effective_batch:
+        if "batch_size" not in changes:
+            raise KnobError("keep-effective-batch needs a batch_size change")
+        if "grad_accum" in changes:
+            raise KnobError("keep-effective-batch computes grad_accum: do not give both")
+        if current.batch_size is None or current.grad_accum is None:
+            raise KnobError("keep-effective-batch needs both batch_size and grad_accum tunable")
+        new_batch = int(changes["batch_size"])
+        target = current.batch_size * current.grad_accum
+        accum, exact = accumulation_for(target, new_batch)
+        resolved["grad_accum"] = accum
+        old_eff = effective_batch(current.batch_size, current.grad_accum, world_size)
+        new_eff = effective_batch(new_batch, accum, world_size)
+        if exact:
+            note = f"effective batch kept at {new_eff} ({new_batch} x {accum}"
+            note += f" x {world_size} ranks)" if world_size > 1 else ")"
+        else:
+            note = (
+                f"{new_batch} does not divide {target}: grad_accum {accum} gives effective "
+                f"batch {new_eff} (was {old_eff})"
+            )
+    return Resolved(resolved, note)
+
+
+def accumulation_for(target_samples: int, batch_size: int) -> tuple[int, bool]:
+    """The accumulation that brings ``batch_size`` closest to ``target_samples``, and if exact."""
+    if target_samples % batch_size == 0:
+        return target_samples // batch_size, True
+    low = max(1, target_samples // batch_size)
+    high = low + 1
+    best = min((low, high), key=lambda a: (abs(a * batch_size - target_samples), a))
+    return best, False
+
+
+def format_value(value: object) -> str:
+    """Show a knob value the way a user types it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "-" if value is None else str(value)
+
+
+def format_changes(changes: Mapping[str, object]) -> str:
+    """Show a change set as ``key=value`` words."""
+    return " ".join(f"{k}={format_value(v)}" for k, v in changes.items())

@@ -1,0 +1,132 @@
+"""Summaries of step records and samples, shared by the CLI and the TUI (pure, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memtui.wire import DeviceSample, HostSample, StepRecord
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Speed over the most recent steps."""
+
+    steps: int
+    """How many step records the summary covers."""
+    step_time_s: float
+    """Mean wall time per step."""
+    data_wait_s: float
+    """Mean data-loader wait per step."""
+    samples_per_s: float
+    steps_per_s: float
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """The share of step time spent waiting for data (0..1)."""
+        return self.data_wait_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """Mean time per step not spent waiting for data."""
+        return max(0.0, self.step_time_s - self.data_wait_s)
+
+
+def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStats | None:
+    """Speed over the last ``window`` steps (None without records with a measured time)."""
+    recent = [r for r in list(records)[-window:] if r.step_time_s > 0]
+    if not recent:
+        return None
+    total = sum(r.step_time_s for r in recent)
+    wait = sum(min(r.data_wait_s, r.step_time_s) for r in recent)
+    samples = sum(r.samples for r in recent)
+    n = len(recent)
+    return StepStats(
+        steps=n,
+        step_time_s=total / n,
+        data_wait_s=wait / n,
+        samples_per_s=samples / total if total > 0 else 0.0,
+        steps_per_s=n / total if total > 0 else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Device memory over the most recent samples."""
+
+    kind: str
+    capacity_bytes: int
+    current_bytes: int
+    """Allocated now (CUDA: torch allocator; CPU: process-tree RSS)."""
+    reserved_bytes: int
+    peak_bytes: int
+    """Highest peak (reserved on CUDA, RSS on CPU) over the window."""
+    peak_allocated_bytes: int
+    fragmentation_bytes: int
+    nvml_used_bytes: int | None
+    ooms: int
+    alloc_retries: int
+
+    @property
+    def peak_fraction(self) -> float:
+        """Peak over capacity (0..1+)."""
+        return self.peak_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def beyond_torch_bytes(self) -> int | None:
+        """What NVML sees used beyond torch's reserve: CUDA context, NCCL, other processes."""
+        if self.nvml_used_bytes is None:
+            return None
+        return max(0, self.nvml_used_bytes - self.reserved_bytes)
+
+
+def summarize_device(samples: Sequence[DeviceSample], window: int = 25) -> MemoryStats | None:
+    """Memory over the last ``window`` device samples."""
+    recent = list(samples)[-window:]
+    if not recent:
+        return None
+    last = recent[-1]
+    return MemoryStats(
+        kind=last.kind,
+        capacity_bytes=last.capacity_bytes,
+        current_bytes=last.allocated_bytes,
+        reserved_bytes=last.reserved_bytes,
+        peak_bytes=max(max(s.peak_reserved_bytes, s.reserved_bytes) for s in recent),
+        peak_allocated_bytes=max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in recent),
+        fragmentation_bytes=last.inactive_split_bytes,
+        nvml_used_bytes=last.nvml_used_bytes,
+        ooms=last.ooms,
+        alloc_retries=last.alloc_retries,
+    )
+
+
+def ram_fraction(sample: HostSample) -> float:
+    """Used host RAM over total RAM (0..1)."""
+    return sample.ram_used_bytes / sample.ram_total_bytes if sample.ram_total_bytes else 0.0
+
+
+def format_bytes(value: float | None) -> str:
+    """Bytes in binary units: ``812 MiB``, ``18.5 GiB``."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            if unit in ("B", "KiB", "MiB"):
+                return f"{size:.0f} {unit}"
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def format_duration(seconds: float) -> str:
+    """A short duration: ``45.1 ms``, ``3.2 s``, ``4m05s``, ``2h13m``."""
+    if seconds < 1:
+        return f"{seconds * 1000:.1f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

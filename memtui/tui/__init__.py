@@ -1,0 +1,1 @@
+"""The Textual viewer (``memtui attach``); never imports torch."""

@@ -1,0 +1,423 @@
+"""Every message on memtui's wire: versioned msgspec Structs shared by the hook and its viewers.
+
+Frames are msgpack. Every top-level message is a tagged Struct (field ``type``) that carries the
+wire version ``v``; a decoder drops (and counts) anything that does not decode or comes from an
+unknown major version, so a bad peer can never crash the hook or a viewer. Fields added later get
+defaults, and unknown fields are ignored, so minor changes stay compatible both ways.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, TypeAlias
+
+import msgspec
+from msgspec import Struct
+
+WIRE_VERSION = 1
+"""The major version of this schema; a peer speaking another major version is dropped."""
+
+KnobValue: TypeAlias = int | bool
+"""The value of one knob: an int (batch_size, grad_accum, num_workers) or a bool (pin_memory)."""
+
+
+# --------------------------------------------------------------------------- telemetry parts
+
+
+class StepRecord(Struct, array_like=True, frozen=True):
+    """One optimizer step, as measured on the training thread."""
+
+    step: int
+    """The step's number: optimizer steps completed when it ended (1-based)."""
+    end_time: float
+    """Wall-clock time (``time.time()``) at the end of the step."""
+    step_time_s: float
+    """Wall time of the step, checkpoint saves excluded."""
+    data_wait_s: float
+    """Time the step spent waiting for the data loader, summed over its micro-batches."""
+    samples: int
+    """Samples in the step (micro-batch size times micro-batches)."""
+    micro_batches: int
+    """Micro-batches fetched in the step (the accumulation actually run)."""
+    flags: int = 0
+    """Bit set of ``STEP_*`` flags."""
+
+
+STEP_AFTER_CHECKPOINT = 1
+"""Flag: the step is the first after a checkpoint boundary."""
+STEP_LOADER_REBUILT = 2
+"""Flag: the data loader was rebuilt during the step (its wait includes worker start-up)."""
+
+
+class GpuProcess(Struct, frozen=True):
+    """A process holding memory on the same GPU, as NVML reports it."""
+
+    pid: int
+    name: str
+    used_bytes: int
+
+
+class DeviceSample(Struct, frozen=True, omit_defaults=True):
+    """The training device's memory at one moment (on CPU runs the host is the device).
+
+    On CUDA, ``allocated``/``reserved`` are the torch caching allocator's and the peaks are the
+    allocator's peak counters since the previous sample. On CPU, ``allocated`` and ``reserved``
+    are the RSS of the process tree (main process plus loader workers) and the peak is the main
+    process's RSS high-water mark since the previous sample plus the workers' RSS.
+    """
+
+    time: float
+    step: int
+    kind: str
+    """``"cuda"`` or ``"cpu"``."""
+    index: int = 0
+    name: str = ""
+    capacity_bytes: int = 0
+    """Device memory (CUDA) or the memory limit (CPU: cgroup limit if set, else total RAM)."""
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    inactive_split_bytes: int = 0
+    """Reserved but unallocated bytes in split blocks: the allocator's fragmentation."""
+    alloc_retries: int = 0
+    """Allocations that had to free the cache and retry (cumulative)."""
+    ooms: int = 0
+    """Out-of-memory errors the allocator raised (cumulative)."""
+    nvml_used_bytes: int | None = None
+    """Memory NVML sees used on the device: every process, the CUDA context included."""
+    nvml_total_bytes: int | None = None
+    utilization_pct: float | None = None
+    other_processes: list[GpuProcess] = []
+
+
+class HostSample(Struct, frozen=True, omit_defaults=True):
+    """The host's memory at one moment, and what the training's process tree holds of it."""
+
+    time: float
+    ram_total_bytes: int
+    ram_available_bytes: int
+    ram_used_bytes: int
+    swap_total_bytes: int = 0
+    swap_used_bytes: int = 0
+    limit_bytes: int = 0
+    """The memory limit that applies to the run: its cgroup's limit if set, else total RAM."""
+    main_rss_bytes: int = 0
+    workers: int = 0
+    """Live child processes of the training process (the data-loader workers)."""
+    workers_rss_bytes: int = 0
+    """RSS summed over the workers (counts pages shared with the main process again)."""
+    workers_uss_bytes: int | None = None
+    """Memory unique to the workers (USS), sampled less often; None until first measured."""
+    cpu_percent: float | None = None
+    """CPU used by the process tree since the previous sample, in percent of one core."""
+
+
+class CheckpointRecord(Struct, array_like=True, frozen=True):
+    """A checkpoint boundary the loop reached."""
+
+    step: int
+    time: float
+    save_s: float
+    """Time between the end of the step and the boundary call (the loop's own save)."""
+
+
+# --------------------------------------------------------------------------- config and changes
+
+
+class Knobs(Struct, omit_defaults=True):
+    """The four knobs memtui can change; None means the run does not expose that knob."""
+
+    batch_size: int | None = None
+    grad_accum: int | None = None
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+
+
+class KnobDiff(Struct, array_like=True, frozen=True):
+    """One knob's value before and after a change."""
+
+    old: KnobValue | None
+    new: KnobValue
+
+
+class PendingChange(Struct, omit_defaults=True):
+    """A change queued by a client, waiting for the next checkpoint boundary."""
+
+    id: int
+    changes: dict[str, KnobValue]
+    """The values it sets, keep-effective-batch arithmetic already resolved."""
+    requested: dict[str, KnobValue]
+    """What the client asked for."""
+    queued_time: float
+    queued_step: int
+    keep_effective_batch: bool = False
+    client: str = ""
+    note: str = ""
+
+
+class AppliedChange(Struct, omit_defaults=True):
+    """Changes applied together at one checkpoint boundary."""
+
+    ids: list[int]
+    step: int
+    """The step after which the change took effect: the checkpoint boundary's step."""
+    time: float
+    changes: dict[str, KnobDiff]
+    note: str = ""
+
+
+class RejectedChange(Struct, omit_defaults=True):
+    """A change that was refused, when queued or at the boundary."""
+
+    id: int
+    """Its id if it had been queued, 0 if it was refused when asked."""
+    requested: dict[str, Any]
+    reason: str
+    time: float
+    step: int
+    client: str = ""
+
+
+class ControlState(Struct, omit_defaults=True):
+    """Rank 0's view of the config: current knobs, pending, applied and rejected changes."""
+
+    config: Knobs
+    tunable: list[str]
+    """The knobs this run can change."""
+    world_size: int = 1
+    pending: list[PendingChange] = []
+    applied: list[AppliedChange] = []
+    """Most recent last, capped; the audit log keeps them all."""
+    rejected: list[RejectedChange] = []
+
+
+class HookCounters(Struct, omit_defaults=True):
+    """What the hook counts about itself: drops, bad frames and its own failures."""
+
+    records_dropped: int = 0
+    """Step records lost because the outbox was full (nobody drained it)."""
+    messages_dropped: int = 0
+    """Telemetry batches that could not be sent (the socket's queue was full)."""
+    bad_frames: int = 0
+    """Frames on the control socket that failed to decode."""
+    errors: int = 0
+    """Exceptions caught inside memtui (training went on)."""
+    last_error: str = ""
+    recoveries: int = 0
+    """Times the runtime directory had vanished and was recreated."""
+
+
+class RankInfo(Struct, omit_defaults=True):
+    """Where one rank of a run publishes."""
+
+    rank: int
+    pub: str
+    """The rank's telemetry endpoint."""
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+
+
+class RunInfo(Struct, omit_defaults=True):
+    """What a run is: identity, place, device and files."""
+
+    run: str
+    pid: int
+    host: str
+    started: float
+    command: list[str] = []
+    cwd: str = ""
+    user: str = ""
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    """A human name for the device, e.g. ``cuda:0 NVIDIA H100 80GB HBM3`` or ``cpu``."""
+    device_kind: str = "cpu"
+    capacity_bytes: int = 0
+    torch_version: str = ""
+    hook_version: str = ""
+    state_dir: str = ""
+    tuned_path: str = ""
+    audit_path: str = ""
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class Telemetry(Struct, tag="telemetry", omit_defaults=True):
+    """One batch from a rank's PUB socket: every step since the previous batch, the latest samples."""
+
+    run: str
+    rank: int
+    seq: int
+    """Counts this rank's batches; a gap means batches were lost (PUB/SUB is lossy)."""
+    time: float
+    step: int
+    steps: list[StepRecord] = []
+    device: list[DeviceSample] = []
+    host: HostSample | None = None
+    checkpoints: list[CheckpointRecord] = []
+    control_seq: int = 0
+    """Counts changes to the control state; a viewer that missed one asks for a snapshot."""
+    control: ControlState | None = None
+    """The control state, sent in the first batch after it changed."""
+    counters: HookCounters | None = None
+    ended: bool = False
+    """True in a run's last batch."""
+    v: int = WIRE_VERSION
+
+
+class Hello(Struct, tag="hello", omit_defaults=True):
+    """A viewer's first request: answered with a Snapshot."""
+
+    client: str = ""
+    history: int = 512
+    """How many recent step records the viewer wants (the hook caps it)."""
+    v: int = WIRE_VERSION
+
+
+class Snapshot(Struct, tag="snapshot", omit_defaults=True):
+    """Everything a new viewer needs: the run, its config and changes, and recent history."""
+
+    info: RunInfo
+    control: ControlState
+    ranks: list[RankInfo] = []
+    step: int = 0
+    seq: int = 0
+    """The telemetry seq of rank 0 when the snapshot was taken."""
+    control_seq: int = 0
+    steps: list[StepRecord] = []
+    device: list[DeviceSample] = []
+    host: list[HostSample] = []
+    checkpoints: list[CheckpointRecord] = []
+    counters: HookCounters | None = None
+    v: int = WIRE_VERSION
+
+
+class SetRequest(Struct, tag="set", omit_defaults=True):
+    """Queue a change: knob name to value (strings are parsed by the hook)."""
+
+    changes: dict[str, KnobValue | str]
+    keep_effective_batch: bool = False
+    client: str = ""
+    dry_run: bool = False
+    """Validate and resolve only; queue nothing."""
+    force: bool = False
+    v: int = WIRE_VERSION
+
+
+class SetReply(Struct, tag="set_reply", omit_defaults=True):
+    """The answer to a SetRequest: accepted with an id, or rejected with a reason."""
+
+    ok: bool
+    id: int = 0
+    changes: dict[str, KnobValue] = {}
+    reason: str = ""
+    note: str = ""
+    v: int = WIRE_VERSION
+
+
+class CancelRequest(Struct, tag="cancel", omit_defaults=True):
+    """Remove a pending change by id (0 removes every pending change)."""
+
+    id: int = 0
+    client: str = ""
+    v: int = WIRE_VERSION
+
+
+class CancelReply(Struct, tag="cancel_reply", omit_defaults=True):
+    """The answer to a CancelRequest."""
+
+    ok: bool
+    cancelled: list[int] = []
+    reason: str = ""
+    v: int = WIRE_VERSION
+
+
+class ErrorReply(Struct, tag="error", omit_defaults=True):
+    """The answer to a request the hook could not decode or serve."""
+
+    reason: str
+    v: int = WIRE_VERSION
+
+
+Message: TypeAlias = (
+    Telemetry | Hello | Snapshot | SetRequest | SetReply | CancelRequest | CancelReply | ErrorReply
+)
+"""Every frame on the wire is one of these."""
+
+
+class RunRecord(Struct, omit_defaults=True):
+    """A run's registry file (JSON): how to find and reach it."""
+
+    run: str
+    pid: int
+    create_time: float
+    """The process's start time from psutil: tells a live run from a reused pid."""
+    started: float
+    host: str
+    control: str
+    """Rank 0's control endpoint."""
+    ranks: list[RankInfo]
+    command: list[str] = []
+    cwd: str = ""
+    world_size: int = 1
+    state_dir: str = ""
+    v: int = WIRE_VERSION
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+_encoder = msgspec.msgpack.Encoder()
+_encode_lock = threading.Lock()
+
+
+def encode(message: Message) -> bytes:
+    """Encode one message to a msgpack frame."""
+    with _encode_lock:  # an Encoder keeps an internal buffer: one thread at a time
+        return _encoder.encode(message)
+
+
+class Decoder:
+    """Decodes frames into messages, counting (never raising on) anything malformed."""
+
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(Message)
+        self.bad_frames = 0
+        """Frames dropped: undecodable, wrong schema or an unknown major version."""
+        self.last_error = ""
+
+    def decode(self, frame: bytes | memoryview) -> Message | None:
+        """Return the message in ``frame``, or None (counted) if it is not a valid one."""
+        try:
+            message = self._decoder.decode(frame)
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+            self.bad_frames += 1
+            self.last_error = str(exc)[:200]
+            return None
+        if message.v != WIRE_VERSION:
+            self.bad_frames += 1
+            self.last_error = f"wire version {message.v}, expected {WIRE_VERSION}"
+            return None
+        return message
+
+
+def to_builtins(obj: Any) -> Any:
+    """Convert a Struct (or anything containing them) to plain JSON-ready Python objects."""
+    return msgspec.to_builtins(obj)
+
+
+def encode_run_record(record: RunRecord) -> bytes:
+    """Encode a registry record as JSON."""
+    return msgspec.json.encode(record)
+
+
+def decode_run_record(data: bytes) -> RunRecord | None:
+    """Decode a registry record, or None if the file is not one."""
+    try:
+        record = msgspec.json.decode(data, type=RunRecord)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    return record if record.v == WIRE_VERSION else None
