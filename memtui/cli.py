@@ -464,3 +464,7 @@ def attach_command(run: str | None, readonly: bool) -> None:
     from memtui.tui.app import run_app
 
     sys.exit(run_app(run, readonly=readonly))
+
+
+if __name__ == "__main__":
+    main()

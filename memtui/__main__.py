@@ -1,0 +1,5 @@
+"""``python -m memtui``: the command line."""
+
+from memtui.cli import main
+
+main()

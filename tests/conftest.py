@@ -1,0 +1,128 @@
+"""Shared fixtures: a private runtime directory per test, and the demo training in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def private_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own short runtime dir (ipc paths must stay short) and state home."""
+    base = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))
+    runtime = base / "rt"
+    monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("XDG_STATE_HOME", str(base / "state"))
+    yield runtime
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def wait_for(
+    predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what or predicate}")
+
+
+@dataclass
+class DemoRun:
+    """The demo training running in a subprocess."""
+
+    proc: subprocess.Popen[str]
+    out: Path
+    log: Path
+    run_id: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def output(self) -> str:
+        """Everything the demo printed so far."""
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait_exit(self, timeout: float = 120.0) -> int:
+        """Wait for the training to finish; return its exit status."""
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Terminate the training if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def demo_command(*args: str) -> list[str]:
+    """The command line of the demo training with ``args``."""
+    return [sys.executable, "-m", "memtui.demo", *args]
+
+
+@pytest.fixture
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
+    """Start the demo training (``python -m memtui.demo``) and wait for its run id."""
+    runs: list[DemoRun] = []
+
+    def start(
+        *args: str, out: Path | None = None, wait: bool = True, env: dict[str, str] | None = None
+    ) -> DemoRun:
+        out_dir = out or tmp_path / f"demo{len(runs)}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log = out_dir / f"stdout{len(runs)}.log"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        handle = open(log, "w")
+        proc = subprocess.Popen(
+            demo_command("--out", str(out_dir), "--progress-every", "1", *args),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=ROOT,
+        )
+        handle.close()
+        run = DemoRun(proc, out_dir, log)
+        runs.append(run)
+        if wait:
+
+            def run_id() -> str | None:
+                for line in run.output().splitlines():
+                    if line.startswith("run "):
+                        return line.split()[1]
+                if proc.poll() is not None:
+                    pytest.fail(f"demo exited early:\n{run.output()}")
+                return None
+
+            run.run_id = str(wait_for(run_id, 60, what="the demo's run id"))
+        return run
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def memtui_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Run the ``memtui`` command line in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "memtui.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
