@@ -79,6 +79,16 @@ class MemoryStats:
             return None
         return max(0, self.nvml_used_bytes - self.reserved_bytes)
 
+    @property
+    def peak_used_bytes(self) -> int:
+        """The peak as the device holds it: torch's peak reserve plus what NVML sees beyond it."""
+        return self.peak_bytes + (self.beyond_torch_bytes or 0)
+
+    @property
+    def peak_used_fraction(self) -> float:
+        """``peak_used_bytes`` over capacity (0..1+): the number the memory bands apply to."""
+        return self.peak_used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
 
 def summarize_device(samples: Sequence[DeviceSample], window: int = 25) -> MemoryStats | None:
     """Memory over the last ``window`` device samples."""

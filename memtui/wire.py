@@ -118,6 +118,7 @@ class CheckpointRecord(Struct, array_like=True, frozen=True):
 
     step: int
     time: float
+    """When the boundary took the pending changes (later ones wait for the next boundary)."""
     save_s: float
     """Time between the end of the step and the boundary call (the loop's own save)."""
 

@@ -87,16 +87,15 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         out_dir.mkdir(parents=True, exist_ok=True)
         log = out_dir / f"stdout{len(runs)}.log"
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        handle = open(log, "w")
-        proc = subprocess.Popen(
-            demo_command("--out", str(out_dir), "--progress-every", "1", *args),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=full_env,
-            cwd=ROOT,
-        )
-        handle.close()
+        with open(log, "w") as handle:
+            proc = subprocess.Popen(
+                demo_command("--out", str(out_dir), "--progress-every", "1", *args),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=full_env,
+                cwd=ROOT,
+            )
         run = DemoRun(proc, out_dir, log)
         runs.append(run)
         if wait:

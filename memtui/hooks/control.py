@@ -62,6 +62,8 @@ class Control:
         self.applied: deque[AppliedChange] = deque(maxlen=HISTORY)
         self.rejected: deque[RejectedChange] = deque(maxlen=HISTORY)
         self._next_id = 1
+        self.taken_time = 0.0
+        """When the last boundary took the pending set: changes queued later wait for the next."""
         self.seq = 1
         """Bumped on every change of the control state."""
 
@@ -163,6 +165,7 @@ class Control:
     def take_pending(self) -> list[PendingChange]:
         """Remove and return every pending change, oldest first."""
         with self._lock:
+            self.taken_time = time.time()
             taken, self.pending = self.pending, []
             if taken:
                 self.seq += 1

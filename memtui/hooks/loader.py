@@ -23,6 +23,7 @@ sampler's order is deterministic for the epoch (``DistributedSampler``, or a see
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -53,11 +54,15 @@ class _EpochStream:
                 break
             self.consumed += 1
 
-    def indices(self) -> Iterator[int]:
-        """Replayed indices first, then the rest of the sampler's iterator."""
-        while self.replay:
-            yield self.replay.popleft()
-        yield from self.iterator
+    def source(self) -> Iterator[int]:
+        """Replayed indices first, then the rest of the sampler's iterator.
+
+        ``itertools.chain`` has no ``close()``: when the old loader's batch generator is closed,
+        the sampler's iterator (which the next loader continues) stays open.
+        """
+        replayed = list(self.replay)
+        self.replay.clear()
+        return itertools.chain(replayed, self.iterator)
 
     def requeue_inflight(self) -> int:
         """Put the undelivered batches back in front of the stream; return how many indices."""
@@ -80,16 +85,14 @@ class _TrackedBatchSampler:
         stream = self.owner._stream
         if stream is None:
             return
+        source = stream.source()
+        inflight = stream.inflight
         size = self.batch_size
-        batch: list[int] = []
-        for index in stream.indices():
-            batch.append(index)
-            if len(batch) == size:
-                stream.inflight.append(batch)
-                yield batch
-                batch = []
-        if batch and not self.drop_last:
-            stream.inflight.append(batch)
+        while True:
+            batch = list(itertools.islice(source, size))
+            if not batch or (self.drop_last and len(batch) < size):
+                return
+            inflight.append(batch)
             yield batch
 
     def __len__(self) -> int:
@@ -213,6 +216,11 @@ class TunedLoader:
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch, timing each fetch and switching loaders when the knobs change."""
         tuner = self._tuner
+        if self._stale():  # a change landed between epochs
+            self.close()
+            self.knobs = self._build()
+            self.generation += 1
+            self.last_rebuild = "loader rebuilt between epochs"
         if self._resume is not None:
             self.epoch, skip = self._resume
             self._resume = None

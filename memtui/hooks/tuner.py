@@ -413,9 +413,10 @@ class Tuner:
         result: Applied | None = None
         try:
             save_s = now - self._t_last if self._t_last is not None else 0.0
-            self._checkpoint_box.append(CheckpointRecord(self._step, time.time(), save_s))
             self._refresh_device()
             result = self._boundary()
+            taken = self.control.taken_time if self.rank == 0 else time.time()
+            self._checkpoint_box.append(CheckpointRecord(self._step, taken, save_s))
         except Exception as exc:
             self._report(exc, "checkpoint")
         self._t_last = time.perf_counter()
@@ -449,15 +450,16 @@ class Tuner:
             k: KnobDiff(self.values.get(k), v) for k, v in merged.items() if self.values.get(k) != v
         }
         written: list[str] = []
+        failing = ""
         try:
-            for knob, diff in diffs.items():
-                if self.binding.has(knob):
-                    self.binding.write(knob, diff.new)
-                    written.append(knob)
+            for failing, diff in diffs.items():
+                if self.binding.has(failing):
+                    self.binding.write(failing, diff.new)
+                    written.append(failing)
         except Exception as exc:
             for knob in written:
                 self.binding.write(knob, diffs[knob].old)
-            reason = f"could not write {knob} into the config: {exc}"
+            reason = f"could not write {failing} into the config: {exc}"
             self.control.record_rejected(pending, reason, step)
             self._report(exc, "apply")
             return None

@@ -1,0 +1,148 @@
+"""The knobs: names, aliases, parsing, validation and keep-effective-batch arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtui.knobs import (
+    KnobError,
+    accumulation_for,
+    canonical_name,
+    effective_batch,
+    parse_assignments,
+    parse_changes,
+    parse_value,
+    resolve,
+)
+from memtui.wire import Knobs
+
+ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
+
+
+@pytest.mark.parametrize(
+    ("alias", "knob"),
+    [
+        ("batch_size", "batch_size"),
+        ("per_device_train_batch_size", "batch_size"),
+        ("micro_batch_size", "batch_size"),
+        ("batch_size_per_gpu", "batch_size"),
+        ("gradient_accumulation_steps", "grad_accum"),
+        ("accumulation_steps", "grad_accum"),
+        ("dataloader_num_workers", "num_workers"),
+        ("workers", "num_workers"),
+        ("dataloader_pin_memory", "pin_memory"),
+        ("Batch-Size", "batch_size"),
+    ],
+)
+def test_aliases(alias: str, knob: str) -> None:
+    assert canonical_name(alias) == knob
+
+
+def test_unknown_knob_suggests() -> None:
+    with pytest.raises(KnobError, match=r"unknown knob 'batch_sise' \(did you mean batch_size\?\)"):
+        canonical_name("batch_sise")
+
+
+@pytest.mark.parametrize(
+    ("knob", "raw", "value"),
+    [
+        ("batch_size", "24", 24),
+        ("grad_accum", 3, 3),
+        ("num_workers", "0", 0),
+        ("pin_memory", "true", True),
+        ("pin_memory", "off", False),
+        ("pin_memory", True, True),
+        ("pin_memory", 0, False),
+    ],
+)
+def test_parse_value(knob: str, raw: object, value: object) -> None:
+    assert parse_value(knob, raw) == value
+    assert type(parse_value(knob, raw)) is type(value)
+
+
+@pytest.mark.parametrize(
+    ("knob", "raw", "reason"),
+    [
+        ("batch_size", "abc", "must be an integer"),
+        ("batch_size", "0", "between 1 and"),
+        ("batch_size", True, "must be an integer"),
+        ("grad_accum", "-1", "between 1 and"),
+        ("num_workers", "-2", "0 or more"),
+        ("num_workers", "100000", "absurdly high"),
+        ("pin_memory", "maybe", "true or false"),
+        ("batch_size", 2.5, "must be an integer"),
+    ],
+)
+def test_parse_value_rejects_with_reason(knob: str, raw: object, reason: str) -> None:
+    with pytest.raises(KnobError, match=reason):
+        parse_value(knob, raw)
+
+
+def test_parse_changes_and_assignments() -> None:
+    raw = parse_assignments(["bs=24", "grad_accum=3"])
+    assert parse_changes(raw) == {"batch_size": 24, "grad_accum": 3}
+    with pytest.raises(KnobError, match="given twice"):
+        parse_changes({"bs": "2", "batch_size": "3"})
+    with pytest.raises(KnobError, match="expected KEY=VALUE"):
+        parse_assignments(["batch_size"])
+    with pytest.raises(KnobError, match="no change given"):
+        parse_changes({})
+
+
+def test_keep_effective_batch_exact() -> None:
+    current = Knobs(batch_size=16, grad_accum=4, num_workers=0, pin_memory=False)
+    out = resolve({"batch_size": 32}, current, ALL, keep_effective_batch=True)
+    assert out.changes == {"batch_size": 32, "grad_accum": 2}
+    assert "kept at 64" in out.note
+
+
+def test_keep_effective_batch_inexact_says_so() -> None:
+    current = Knobs(batch_size=16, grad_accum=4)
+    out = resolve(
+        {"batch_size": 24}, current, ["batch_size", "grad_accum"], keep_effective_batch=True
+    )
+    assert out.changes == {"batch_size": 24, "grad_accum": 3}
+    assert "does not divide 64" in out.note and "72" in out.note
+
+
+def test_keep_effective_batch_counts_ranks() -> None:
+    current = Knobs(batch_size=8, grad_accum=8)
+    out = resolve(
+        {"batch_size": 16},
+        current,
+        ["batch_size", "grad_accum"],
+        keep_effective_batch=True,
+        world_size=4,
+    )
+    assert out.changes["grad_accum"] == 4
+    assert "256" in out.note and "4 ranks" in out.note
+    assert effective_batch(16, 4, 4) == 256
+
+
+def test_resolve_rejects() -> None:
+    current = Knobs(batch_size=16, grad_accum=None)
+    with pytest.raises(KnobError, match="not tunable"):
+        resolve({"grad_accum": 2}, current, ["batch_size"])
+    with pytest.raises(KnobError, match="needs a batch_size"):
+        resolve({"num_workers": 2}, current, ALL, keep_effective_batch=True)
+    with pytest.raises(KnobError, match="do not give both"):
+        resolve(
+            {"batch_size": 2, "grad_accum": 2},
+            Knobs(batch_size=1, grad_accum=1),
+            ALL,
+            keep_effective_batch=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("target", "batch", "expected"),
+    [
+        (64, 32, (2, True)),
+        (64, 24, (3, False)),
+        (32, 24, (1, False)),
+        (8, 64, (1, False)),
+        (100, 33, (3, False)),
+    ],
+)
+def test_accumulation_for(target: int, batch: int, expected: tuple[int, bool]) -> None:
+    assert accumulation_for(target, batch) == expected

@@ -1,0 +1,233 @@
+"""The DataLoader wrapper: wait timing, rebuilds on knob changes, exact data position, no leaked workers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+
+from memtui.hooks import Options, Tuner
+from memtui.wire import SetRequest
+
+
+class Indices(Dataset[int]):
+    """Sample i is i, after an optional wait."""
+
+    def __init__(self, size: int, wait_s: float = 0.0) -> None:
+        self.size = size
+        self.wait_s = wait_s
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        if self.wait_s:
+            time.sleep(self.wait_s)
+        return index
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        yield from range(10_000)
+
+
+def make_tuner(**config: object) -> Tuner:
+    return Tuner(SimpleNamespace(**config), options=Options(publish=False))
+
+
+def queue(tuner: Tuner, **changes: object) -> None:
+    reply = tuner.control.queue(SetRequest(changes=dict(changes)))  # type: ignore[arg-type]
+    assert reply.ok, reply.reason
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def flat(batch: torch.Tensor) -> list[int]:
+    return [int(i) for i in batch.tolist()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rebuild_mid_epoch_keeps_exact_position_sequential(workers: int) -> None:
+    tuner = make_tuner(batch_size=4, num_workers=workers, grad_accum=1)
+    loader = tuner.loader(
+        lambda batch_size, num_workers: DataLoader(
+            Indices(100), batch_size=batch_size, num_workers=num_workers
+        )
+    )
+    seen: list[int] = []
+    sizes: list[int] = []
+    for i, batch in enumerate(loader):
+        seen += flat(batch)
+        sizes.append(len(batch))
+        tuner.step()
+        if i == 4:  # workers have prefetched batches 5.. by now: they must be replayed, not lost
+            queue(tuner, batch_size=6, num_workers=1 if workers else 0)
+            applied = tuner.checkpoint()
+            assert applied is not None and applied.changes["batch_size"] == (4, 6)
+    assert seen == list(range(100))
+    assert sizes[:5] == [4] * 5 and set(sizes[5:-1]) == {6}
+    assert loader.generation == 1 and "exactly" in loader.last_rebuild
+    loader.close()
+
+
+def test_rebuild_with_unseeded_random_sampler_loses_and_repeats_nothing() -> None:
+    tuner = make_tuner(batch_size=8, num_workers=2)
+    dataset = Indices(200)
+    loader = tuner.loader(
+        lambda batch_size, num_workers: DataLoader(
+            dataset, batch_size=batch_size, sampler=RandomSampler(dataset), num_workers=num_workers
+        )
+    )
+    seen: list[int] = []
+    for i, batch in enumerate(loader):
+        seen += flat(batch)
+        if i in (2, 9):
+            queue(tuner, batch_size=5 if i == 2 else 11, num_workers=3 if i == 2 else 0)
+            tuner.checkpoint()
+    assert sorted(seen) == list(range(200))
+    assert loader.generation == 2
+    loader.close()
+
+
+def test_old_workers_are_shut_down_on_rebuild() -> None:
+    tuner = make_tuner(batch_size=4, num_workers=2)
+    loader = tuner.loader(
+        lambda batch_size, num_workers: DataLoader(
+            Indices(400), batch_size=batch_size, num_workers=num_workers, persistent_workers=True
+        )
+    )
+    before = children()
+    iterator = iter(loader)
+    next(iterator)
+    first_workers = children() - before
+    assert len(first_workers) == 2
+    queue(tuner, num_workers=3)
+    tuner.checkpoint()
+    next(iterator)
+    second_workers = children() - before
+    assert len(second_workers) == 3
+    assert not (first_workers & second_workers)
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        for pid in first_workers
+    )
+    del iterator
+    loader.close()
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (children() - before), "worker processes leaked"
+
+
+def test_data_wait_is_measured_per_step() -> None:
+    tuner = make_tuner(batch_size=4, grad_accum=2, num_workers=0)
+    loader = tuner.loader(
+        lambda batch_size: DataLoader(Indices(64, wait_s=0.005), batch_size=batch_size)
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+        next(it)
+        time.sleep(0.01)  # "compute"
+        tuner.step()
+    records = list(tuner._outbox)
+    assert [r[0] for r in records] == [1, 2, 3]
+    for _step, _end, step_time, wait, samples, micro, _flags in records[1:]:
+        assert micro == 2 and samples == 8
+        assert wait >= 0.035  # 8 samples x 5 ms
+        assert step_time >= wait + 0.009
+
+
+def test_iterable_dataset_rebuilds_with_restart() -> None:
+    tuner = make_tuner(batch_size=4)
+    loader = tuner.loader(lambda batch_size: DataLoader(Stream(), batch_size=batch_size))
+    sizes = []
+    for i, batch in enumerate(loader):
+        sizes.append(len(batch))
+        if i == 2:
+            queue(tuner, batch_size=7)
+            tuner.checkpoint()
+        if i == 5:
+            break
+    assert sizes == [4, 4, 4, 7, 7, 7]
+    assert loader.mode == "restart" and "restarted" in loader.last_rebuild
+
+
+def test_state_dict_resumes_the_epoch_exactly() -> None:
+    dataset = Indices(60)
+
+    def factory(batch_size: int) -> DataLoader[int]:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=3),
+        )
+
+    tuner = make_tuner(batch_size=5)
+    loader = tuner.loader(factory)
+    loader.sampler.set_epoch(1)
+    full = []
+    for batch in loader:
+        full += flat(batch)
+    loader.sampler.set_epoch(1)
+    first = []
+    for i, batch in enumerate(loader):
+        first += flat(batch)
+        tuner.step()
+        if i == 3:
+            state = tuner.state_dict()
+            break
+    assert state["step"] == 4 and state["loaders"] == [{"epoch": 1, "samples_in_epoch": 20}]
+    resumed = make_tuner(batch_size=5)
+    loader2 = resumed.loader(factory)
+    resumed.load_state_dict(state)
+    rest = []
+    for batch in loader2:
+        rest += flat(batch)
+    assert resumed.step_count == 4
+    assert first + rest == full
+
+
+def test_factory_that_takes_no_knobs_still_gets_them() -> None:
+    """memtui rebuilds the DataLoader itself, so a factory with no arguments works too."""
+    tuner = make_tuner()
+    loader = tuner.loader(lambda: DataLoader(Indices(40), batch_size=4, num_workers=0))
+    assert tuner.values["batch_size"] == 4 and tuner.values["num_workers"] == 0
+    assert tuner.values["pin_memory"] is False and tuner.values["grad_accum"] is None
+    queue(tuner, batch_size=10)
+    tuner.checkpoint()
+    assert [len(b) for b in loader] == [10, 10, 10, 10]
+
+
+def test_not_in_worker_processes() -> None:
+    """Forked workers disable the tuner: no sampling or publishing happens there."""
+    tuner = Tuner(SimpleNamespace(batch_size=2), options=Options())
+    try:
+        loader = tuner.loader(
+            lambda batch_size: DataLoader(_ClosedProbe(), batch_size=batch_size, num_workers=1)
+        )
+        assert flat(next(iter(loader))) == [1, 1]
+    finally:
+        tuner.close()
+
+
+class _ClosedProbe(Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        from memtui.hooks.tuner import _live_tuners
+
+        assert os.getpid() != _parent_pid
+        return int(all(t._closed for t in _live_tuners))
+
+
+_parent_pid = os.getpid()

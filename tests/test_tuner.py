@@ -1,0 +1,327 @@
+"""The Tuner in one process: the boundary, the audit log and tuned YAML, resume, and its promises."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from memtui.client import ControlClient
+from memtui.hooks import Options, Tuner, install
+from memtui.hooks.agent import HISTORY_STEPS
+from memtui.hooks.sampler import CudaDeviceProbe
+from memtui.wire import CancelRequest, SetRequest
+from tests.conftest import wait_for
+
+
+@dataclass
+class Config:
+    batch_size: int = 16
+    grad_accum: int = 2
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+def quiet(config: Any, tmp_path: Path, **kwargs: Any) -> Tuner:
+    return Tuner(config, state_dir=tmp_path, options=Options(publish=False), **kwargs)
+
+
+def queue(tuner: Tuner, keep: bool = False, **changes: Any) -> int:
+    reply = tuner.control.queue(
+        SetRequest(changes=changes, keep_effective_batch=keep, client="test")
+    )
+    assert reply.ok, reply.reason
+    return reply.id
+
+
+def test_changes_apply_only_at_the_boundary_and_merge(tmp_path: Path) -> None:
+    config = Config()
+    tuner = quiet(config, tmp_path)
+    for _ in range(3):
+        tuner.step()
+    first = queue(tuner, batch_size=24)
+    second = queue(tuner, num_workers=2, batch_size=32)
+    tuner.step()
+    assert config.batch_size == 16, "nothing changes between boundaries"
+    applied = tuner.checkpoint()
+    assert applied is not None
+    assert applied.step == 4 and applied.ids == [first, second]
+    assert applied.changes == {"batch_size": (16, 32), "num_workers": (0, 2)}
+    assert config.batch_size == 32 and config.num_workers == 2
+    assert "applied at step 4: batch_size 16 -> 32, num_workers 0 -> 2" in str(applied)
+    assert tuner.checkpoint() is None, "a change applies once"
+
+
+def test_keep_effective_batch(tmp_path: Path) -> None:
+    config = Config(batch_size=16, grad_accum=4)
+    tuner = quiet(config, tmp_path)
+    queue(tuner, keep=True, batch_size=32)
+    tuner.checkpoint()
+    assert (config.batch_size, config.grad_accum) == (32, 2)
+
+
+def test_cancel(tmp_path: Path) -> None:
+    tuner = quiet(Config(), tmp_path)
+    change = queue(tuner, batch_size=8)
+    queue(tuner, grad_accum=3)
+    assert tuner.control.cancel(CancelRequest(id=change)).cancelled == [change]
+    assert not tuner.control.cancel(CancelRequest(id=change)).ok
+    applied = tuner.checkpoint()
+    assert applied is not None and applied.changes == {"grad_accum": (2, 3)}
+
+
+def test_rejections_have_reasons(tmp_path: Path) -> None:
+    tuner = quiet({"batch_size": 8}, tmp_path)
+    reply = tuner.control.queue(SetRequest(changes={"grad_accum": 2}))
+    assert not reply.ok and "not tunable" in reply.reason
+    reply = tuner.control.queue(SetRequest(changes={"batch_size": "lots"}))
+    assert not reply.ok and "must be an integer" in reply.reason
+    assert [r.reason for r in tuner.control.state().rejected] == [
+        "grad_accum is not tunable in this run (the hook did not find it)",
+        "batch_size must be an integer, got 'lots'",
+    ]
+
+
+class Stubborn:
+    """A config whose batch_size refuses a write: the change is rejected, training goes on."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "batch_size", 8)
+        object.__setattr__(self, "grad_accum", 1)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "batch_size":
+            raise AttributeError("batch_size is read-only here")
+        object.__setattr__(self, name, value)
+
+
+def test_a_failed_write_rolls_back_and_is_rejected(tmp_path: Path) -> None:
+    config = Stubborn()
+    tuner = quiet(config, tmp_path)
+    queue(tuner, grad_accum=4, batch_size=16)
+    assert tuner.checkpoint() is None
+    assert config.grad_accum == 1 and config.batch_size == 8, "rolled back"
+    rejected = tuner.control.state().rejected[-1]
+    assert "could not write batch_size" in rejected.reason and rejected.id == 1
+    assert tuner._errors == 1
+
+
+def test_audit_log_and_tuned_yaml(tmp_path: Path) -> None:
+    config = Config()
+    extra = tmp_path / "elsewhere" / "tuned.yaml"
+    tuner = quiet(config, tmp_path, tuned_path=extra, name="audit")
+    change = queue(tuner, batch_size=24, grad_accum=3)
+    tuner.control.queue(SetRequest(changes={"nope": 1}, client="test"))
+    for _ in range(5):
+        tuner.step()
+    tuner.checkpoint()
+    events = [
+        json.loads(line) for line in (tmp_path / "memtui-audit.jsonl").read_text().splitlines()
+    ]
+    assert [e["event"] for e in events] == ["queued", "rejected", "applied"]
+    assert events[0]["id"] == change and events[0]["client"] == "test"
+    assert events[2]["step"] == 5 and events[2]["changes"]["batch_size"] == [16, 24]
+    for path in (tmp_path / "memtui-tuned.yaml", extra):
+        body = yaml.safe_load(path.read_text())
+        assert body["config"] == {
+            "batch_size": 24,
+            "grad_accum": 3,
+            "num_workers": 0,
+            "pin_memory": False,
+        }
+        assert body["step"] == 5 and body["run"].startswith("audit-")
+
+
+def test_resume_loads_the_tuned_config_into_the_users_config(tmp_path: Path) -> None:
+    first = quiet(Config(), tmp_path)
+    queue(first, batch_size=24, num_workers=3)
+    first.checkpoint()
+    restarted = Config()
+    tuner = quiet(restarted, tmp_path, resume=True)
+    assert (restarted.batch_size, restarted.num_workers) == (24, 3)
+    assert tuner.resumed == {"batch_size": (16, 24), "num_workers": (0, 3)}
+    fresh = Config()
+    quiet(fresh, tmp_path / "empty", resume=True)
+    assert fresh.batch_size == 16, "no tuned file: the script's config stands"
+
+
+def test_hot_path_never_raises(tmp_path: Path) -> None:
+    tuner = quiet(Config(), tmp_path)
+    tuner._outbox = None  # type: ignore[assignment]  # break the internals on purpose
+    tuner.step()
+    tuner.control = None  # type: ignore[assignment]
+    assert tuner.checkpoint() is None
+    assert tuner._errors == 2 and "checkpoint" in tuner._last_error
+
+
+def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tuner = quiet(Config(), tmp_path, optimizer=optimizer, auto_step=True)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    assert tuner.step_count == 3
+    tuner.close()
+    optimizer.step()
+    assert tuner.step_count == 3, "close() removes the hook"
+
+
+def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> None:
+    tuner = Tuner(Config(), state_dir=tmp_path, options=Options(flush_period_s=0.01))
+    try:
+        assert tuner._agent is not None and tuner._agent.failed is None
+        for _ in range(20_000):
+            tuner.step()
+        wait_for(lambda: not tuner._outbox, 10, what="the agent to drain the outbox")
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for i in range(80_000):
+            tuner.step()
+            if i % 20_000 == 0:
+                tuner.checkpoint()
+        wait_for(lambda: not tuner._outbox, 10, what="the agent to drain the outbox")
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        growth = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        assert tuner.step_count == 100_000
+        assert len(tuner._agent.steps) == HISTORY_STEPS
+        assert growth < 1_000_000, f"grew {growth} bytes over 80,000 steps"
+    finally:
+        tuner.close()
+
+
+def test_outbox_overflow_drops_oldest_and_counts(tmp_path: Path) -> None:
+    """With the agent stalled, the outbox keeps only the newest records and the gap is counted."""
+    tuner = quiet(Config(), tmp_path)
+    for _ in range(20_000):
+        tuner.step()
+    assert len(tuner._outbox) == tuner._outbox.maxlen
+    from memtui import registry
+    from memtui.hooks.agent import Agent
+
+    agent = Agent(tuner, registry.run_dir(tuner.run_id))
+    agent._last_step = 1
+    agent._drain()
+    assert agent.counters.records_dropped == 20_000 - tuner._outbox.maxlen - 1  # type: ignore[operator]
+
+
+def test_install_publishes_and_answers(tmp_path: Path) -> None:
+    config = SimpleNamespace(batch_size=8, gradient_accumulation_steps=2)
+    tuner = install(config, state_dir=tmp_path, name="inproc")
+    try:
+        client = ControlClient(f"ipc://{Path(tuner._agent.run_dir.path) / 'ctl'}", timeout_s=5)
+        for _ in range(7):
+            tuner.step()
+        snapshot = client.hello()
+        assert snapshot.info.run == tuner.run_id and snapshot.step == 7
+        assert [r.step for r in snapshot.steps] == list(range(1, 8))
+        assert snapshot.control.config.grad_accum == 2
+        reply = client.set({"grad_accum": "4"})
+        assert reply.ok and reply.id == 1
+        tuner.checkpoint()
+        assert config.gradient_accumulation_steps == 4
+        assert client.hello().control.applied[-1].step == 7
+    finally:
+        tuner.close()
+
+
+class FakeCuda:
+    """Stands in for torch.cuda: this machine has no CUDA device (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def get_device_properties(self, index: int) -> Any:
+        return SimpleNamespace(name="Fake GPU", total_memory=24 << 30, uuid="1234")
+
+    def memory_stats(self, index: int) -> dict[str, int]:
+        return {
+            "allocated_bytes.all.current": 10 << 30,
+            "allocated_bytes.all.peak": 15 << 30,
+            "reserved_bytes.all.current": 18 << 30,
+            "reserved_bytes.all.peak": 19 << 30,
+            "inactive_split_bytes.all.current": 3 << 30,
+            "num_alloc_retries": 2,
+            "num_ooms": 1,
+        }
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        self.resets += 1
+
+
+class FakeNvml:
+    """Stands in for pynvml: no NVML on this machine."""
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return ["GPU-0000", "GPU-1234"][handle]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        assert handle == 1, "matched by UUID, not by index"
+        return SimpleNamespace(used=21 << 30, total=24 << 30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=97)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        import os
+
+        return [
+            SimpleNamespace(pid=os.getpid(), usedGpuMemory=19 << 30),
+            SimpleNamespace(pid=1, usedGpuMemory=1 << 30),
+        ]
+
+
+def test_cuda_probe_reads_allocator_and_nvml() -> None:
+    """The CUDA path with stand-ins for torch.cuda and NVML (no GPU here); run for real on one."""
+    cuda = FakeCuda()
+    probe = CudaDeviceProbe(cuda, 0, FakeNvml())
+    sample = probe.sample(step=12)
+    assert cuda.resets == 1
+    assert sample.kind == "cuda" and sample.name == "Fake GPU" and sample.step == 12
+    assert sample.peak_reserved_bytes == 19 << 30 and sample.inactive_split_bytes == 3 << 30
+    assert sample.nvml_used_bytes == 21 << 30 and sample.utilization_pct == 97.0
+    assert sample.ooms == 1 and sample.alloc_retries == 2
+    assert [p.pid for p in sample.other_processes] == [1]
+
+
+def test_cpu_probe_reports_rss_against_the_limit(tmp_path: Path) -> None:
+    tuner = Tuner(Config(), state_dir=tmp_path, options=Options(device_period_s=0.05))
+    try:
+        sampler = tuner._sampler
+        wait_for(lambda: tuner._agent.device and tuner._agent.host, 10, what="samples")
+        sample = tuner._agent.device[-1]
+        assert sample.kind == "cpu" and sample.capacity_bytes > 0
+        assert 0 < sample.allocated_bytes <= sample.peak_allocated_bytes
+        assert sampler.probe is not None and sampler.probe.kind == "cpu"
+    finally:
+        tuner.close()
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
+    monkeypatch.setenv("MEMTUI_DISABLE", value)
+    tuner = Tuner(Config(), state_dir=tmp_path)
+    try:
+        assert (tuner._agent is None) == (value == "1")
+    finally:
+        tuner.close()
