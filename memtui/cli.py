@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from memtui import registry
-from memtui.client import ClientError, ControlClient
+from memtui.client import ClientError, ControlClient, hello_many
 from memtui.knobs import (
     KNOBS,
     KnobError,
@@ -116,15 +116,79 @@ def _applied_dict(applied: AppliedChange) -> dict[str, Any]:
     }
 
 
-def status_dict(snapshot: Snapshot) -> dict[str, Any]:
-    """The ``memtui status --json`` object for a snapshot."""
+def _metrics_dict(snapshot: Snapshot) -> dict[str, Any] | None:
+    steps = summarize_steps(snapshot.steps)
+    if steps is None:
+        return None
+    return {
+        "window_steps": steps.steps,
+        "step_time_s": steps.step_time_s,
+        "data_wait_s": steps.data_wait_s,
+        "data_wait_fraction": steps.data_wait_fraction,
+        "samples_per_s": steps.samples_per_s,
+        "steps_per_s": steps.steps_per_s,
+    }
+
+
+def _memory_dict(snapshot: Snapshot) -> dict[str, Any] | None:
+    memory = summarize_device(snapshot.device)
+    if memory is None:
+        return None
+    return {
+        "kind": memory.kind,
+        "capacity_bytes": memory.capacity_bytes,
+        "current_bytes": memory.current_bytes,
+        "reserved_bytes": memory.reserved_bytes,
+        "peak_bytes": memory.peak_bytes,
+        "peak_allocated_bytes": memory.peak_allocated_bytes,
+        "peak_fraction": memory.peak_fraction,
+        "fragmentation_bytes": memory.fragmentation_bytes,
+        "nvml_used_bytes": memory.nvml_used_bytes,
+        "beyond_torch_bytes": memory.beyond_torch_bytes,
+        "ooms": memory.ooms,
+        "alloc_retries": memory.alloc_retries,
+    }
+
+
+def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "rank": rank.rank,
+        "local_rank": rank.local_rank,
+        "host": rank.host,
+        "pid": rank.pid,
+        "reachable": snapshot is not None,
+    }
+    if snapshot is not None:
+        entry.update(
+            step=snapshot.step,
+            config=_knobs_dict(snapshot.control.config),
+            applied=[_applied_dict(a) for a in snapshot.control.applied],
+            metrics=_metrics_dict(snapshot),
+            memory=_memory_dict(snapshot),
+            host_memory=to_builtins(snapshot.host[-1]) if snapshot.host else None,
+            counters=to_builtins(snapshot.counters) if snapshot.counters else {},
+        )
+    return entry
+
+
+def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | None]:
+    """Rank 0's snapshot and every other rank's (None where a rank did not answer)."""
+    others = [r for r in snapshot.ranks if r.rank != snapshot.info.rank]
+    answers = hello_many([r.control for r in others], timeout_s=timeout)
+    by_rank = {r.rank: a for r, a in zip(others, answers, strict=True)}
+    by_rank[snapshot.info.rank] = snapshot
+    return [by_rank.get(r.rank) for r in snapshot.ranks] if snapshot.ranks else [snapshot]
+
+
+def status_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) -> dict[str, Any]:
+    """The ``memtui status --json`` object for rank 0's snapshot (and every rank's)."""
     info, control = snapshot.info, snapshot.control
     config = control.config
-    steps = summarize_steps(snapshot.steps)
-    memory = summarize_device(snapshot.device)
     eff = None
     if config.batch_size is not None and config.grad_accum is not None:
         eff = effective_batch(config.batch_size, config.grad_accum, control.world_size)
+    rank_infos = snapshot.ranks or []
+    per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
     return {
         "run": info.run,
         "pid": info.pid,
@@ -140,32 +204,10 @@ def status_dict(snapshot: Snapshot) -> dict[str, Any]:
         "pending": [to_builtins(p) for p in control.pending],
         "applied": [_applied_dict(a) for a in control.applied],
         "rejected": [to_builtins(r) for r in control.rejected],
-        "metrics": None
-        if steps is None
-        else {
-            "window_steps": steps.steps,
-            "step_time_s": steps.step_time_s,
-            "data_wait_s": steps.data_wait_s,
-            "data_wait_fraction": steps.data_wait_fraction,
-            "samples_per_s": steps.samples_per_s,
-            "steps_per_s": steps.steps_per_s,
-        },
-        "memory": None
-        if memory is None
-        else {
-            "kind": memory.kind,
-            "capacity_bytes": memory.capacity_bytes,
-            "current_bytes": memory.current_bytes,
-            "reserved_bytes": memory.reserved_bytes,
-            "peak_bytes": memory.peak_bytes,
-            "peak_allocated_bytes": memory.peak_allocated_bytes,
-            "peak_fraction": memory.peak_fraction,
-            "fragmentation_bytes": memory.fragmentation_bytes,
-            "nvml_used_bytes": memory.nvml_used_bytes,
-            "beyond_torch_bytes": memory.beyond_torch_bytes,
-            "ooms": memory.ooms,
-            "alloc_retries": memory.alloc_retries,
-        },
+        "metrics": _metrics_dict(snapshot),
+        "memory": _memory_dict(snapshot),
+        "disabled": control.disabled,
+        "ranks": [_rank_dict(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
         "last_step": to_builtins(snapshot.steps[-1]) if snapshot.steps else None,
         "host_memory": to_builtins(snapshot.host[-1]) if snapshot.host else None,
         "checkpoints": [
@@ -178,9 +220,9 @@ def status_dict(snapshot: Snapshot) -> dict[str, Any]:
     }
 
 
-def format_status(snapshot: Snapshot) -> str:
+def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) -> str:
     """The human ``memtui status`` text."""
-    data = status_dict(snapshot)
+    data = status_dict(snapshot, ranks)
     info, control = snapshot.info, snapshot.control
     lines = []
     age = format_duration(max(0.0, time.time() - info.started))
@@ -234,6 +276,21 @@ def format_status(snapshot: Snapshot) -> str:
         lines.append(f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})")
     for rejected in list(control.rejected)[-3:]:
         lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
+    if control.disabled:
+        lines.append(f"changes are OFF: {control.disabled}")
+    if len(data["ranks"]) > 1:
+        lines.append("rank  host          step   step time  data wait  peak mem")
+        for entry in data["ranks"]:
+            if not entry["reachable"]:
+                lines.append(f"{entry['rank']:>4}  {entry['host'][:12]:<12}  (no answer)")
+                continue
+            m, mem = entry["metrics"] or {}, entry["memory"] or {}
+            step_time = format_duration(m["step_time_s"]) if m else "-"
+            wait = f"{m['data_wait_fraction']:.0%}" if m else "-"
+            peak = f"{mem['peak_fraction']:.0%}" if mem else "-"
+            lines.append(
+                f"{entry['rank']:>4}  {entry['host'][:12]:<12}  {entry['step']:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
+            )
     counters = snapshot.counters
     if counters and counters.errors:
         lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
@@ -252,10 +309,11 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
     except ClientError as exc:
         _fail(str(exc))
         return
+    ranks = rank_snapshots(snapshot) if len(snapshot.ranks) > 1 else None
     if as_json:
-        click.echo(json.dumps(status_dict(snapshot), indent=2))
+        click.echo(json.dumps(status_dict(snapshot, ranks), indent=2))
     else:
-        click.echo(format_status(snapshot))
+        click.echo(format_status(snapshot, ranks))
 
 
 # ---------------------------------------------------------------------------- set / cancel

@@ -8,6 +8,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import time
 from typing import TypeVar
 
 import zmq
@@ -105,3 +106,52 @@ class ControlClient:
     def cancel(self, change_id: int = 0) -> CancelReply:
         """Cancel one pending change (0: every pending change)."""
         return self.request(CancelRequest(id=change_id, client=self.client), CancelReply)
+
+
+def hello_many(
+    endpoints: list[str],
+    *,
+    timeout_s: float = 2.0,
+    history: int = 64,
+    context: zmq.Context | None = None,
+    client: str = "",
+) -> list[Snapshot | None]:
+    """Ask several ranks for a snapshot at once; None for a rank that did not answer in time."""
+    context = context or zmq.Context.instance()
+    decoder = Decoder()
+    frame = encode(Hello(client=client or client_name("cli"), history=history))
+    sockets: list[zmq.Socket | None] = []
+    poller = zmq.Poller()
+    for endpoint in endpoints:
+        if not endpoint:
+            sockets.append(None)
+            continue
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        try:
+            sock.connect(endpoint)
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            sock.close(0)
+            sockets.append(None)
+            continue
+        poller.register(sock, zmq.POLLIN)
+        sockets.append(sock)
+    replies: list[Snapshot | None] = [None] * len(endpoints)
+    waiting = sum(sock is not None for sock in sockets)
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for sock, _event in poller.poll(int(left * 1000)):
+            index = sockets.index(sock)
+            reply = decoder.decode(sock.recv())
+            replies[index] = reply if isinstance(reply, Snapshot) else None
+            poller.unregister(sock)
+            waiting -= 1
+    for sock in sockets:
+        if sock is not None:
+            sock.close(0)
+    return replies

@@ -105,9 +105,9 @@ class RunDir:
         """The registry file."""
         return self.path / RUN_FILE
 
-    def control_endpoint(self) -> str:
-        """Rank 0's control socket."""
-        return ipc_endpoint(self.path / "ctl")
+    def control_endpoint(self, rank: int = 0) -> str:
+        """A rank's control socket (rank 0's takes changes; every rank answers hello)."""
+        return ipc_endpoint(self.path / ("ctl" if rank == 0 else f"ctl{rank}"))
 
     def pub_endpoint(self, rank: int) -> str:
         """A rank's telemetry socket."""

@@ -191,6 +191,8 @@ class ControlState(Struct, omit_defaults=True):
     applied: list[AppliedChange] = []
     """Most recent last, capped; the audit log keeps them all."""
     rejected: list[RejectedChange] = []
+    disabled: str = ""
+    """Why this run takes no changes (ranks out of step at a boundary); empty when it does."""
 
 
 class HookCounters(Struct, omit_defaults=True):
@@ -215,6 +217,8 @@ class RankInfo(Struct, omit_defaults=True):
     rank: int
     pub: str
     """The rank's telemetry endpoint."""
+    control: str = ""
+    """The rank's control endpoint (every rank answers hello; rank 0 takes changes)."""
     local_rank: int = 0
     host: str = ""
     pid: int = 0

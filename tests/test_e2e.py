@@ -182,7 +182,7 @@ def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) 
     none = memtui_cli("status")
     assert none.returncode == 1 and "no live memtui run" in none.stderr
     assert memtui_cli("ls").stdout.strip() == "no live runs"
-    first = start_demo("--steps", "100000", "--slow-data-ms", "0")
+    first = start_demo("--steps", "100000", "--checkpoint-every", "100000", "--slow-data-ms", "0")
     second = start_demo("--steps", "100000", "--slow-data-ms", "0")
     result = memtui_cli("status", "--json")
     assert result.returncode == 0

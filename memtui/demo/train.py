@@ -17,11 +17,14 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
@@ -150,21 +153,28 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, args.threads))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1:  # under torchrun: one process per rank (gloo on CPU, nccl on GPUs)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
     out = args.out or state_home().parent / "demo"
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
 
     config = DemoConfig(args.batch_size, args.grad_accum, args.workers, args.pin_memory)
     vocab = 256
-    model = TinyGPT(vocab, args.seq_len, args.width, args.layers).to(device)
+    net = TinyGPT(vocab, args.seq_len, args.width, args.layers).to(device)
+    model: nn.Module = DistributedDataParallel(net) if world > 1 else net
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     dataset = SlowTokens(1_000_000, args.seq_len, vocab, args.slow_data_ms)
 
     tuner = hooks.install(
-        config, model=model, optimizer=optimizer, state_dir=out, resume=args.resume, name=args.name
+        config, model=net, optimizer=optimizer, state_dir=out, resume=args.resume, name=args.name
     )
 
     def make_loader(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
@@ -184,18 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     epoch = 0
     if args.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         tuner.load_state_dict(state["memtui"])
         epoch = int(state.get("epoch", 0))
-    print(f"run {tuner.run_id} pid {os.getpid()} device {device} out {out}", flush=True)
+    say = print if rank == 0 else _quiet
+    ranks = f" ranks {world}" if world > 1 else ""
+    say(f"run {tuner.run_id} pid {os.getpid()} device {device}{ranks} out {out}", flush=True)
     if tuner.resumed:
-        print(
+        say(
             "resumed tuned config: " + ", ".join(f"{k}={v[1]}" for k, v in tuner.resumed.items()),
             flush=True,
         )
     if tuner.step_count:
-        print(f"resumed from step {tuner.step_count}", flush=True)
+        say(f"resumed from step {tuner.step_count}", flush=True)
 
     model.train()
     started = time.perf_counter()
@@ -209,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
             for tokens, targets in loader:
                 tokens = tokens.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
-                loss = model(tokens, targets) / config.gradient_accumulation_steps
-                loss.backward()
-                samples_seen += tokens.shape[0]
                 micro += 1
-                if micro < config.gradient_accumulation_steps:
+                last_micro = micro >= config.gradient_accumulation_steps
+                # DDP all-reduces on the last micro-batch of a step only: every rank must run the
+                # same number of micro-batches per step, which is why changes land on all at once
+                sync = nullcontext() if last_micro or world == 1 else model.no_sync()  # type: ignore[operator]
+                with sync:
+                    loss = model(tokens, targets) / config.gradient_accumulation_steps
+                    loss.backward()
+                samples_seen += tokens.shape[0]
+                if not last_micro:
                     continue
                 micro = 0
                 optimizer.step()
@@ -222,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                 step = tuner.step_count
                 if step % args.checkpoint_every == 0 or step >= args.steps:
                     if rank == 0:
-                        save_checkpoint(ckpt_path, model, optimizer, tuner, config, epoch)
-                    applied = tuner.checkpoint()
+                        save_checkpoint(ckpt_path, net, optimizer, tuner, config, epoch)
+                    applied = tuner.checkpoint()  # on every rank, at the same step
                     if applied:
-                        print(applied, flush=True)
+                        say(applied, flush=True)
                 now = time.perf_counter()
-                if now - last_report[0] >= args.progress_every:
+                if rank == 0 and now - last_report[0] >= args.progress_every:
                     last_report = _progress(
                         now, last_report, step, args.steps, samples_seen, config, loss
                     )
@@ -243,9 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loader.close()
         tuner.close()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
     elapsed = time.perf_counter() - started
-    print(f"done: {tuner.step_count} steps in {elapsed:.1f} s", flush=True)
+    say(f"done: {tuner.step_count} steps in {elapsed:.1f} s", flush=True)
     return 0
+
+
+def _quiet(*_args: object, **_kwargs: object) -> None:
+    """Ranks other than 0 print nothing (their telemetry is in memtui)."""
 
 
 def _progress(

@@ -144,16 +144,15 @@ class Agent(threading.Thread):
         pub.bind(pub_endpoint)
         self._pub = pub
         _private(pub_endpoint)
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
+        router.setsockopt(zmq.SNDHWM, 100)
+        control_endpoint = self.run_dir.control_endpoint(self.tuner.rank)
+        router.bind(control_endpoint)
+        self._router = router
+        _private(control_endpoint)
         if self.tuner.rank == 0:
-            router = self._context.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
-            router.setsockopt(zmq.SNDHWM, 100)
-            router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            control_endpoint = self.run_dir.control_endpoint()
-            router.bind(control_endpoint)
-            self._router = router
-            _private(control_endpoint)
             self.run_dir.write(self.record())
 
     def _close(self) -> None:
@@ -201,17 +200,8 @@ class Agent(threading.Thread):
         )
 
     def ranks(self) -> list[RankInfo]:
-        """Where each rank publishes (this process only, until ranks exchange endpoints)."""
-        info = self.tuner.info
-        return [
-            RankInfo(
-                rank=info.rank,
-                pub=self.run_dir.pub_endpoint(info.rank),
-                local_rank=info.local_rank,
-                host=info.host,
-                pid=info.pid,
-            )
-        ]
+        """Where each rank publishes and answers (exchanged at install)."""
+        return list(self.tuner.ranks)
 
     # ------------------------------------------------------------------ telemetry
 
@@ -326,8 +316,8 @@ class Agent(threading.Thread):
         try:
             if isinstance(request, Hello):
                 return self.snapshot(request.history)
-            if control is None:
-                return ErrorReply(reason="this rank does not take changes (rank 0 does)")
+            if isinstance(request, (SetRequest, CancelRequest)) and self.tuner.rank != 0:
+                return ErrorReply(reason=f"rank {self.tuner.rank} takes no changes: rank 0 does")
             if isinstance(request, SetRequest):
                 return control.queue(request)
             if isinstance(request, CancelRequest):
@@ -344,7 +334,6 @@ class Agent(threading.Thread):
         self._drain()
         tuner = self.tuner
         control = tuner.control
-        assert control is not None
         history = max(0, min(history, HISTORY_STEPS))
         steps = list(self.steps)[-history:] if history else []
         return Snapshot(

@@ -62,6 +62,8 @@ class Control:
         self.applied: deque[AppliedChange] = deque(maxlen=HISTORY)
         self.rejected: deque[RejectedChange] = deque(maxlen=HISTORY)
         self._next_id = 1
+        self.disabled = ""
+        """Why changes are off for this run (set when ranks fall out of step); empty when on."""
         self.taken_time = 0.0
         """When the last boundary took the pending set: changes queued later wait for the next."""
         self.seq = 1
@@ -79,6 +81,7 @@ class Control:
                 pending=list(self.pending),
                 applied=list(self.applied),
                 rejected=list(self.rejected),
+                disabled=self.disabled,
             )
 
     def projected(self) -> Knobs:
@@ -99,6 +102,8 @@ class Control:
         step = self._step()
         try:
             parsed = parse_changes(request.changes)
+            if self.disabled:
+                raise KnobError(f"changes are off for this run: {self.disabled}")
             with self._lock:
                 if len(self.pending) >= MAX_PENDING and not request.dry_run:
                     raise KnobError(f"{MAX_PENDING} changes already pending: cancel some first")

@@ -27,6 +27,7 @@ import memtui
 from memtui import registry
 from memtui.hooks.binding import ConfigBinding
 from memtui.hooks.control import Control
+from memtui.hooks.coordinate import Coordinator
 from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
 from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
@@ -38,6 +39,7 @@ from memtui.wire import (
     Knobs,
     KnobValue,
     PendingChange,
+    RankInfo,
     RunInfo,
 )
 
@@ -63,6 +65,13 @@ class Options:
     """Reset the torch allocator's peak counters after each read (per-interval peaks)."""
     publish: bool = True
     """Start the sampler and agent threads (False: changes and timing only, nothing sent)."""
+    boundary_timeout_s: float = field(
+        default_factory=lambda: float(os.environ.get("MEMTUI_BOUNDARY_TIMEOUT", "1800"))
+    )
+    """How long a rank waits at a checkpoint boundary for the others before changes are
+    switched off (long enough for the slowest checkpoint save)."""
+    boundary_warn_s: float = 60.0
+    """How often a rank waiting at a boundary names the ranks it waits for."""
 
 
 @dataclass
@@ -100,6 +109,14 @@ def _dist() -> Any:
     except Exception:
         return None
     return None
+
+
+def _try(make: Callable[[], str]) -> str:
+    """The endpoint ``make`` builds, or "" when the runtime directory is unusable."""
+    try:
+        return make()
+    except Exception:
+        return ""
 
 
 def _rank_env() -> tuple[int, int, int]:
@@ -162,7 +179,26 @@ class Tuner:
         self.config = config
         self.binding = ConfigBinding(config, knobs)
         self.rank, self.local_rank, self.world_size = _rank_env()
+        self.coordinator: Coordinator | None = None
+        self.ranks: list[RankInfo] = []
+        """Where every rank of the run publishes (filled at install)."""
         self.run_id = registry.new_run_id(name)
+        coordination_error = ""
+        dist = _dist()
+        if dist is not None:
+            # one collective step at install: a side group, rank 0's run id, every rank's endpoints
+            try:
+                self.coordinator = Coordinator(
+                    dist,
+                    timeout_s=self.options.boundary_timeout_s,
+                    warn_every_s=self.options.boundary_warn_s,
+                )
+                self.run_id = str(self.coordinator.agree(self.run_id))
+                self.coordinator.attach_store(self.run_id)
+            except Exception as exc:  # never apply uncoordinated: changes stay off
+                self._report(exc, "coordination")
+                coordination_error = f"ranks could not coordinate ({exc})"
+                self.coordinator = None
         self.state_dir = Path(state_dir) if state_dir else registry.state_home() / self.run_id
         self.tuned_paths = [self.state_dir / TUNED_FILE]
         if tuned_path:
@@ -185,6 +221,24 @@ class Tuner:
             report=self._report,
         )
         self.info = self._make_info()
+        run_dir = registry.RunDir(registry.runtime_dir(create=False) / self.run_id)
+        me = RankInfo(
+            rank=self.rank,
+            pub=_try(lambda: run_dir.pub_endpoint(self.rank)),
+            control=_try(lambda: run_dir.control_endpoint(self.rank)),
+            local_rank=self.local_rank,
+            host=self.info.host,
+            pid=self.info.pid,
+        )
+        self.ranks = [me]
+        if self.coordinator is not None:
+            try:
+                self.ranks = self.coordinator.gather(me)
+            except Exception as exc:
+                self._report(exc, "coordination")
+                coordination_error = f"ranks could not exchange endpoints ({exc})"
+        if coordination_error:
+            self.control.disabled = coordination_error
         self._refresh_device()
         if optimizer is not None and auto_step:
             self.watch_optimizer(optimizer)
@@ -425,12 +479,18 @@ class Tuner:
 
     def _boundary(self) -> Applied | None:
         """Decide (rank 0), broadcast, validate and apply the pending changes."""
-        pending: list[PendingChange] = self.control.take_pending() if self.rank == 0 else []
-        dist = _dist()
-        if dist is not None:
-            box: list[Any] = [pending]
-            dist.broadcast_object_list(box, src=0)
-            pending = box[0] or []
+        taken: list[PendingChange] = self.control.take_pending() if self.rank == 0 else []
+        pending = taken
+        if self.coordinator is not None:
+            agreed, abort = self.coordinator.boundary(self._step, taken)
+            if abort:
+                if taken:
+                    self.control.record_rejected(
+                        taken, f"changes are off for this run: {abort}", self._step
+                    )
+                self.control.disabled = abort
+                return None
+            pending = agreed or []
         if not pending:
             return None
         merged: dict[str, KnobValue] = {}
