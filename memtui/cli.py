@@ -444,30 +444,41 @@ def _demo_argv(
 @click.option(
     "--resume", is_flag=True, help="Resume from the checkpoint and tuned config in --out."
 )
+@click.option(
+    "--ranks",
+    default=1,
+    show_default=True,
+    help="Processes under torchrun (gloo on CPU, nccl on GPUs).",
+)
 def demo_command(
     no_tui: bool, steps: int, checkpoint_every: int, batch_size: int, grad_accum: int, workers: int,
-    pin_memory: bool, slow_data_ms: float, out: str | None, resume: bool,
+    pin_memory: bool, slow_data_ms: float, out: str | None, resume: bool, ranks: int,
 ) -> None:  # fmt: skip
     """Run the bundled demo training (slow data: it starves until you add workers)."""
     argv = _demo_argv(
-        steps,
-        checkpoint_every,
-        batch_size,
-        grad_accum,
-        workers,
-        pin_memory,
-        slow_data_ms,
-        out,
-        resume,
-    )
+        steps, checkpoint_every, batch_size, grad_accum, workers, pin_memory, slow_data_ms, out, resume
+    )  # fmt: skip
+    if ranks < 1:
+        _fail("--ranks must be 1 or more", 2)
+    command = demo_command_line(argv, ranks)
     if no_tui:
-        from memtui.demo.train import main as demo_main
+        if ranks == 1:
+            from memtui.demo.train import main as demo_main
 
-        sys.exit(demo_main(argv))
-    _demo_with_tui(argv)
+            sys.exit(demo_main(argv))
+        sys.exit(subprocess.call(command))
+    _demo_with_tui(command)
 
 
-def _demo_with_tui(argv: list[str]) -> None:
+def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
+    """The command that runs the demo training, under torchrun when ``ranks`` > 1."""
+    if ranks == 1:
+        return [sys.executable, "-m", "memtui.demo", *argv]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc_per_node={ranks}", "-m", "memtui.demo", *argv]
+
+
+def _demo_with_tui(command: list[str]) -> None:
     """Start the demo training in a subprocess and attach the viewer to it."""
     try:
         from memtui.tui.app import run_app
@@ -479,12 +490,7 @@ def _demo_with_tui(argv: list[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "memtui.demo", *argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         run_id = _wait_for_run_id(log_path, proc)
         code = run_app(run_id, demo_process=proc)

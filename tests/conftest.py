@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from memtui.cli import demo_command_line
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -70,18 +72,17 @@ class DemoRun:
                 self.proc.wait(5)
 
 
-def demo_command(*args: str) -> list[str]:
-    """The command line of the demo training with ``args``."""
-    return [sys.executable, "-m", "memtui.demo", *args]
-
-
 @pytest.fixture
 def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
     """Start the demo training (``python -m memtui.demo``) and wait for its run id."""
     runs: list[DemoRun] = []
 
     def start(
-        *args: str, out: Path | None = None, wait: bool = True, env: dict[str, str] | None = None
+        *args: str,
+        out: Path | None = None,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+        ranks: int = 1,
     ) -> DemoRun:
         out_dir = out or tmp_path / f"demo{len(runs)}"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log, "w") as handle:
             proc = subprocess.Popen(
-                demo_command("--out", str(out_dir), "--progress-every", "1", *args),
+                demo_command_line(["--out", str(out_dir), "--progress-every", "1", *args], ranks),
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 text=True,

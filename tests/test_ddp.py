@@ -1,0 +1,235 @@
+"""Many ranks, one decision: real torchrun (gloo, CPU) with two processes."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from memtui import registry
+from memtui.client import ControlClient, hello_many
+from memtui.wire import Decoder, Snapshot, Telemetry
+from tests.conftest import ROOT, DemoRun, memtui_cli, wait_for
+
+EVERY = 4
+CHANGES = [
+    {"grad_accum": 3},
+    {"batch_size": 12},
+    {"grad_accum": 1, "batch_size": 8},
+    {"grad_accum": 2},
+    {"batch_size": 16, "num_workers": 0},
+]
+
+
+def snapshots(run: str) -> list[Snapshot]:
+    target = registry.find_run(run)
+    answers = hello_many([r.control for r in target.ranks], timeout_s=5, history=2048)
+    assert all(a is not None for a in answers), "every rank answers"
+    return [a for a in answers if a is not None]
+
+
+def rank0_step_near_boundary(sub: zmq.Socket, decoder: Decoder, deadline: float) -> None:
+    """Return as soon as rank 0 reports a step just before a checkpoint boundary."""
+    while time.monotonic() < deadline:
+        if sub.poll(200):
+            message = decoder.decode(sub.recv())
+            if isinstance(message, Telemetry) and message.step % EVERY == EVERY - 1:
+                return
+
+
+def run_trials(demo: DemoRun, trials: int, seed: int) -> None:
+    """Queue changes at random moments (half of them right before a boundary); check each lands."""
+    rng = random.Random(seed)
+    target = registry.find_run(demo.run_id)
+    client = ControlClient(target.control, timeout_s=5)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(target.ranks[0].pub)
+    decoder = Decoder()
+    try:
+        for trial in range(trials):
+            applied_before = len(client.hello(history=0).control.applied)
+            if trial % 2:
+                rank0_step_near_boundary(sub, decoder, time.monotonic() + 10)
+            else:
+                time.sleep(rng.uniform(0, 0.4))
+            reply = client.set(CHANGES[trial % len(CHANGES)])  # type: ignore[arg-type]
+            assert reply.ok, reply.reason
+
+            def landed(count: int = applied_before + 1) -> bool:
+                return len(client.hello(history=0).control.applied) >= count
+
+            wait_for(landed, 60, 0.05, f"trial {trial} to land (a hang?)")
+    finally:
+        sub.close()
+
+
+def check_one_decision(demo: DemoRun) -> list[Any]:
+    """Every rank applied the same changes at the same steps, and ran them."""
+    ranks = snapshots(demo.run_id)
+    assert [s.info.rank for s in ranks] == [0, 1]
+    applied = [[(a.ids, a.step, a.changes) for a in s.control.applied] for s in ranks]
+    assert applied[0] == applied[1], "0 mismatched steps"
+    for snap in ranks:
+        accum = {s.step: s.micro_batches for s in snap.steps}
+        for change in snap.control.applied:
+            if "grad_accum" in change.changes:
+                following = change.step + 1
+                if following in accum:
+                    assert accum[following] == change.changes["grad_accum"].new, (
+                        snap.info.rank,
+                        change,
+                    )
+    return applied[0]
+
+
+def test_two_ranks_one_view_one_decision(start_demo: Callable[..., DemoRun]) -> None:
+    demo = start_demo(
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        str(EVERY),
+        "--slow-data-ms",
+        "0",
+        "--batch-size",
+        "8",
+        ranks=2,
+    )
+    listed = json.loads(memtui_cli("ls", "--json").stdout)
+    assert len(listed) == 1 and listed[0]["ranks"] == 2
+    assert [e["rank"] for e in listed[0]["endpoints"]] == [0, 1]
+
+    status = json.loads(memtui_cli("status", "--json").stdout)
+    assert status["world_size"] == 2
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    for entry in status["ranks"]:
+        assert entry["reachable"] and entry["host"] and entry["pid"] and "step" in entry
+        assert entry["config"] == {
+            "batch_size": 8,
+            "grad_accum": 2,
+            "num_workers": 0,
+            "pin_memory": False,
+        }
+    assert status["effective_batch"] == 8 * 2 * 2
+
+    keep = memtui_cli("set", "batch_size=16", "--keep-effective-batch")
+    assert keep.returncode == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
+    wait_for(
+        lambda: json.loads(memtui_cli("status", "--json").stdout)["applied"], 60, 0.2, "the change"
+    )
+    run_trials(demo, 3, seed=1)
+    applied = check_one_decision(demo)
+    assert len(applied) == 4
+    human = memtui_cli("status").stdout
+    assert "rank  host" in human and "   1  " in human
+
+
+@pytest.mark.slow
+def test_twenty_trials_no_hang_no_mismatch(start_demo: Callable[..., DemoRun]) -> None:
+    demo = start_demo(
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        str(EVERY),
+        "--slow-data-ms",
+        "0",
+        "--batch-size",
+        "8",
+        ranks=2,
+    )
+    run_trials(demo, 20, seed=7)
+    assert len(check_one_decision(demo)) == 20
+    assert demo.proc.poll() is None, "the job still runs"
+
+
+def test_a_dead_rank_does_not_hang_the_viewer(start_demo: Callable[..., DemoRun]) -> None:
+    demo = start_demo(
+        "--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "0", ranks=2
+    )
+    status = json.loads(memtui_cli("status", "--json").stdout)
+    rank1 = next(r for r in status["ranks"] if r["rank"] == 1)
+    psutil.Process(rank1["pid"]).send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    result = memtui_cli("status", demo.run_id, "--json", timeout=30)
+    assert time.monotonic() - started < 15
+    if result.returncode == 0:  # rank 0 may still answer while torchrun tears the job down
+        ranks = {r["rank"]: r["reachable"] for r in json.loads(result.stdout)["ranks"]}
+        assert ranks.get(1) is False
+    else:
+        assert "memtui:" in result.stderr
+    assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
+
+
+MISMATCH = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from types import SimpleNamespace
+    from memtui import hooks
+    from memtui.wire import SetRequest
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = SimpleNamespace(batch_size=4, grad_accum=1)
+    tuner = hooks.install(config, name="mismatch")
+    if rank == 0:
+        print("run", tuner.run_id, flush=True)
+        assert tuner.control.queue(SetRequest(changes={"grad_accum": 2})).ok
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 31):
+        model(torch.ones(config.batch_size, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tuner.step()
+        if step % 10 == 0 and not (rank == 1 and step == 10):  # rank 1 misses one boundary
+            tuner.checkpoint()
+    state = tuner.control.state()
+    print(f"rank {rank} accum {config.grad_accum} disabled {state.disabled!r}", flush=True)
+    if rank == 0:
+        print("rejected", state.rejected[-1].reason, flush=True)
+    tuner.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_boundary_missed_on_one_rank_is_loud_not_a_hang(tmp_path: Path) -> None:
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**dict(__import__("os").environ), "MEMTUI_BOUNDARY_TIMEOUT": "3"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert time.monotonic() - started < 90
+    assert "rank 0 accum 1 disabled" in output and "rank 1 accum 1 disabled" in output, (
+        "nothing applied anywhere"
+    )
+    assert "changes are OFF for this run" in output
+    assert "did not reach checkpoint #1" in output
+    assert "rejected changes are off for this run: rank(s) 1 did not reach checkpoint #1" in output
