@@ -174,7 +174,7 @@ def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
 def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | None]:
     """Rank 0's snapshot and every other rank's (None where a rank did not answer)."""
     others = [r for r in snapshot.ranks if r.rank != snapshot.info.rank]
-    answers = hello_many([r.control for r in others], timeout_s=timeout)
+    answers = hello_many([registry.rank_control(r) for r in others], timeout_s=timeout)
     by_rank = {r.rank: a for r, a in zip(others, answers, strict=True)}
     by_rank[snapshot.info.rank] = snapshot
     return [by_rank.get(r.rank) for r in snapshot.ranks] if snapshot.ranks else [snapshot]
@@ -515,6 +515,24 @@ def _wait_for_run_id(log_path: Any, proc: subprocess.Popen[bytes], timeout: floa
         time.sleep(0.1)
     _fail(f"the demo training did not start within {timeout:.0f} s; see {log_path}")
     return ""
+
+
+# ---------------------------------------------------------------------------- keygen
+
+
+@main.command("keygen")
+@click.option("--force", is_flag=True, help="Replace existing keys.")
+def keygen_command(force: bool) -> None:
+    """Make the CURVE keys for multi-node runs over TCP (files 0600 in ~/.config/memtui/curve)."""
+    from memtui.security import SecurityError, keygen
+
+    try:
+        root = keygen(force=force)
+    except SecurityError as exc:
+        _fail(str(exc))
+        return
+    click.echo(f"keys written to {root}")
+    click.echo("copy this directory to every node of the job (or share the home directory)")
 
 
 # ---------------------------------------------------------------------------- attach

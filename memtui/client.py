@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import zmq
 
+from memtui.security import SecurityError, make_client
 from memtui.wire import (
     CancelReply,
     CancelRequest,
@@ -66,12 +67,13 @@ class ControlClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         try:
+            make_client(sock, self.endpoint)
             sock.connect(self.endpoint)
             sock.send(encode(message))
             if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
                 raise ClientError(f"no answer from {self.endpoint} within {self.timeout_s:g} s")
             reply = self.decoder.decode(sock.recv())
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, SecurityError) as exc:
             raise ClientError(f"cannot reach {self.endpoint}: {exc}")
         finally:
             sock.close(0)
@@ -130,9 +132,10 @@ def hello_many(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         try:
+            make_client(sock, endpoint)
             sock.connect(endpoint)
             sock.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, SecurityError):
             sock.close(0)
             sockets.append(None)
             continue

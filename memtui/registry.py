@@ -232,3 +232,21 @@ def _target(record: RunRecord, note: str) -> Target:
     return Target(
         control=record.control, ranks=list(record.ranks), run=record.run, note=note, record=record
     )
+
+
+def _pick(local: str, tcp: str, host: str) -> str:
+    """The local ipc endpoint when the rank is on this host (and its socket is there), else TCP."""
+    path = endpoint_path(local) if local else None
+    if path is not None and (not host or host == _hostname()) and path.exists():
+        return local
+    return tcp or local
+
+
+def rank_pub(rank: RankInfo) -> str:
+    """The endpoint to subscribe to for a rank's telemetry from this host."""
+    return _pick(rank.pub, rank.pub_tcp, rank.host)
+
+
+def rank_control(rank: RankInfo) -> str:
+    """The endpoint to ask a rank for its snapshot from this host."""
+    return _pick(rank.control, rank.control_tcp, rank.host)

@@ -220,6 +220,9 @@ class RankInfo(Struct, omit_defaults=True):
     control: str = ""
     """The rank's control endpoint (every rank answers hello; rank 0 takes changes)."""
     local_rank: int = 0
+    pub_tcp: str = ""
+    """The same telemetry over authenticated TCP, for viewers on other nodes ("" if off)."""
+    control_tcp: str = ""
     host: str = ""
     pid: int = 0
 

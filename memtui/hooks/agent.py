@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from memtui import registry
+from memtui.security import ZapHandler, make_server
 from memtui.wire import (
     CancelRequest,
     CheckpointRecord,
@@ -79,6 +80,13 @@ class Agent(threading.Thread):
         self._context: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
+        self._pub_tcp: zmq.Socket | None = None
+        self._router_tcp: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None
+        self.tcp_pub = ""
+        """This rank's TCP telemetry endpoint as other nodes reach it ("" without TCP)."""
+        self.tcp_control = ""
+        self.registered = False
         self._sent_control_seq = 0
         self._sent_counters: HookCounters | None = None
         self._last_send = 0.0
@@ -98,6 +106,7 @@ class Agent(threading.Thread):
         try:
             self._context = zmq.Context()
             self._bind()
+            self._bind_tcp()
         except BaseException as exc:
             self.failed = exc
             self.tuner._report(exc, "agent start")
@@ -110,11 +119,19 @@ class Agent(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 timeout_ms = max(0, int((next_flush - time.monotonic()) * 1000))
-                if self._router is not None:
-                    if self._router.poll(timeout_ms, zmq.POLLIN):
-                        self._serve()
-                else:
-                    self._stop_event.wait(timeout_ms / 1000)
+                poller = zmq.Poller()
+                for sock in (
+                    self._router,
+                    self._router_tcp,
+                    self._zap.socket if self._zap else None,
+                ):
+                    if sock is not None:
+                        poller.register(sock, zmq.POLLIN)
+                for sock, _event in poller.poll(timeout_ms):
+                    if self._zap is not None and sock is self._zap.socket:
+                        self._zap.handle()
+                    else:
+                        self._serve(sock)
                 now = time.monotonic()
                 if now >= next_flush:
                     next_flush = max(next_flush + self.flush_period_s, now)
@@ -135,48 +152,69 @@ class Agent(threading.Thread):
             self.run_dir.remove()
 
     def _bind(self) -> None:
+        """Bind this rank's ipc PUB and ROUTER sockets in the private runtime directory."""
         assert self._context is not None
         self.run_dir.create()
-        pub = self._context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 1000)
-        pub.setsockopt(zmq.LINGER, 100)
         pub_endpoint = self.run_dir.pub_endpoint(self.tuner.rank)
-        pub.bind(pub_endpoint)
-        self._pub = pub
+        self._pub = _pub_socket(self._context)
+        self._pub.bind(pub_endpoint)
         _private(pub_endpoint)
-        router = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
-        router.setsockopt(zmq.SNDHWM, 100)
         control_endpoint = self.run_dir.control_endpoint(self.tuner.rank)
-        router.bind(control_endpoint)
-        self._router = router
+        self._router = _router_socket(self._context)
+        self._router.bind(control_endpoint)
         _private(control_endpoint)
-        if self.tuner.rank == 0:
+
+    def _bind_tcp(self) -> None:
+        """Bind TCP twins of both sockets when asked (CURVE unless insecure on loopback)."""
+        plan = self.tuner.tcp_plan
+        if plan is None:
+            return
+        assert self._context is not None
+        if plan.keys is not None:
+            self._zap = ZapHandler(self._context, plan.keys)
+        pub = _pub_socket(self._context)
+        router = _router_socket(self._context)
+        for sock in (pub, router):
+            make_server(sock, plan.keys)
+            sock.bind(f"tcp://{plan.address}:*")
+        self._pub_tcp, self._router_tcp = pub, router
+        self.tcp_pub = plan.advertised(_port(pub))
+        self.tcp_control = plan.advertised(_port(router))
+
+    def register(self) -> None:
+        """Write the run's registry record (rank 0), once every rank's endpoints are known."""
+        if self.tuner.rank == 0 and self._router is not None:
             self.run_dir.write(self.record())
+            self.registered = True
 
     def _close(self) -> None:
-        for sock in (self._pub, self._router):
+        for sock in (self._pub, self._router, self._pub_tcp, self._router_tcp):
             if sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close()
-        self._pub = self._router = None
+        self._pub = self._router = self._pub_tcp = self._router_tcp = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         if self._context is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._context.term()
             self._context = None
 
     def _rebind(self) -> None:
+        """Close and bind the ipc sockets again (the TCP ones do not depend on the directory)."""
         for sock in (self._pub, self._router):
             if sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close(0)
         self._pub = self._router = None
         self._bind()
+        if self.registered:
+            self.register()
 
     def _check_registry(self) -> None:
         """Recreate the runtime directory, sockets and record if they were removed."""
-        if self.tuner.rank != 0 or self.run_dir.record_path.exists():
+        if self.tuner.rank != 0 or not self.registered or self.run_dir.record_path.exists():
             return
         self._rebind()
         self.counters.recoveries += 1
@@ -270,14 +308,16 @@ class Agent(threading.Thread):
         self._last_send = now
 
     def _send(self, frame: bytes) -> bool:
-        if self._pub is None:
-            return False
-        try:
-            self._pub.send(frame, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            self.counters.messages_dropped += 1
-            return False
+        sent = False
+        for sock in (self._pub, self._pub_tcp):
+            if sock is None:
+                continue
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                self.counters.messages_dropped += 1
+        return sent
 
     def current_counters(self) -> HookCounters:
         """The hook's counters now."""
@@ -292,9 +332,7 @@ class Agent(threading.Thread):
 
     # ------------------------------------------------------------------ control
 
-    def _serve(self) -> None:
-        router = self._router
-        assert router is not None
+    def _serve(self, router: zmq.Socket) -> None:
         for _ in range(64):
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -349,6 +387,27 @@ class Agent(threading.Thread):
             checkpoints=list(self.checkpoints),
             counters=self.current_counters(),
         )
+
+
+def _pub_socket(context: zmq.Context) -> zmq.Socket:
+    sock = context.socket(zmq.PUB)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.LINGER, 100)
+    return sock
+
+
+def _router_socket(context: zmq.Context) -> zmq.Socket:
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
+    sock.setsockopt(zmq.SNDHWM, 100)
+    return sock
+
+
+def _port(sock: zmq.Socket) -> int:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    text = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(text.rsplit(":", 1)[1])
 
 
 def _private(endpoint: str) -> None:

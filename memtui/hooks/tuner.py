@@ -31,6 +31,7 @@ from memtui.hooks.coordinate import Coordinator
 from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
 from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
+from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,
@@ -72,6 +73,10 @@ class Options:
     switched off (long enough for the slowest checkpoint save)."""
     boundary_warn_s: float = 60.0
     """How often a rank waiting at a boundary names the ranks it waits for."""
+    tcp: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_TCP") or None)
+    """Also publish over TCP on this address (multi-node; CURVE keys from ``memtui keygen``)."""
+    insecure: bool = field(default_factory=insecure_requested)
+    """Allow plain TCP (loopback addresses only)."""
 
 
 @dataclass
@@ -221,35 +226,49 @@ class Tuner:
             report=self._report,
         )
         self.info = self._make_info()
+        self.tcp_plan: TcpPlan | None = None
+        try:
+            self.tcp_plan = plan_tcp(self.options.tcp, self.options.insecure)
+        except SecurityError as exc:
+            self._report(exc, "tcp")
+        self._refresh_device()
+        if optimizer is not None and auto_step:
+            self.watch_optimizer(optimizer)
+        _live_tuners.add(self)
+        atexit.register(self.close)
+        disabled = os.environ.get("MEMTUI_DISABLE", "") in ("1", "true", "yes")
+        if self.options.publish and not disabled:
+            self._start_threads()
+        # every rank's endpoints, exchanged once (a collective: every rank gets here)
+        self.ranks = [self._my_endpoints()]
+        if self.coordinator is not None:
+            try:
+                self.ranks = self.coordinator.gather(self.ranks[0])
+            except Exception as exc:
+                self._report(exc, "coordination")
+                coordination_error = f"ranks could not exchange endpoints ({exc})"
+        if coordination_error:
+            self.control.disabled = coordination_error
+        if self._agent is not None and self._agent.failed is None:
+            try:
+                self._agent.register()
+            except Exception as exc:
+                self._report(exc, "register")
+
+    def _my_endpoints(self) -> RankInfo:
+        """Where this rank publishes and answers."""
         run_dir = registry.RunDir(registry.runtime_dir(create=False) / self.run_id)
-        me = RankInfo(
+        agent = self._agent
+        return RankInfo(
             rank=self.rank,
             pub=_try(lambda: run_dir.pub_endpoint(self.rank)),
             control=_try(lambda: run_dir.control_endpoint(self.rank)),
             local_rank=self.local_rank,
             host=self.info.host,
             pid=self.info.pid,
+            pub_tcp=agent.tcp_pub if agent is not None else "",
+            control_tcp=agent.tcp_control if agent is not None else "",
         )
-        self.ranks = [me]
-        if self.coordinator is not None:
-            try:
-                self.ranks = self.coordinator.gather(me)
-            except Exception as exc:
-                self._report(exc, "coordination")
-                coordination_error = f"ranks could not exchange endpoints ({exc})"
-        if coordination_error:
-            self.control.disabled = coordination_error
-        self._refresh_device()
-        if optimizer is not None and auto_step:
-            self.watch_optimizer(optimizer)
-        _live_tuners.add(self)
-        atexit.register(self.close)
-        if self.options.publish and os.environ.get("MEMTUI_DISABLE", "") not in (
-            "1",
-            "true",
-            "yes",
-        ):
-            self._start_threads()
 
     # ------------------------------------------------------------------ setup helpers
 

@@ -1,0 +1,210 @@
+"""Authenticated TCP for multi-node runs: CURVE keys from ``memtui keygen`` and the server-side check.
+
+Local runs never need this: they use ipc sockets in the per-user 0700 runtime directory. When a
+run publishes over TCP (``install(..., tcp="0.0.0.0")`` or ``MEMTUI_TCP``), every rank's TCP
+sockets are CURVE servers with the user's server key, and a ZAP handler in the hook's agent
+thread admits only clients whose public key is in ``<keys>/authorized/``. Viewers connect with
+the user's client key. ``memtui keygen`` makes both key pairs (files 0600 in a 0700 directory)
+and authorises its own client key; copy the directory to the other nodes (or share the home
+directory) like an SSH key. Plain TCP is refused, except with ``insecure`` on a loopback address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+DOMAIN = "memtui"
+
+
+class SecurityError(RuntimeError):
+    """TCP was asked for without the keys (or insecurely on a non-loopback address)."""
+
+
+def key_dir() -> Path:
+    """Where the CURVE keys live: ``$MEMTUI_KEYS``, else ``~/.config/memtui/curve``."""
+    env = os.environ.get("MEMTUI_KEYS")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "memtui" / "curve"
+
+
+def keygen(force: bool = False, directory: Path | None = None) -> Path:
+    """Make the server and client key pairs and authorise the client key; return the directory."""
+    root = directory or key_dir()
+    if (root / "server.key_secret").exists() and not force:
+        raise SecurityError(f"keys already exist in {root} (use --force to replace them)")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root.chmod(0o700)
+    authorized = root / "authorized"
+    if force and authorized.exists():
+        shutil.rmtree(authorized)
+    authorized.mkdir(mode=0o700, exist_ok=True)
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(root, name)
+    shutil.copyfile(root / "client.key", authorized / "client.key")
+    for path in [*root.iterdir(), *authorized.iterdir()]:
+        if path.is_file():
+            path.chmod(0o600)
+    return root
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The user's CURVE keys (z85-encoded) and the client keys the servers admit."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+    authorized: frozenset[bytes]
+
+
+def load_keys(directory: Path | None = None) -> Keys | None:
+    """The keys made by ``memtui keygen``, or None when there are none."""
+    root = directory or key_dir()
+    try:
+        server_public, server_secret = zmq.auth.load_certificate(root / "server.key_secret")
+        client_public, client_secret = zmq.auth.load_certificate(root / "client.key_secret")
+    except (OSError, ValueError):
+        return None
+    if server_secret is None or client_secret is None:
+        return None
+    authorized = set()
+    for path in (root / "authorized").glob("*.key"):
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except (OSError, ValueError):
+            continue
+        authorized.add(public)
+    return Keys(server_public, server_secret, client_public, client_secret, frozenset(authorized))
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(endpoint: str) -> str:
+    """The host part of a ``tcp://host:port`` endpoint."""
+    rest = endpoint.split("://", 1)[-1]
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def insecure_requested() -> bool:
+    """``MEMTUI_INSECURE=1``: plain TCP, allowed on loopback addresses only."""
+    return os.environ.get("MEMTUI_INSECURE", "") in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class TcpPlan:
+    """How a rank binds TCP: the address, and CURVE keys (None: insecure loopback)."""
+
+    address: str
+    keys: Keys | None
+
+    def advertised(self, port: int) -> str:
+        """The endpoint other nodes use to reach a socket bound on ``port``."""
+        host = self.address
+        if host in ("0.0.0.0", "*", "::"):
+            host = socket.gethostname()
+        return f"tcp://{host}:{port}"
+
+
+def plan_tcp(address: str | None, insecure: bool = False) -> TcpPlan | None:
+    """Decide how to bind TCP for ``address`` (None: no TCP); raise SecurityError to refuse."""
+    if not address:
+        return None
+    keys = load_keys()
+    if keys is not None and not insecure:
+        return TcpPlan(address, keys)
+    if insecure and is_loopback(address):
+        return TcpPlan(address, None)
+    if insecure:
+        raise SecurityError(
+            f"refusing plain TCP on {address}: --insecure is for loopback addresses only"
+        )
+    raise SecurityError(f"refusing TCP on {address} without keys: run `memtui keygen` first")
+
+
+def make_server(sock: zmq.Socket, keys: Keys | None) -> None:
+    """Make a TCP socket a CURVE server checked by ZAP (nothing for insecure loopback)."""
+    if keys is None:
+        return
+    sock.curve_server = True
+    sock.curve_publickey = keys.server_public
+    sock.curve_secretkey = keys.server_secret
+    sock.zap_domain = DOMAIN.encode()
+
+
+def make_client(sock: zmq.Socket, endpoint: str) -> None:
+    """Give a client socket what it needs to reach ``endpoint``; raise SecurityError if it can't."""
+    if not endpoint.startswith("tcp://"):
+        return
+    keys = load_keys()
+    if keys is not None and not insecure_requested():
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+        return
+    if insecure_requested() and is_loopback(host_of(endpoint)):
+        return
+    raise SecurityError(
+        f"{endpoint} is TCP: run `memtui keygen` (or copy its keys here) to reach it"
+    )
+
+
+class ZapHandler:
+    """Answers ZeroMQ's authentication requests: CURVE clients with an authorised key only."""
+
+    def __init__(self, context: zmq.Context, keys: Keys) -> None:
+        self.keys = keys
+        self.socket: Any = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(ZAP_ENDPOINT)
+        self.denied = 0
+        """Peers refused (unknown key or wrong mechanism)."""
+
+    def handle(self) -> None:
+        """Answer every pending request."""
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.socket.send_multipart(self.answer(frames))
+
+    def answer(self, frames: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request (RFC 27)."""
+        if len(frames) < 6:
+            self.denied += 1
+            return [b"1.0", b"", b"400", b"malformed request", b"", b""]
+        version, request_id, domain, _address, _identity, mechanism = frames[:6]
+        credentials = frames[6:]
+        if mechanism == b"CURVE" and credentials and domain == DOMAIN.encode():
+            public = z85.encode(credentials[0])
+            if public in self.keys.authorized:
+                return [version, request_id, b"200", b"OK", public, b""]
+        self.denied += 1
+        return [version, request_id, b"400", b"not authorised", b"", b""]
+
+    def close(self) -> None:
+        """Stop answering."""
+        self.socket.close(0)

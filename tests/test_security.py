@@ -1,0 +1,191 @@
+"""Multi-node transport: TCP only with CURVE keys; unauthenticated peers get nothing."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from memtui import registry
+from memtui.client import ClientError, ControlClient, hello_many
+from memtui.hooks import Options, Tuner
+from memtui.security import keygen, load_keys
+from memtui.wire import Decoder, Hello, Telemetry, encode
+from tests.conftest import ROOT, memtui_cli, wait_for
+
+
+@pytest.fixture
+def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "curve"))
+    monkeypatch.delenv("MEMTUI_INSECURE", raising=False)
+    result = memtui_cli("keygen")
+    assert result.returncode == 0, result.stderr
+    return tmp_path / "curve"
+
+
+@pytest.fixture
+def tcp_tuner(keys: Path, tmp_path: Path) -> Iterator[Tuner]:
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    try:
+        for _ in range(3):
+            tuner.step()
+        yield tuner
+    finally:
+        tuner.close()
+
+
+def test_keygen_files_are_private(keys: Path) -> None:
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    files = [p for p in keys.rglob("*") if p.is_file()]
+    assert {p.name for p in files} == {"server.key", "server.key_secret", "client.key", "client.key_secret"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    loaded = load_keys(keys)
+    assert loaded is not None and loaded.client_public in loaded.authorized
+    again = memtui_cli("keygen")
+    assert again.returncode == 1 and "already exist" in again.stderr
+
+
+def test_the_authenticated_client_works(tcp_tuner: Tuner) -> None:
+    rank = tcp_tuner.ranks[0]
+    assert rank.pub_tcp.startswith("tcp://127.0.0.1:") and rank.control_tcp.startswith("tcp://127.0.0.1:")
+    snapshot = ControlClient(rank.control_tcp, timeout_s=5).hello()
+    assert snapshot.info.run == tcp_tuner.run_id and snapshot.step == 3
+    assert snapshot.ranks[0].pub_tcp == rank.pub_tcp
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    from memtui.security import make_client
+
+    make_client(sub, rank.pub_tcp)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(rank.pub_tcp)
+    try:
+        assert sub.poll(5000), "telemetry arrives over CURVE"
+        assert isinstance(Decoder().decode(sub.recv()), Telemetry)
+    finally:
+        sub.close()
+
+
+def test_unauthenticated_peers_get_nothing(tcp_tuner: Tuner, tmp_path: Path) -> None:
+    rank = tcp_tuner.ranks[0]
+    context = zmq.Context.instance()
+    # 1. plain ZeroMQ, no CURVE at all
+    plain_req = context.socket(zmq.REQ)
+    plain_sub = context.socket(zmq.SUB)
+    # 2. CURVE with the right server key but a client key nobody authorised
+    stranger = keygen(directory=tmp_path / "stranger")
+    stranger_keys = load_keys(stranger)
+    server_keys = load_keys()
+    assert stranger_keys is not None and server_keys is not None
+    rogue_req = context.socket(zmq.REQ)
+    rogue_sub = context.socket(zmq.SUB)
+    for sock in (rogue_req, rogue_sub):
+        sock.curve_serverkey = server_keys.server_public
+        sock.curve_publickey = stranger_keys.client_public
+        sock.curve_secretkey = stranger_keys.client_secret
+    try:
+        for req in (plain_req, rogue_req):
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(rank.control_tcp)
+            req.send(encode(Hello(client="intruder")))
+        for sub in (plain_sub, rogue_sub):
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(rank.pub_tcp)
+        time.sleep(1.5)  # several telemetry batches go out meanwhile
+        for sock in (plain_req, rogue_req, plain_sub, rogue_sub):
+            assert not sock.poll(100), "nothing reaches an unauthenticated peer"
+        assert tcp_tuner._agent._zap is not None and tcp_tuner._agent._zap.denied >= 2
+    finally:
+        for sock in (plain_req, plain_sub, rogue_req, rogue_sub):
+            sock.close(0)
+
+
+def test_tcp_without_keys_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    try:
+        assert tuner.tcp_plan is None and tuner.ranks[0].pub_tcp == ""
+        assert "without keys: run `memtui keygen` first" in tuner._last_error
+    finally:
+        tuner.close()
+    insecure = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="0.0.0.0", insecure=True))
+    try:
+        assert insecure.tcp_plan is None
+        assert "loopback addresses only" in insecure._last_error
+    finally:
+        insecure.close()
+    with pytest.raises(ClientError, match="memtui keygen"):
+        ControlClient("tcp://10.1.2.3:5555", timeout_s=1).hello()
+
+
+def test_insecure_loopback_is_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
+    monkeypatch.setenv("MEMTUI_INSECURE", "1")
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    try:
+        assert tuner.tcp_plan is not None and tuner.tcp_plan.keys is None
+        assert ControlClient(tuner.ranks[0].control_tcp, timeout_s=5).hello().info.run == tuner.run_id
+    finally:
+        tuner.close()
+
+
+TORCHRUN_TCP = """
+import time, torch.distributed as dist
+from types import SimpleNamespace
+from memtui import hooks
+dist.init_process_group("gloo")
+tuner = hooks.install(SimpleNamespace(batch_size=4, grad_accum=1), name="tcp")
+if dist.get_rank() == 0:
+    print("run", tuner.run_id, flush=True)
+for step in range(1, 100000):
+    tuner.step()
+    time.sleep(0.01)
+    if step % 20 == 0:
+        tuner.checkpoint()
+"""
+
+
+def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> None:
+    """Two ranks publishing over CURVE TCP (loopback stands in for a second node)."""
+    script = tmp_path / "tcp_job.py"
+    script.write_text(TORCHRUN_TCP)
+    env = {**dict(__import__("os").environ), "MEMTUI_TCP": "127.0.0.1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        run_id = proc.stdout.readline().split()[1]
+        record = wait_for(lambda: registry.find_run(run_id).record, 30, what="the registry")
+        ranks = record.ranks  # type: ignore[attr-defined]
+        assert [r.rank for r in ranks] == [0, 1]
+        assert all(r.pub_tcp.startswith("tcp://127.0.0.1:") and r.control_tcp for r in ranks)
+        answers = hello_many([r.control_tcp for r in ranks], timeout_s=5)
+        assert [a.info.rank if a else None for a in answers] == [0, 1]
+        status = json.loads(memtui_cli("status", run_id, "--json").stdout)
+        assert [r["reachable"] for r in status["ranks"]] == [True, True]
+        assert memtui_cli("set", run_id, "grad_accum=2").returncode == 0
+        wait_for(
+            lambda: all(
+                s and s.control.config.grad_accum == 2 for s in hello_many([r.control_tcp for r in ranks], timeout_s=5)
+            ),
+            30,
+            0.2,
+            "the change on both ranks, seen over TCP",
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
