@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-no-tui test test-slow lint bench screenshots clean
+.PHONY: demo demo-no-tui test test-slow lint bench bench-tui screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,8 @@ demo-no-tui: $(STAMP)
 	$(VENV)/bin/memtui demo --no-tui
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check memtui tests benchmarks
-	$(VENV)/bin/ruff format --check memtui tests benchmarks
+	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
+	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
@@ -34,12 +34,16 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check memtui tests benchmarks
-	$(VENV)/bin/ruff format --check memtui tests benchmarks
+	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
+	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/hook_overhead.py
+	$(PY) benchmarks/hook_ranks.py
+
+bench-tui: $(STAMP)
+	$(PY) benchmarks/tui_cpu.py
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py

@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 

@@ -49,7 +49,13 @@ def launch(ranks: int, rounds: int, steps: int) -> dict[str, Any]:
     """Run the worker under torchrun with ``ranks`` processes; return rank 0's report."""
     env = dict(os.environ)
     env.setdefault("MEMTUI_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtr", dir="/tmp"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+    ]
     command += [__file__, "--worker", "--rounds", str(rounds), "--steps", str(steps)]
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))

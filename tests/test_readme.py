@@ -32,7 +32,9 @@ def test_plain_loop_example(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     try:
-        runs = wait_for(lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run")
+        runs = wait_for(
+            lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
+        )
         assert runs[0]["run"].startswith("train-")  # type: ignore[index]
         result = memtui_cli("set", "batch_size=64", "--keep-effective-batch")
         assert result.returncode == 0, result.stderr
@@ -40,7 +42,9 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert proc.returncode == 0, output
-    assert re.search(r"applied at step \d+00: batch_size 32 -> 64, grad_accum 2 -> 1", output), output
+    assert re.search(r"applied at step \d+00: batch_size 32 -> 64, grad_accum 2 -> 1", output), (
+        output
+    )
     tuned = yaml.safe_load((out / "memtui-tuned.yaml").read_text())
     assert tuned["config"]["batch_size"] == 64 and tuned["config"]["grad_accum"] == 1
 

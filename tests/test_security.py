@@ -33,7 +33,9 @@ def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def tcp_tuner(keys: Path, tmp_path: Path) -> Iterator[Tuner]:
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    tuner = Tuner(
+        SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
+    )
     try:
         for _ in range(3):
             tuner.step()
@@ -45,7 +47,12 @@ def tcp_tuner(keys: Path, tmp_path: Path) -> Iterator[Tuner]:
 def test_keygen_files_are_private(keys: Path) -> None:
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
     files = [p for p in keys.rglob("*") if p.is_file()]
-    assert {p.name for p in files} == {"server.key", "server.key_secret", "client.key", "client.key_secret"}
+    assert {p.name for p in files} == {
+        "server.key",
+        "server.key_secret",
+        "client.key",
+        "client.key_secret",
+    }
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     loaded = load_keys(keys)
     assert loaded is not None and loaded.client_public in loaded.authorized
@@ -55,7 +62,9 @@ def test_keygen_files_are_private(keys: Path) -> None:
 
 def test_the_authenticated_client_works(tcp_tuner: Tuner) -> None:
     rank = tcp_tuner.ranks[0]
-    assert rank.pub_tcp.startswith("tcp://127.0.0.1:") and rank.control_tcp.startswith("tcp://127.0.0.1:")
+    assert rank.pub_tcp.startswith("tcp://127.0.0.1:") and rank.control_tcp.startswith(
+        "tcp://127.0.0.1:"
+    )
     snapshot = ControlClient(rank.control_tcp, timeout_s=5).hello()
     assert snapshot.info.run == tcp_tuner.run_id and snapshot.step == 3
     assert snapshot.ranks[0].pub_tcp == rank.pub_tcp
@@ -110,13 +119,19 @@ def test_unauthenticated_peers_get_nothing(tcp_tuner: Tuner, tmp_path: Path) -> 
 
 def test_tcp_without_keys_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    tuner = Tuner(
+        SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
+    )
     try:
         assert tuner.tcp_plan is None and tuner.ranks[0].pub_tcp == ""
         assert "without keys: run `memtui keygen` first" in tuner._last_error
     finally:
         tuner.close()
-    insecure = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="0.0.0.0", insecure=True))
+    insecure = Tuner(
+        SimpleNamespace(batch_size=4),
+        state_dir=tmp_path,
+        options=Options(tcp="0.0.0.0", insecure=True),
+    )
     try:
         assert insecure.tcp_plan is None
         assert "loopback addresses only" in insecure._last_error
@@ -129,10 +144,14 @@ def test_tcp_without_keys_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_insecure_loopback_is_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
     monkeypatch.setenv("MEMTUI_INSECURE", "1")
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1"))
+    tuner = Tuner(
+        SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
+    )
     try:
         assert tuner.tcp_plan is not None and tuner.tcp_plan.keys is None
-        assert ControlClient(tuner.ranks[0].control_tcp, timeout_s=5).hello().info.run == tuner.run_id
+        assert (
+            ControlClient(tuner.ranks[0].control_tcp, timeout_s=5).hello().info.run == tuner.run_id
+        )
     finally:
         tuner.close()
 
@@ -159,7 +178,14 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
     script.write_text(TORCHRUN_TCP)
     env = {**dict(__import__("os").environ), "MEMTUI_TCP": "127.0.0.1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -180,7 +206,8 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
         assert memtui_cli("set", run_id, "grad_accum=2").returncode == 0
         wait_for(
             lambda: all(
-                s and s.control.config.grad_accum == 2 for s in hello_many([r.control_tcp for r in ranks], timeout_s=5)
+                s and s.control.config.grad_accum == 2
+                for s in hello_many([r.control_tcp for r in ranks], timeout_s=5)
             ),
             30,
             0.2,

@@ -1,0 +1,1 @@
+"""Pure judgements over a run's recorded state: no I/O, no Textual, no torch."""

@@ -1,0 +1,553 @@
+"""Where a viewer's frames come from: a live run's sockets, or a recorded stream replayed.
+
+A *source* hands raw wire frames to the viewer's receiver, which decodes them itself (so a
+replay goes through the same decoder, bad-frame counting included). Two sources exist:
+:class:`LiveSource` (ZeroMQ: SUB to every rank's telemetry, requests to rank 0's control
+socket) and :class:`ReplaySource` (a recording file, at real or accelerated speed).
+
+The recording format (``.mtrec``), small on purpose::
+
+    file    := MAGIC record*
+    MAGIC   := the 8 bytes b"MTREC01\\n"
+    record  := length (4 bytes, unsigned, big-endian) + that many bytes of msgpack
+    first record:  a map (RecordingHeader): format version, wall time the recording started,
+                   run id, source and a free-text note
+    every other:   an array (RecordedFrame) [offset_s, rank, frame]: seconds since the start,
+                   the rank that published it (-1: a snapshot from the control socket), and
+                   the raw wire frame exactly as received (or, for snapshots, as re-encoded)
+
+Nothing here imports torch or Textual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal, Protocol, TypeVar
+
+import msgspec
+import zmq
+
+from memtui import registry
+from memtui.client import ClientError, ControlClient, client_name
+from memtui.security import SecurityError, make_client
+from memtui.wire import Decoder, Hello, Message, RankInfo, Snapshot, Telemetry, encode
+
+MAGIC = b"MTREC01\n"
+"""The first bytes of every recording."""
+FORMAT_VERSION = 1
+CONTROL_RANK = -1
+"""The rank recorded for frames that came from the control socket (snapshots)."""
+MAX_RECORD = 64 << 20
+"""A record longer than this is taken for corruption."""
+MAX_FRAME = 16 << 20
+"""Telemetry frames over this size are refused by ZeroMQ (a bad publisher cannot bloat us)."""
+
+T = TypeVar("T")
+
+RawFrame = tuple[int, bytes]
+"""A frame as a source yields it: (publishing rank, or -1 for the control socket; raw bytes)."""
+
+
+class SourceUnavailable(RuntimeError):
+    """The source cannot deliver now (no such run, no answer, end of a recording)."""
+
+
+class RecordingError(ValueError):
+    """A file that is not a recording, or a damaged one."""
+
+
+class RecordingHeader(msgspec.Struct, omit_defaults=True):
+    """The first record of a recording."""
+
+    format: int = FORMAT_VERSION
+    started: float = 0.0
+    """Wall time (``time.time()``) at offset 0."""
+    run: str = ""
+    source: str = ""
+    """What was recorded: the control endpoint, or the script that synthesised the stream."""
+    note: str = ""
+
+
+class RecordedFrame(msgspec.Struct, array_like=True, frozen=True):
+    """One recorded frame."""
+
+    offset_s: float
+    rank: int
+    frame: bytes
+
+
+@dataclass
+class Recording:
+    """A recording read into memory."""
+
+    header: RecordingHeader
+    frames: list[RecordedFrame]
+
+    @property
+    def duration_s(self) -> float:
+        """The offset of the last frame."""
+        return self.frames[-1].offset_s if self.frames else 0.0
+
+    def offset_of(self, predicate: Callable[[Message], bool]) -> float | None:
+        """The offset of the first frame whose message satisfies ``predicate`` (None: none)."""
+        decoder = Decoder()
+        for frame in self.frames:
+            message = decoder.decode(frame.frame)
+            if message is not None and predicate(message):
+                return frame.offset_s
+        return None
+
+
+# --------------------------------------------------------------------------- file format
+
+_LENGTH = struct.Struct(">I")
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(RecordingHeader)
+_frame_decoder = msgspec.msgpack.Decoder(RecordedFrame)
+
+
+class RecordingWriter:
+    """Writes a recording: the header first, then frames in time order."""
+
+    def __init__(self, path: str | os.PathLike[str], header: RecordingHeader) -> None:
+        self.path = Path(path)
+        self.header = header
+        self.frames = 0
+        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+        self._file.write(MAGIC)
+        self._write(_encoder.encode(header))
+
+    def _write(self, payload: bytes) -> None:
+        self._file.write(_LENGTH.pack(len(payload)))
+        self._file.write(payload)
+
+    def write(self, offset_s: float, rank: int, frame: bytes) -> None:
+        """Append one frame ``offset_s`` seconds after the start."""
+        self._write(_encoder.encode(RecordedFrame(round(offset_s, 4), rank, bytes(frame))))
+        self.frames += 1
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        self._file.close()
+
+    def __enter__(self) -> RecordingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _records(data: bytes) -> Iterator[bytes]:
+    if not data.startswith(MAGIC):
+        raise RecordingError("not a memtui recording (bad magic)")
+    pos = len(MAGIC)
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise RecordingError(f"truncated length at byte {pos}")
+        (length,) = _LENGTH.unpack_from(data, pos)
+        pos += 4
+        if length > MAX_RECORD or pos + length > len(data):
+            raise RecordingError(f"truncated or oversized record at byte {pos - 4}")
+        yield data[pos : pos + length]
+        pos += length
+
+
+def read_recording(path: str | os.PathLike[str]) -> Recording:
+    """Read a whole recording; raise RecordingError if it is not one or is damaged."""
+    records = _records(Path(path).read_bytes())
+    try:
+        header = _header_decoder.decode(next(records))
+    except StopIteration:
+        raise RecordingError("empty recording: no header")
+    except msgspec.DecodeError as exc:
+        raise RecordingError(f"bad header: {exc}")
+    if header.format != FORMAT_VERSION:
+        raise RecordingError(f"recording format {header.format}, expected {FORMAT_VERSION}")
+    frames: list[RecordedFrame] = []
+    for record in records:
+        try:
+            frames.append(_frame_decoder.decode(record))
+        except msgspec.DecodeError as exc:
+            raise RecordingError(f"bad frame record #{len(frames) + 1}: {exc}")
+    return Recording(header, frames)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class Source(Protocol):
+    """What the viewer's receiver reads from; every method is called from the receiver's thread."""
+
+    serves_requests: bool
+    """Whether hello/set/cancel requests can be made (a recording takes none)."""
+
+    @property
+    def label(self) -> str:
+        """What the source is attached to, for the user: a run id, an endpoint or a file."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """True when no frame will ever come again (the end of a recording)."""
+        ...
+
+    def connect(self) -> None:
+        """Find the run and subscribe (or start the replay); raise SourceUnavailable."""
+        ...
+
+    def poll(self, timeout_s: float) -> list[RawFrame]:
+        """Frames received within ``timeout_s`` (empty when none came)."""
+        ...
+
+    def request(self, message: Message, expect: type[T]) -> T:
+        """Send a control request and return its reply; raise SourceUnavailable."""
+        ...
+
+    def disconnect(self) -> None:
+        """Drop the subscriptions (``connect`` may be called again)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything."""
+        ...
+
+    def now(self) -> float:
+        """The source's wall clock: real time live, the recording's time in a replay."""
+        ...
+
+
+class LiveSource:
+    """A live run: SUB sockets on every rank's telemetry, a ControlClient for rank 0's control.
+
+    ``selector`` is what the user gave ``memtui attach`` (run id or prefix, pid, endpoint, or
+    None for the newest live run). After the run is lost, ``connect`` looks for it again: the
+    same endpoint or selector, or else a live run with the same state directory (the run,
+    resumed from its checkpoint under a new id).
+    """
+
+    serves_requests = True
+
+    def __init__(
+        self,
+        selector: str | None,
+        *,
+        context: zmq.Context | None = None,
+        client: str = "",
+        request_timeout_s: float = 2.0,
+    ) -> None:
+        self.selector = selector
+        self.context = context or zmq.Context()
+        self._own_context = context is None
+        self.client = client or client_name("tui")
+        self.request_timeout_s = request_timeout_s
+        self.run = ""
+        """The run id of the current (or last) connection."""
+        self._control = ""
+        self._state_dir = ""
+        self._subs: dict[str, tuple[int, zmq.Socket]] = {}
+        self._poller = zmq.Poller()
+        self._wanted: list[RankInfo] = []
+        self._wanted_lock = threading.Lock()
+
+    @property
+    def label(self) -> str:
+        """The run id once known, else what the user asked for."""
+        return self.run or self.selector or "the newest live run"
+
+    @property
+    def finished(self) -> bool:
+        """A live run may always come back."""
+        return False
+
+    @property
+    def control_endpoint(self) -> str:
+        """Rank 0's control endpoint while connected ("" otherwise)."""
+        return self._control
+
+    def _resolve(self) -> registry.Target:
+        selector = self.selector
+        if selector and "://" in selector:
+            return registry.Target(control=selector, ranks=[], run="")
+        try:
+            runs = registry.list_runs()
+        except registry.RegistryError as exc:
+            raise SourceUnavailable(str(exc))
+        if self._state_dir:  # the run we lost, back under a new id (resumed)
+            same = [r for r in runs if r.state_dir == self._state_dir]
+            if same:
+                newest = same[-1]
+                return registry.Target(newest.control, list(newest.ranks), newest.run, "", newest)
+        try:
+            target = registry.find_run(selector)
+        except (registry.RunNotFound, registry.RegistryError) as exc:
+            raise SourceUnavailable(str(exc))
+        return target
+
+    def connect(self) -> None:
+        """Resolve the run and subscribe to its ranks' telemetry (before any hello)."""
+        self.disconnect()
+        target = self._resolve()
+        self._control = target.control
+        if target.run:
+            self.run = target.run
+        if target.record is not None:
+            self._state_dir = target.record.state_dir or self._state_dir
+        self.subscribe(*target.ranks)
+        self._apply_wanted()
+
+    def subscribe(self, *ranks: RankInfo) -> None:
+        """Subscribe to more ranks' telemetry (thread-safe: applied in the receiver's thread)."""
+        with self._wanted_lock:
+            self._wanted.extend(ranks)
+
+    def _apply_wanted(self) -> None:
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, []
+        for rank in wanted:
+            endpoint = registry.rank_pub(rank)  # ipc on this host, else authenticated TCP
+            if not endpoint or endpoint in self._subs:
+                continue
+            sock = self.context.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 10000)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            try:
+                make_client(sock, endpoint)
+                sock.connect(endpoint)
+            except (zmq.ZMQError, SecurityError) as exc:
+                sock.close(0)
+                raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
+            self._subs[endpoint] = (rank.rank, sock)
+            self._poller.register(sock, zmq.POLLIN)
+
+    def poll(self, timeout_s: float) -> list[RawFrame]:
+        """Frames from every subscribed rank, waiting up to ``timeout_s`` for the first."""
+        self._apply_wanted()
+        if not self._subs:
+            time.sleep(timeout_s)
+            return []
+        frames: list[RawFrame] = []
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        for rank, sock in self._subs.values():
+            if sock not in ready:
+                continue
+            for _ in range(1000):
+                try:
+                    frames.append((rank, sock.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return frames
+
+    def request(self, message: Message, expect: type[T]) -> T:
+        """One request on rank 0's control socket; a Snapshot also tells which ranks to follow."""
+        if not self._control:
+            raise SourceUnavailable("not connected")
+        client = ControlClient(
+            self._control,
+            timeout_s=self.request_timeout_s,
+            context=self.context,
+            client=self.client,
+        )
+        try:
+            reply = client.request(message, expect)
+        except ClientError as exc:
+            raise SourceUnavailable(str(exc))
+        if isinstance(reply, Snapshot):
+            self.run = reply.info.run
+            self._state_dir = reply.info.state_dir or self._state_dir
+            self.subscribe(*reply.ranks)
+        return reply
+
+    def disconnect(self) -> None:
+        """Close the SUB sockets."""
+        for _rank, sock in self._subs.values():
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(sock)
+            sock.close(0)
+        self._subs.clear()
+        self._control = ""
+
+    def close(self) -> None:
+        """Close the sockets and (if it is ours) the ZeroMQ context."""
+        self.disconnect()
+        if self._own_context:
+            self.context.term()
+
+    def now(self) -> float:
+        """Real wall time."""
+        return time.time()
+
+
+ReplayEnd = Literal["hold", "disconnect"]
+"""What a replay does after its last frame: hold the view as it is (the clock stops), or go
+silent so that the viewer sees the run disconnect."""
+
+
+class ReplaySource:
+    """A recording replayed: at ``speed`` times real time, or at once (``speed=None``).
+
+    ``until_s`` stops the replay at that offset. The clock (``now``) is the recording's: the
+    header's start plus the offset of the last frame delivered, so ages and elapsed times read
+    the same on every replay. With ``at_end="disconnect"`` the clock then jumps ``silence_s``
+    ahead and nothing more comes, exactly what a viewer sees when a run dies without a word.
+    """
+
+    serves_requests = False
+
+    def __init__(
+        self,
+        recording: Recording | str | os.PathLike[str],
+        *,
+        speed: float | None = 1.0,
+        until_s: float | None = None,
+        at_end: ReplayEnd = "hold",
+        silence_s: float = 10.0,
+    ) -> None:
+        self.recording = (
+            recording if isinstance(recording, Recording) else read_recording(recording)
+        )
+        self._name = "" if isinstance(recording, Recording) else Path(recording).name
+        self.speed = speed
+        self.until_s = until_s
+        self.at_end = at_end
+        self.silence_s = silence_s
+        self._frames = [
+            f for f in self.recording.frames if until_s is None or f.offset_s <= until_s
+        ]
+        self._next = 0
+        self._started: float | None = None
+        self._offset = 0.0
+        self._silent = False
+
+    @property
+    def label(self) -> str:
+        """The recording's file name (or run id)."""
+        return f"replay {self._name or self.recording.header.run}"
+
+    @property
+    def delivered(self) -> bool:
+        """True once every frame (up to ``until_s``) has been delivered."""
+        return self._started is not None and self._next >= len(self._frames)
+
+    @property
+    def finished(self) -> bool:
+        """Delivered, and (``at_end="disconnect"``) polled once more: the silence has begun."""
+        return self.delivered and (self.at_end == "hold" or self._silent)
+
+    def connect(self) -> None:
+        """Start the replay (once: after its end there is nothing to connect to)."""
+        if self.delivered:
+            raise SourceUnavailable("end of the recording")
+        if self._started is None:
+            self._started = time.monotonic()
+
+    def poll(self, timeout_s: float) -> list[RawFrame]:
+        """The frames due by now; sleeps until the next one is due (at most ``timeout_s``)."""
+        if self._started is None or self.delivered:
+            self._silent = self.delivered and self.at_end == "disconnect"
+            time.sleep(timeout_s)
+            return []
+        if self.speed is None:
+            due = len(self._frames)
+        else:
+            position = (time.monotonic() - self._started) * self.speed
+            due = self._next
+            while due < len(self._frames) and self._frames[due].offset_s <= position:
+                due += 1
+            if due == self._next:
+                wait = (self._frames[due].offset_s - position) / self.speed
+                time.sleep(max(0.0, min(timeout_s, wait)))
+                return []
+        frames = self._frames[self._next : due]
+        self._next = due
+        self._offset = frames[-1].offset_s
+        return [(f.rank, f.frame) for f in frames]
+
+    def request(self, message: Message, expect: type[T]) -> T:
+        """A recording answers no request."""
+        raise SourceUnavailable("a recording takes no requests")
+
+    def disconnect(self) -> None:
+        """Nothing to release."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def now(self) -> float:
+        """The recording's time at the last frame delivered (plus the silence, at the end)."""
+        now = self.recording.header.started + self._offset
+        return now + self.silence_s if self._silent else now
+
+
+# --------------------------------------------------------------------------- recorder
+
+
+@dataclass
+class RecordingSummary:
+    """What ``record`` wrote."""
+
+    path: Path
+    run: str
+    frames: int
+    bytes: int
+    duration_s: float
+    ended: bool
+    bad_frames: int
+
+
+def record(
+    selector: str | None,
+    path: str | os.PathLike[str],
+    *,
+    duration_s: float = 30.0,
+    history: int = 512,
+    note: str = "",
+    stop: threading.Event | None = None,
+) -> RecordingSummary:
+    """Subscribe to a live run and write what it publishes to ``path``.
+
+    Starts with a snapshot (``history`` recent steps) and stops after ``duration_s``, when the
+    run sends its last batch, or when ``stop`` is set. Frames are written raw; frames that do
+    not decode are written too (they are part of what a viewer saw) and counted.
+    """
+    source = LiveSource(selector, client=client_name("record"), request_timeout_s=5.0)
+    decoder = Decoder()
+    ended = False
+    try:
+        source.connect()
+        start_wall = time.time()
+        start = time.monotonic()
+        snapshot = source.request(Hello(client=source.client, history=history), Snapshot)
+        header = RecordingHeader(
+            started=start_wall, run=snapshot.info.run, source=source.control_endpoint, note=note
+        )
+        with RecordingWriter(path, header) as writer:
+            writer.write(time.monotonic() - start, CONTROL_RANK, encode(snapshot))
+            while time.monotonic() - start < duration_s and not (stop and stop.is_set()):
+                for rank, frame in source.poll(0.1):
+                    writer.write(time.monotonic() - start, rank, frame)
+                    message = decoder.decode(frame)
+                    if isinstance(message, Telemetry) and message.ended and message.rank == 0:
+                        ended = True
+                if ended:
+                    break
+            frames = writer.frames
+        return RecordingSummary(
+            Path(path),
+            snapshot.info.run,
+            frames,
+            Path(path).stat().st_size,
+            time.monotonic() - start,
+            ended,
+            decoder.bad_frames,
+        )
+    finally:
+        source.close()

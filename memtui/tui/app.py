@@ -1,0 +1,288 @@
+"""The viewer app: bindings, screens, the receiver worker and the bounded refresh.
+
+Data flow: the receiver (one thread worker, the only owner of sockets) puts batches in an inbox
+and posts a ``ReceiverUpdate``; the handler folds every waiting batch into the RunState (cheap,
+no drawing); a timer at ``refresh_hz`` (4 Hz) repaints the widgets whose content changed, the
+charts every ``chart_every`` ticks (2 Hz), all under ``batch_update``. So the screen is redrawn at
+most 4 times a second however fast the run steps, and not at all while nothing changes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.reactive import var
+from textual.screen import Screen
+from textual.worker import get_current_worker
+
+from memtui import registry
+from memtui.knobs import KNOBS
+from memtui.recording import LiveSource, Source
+from memtui.tui.messages import ReceiverUpdate
+from memtui.tui.receiver import Inbox, Receiver
+from memtui.tui.screens.cancel import CancelScreen
+from memtui.tui.screens.edit import EditKnobScreen
+from memtui.tui.screens.help import HelpScreen
+from memtui.tui.screens.main import MainScreen
+from memtui.tui.state import Notice, RunState, ViewOptions
+from memtui.wire import CancelRequest, KnobValue, SetRequest
+
+EDIT_GROUP = Binding.Group("set knob")
+"""b, a, w and p share one label in the footer (the config panel shows which is which)."""
+EDIT_ACTIONS = frozenset({"edit", "toggle_keep", "cancel_change"})
+"""Actions that change the run: disabled (and hidden) in a read-only view."""
+
+
+class MemtuiApp(App[int]):
+    """Starvation against OOM risk for one training run, and changes queued for its checkpoint."""
+
+    CSS_PATH = "memtui.tcss"
+    TITLE = "memtui"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("b", "edit('batch_size')", "batch size", group=EDIT_GROUP),
+        Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP),
+        Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP),
+        Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP),
+        Binding("k", "toggle_keep", "keep"),
+        Binding("c", "cancel_change", "cancel"),
+        Binding("space", "toggle_pause", "pause", key_display="␣"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("q", "quit", "quit"),
+        Binding("r", "reconnect", "reconnect", show=False),
+    ]
+
+    paused: var[bool] = var(False, init=False)
+    """The view is frozen; data is still received and folded, and shows on resume."""
+    keep_effective_batch: var[bool] = var(False, init=False)
+    """A batch_size change also sets grad_accum so that micro x accum stays the same."""
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        readonly: bool = False,
+        demo_process: subprocess.Popen[Any] | None = None,
+        refresh_hz: float = 4.0,
+        chart_every: int = 2,
+        receiver_options: dict[str, float] | None = None,
+    ) -> None:
+        super().__init__()
+        self.readonly = readonly
+        """Show everything, send nothing."""
+        self.demo_process = demo_process
+        """The demo training this viewer was started with (``memtui demo``), if any."""
+        self.refresh_hz = refresh_hz
+        self.chart_every = max(1, chart_every)
+        self.state = RunState()
+        """What the viewer knows about the run (folded from the receiver's batches)."""
+        self.inbox = Inbox()
+        self.receiver = Receiver(
+            source,
+            self.inbox,
+            self._post_update,
+            readonly=readonly,
+            **(receiver_options or {}),
+        )
+        self.batches_folded = 0
+        """Receiver batches folded into the state."""
+        self.repaints = 0
+        """Widget repaints made by the refresh timer."""
+        self._ticks = 0
+        self._demo_reported = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def get_default_screen(self) -> Screen[Any]:
+        """The main screen."""
+        return MainScreen()
+
+    @property
+    def main(self) -> MainScreen:
+        """The main screen (also while a modal is on top)."""
+        screen = self.screen_stack[0]
+        assert isinstance(screen, MainScreen)
+        return screen
+
+    @property
+    def view(self) -> ViewOptions:
+        """The viewer's switches, as the widgets show them."""
+        return ViewOptions(self.paused, self.readonly, self.keep_effective_batch)
+
+    def on_mount(self) -> None:
+        """Start the receiver and the refresh timer."""
+        self._receive()
+        self.set_interval(1 / self.refresh_hz, self._tick, name="refresh")
+        self.call_after_refresh(self.refresh_view)
+
+    @work(thread=True, exclusive=True, name="receiver", exit_on_error=False)
+    def _receive(self) -> None:
+        """The receiver's thread: runs until the app exits (the worker is cancelled)."""
+        self.receiver.run(get_current_worker().cancelled_event)
+
+    def on_unmount(self) -> None:
+        """Stop the receiver (also when the app leaves on an error)."""
+        self.receiver.stop()
+
+    def _post_update(self) -> None:
+        """Called by the receiver's thread once per batch."""
+        self.post_message(ReceiverUpdate())
+
+    def on_receiver_update(self, message: ReceiverUpdate) -> None:
+        """Fold every waiting batch into the state; drawing waits for the timer."""
+        for batch in self.inbox.drain():
+            self.state.apply(batch)
+            self.batches_folded += 1
+            for event in batch.events:
+                if isinstance(event, Notice):
+                    self.notify(event.text, severity="information" if event.ok else "error")
+
+    def _tick(self) -> None:
+        self._ticks += 1
+        self._check_demo()
+        if not self.paused:
+            self.refresh_view(charts=self._ticks % self.chart_every == 0)
+
+    def refresh_view(self, charts: bool = True) -> None:
+        """Repaint what changed (the charts too when ``charts``), in one batch."""
+        with self.batch_update():
+            self.repaints += self.main.update_view(self.state, self.view, charts)
+
+    @property
+    def caught_up(self) -> bool:
+        """A finished source (the end of a replay) has been received and folded entirely."""
+        return (
+            self.receiver.caught_up.is_set() and self.batches_folded >= self.receiver.batches_posted
+        )
+
+    def _check_demo(self) -> None:
+        if self.demo_process is None or self._demo_reported:
+            return
+        code = self.demo_process.poll()
+        if code is not None:
+            self._demo_reported = True
+            self.state.add_notice(Notice(code == 0, f"the demo training exited with status {code}"))
+
+    # ------------------------------------------------------------------ actions
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Hide and disable the actions that change the run in a read-only view."""
+        return not (self.readonly and action in EDIT_ACTIONS)
+
+    def action_edit(self, knob: str) -> None:
+        """Open the editor for ``knob``; a valid value is sent as a change."""
+        control = self.state.control
+        if control is None:
+            self.notify("the run's config is not known yet", severity="warning")
+            return
+        if knob not in control.tunable:
+            self.notify(f"{knob} is not tunable in this run", severity="warning")
+            return
+
+        def send(value: KnobValue | None) -> None:
+            if value is None:
+                return
+            keep = self.keep_effective_batch and knob == "batch_size"
+            self.receiver.submit(
+                SetRequest(
+                    changes={knob: value}, keep_effective_batch=keep, client=self.receiver.client
+                )
+            )
+
+        self.push_screen(EditKnobScreen(knob, self.state, self.keep_effective_batch), send)
+
+    def action_toggle_keep(self) -> None:
+        """Toggle keep-effective-batch for the next batch_size change."""
+        self.keep_effective_batch = not self.keep_effective_batch
+
+    def action_cancel_change(self) -> None:
+        """Pick a pending change to cancel."""
+        pending = self.state.control.pending if self.state.control else []
+        if not pending:
+            self.notify("no change is pending", severity="warning")
+            return
+
+        def cancel(change_id: int | None) -> None:
+            if change_id is not None:
+                self.receiver.submit(CancelRequest(id=change_id, client=self.receiver.client))
+
+        self.push_screen(CancelScreen(pending), cancel)
+
+    def action_toggle_pause(self) -> None:
+        """Freeze or unfreeze the view."""
+        self.paused = not self.paused
+
+    def action_help(self) -> None:
+        """Show the keys and the thresholds."""
+        self.push_screen(HelpScreen(self.readonly))
+
+    def action_reconnect(self) -> None:
+        """Drop the connection and look for the run again."""
+        self.receiver.reconnect()
+
+    async def action_quit(self) -> None:
+        """Leave the viewer (the run goes on)."""
+        self.exit(0)
+
+    def watch_paused(self) -> None:
+        """Show the pause (or resume) at once."""
+        self.refresh_view()
+
+    def watch_keep_effective_batch(self) -> None:
+        """Show the switch at once."""
+        self.refresh_view(charts=False)
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        """The viewer's actions in the command palette."""
+        yield from super().get_system_commands(screen)
+        if not self.readonly:
+            for knob in KNOBS:
+                yield SystemCommand(
+                    f"Set {knob}",
+                    "Queue a new value for the next checkpoint",
+                    lambda knob=knob: self.action_edit(knob),
+                )
+            yield SystemCommand(
+                "Toggle keep-effective-batch",
+                "A batch_size change recomputes grad_accum",
+                self.action_toggle_keep,
+            )
+            yield SystemCommand(
+                "Cancel a pending change", "Unqueue a change", self.action_cancel_change
+            )
+        yield SystemCommand(
+            "Pause or resume the view", "Freeze the display", self.action_toggle_pause
+        )
+        yield SystemCommand("Reconnect", "Look for the run again now", self.action_reconnect)
+        yield SystemCommand("Help: keys and thresholds", "What every key does", self.action_help)
+
+
+def run_app(
+    selector: str | None,
+    *,
+    readonly: bool = False,
+    demo_process: subprocess.Popen[Any] | None = None,
+) -> int:
+    """Attach the viewer to a live run (id, prefix, pid or endpoint; None: the newest).
+
+    Fails at once (status 1) when no live run matches; once attached, it waits for the run to
+    come back whenever it is lost.
+    """
+    if not selector or "://" not in selector:
+        try:
+            target = registry.find_run(selector)
+        except (registry.RunNotFound, registry.RegistryError) as exc:
+            print(f"memtui: {exc}", file=sys.stderr)
+            return 1
+        if target.note:
+            print(f"memtui: {target.note}", file=sys.stderr)
+    app = MemtuiApp(LiveSource(selector), readonly=readonly, demo_process=demo_process)
+    result = app.run()
+    if isinstance(result, int):
+        return result
+    return app.return_code or 0

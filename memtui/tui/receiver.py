@@ -1,0 +1,333 @@
+"""The one worker that owns the sockets: it reads a Source, decodes, and reports in batches.
+
+The receiver runs on a thread of its own (a Textual thread worker). It connects the source (and
+reconnects it when the run ends, goes quiet or comes back), decodes every frame with
+``wire.Decoder`` (bad frames are counted, never raised), makes the operator's set/cancel requests
+on the same thread, and hands the app one :class:`~memtui.tui.state.ReceivedBatch` at a time
+through an :class:`Inbox`, calling ``notify`` once per batch (at most every ``post_interval_s``,
+sooner for a change of connection or a request's outcome). Widgets never see a socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from memtui.client import client_name
+from memtui.knobs import format_changes
+from memtui.recording import Source, SourceUnavailable
+from memtui.tui.state import ConnectionEvent, Event, Notice, ReceivedBatch, Status
+from memtui.wire import (
+    CancelReply,
+    CancelRequest,
+    Decoder,
+    Hello,
+    SetReply,
+    SetRequest,
+    Snapshot,
+    Telemetry,
+)
+
+Request = SetRequest | CancelRequest
+"""What the operator can ask of the run."""
+
+HISTORY = 2048
+"""Step records asked for in a hello (the hook keeps 2048)."""
+
+
+class Inbox:
+    """Batches handed from the receiver's thread to the app's, in order (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batches: deque[ReceivedBatch] = deque()
+
+    def put(self, batch: ReceivedBatch) -> None:
+        """Add a batch (receiver thread)."""
+        with self._lock:
+            self._batches.append(batch)
+
+    def drain(self) -> list[ReceivedBatch]:
+        """Take every batch waiting, oldest first (app thread)."""
+        with self._lock:
+            batches = list(self._batches)
+            self._batches.clear()
+        return batches
+
+
+def describe_reply(request: Request, reply: SetReply | CancelReply) -> Notice:
+    """The outcome of a request, in words for the change log."""
+    if isinstance(reply, SetReply):
+        assert isinstance(request, SetRequest)
+        if not reply.ok:
+            return Notice(False, f"rejected {format_changes(request.changes)}: {reply.reason}")
+        text = f"queued #{reply.id}: {format_changes(reply.changes)}"
+        return Notice(True, f"{text} ({reply.note})" if reply.note else text)
+    if not reply.ok:
+        return Notice(False, f"cancel refused: {reply.reason}")
+    return Notice(True, "cancelled " + " ".join(f"#{i}" for i in reply.cancelled))
+
+
+class Receiver:
+    """Reads one Source on its own thread and reports to the app through an Inbox."""
+
+    def __init__(
+        self,
+        source: Source,
+        inbox: Inbox,
+        notify: Callable[[], None],
+        *,
+        readonly: bool = False,
+        quiet_after_s: float = 3.0,
+        disconnect_after_s: float = 6.0,
+        retry_s: float = 1.0,
+        poll_s: float = 0.1,
+        post_interval_s: float = 0.1,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.source = source
+        self.inbox = inbox
+        self.notify = notify
+        self.readonly = readonly
+        self.quiet_after_s = quiet_after_s
+        """Silence after which the run is called quiet (the hook sends a heartbeat every 1 s)."""
+        self.disconnect_after_s = disconnect_after_s
+        """Silence after which a source that cannot be asked (a replay) is called disconnected."""
+        self.retry_s = retry_s
+        self.poll_s = poll_s
+        self.post_interval_s = post_interval_s
+        self.heartbeat_s = heartbeat_s
+        """How often the clock is posted when nothing else happens (ages keep counting)."""
+        self.decoder = Decoder()
+        self.client = client_name("tui")
+        self.errors = 0
+        """Exceptions the receiver caught (and survived)."""
+        self.batches_posted = 0
+        """Batches handed to the app."""
+        self.caught_up = threading.Event()
+        """Set once a finished source (the end of a replay) has been fully reported."""
+        self._stop = threading.Event()
+        self._requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._reconnect = threading.Event()
+        self._events: list[Event] = []
+        self._urgent = False
+        self._connected = False
+        self._status: ConnectionEvent | None = None
+        self._run = ""
+        self._ended_runs: set[str] = set()
+        self._control_seq = 0
+        self._control_rank = 0
+        self._snapshot_wanted = False
+        self._last_frame_clock = 0.0
+        self._next_retry = 0.0
+        self._next_probe = 0.0
+        self._last_post = 0.0
+        self._posted_bad = 0
+        self._posted_clock = 0.0
+
+    # ------------------------------------------------------------------ app side (any thread)
+
+    def submit(self, request: Request) -> None:
+        """Queue a set or cancel request for the run (thread-safe; the answer comes as a batch)."""
+        self._requests.put(request)
+
+    def reconnect(self) -> None:
+        """Drop the connection and look for the run again (thread-safe)."""
+        self._reconnect.set()
+
+    def stop(self) -> None:
+        """Ask the thread to end (thread-safe); it closes the source on its way out."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------ the thread
+
+    def run(self, cancelled: threading.Event | None = None) -> None:
+        """Receive until ``stop()`` is called or ``cancelled`` is set; failures are survived."""
+        try:
+            while not (self._stop.is_set() or (cancelled is not None and cancelled.is_set())):
+                try:
+                    self._cycle()
+                except Exception as exc:  # never die: say what happened and start over
+                    self.errors += 1
+                    self._emit(Notice(False, f"receiver error: {type(exc).__name__}: {exc}"))
+                    self._drop(Status.DISCONNECTED, f"receiver error: {exc}")
+                self._flush()
+                if self.source.finished and not self._events:
+                    self.caught_up.set()
+        finally:
+            with contextlib.suppress(Exception):
+                self.source.close()
+
+    def _cycle(self) -> None:
+        if self._reconnect.is_set():
+            self._reconnect.clear()
+            if self._connected:
+                self._drop(Status.CONNECTING, "reconnecting")
+            self._next_retry = 0.0
+        if not self._connected:
+            if time.monotonic() >= self._next_retry:
+                self._try_connect()
+            if not self._connected:
+                self._serve_requests()
+                self._stop.wait(self.poll_s)
+                return
+        for _rank, frame in self.source.poll(self.poll_s):
+            self._handle(frame)
+        if self._snapshot_wanted and self._connected:
+            self._refresh_snapshot()
+        self._check_silence()
+        self._serve_requests()
+
+    def _emit(self, event: Event, urgent: bool = False) -> None:
+        self._events.append(event)
+        self._urgent = self._urgent or urgent
+
+    def _set_status(self, status: Status, detail: str = "") -> None:
+        event = ConnectionEvent(status, detail, self.source.label)
+        if event != self._status:
+            self._status = event
+            self._emit(event, urgent=True)
+
+    def _flush(self) -> None:
+        """Post a batch if there is news (at most every ``post_interval_s`` unless urgent)."""
+        now = time.monotonic()
+        bad = self.decoder.bad_frames
+        clock = self.source.now()
+        news = bool(self._events) or bad != self._posted_bad
+        heartbeat = clock != self._posted_clock and now - self._last_post >= self.heartbeat_s
+        if not (news or heartbeat):
+            return
+        if not self._urgent and now - self._last_post < self.post_interval_s:
+            return
+        batch = ReceivedBatch(self._events, clock, bad, self.decoder.last_error)
+        self._events = []
+        self._urgent = False
+        self._last_post = now
+        self._posted_bad = bad
+        self._posted_clock = clock
+        self.inbox.put(batch)
+        self.batches_posted += 1
+        self.notify()
+
+    # ------------------------------------------------------------------ connection
+
+    def _try_connect(self) -> None:
+        self._next_retry = time.monotonic() + self.retry_s
+        try:
+            self.source.connect()
+            if self.source.serves_requests:
+                snapshot = self.source.request(Hello(client=self.client, history=HISTORY), Snapshot)
+                if snapshot.info.run in self._ended_runs:
+                    raise SourceUnavailable(f"run {snapshot.info.run} has ended")
+                self._take_snapshot(snapshot)
+        except SourceUnavailable as exc:
+            with contextlib.suppress(Exception):
+                self.source.disconnect()
+            if self._status is None or self._status.status is Status.CONNECTING:
+                self._set_status(Status.CONNECTING, str(exc))
+            return
+        self._connected = True
+        self._last_frame_clock = self.source.now()
+        self._set_status(Status.LIVE)
+
+    def _drop(self, status: Status, detail: str) -> None:
+        self._connected = False
+        self._snapshot_wanted = False
+        self._next_retry = time.monotonic() + self.retry_s
+        with contextlib.suppress(Exception):
+            self.source.disconnect()
+        self._set_status(status, detail)
+
+    def _take_snapshot(self, snapshot: Snapshot) -> None:
+        self._run = snapshot.info.run
+        self._control_rank = snapshot.info.rank
+        self._control_seq = snapshot.control_seq
+        self._snapshot_wanted = False
+        self._emit(snapshot, urgent=True)
+
+    def _refresh_snapshot(self) -> None:
+        self._snapshot_wanted = False
+        try:
+            snapshot = self.source.request(Hello(client=self.client, history=HISTORY), Snapshot)
+        except SourceUnavailable as exc:
+            self._drop(Status.DISCONNECTED, f"no answer from the run ({exc})")
+            return
+        self._take_snapshot(snapshot)
+
+    def _handle(self, frame: bytes) -> None:
+        message = self.decoder.decode(frame)
+        if isinstance(message, Snapshot):  # a recording's snapshot
+            self._take_snapshot(message)
+            return
+        if not isinstance(message, Telemetry):
+            return  # None (counted by the decoder) or a stray reply: nothing to show
+        self._last_frame_clock = self.source.now()
+        if self._status is not None and self._status.status is Status.QUIET:
+            self._set_status(Status.LIVE)
+        if self._run and message.run != self._run:
+            # another run publishes here now (restarted on the same endpoint): ask who it is
+            self._snapshot_wanted = self.source.serves_requests
+        elif message.rank != self._control_rank:
+            pass  # other ranks count their own control seq; rank 0's is the one that matters
+        elif message.control is not None:
+            self._control_seq = max(self._control_seq, message.control_seq)
+        elif message.control_seq > self._control_seq:
+            self._snapshot_wanted = self.source.serves_requests  # we missed a change
+        self._emit(message)
+        if message.ended and message.rank == 0 and message.run == self._run:
+            self._ended_runs.add(message.run)
+            self._drop(Status.ENDED, f"run ended at step {message.step}")
+
+    def _check_silence(self) -> None:
+        if not self._connected:
+            return
+        silence = self.source.now() - self._last_frame_clock
+        if silence < self.quiet_after_s:
+            return
+        quiet = f"no data for {silence:.0f} s"
+        if not self.source.serves_requests:
+            if silence >= self.disconnect_after_s:
+                self._drop(Status.DISCONNECTED, quiet)
+            else:
+                self._set_status(Status.QUIET, quiet)
+            return
+        if time.monotonic() < self._next_probe:
+            self._set_status(Status.QUIET, f"{quiet}; the run answers")
+            return
+        self._set_status(Status.QUIET, quiet)
+        self._next_probe = time.monotonic() + self.quiet_after_s
+        try:
+            snapshot = self.source.request(Hello(client=self.client, history=0), Snapshot)
+        except SourceUnavailable as exc:
+            self._drop(Status.DISCONNECTED, f"{quiet}, and no answer ({exc})")
+            return
+        self._take_snapshot(snapshot)
+        self._set_status(Status.QUIET, f"{quiet}; the run answers")
+
+    # ------------------------------------------------------------------ requests
+
+    def _serve_requests(self) -> None:
+        while True:
+            try:
+                request = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            self._emit(self._answer(request), urgent=True)
+
+    def _answer(self, request: Request) -> Notice:
+        if self.readonly:
+            return Notice(False, "read-only view: nothing was sent")
+        if not self.source.serves_requests:
+            return Notice(False, f"{self.source.label} takes no changes")
+        if not self._connected:
+            return Notice(False, "not connected to the run: nothing was sent")
+        try:
+            if isinstance(request, SetRequest):
+                return describe_reply(request, self.source.request(request, SetReply))
+            return describe_reply(request, self.source.request(request, CancelReply))
+        except SourceUnavailable as exc:
+            return Notice(False, f"no answer from the run: {exc}")

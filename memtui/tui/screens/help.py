@@ -1,0 +1,69 @@
+"""The help screen: every key, and the verdict's thresholds."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from memtui.advice.verdict import describe_thresholds
+
+KEYS: tuple[tuple[str, str], ...] = (
+    ("b", "set batch_size (micro-batch per rank)"),
+    ("a", "set grad_accum (gradient accumulation steps)"),
+    ("w", "set num_workers (data loader workers)"),
+    ("p", "set pin_memory (prefilled with the opposite of now)"),
+    ("k", "toggle keep-effective-batch: a batch_size change recomputes grad_accum"),
+    ("c", "cancel a pending change"),
+    ("space", "pause / resume the view (data keeps arriving)"),
+    ("r", "reconnect now"),
+    ("ctrl+p", "command palette: every action by name"),
+    ("?", "this help"),
+    ("q", "quit (the run goes on)"),
+)
+"""The keys, as the help screen lists them."""
+
+
+def help_text(readonly: bool) -> Text:
+    """Keys, what a change does, and the thresholds."""
+    text = Text()
+    text.append("Keys\n", "bold")
+    for key, what in KEYS:
+        text.append(f"  {key:<8}", "bold cyan")
+        text.append(f"{what}\n")
+    text.append("\nChanges\n", "bold")
+    text.append(
+        "  are validated here, queued by the run and applied at its next checkpoint boundary;\n"
+        "  the change log shows them pending, then applied with their step (or rejected, why).\n"
+    )
+    if readonly:
+        text.append("  This view is read-only: it sends nothing.\n", "bold yellow")
+    text.append("\nVerdict\n", "bold")
+    for line in describe_thresholds():
+        text.append(f"  {line}\n")
+    text.append("\n  esc or ? closes this help", "dim")
+    return text
+
+
+class HelpScreen(ModalScreen[None]):
+    """Keys and thresholds."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss", "Close"),
+        Binding("question_mark", "dismiss", "Close"),
+        Binding("q", "dismiss", "Close"),
+    ]
+
+    def __init__(self, readonly: bool = False) -> None:
+        super().__init__()
+        self.readonly = readonly
+
+    def compose(self) -> ComposeResult:
+        """The help text in a scrollable dialog."""
+        with VerticalScroll(id="dialog"):
+            yield Static(help_text(self.readonly), id="help-text")

@@ -1,0 +1,65 @@
+"""The main screen: header, verdict, charts, memory, config and change log."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from memtui.tui.state import RunState, ViewOptions
+from memtui.tui.widgets.base import StateView
+from memtui.tui.widgets.changelog import ChangeLog
+from memtui.tui.widgets.config import ConfigPanel
+from memtui.tui.widgets.header import RunHeader
+from memtui.tui.widgets.memory import MemoryPanel
+from memtui.tui.widgets.series import SeriesChart
+from memtui.tui.widgets.verdict import VerdictGauge
+
+
+class MainScreen(Screen[None]):
+    """Everything at once; the ``narrow`` class (under 80 columns) stacks the panels."""
+
+    HORIZONTAL_BREAKPOINTS = [(0, "narrow"), (80, "wide")]  # noqa: RUF012 (Textual's attribute)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._views: list[StateView] | None = None
+
+    def compose(self) -> ComposeResult:
+        """Header, verdict, then the side panels and the charts, then the change log."""
+        yield RunHeader(id="header")
+        yield VerdictGauge(id="verdict", classes="panel")
+        with Horizontal(id="body"):
+            with Vertical(id="side"):
+                yield ConfigPanel(id="config", classes="panel")
+                yield MemoryPanel(id="memory", classes="panel")
+            yield SeriesChart(id="charts", classes="panel")
+        yield ChangeLog(id="changes", classes="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Titles on the panels' borders."""
+        titles = {
+            "verdict": "verdict",
+            "config": "config",
+            "memory": "memory",
+            "charts": "history",
+            "changes": "changes",
+        }
+        for widget_id, title in titles.items():
+            self.query_one(f"#{widget_id}").border_title = title
+        self._views = list(self.query(StateView))
+
+    def on_resize(self) -> None:
+        """No palette key in the footer when narrow (ctrl+p still works; the help lists it)."""
+        self.query_one(Footer).show_command_palette = not self.has_class("narrow")
+
+    def update_view(self, state: RunState, view: ViewOptions, charts: bool = True) -> int:
+        """Show the state; the charts only when ``charts``. Returns how many widgets repainted."""
+        repainted = 0
+        for widget in self._views or ():
+            if isinstance(widget, SeriesChart) and not charts:
+                continue
+            repainted += widget.show(state, view)
+        return repainted

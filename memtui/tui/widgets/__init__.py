@@ -1,0 +1,1 @@
+"""The viewer's widgets, one per file; each renders from the RunState, never from a socket."""

@@ -1,0 +1,68 @@
+"""The base of every panel: render from the state, and only when what it shows has changed."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.geometry import Size
+from textual.widget import Widget
+
+from memtui.tui.state import RunState, ViewOptions
+
+
+class StateView(Widget):
+    """A widget drawn from a RunState; ``show`` repaints it only when its ``key`` changed."""
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.state: RunState | None = None
+        """The state last shown."""
+        self.view = ViewOptions()
+        """The viewer's options last shown (paused, read-only, keep-effective-batch)."""
+        self._key: Hashable = None
+        self._cache: tuple[Hashable, tuple[int, bool], RenderableType] | None = None
+
+    @property
+    def narrow(self) -> bool:
+        """True in the narrow layout (the screen's ``narrow`` class, under 80 columns)."""
+        try:
+            return self.screen.has_class("narrow")
+        except Exception:  # not mounted on a screen yet
+            return False
+
+    def key(self, state: RunState, view: ViewOptions) -> Hashable:
+        """What the widget's content depends on; a new key means a repaint."""
+        raise NotImplementedError
+
+    def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
+        """The content for ``width`` columns."""
+        raise NotImplementedError
+
+    def show(self, state: RunState, view: ViewOptions) -> bool:
+        """Repaint if the content changed; True if it did."""
+        key = self.key(state, view)
+        if key == self._key and self.state is state:
+            return False
+        self._key = key
+        self.state = state
+        self.view = view
+        self.refresh()
+        width, height = self.content_size
+        auto = width and self.styles.height is not None and self.styles.height.is_auto
+        # a new line count needs a layout; the same count only a repaint
+        if auto and self.get_content_height(Size(0, 0), Size(0, 0), width) != height:
+            self.refresh(layout=True)
+        return True
+
+    def render(self) -> RenderableType:
+        """The content, built once per key and width."""
+        if self.state is None:
+            return Text("")
+        shape = (self.content_size.width, self.narrow)
+        if self._cache is not None and self._cache[0] == self._key and self._cache[1] == shape:
+            return self._cache[2]
+        content = self.build(self.state, self.view, shape[0])
+        self._cache = (self._key, shape, content)
+        return content

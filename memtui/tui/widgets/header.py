@@ -1,0 +1,79 @@
+"""The header: which run, where, how far and how fast, and the state of the connection."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from rich.console import RenderableType
+
+from memtui.stats import format_duration
+from memtui.tui.palette import STATUS_STYLES, chips, rate
+from memtui.tui.state import RunState, Status, ViewOptions
+from memtui.tui.widgets.base import StateView
+
+
+class RunHeader(StateView):
+    """Run id, host, device, ranks, step, elapsed, speed and the connection."""
+
+    DEFAULT_CSS = "RunHeader { height: auto; }"
+
+    def key(self, state: RunState, view: ViewOptions) -> Hashable:
+        """Repaint when the step, the second, the speed or the connection changes."""
+        elapsed = state.elapsed_s
+        return (
+            state.connection_version,
+            state.step,
+            int(elapsed) if elapsed is not None else None,
+            state.summary().steps,
+            view,
+        )
+
+    def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
+        """Two lines (more when narrow: the chips wrap)."""
+        info = state.info
+        connection = state.connection
+        label = connection.label or (info.run if info else "")
+        identity: list[tuple[str, str]] = [] if self.narrow else [("memtui", "bold")]
+        if info is not None:
+            ranks = state.world_size
+            identity += [
+                (info.run, "bold cyan"),
+                (info.host, ""),
+                (info.device, ""),
+                (f"{ranks} rank" + ("s" if ranks != 1 else ""), ""),
+            ]
+        else:
+            identity.append((label or "no run yet", "bold cyan"))
+        status = f"● {connection.status.value}"
+        if connection.status is not Status.LIVE and connection.detail:
+            status += f": {connection.detail}"
+        identity.append((status, STATUS_STYLES[connection.status]))
+        if info is not None and label and label != info.run:
+            identity.append((f"({label})", "dim"))  # a replay, or an endpoint
+
+        summary = state.summary()
+        progress: list[tuple[str, str]] = [(f"step {state.step:,}", "bold")]
+        elapsed = state.elapsed_s
+        if elapsed is not None:
+            progress.append((f"elapsed {format_duration(elapsed)}", ""))
+        steps = summary.steps
+        if steps is not None:
+            progress.append((f"{rate(steps.steps_per_s)} steps/s", ""))
+            timed = [r for r in summary.ranks if r.steps is not None]
+            samples = sum(r.steps.samples_per_s for r in timed if r.steps is not None)
+            scope = "" if len(timed) >= state.world_size else f" (rank {timed[0].rank})"
+            progress.append((f"{rate(samples)} samples/s{scope}", ""))
+        if state.lost_batches:
+            progress.append((f"lost {state.lost_batches} batches", "yellow"))
+        if state.bad_frames:
+            progress.append((f"{state.bad_frames} bad frames", "bold red"))
+        if state.counters is not None and state.counters.errors:
+            progress.append((f"hook errors {state.counters.errors}", "bold red"))
+        if view.paused:
+            progress.append(("PAUSED", "bold black on yellow"))
+        if view.readonly:
+            progress.append(("READ-ONLY", "bold black on grey70"))
+        text = chips(identity, width=width)
+        text.append("\n")
+        text.append_text(chips(progress, width=width))
+        return text

@@ -1,0 +1,206 @@
+"""The time series: step time split into compute and data wait, device memory, host RAM and swap.
+
+All three charts are text in one widget (see ``memtui.tui.charts``): one repaint per update, and
+the app updates it at a lower rate than the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from rich.console import RenderableType
+from rich.style import Style
+from rich.text import Text
+
+from memtui.advice.verdict import THRESHOLDS
+from memtui.stats import format_bytes, format_duration
+from memtui.tui import palette
+from memtui.tui.charts import Layer, legend, nice_ceiling, sparkline, stacked_rows, to_columns
+from memtui.tui.state import HostBucket, MemoryBucket, RankSeries, RunState, StepBucket, ViewOptions
+from memtui.tui.widgets.base import StateView
+
+AXIS = 10
+"""Columns of the value axis at the left of each chart."""
+MIB = 1 << 20
+
+
+def _merge_steps(group: list[StepBucket]) -> tuple[float, float]:
+    steps = sum(b.steps for b in group)
+    if not steps:
+        return 0.0, 0.0
+    return sum(b.step_time_s for b in group) / steps, sum(b.data_wait_s for b in group) / steps
+
+
+def _merge_memory(group: list[MemoryBucket]) -> MemoryBucket:
+    last = group[-1]
+    return MemoryBucket(
+        start=group[0].start,
+        capacity_bytes=last.capacity_bytes,
+        allocated_bytes=last.allocated_bytes,
+        reserved_bytes=last.reserved_bytes,
+        peak_reserved_bytes=max(b.peak_reserved_bytes for b in group),
+        peak_allocated_bytes=max(b.peak_allocated_bytes for b in group),
+        beyond_torch_bytes=max(b.beyond_torch_bytes for b in group),
+    )
+
+
+def _last(group: list[HostBucket]) -> HostBucket:
+    return group[-1]
+
+
+def _axis(rows: list[Text], top_label: str, bottom_label: str = "0") -> list[Text]:
+    """Prefix each row with the value axis: the top value on the first row, 0 on the last."""
+    out = []
+    for index, row in enumerate(rows):
+        label = top_label if index == 0 else bottom_label if index == len(rows) - 1 else ""
+        line = Text(f"{label:>{AXIS - 2}} ┤" if label else f"{'':>{AXIS - 2}} │", style="dim")
+        line.append_text(row)
+        out.append(line)
+    return out
+
+
+def _band_tint(capacity: float) -> Callable[[float, float], Style]:
+    """Tints the blank cells of the rows in the 85-90% edge band and over 90%."""
+    edge = THRESHOLDS.memory_edge_fraction * capacity
+    danger = THRESHOLDS.memory_danger_fraction * capacity
+
+    def tint(low: float, high: float) -> Style:
+        if (low + high) / 2 >= danger:
+            return palette.DANGER_BAND
+        if high > edge:
+            return palette.EDGE_BAND
+        return Style()
+
+    return tint
+
+
+def _memory_layers(bucket: MemoryBucket, cpu: bool, capacity: float) -> list[Layer]:
+    """allocated < reserved < peak reserved < + beyond torch; the peak coloured by its band."""
+    peak = float(max(bucket.peak_reserved_bytes, bucket.reserved_bytes))
+    used = peak + bucket.beyond_torch_bytes
+    band = palette.PEAK
+    if capacity and used >= THRESHOLDS.memory_danger_fraction * capacity:
+        band = Style(color="red")
+    elif capacity and used >= THRESHOLDS.memory_edge_fraction * capacity:
+        band = Style(color="yellow")
+    layers: list[Layer] = [(float(bucket.allocated_bytes), palette.ALLOCATED)]
+    if not cpu:
+        layers.append((float(bucket.reserved_bytes), palette.RESERVED))
+    layers.append((peak, band))
+    if bucket.beyond_torch_bytes:
+        layers.append((used, palette.BEYOND_TORCH))
+    return layers
+
+
+class SeriesChart(StateView):
+    """Step time (compute and data wait), device memory with its bands, host RAM and swap."""
+
+    DEFAULT_CSS = "SeriesChart { height: auto; }"
+
+    def key(self, state: RunState, view: ViewOptions) -> Hashable:
+        """Repaint when data arrives, and every second (the time axis moves)."""
+        return state.data_version, int(state.clock), state.summary().focus_rank
+
+    def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
+        """The three charts, stacked."""
+        narrow = self.narrow
+        rank = state.summary().focus_rank
+        series = state.series.get(rank)
+        chart_width = max(10, width - AXIS)
+        end = state.clock or (state.info.started if state.info else 0.0)
+        lines: list[Text] = []
+        if series is not None:
+            lines += self._steps(state, series, chart_width, end, 3 if narrow else 5)
+            lines += self._memory(state, series, chart_width, end, 4 if narrow else 6)
+        else:
+            lines.append(Text("waiting for data", style="dim"))
+        lines += self._host(state, chart_width, end)
+        return Text("\n", no_wrap=True, overflow="ellipsis").join(lines)
+
+    def _steps(
+        self, state: RunState, series: RankSeries, width: int, end: float, height: int
+    ) -> list[Text]:
+        columns = to_columns(
+            list(series.step_buckets.buckets), lambda b: b.start, _merge_steps, width, end
+        )
+        top = nice_ceiling(max((v[0] for v in columns.values if v), default=0.0))
+        bars: list[list[Layer] | None] = [
+            [(v[1], palette.DATA_WAIT), (v[0], palette.COMPUTE)] if v else None
+            for v in columns.values
+        ]
+        stats = state.summary().steps
+        title = Text("step time ", style="bold")
+        if stats is not None:
+            title.append_text(
+                legend(
+                    (f"data wait {format_duration(stats.data_wait_s)}", palette.DATA_WAIT),
+                    (f"compute {format_duration(stats.compute_s)}", palette.COMPUTE),
+                )
+            )
+        title.append(f"  {columns.seconds_per_column} s/col", style="dim")
+        rows = stacked_rows(bars, height, top)
+        return [title, *_axis(rows, format_duration(top).replace(".0 ", " "))]
+
+    def _memory(
+        self, state: RunState, series: RankSeries, width: int, end: float, height: int
+    ) -> list[Text]:
+        buckets = list(series.memory_buckets.buckets)
+        columns = to_columns(buckets, lambda b: b.start, _merge_memory, width, end)
+        capacity = float(buckets[-1].capacity_bytes) if buckets else 0.0
+        cpu = bool(series.device) and series.device[-1].kind == "cpu"
+        bars = [_memory_layers(b, cpu, capacity) if b else None for b in columns.values]
+        highest = max((layers[-1][0] for layers in bars if layers), default=0.0)
+        top = capacity
+        if not capacity or highest < 0.5 * capacity:  # far from the limit: zoom in
+            top = nice_ceiling(max(highest, 1.0) * 1.25 / MIB) * MIB
+        items: list[tuple[str, Style | str]] = [("now" if cpu else "alloc", palette.ALLOCATED)]
+        if not cpu:
+            items.append(("reserved", palette.RESERVED))
+        items.append(("peak", palette.PEAK))
+        if any(layers and len(layers) > 3 for layers in bars):
+            items.append(("beyond torch", palette.BEYOND_TORCH))
+        title = Text("RSS " if cpu else "memory ", style="bold")
+        title.append_text(legend(*items))
+        if top == capacity:
+            title.append("  ")
+            title.append("85%", style=palette.EDGE_BAND)
+            title.append(" ")
+            title.append("90%", style=palette.DANGER_BAND)
+        else:
+            title.append(f"  {'limit' if cpu else 'capacity'} {format_bytes(capacity)}", "dim")
+        tint = _band_tint(capacity) if top == capacity else None
+        rows = stacked_rows(bars, height, top, tint)
+        return [title, *_axis(rows, format_bytes(top))]
+
+    def _host(self, state: RunState, width: int, end: float) -> list[Text]:
+        buckets = list(state.host_buckets.buckets)
+        if not buckets:
+            return []
+        columns = to_columns(buckets, lambda b: b.start, _last, width, end)
+        last = buckets[-1]
+        ram = [b.ram_used_bytes / b.ram_total_bytes if b and b.ram_total_bytes else None
+               for b in columns.values]  # fmt: skip
+        swap_total = float(last.swap_total_bytes or 1)
+        swap: list[float | None] = [b.swap_used_bytes if b else None for b in columns.values]
+        title = Text("host ", style="bold")
+        title.append_text(
+            legend(
+                (
+                    f"RAM {format_bytes(last.ram_used_bytes)} of "
+                    f"{format_bytes(last.ram_total_bytes)}",
+                    palette.RAM,
+                ),
+                (
+                    f"swap {format_bytes(last.swap_used_bytes)} of "
+                    f"{format_bytes(last.swap_total_bytes)}"
+                    if last.swap_total_bytes
+                    else "no swap",
+                    palette.SWAP,
+                ),
+            )
+        )
+        ram_line = Text(f"{'RAM':>{AXIS - 2}} │", style="dim")
+        ram_line.append_text(sparkline(ram, 1.0, palette.RAM))
+        swap_line = Text(f"{'swap':>{AXIS - 2}} │", style="dim")
+        swap_line.append_text(sparkline(swap, swap_total, palette.SWAP))
+        return [title, ram_line, swap_line]

@@ -1,0 +1,61 @@
+"""Write the README's screenshots: the viewer on replayed streams, as SVG, into screenshots/.
+
+Two recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
+fix ``num_workers=4`` queued), and a synthetic two-rank CUDA run at 88% of its memory (this
+machine has no GPU; see tests/data/make_oom_stream.py). Each at full width (120x40) and in a
+side pane (60x50). Run: ``make screenshots`` or ``.venv/bin/python screenshots/export_screenshots.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from memtui.recording import ReplaySource, read_recording
+from memtui.tui.app import MemtuiApp
+from memtui.wire import Telemetry
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "screenshots"
+DATA = ROOT / "tests" / "data"
+SIZES = {"wide": (120, 40), "narrow": (60, 50)}
+
+
+def pending_offset(path: Path) -> float:
+    """Just after the fix was queued in the demo recording (the run still starving)."""
+    offset = read_recording(path).offset_of(
+        lambda m: isinstance(m, Telemetry) and bool(m.control and m.control.pending)
+    )
+    if offset is None:
+        raise SystemExit(f"{path}: no pending change recorded")
+    return offset + 0.05
+
+
+async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
+    """Replay to the end of ``source``, then save the screen."""
+    app = MemtuiApp(source)
+    async with app.run_test(size=size) as pilot:
+        while not app.caught_up:
+            await pilot.pause(0.05)
+        app.refresh_view()
+        await pilot.pause()
+        return Path(app.save_screenshot(f"{name}.svg", str(OUT)))
+
+
+def main() -> int:
+    """Write the four screenshots and list them."""
+    starving = DATA / "demo_starving.mtrec"
+    scenes = {
+        "starving": lambda: ReplaySource(starving, speed=None, until_s=pending_offset(starving)),
+        "oom-risk": lambda: ReplaySource(DATA / "oom_risk.mtrec", speed=None),
+    }
+    for scene, source in scenes.items():
+        for layout, size in SIZES.items():
+            path = asyncio.run(shoot(source(), size, f"{scene}-{layout}"))
+            print(f"{path.relative_to(ROOT)}  {size[0]}x{size[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

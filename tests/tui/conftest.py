@@ -1,0 +1,132 @@
+"""Helpers for the viewer's tests: replays of the recorded streams, screen text, a fast hook."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from textual.app import App
+from textual.pilot import Pilot
+
+from memtui.recording import ReplayEnd, ReplaySource, read_recording
+from memtui.tui.app import MemtuiApp
+from memtui.wire import Telemetry
+from tests.conftest import ROOT, wait_for
+
+DATA = ROOT / "tests" / "data"
+STARVING = DATA / "demo_starving.mtrec"
+"""A real demo run: starving with --workers 0, num_workers=4 queued and applied, then the end."""
+OOM = DATA / "oom_risk.mtrec"
+"""A synthetic two-rank CUDA run at 88% of its 24 GiB (make_oom_stream.py)."""
+
+
+def pending_offset() -> float:
+    """Just after num_workers=4 was queued in the starving recording (still pending)."""
+    offset = read_recording(STARVING).offset_of(
+        lambda m: isinstance(m, Telemetry) and bool(m.control and m.control.pending)
+    )
+    assert offset is not None
+    return offset + 0.05
+
+
+def replay_app(
+    path: Path, *, until_s: float | None = None, at_end: ReplayEnd = "hold", **options: Any
+) -> MemtuiApp:
+    """The viewer on a recording replayed at once (deterministic)."""
+    return MemtuiApp(ReplaySource(path, speed=None, until_s=until_s, at_end=at_end), **options)
+
+
+def screen_text(app: App[Any]) -> str:
+    """What the terminal shows, as plain text."""
+    width, height = app.size
+    console = Console(
+        width=width, height=height, file=io.StringIO(), record=True, color_system=None,
+        legacy_windows=False,
+    )  # fmt: skip
+    update = app.screen._compositor.render_update(full=True, screen_stack=app._background_screens)
+    console.print(update)
+    return console.export_text()
+
+
+async def until(
+    pilot: Pilot[Any], predicate: Callable[[], object], timeout: float = 30.0, what: str = ""
+) -> None:
+    """Let the app run until ``predicate()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            text = screen_text(pilot.app)
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{text}")
+        await pilot.pause(0.05)
+
+
+async def settle(pilot: Pilot[Any]) -> None:
+    """Wait until a replay has been delivered, folded and drawn."""
+    app = pilot.app
+    assert isinstance(app, MemtuiApp)
+    await until(pilot, lambda: app.caught_up, 20, "the replay to be folded")
+    app.refresh_view()
+    await pilot.pause()
+
+
+def run(
+    app: MemtuiApp, test: Callable[[Pilot[Any]], Awaitable[None]], size: tuple[int, int]
+) -> None:
+    """Run ``test`` against ``app`` headless at ``size``."""
+
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await test(pilot)
+
+    asyncio.run(main())
+
+
+@dataclass
+class HookLoop:
+    """The benchmark's fast loop: a real hook stepping in a subprocess (no torch to import)."""
+
+    proc: subprocess.Popen[str]
+    run_id: str
+
+    def stop(self) -> None:
+        """End the loop (its hook sends the last batch) if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def start_hook_loop() -> Iterator[Callable[..., HookLoop]]:
+    """Start ``benchmarks/tui_cpu.py --loop`` (real hook, real sockets) and wait for its run id."""
+    loops: list[HookLoop] = []
+
+    def start(rate: float = 100.0, seconds: float = 60.0, checkpoint_every: int = 50) -> HookLoop:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "tui_cpu.py"), "--loop",
+             "--rate", str(rate), "--seconds", str(seconds),
+             "--checkpoint-every", str(checkpoint_every)],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ),
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = str(wait_for(proc.stdout.readline, 30, what="the hook loop's run id"))
+        loop = HookLoop(proc, line.split()[1])
+        loops.append(loop)
+        return loop
+
+    yield start
+    for loop in loops:
+        loop.stop()

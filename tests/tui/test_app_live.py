@@ -1,0 +1,148 @@
+"""The app against real hooks in subprocesses (real zmq): steps, a change landing, reconnects."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+from textual.pilot import Pilot
+
+from memtui.recording import LiveSource
+from memtui.tui.app import MemtuiApp
+from memtui.tui.screens.edit import EditKnobScreen
+from memtui.tui.state import Status
+from memtui.wire import RankInfo, Telemetry, encode
+from tests.conftest import DemoRun, memtui_cli
+from tests.tui.conftest import HookLoop, run, screen_text, until
+
+CHECKPOINT_EVERY = 20
+
+
+def live_app(selector: str | None, **options: Any) -> MemtuiApp:
+    """The viewer on a live run, as ``memtui attach`` makes it."""
+    return MemtuiApp(LiveSource(selector), **options)
+
+
+def test_queue_a_change_with_keys_and_see_it_land(start_demo: Callable[..., DemoRun]) -> None:
+    demo = start_demo(
+        "--workers", "0", "--steps", "3000", "--checkpoint-every", str(CHECKPOINT_EVERY)
+    )
+    app = live_app(demo.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.step > 0, 30, "the first steps")
+        first = state.step
+        await until(pilot, lambda: state.step >= first + 5, 30, "steps to advance")
+        app.refresh_view()
+        await pilot.pause()
+        assert re.search(r"step \d+ +elapsed", screen_text(app))
+        assert state.connection.status is Status.LIVE
+
+        await pilot.press("w")
+        assert isinstance(app.screen, EditKnobScreen)
+        await pilot.press("4", "enter")
+        assert not isinstance(app.screen, EditKnobScreen)
+        await until(pilot, lambda: state.pending_values() == {"num_workers": 4}, 10, "pending")
+        app.refresh_view()
+        await pilot.pause()
+        text = screen_text(app)
+        assert "pending  #1 num_workers=4" in text and "→ 4" in text
+        queued = state.control.pending[0].queued_step
+
+        await until(pilot, lambda: bool(state.control and state.control.applied), 60, "applied")
+        applied = state.control.applied[-1]
+        app.refresh_view()
+        await pilot.pause()
+        assert f"applied  step {applied.step}  num_workers 0 → 4" in screen_text(app)
+        assert state.knob_value("num_workers") == 4 and not state.pending_values()
+
+        status = json.loads(memtui_cli("status", demo.run_id, "--json").stdout)
+        assert status["applied"][-1]["step"] == applied.step
+        assert applied.step % CHECKPOINT_EVERY == 0
+        assert queued <= applied.step <= queued + CHECKPOINT_EVERY, "the next checkpoint"
+
+    run(app, check, (120, 40))
+
+
+def test_readonly_keys_send_nothing(start_hook_loop: Callable[..., HookLoop]) -> None:
+    loop = start_hook_loop(rate=100, seconds=60)
+    app = live_app(loop.run_id, readonly=True)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await until(pilot, lambda: app.state.step > 0, 20, "steps")
+        await pilot.press("w", "4", "enter", "b", "8", "enter", "c", "k")
+        await pilot.pause(0.5)
+        assert app.screen is app.screen_stack[0], "no editor in a read-only view"
+        assert "READ-ONLY" in screen_text(app)
+
+    run(app, check, (120, 40))
+    status = json.loads(memtui_cli("status", loop.run_id, "--json").stdout)
+    assert status["pending"] == [] and status["applied"] == [] and status["rejected"] == []
+
+
+def test_ended_then_a_new_run_reconnects(start_hook_loop: Callable[..., HookLoop]) -> None:
+    first = start_hook_loop(rate=100, seconds=3)
+    app = live_app(None)  # `memtui attach` without a run: the newest live one
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.info is not None and state.info.run == first.run_id, 20,
+                    "the first run")  # fmt: skip
+        await until(pilot, lambda: state.connection.status is Status.ENDED, 20, "the run's end")
+        app.refresh_view()
+        await pilot.pause()
+        assert f"● ended: run ended at step {state.step}" in screen_text(app)
+        second = start_hook_loop(rate=100, seconds=60)
+        await until(pilot, lambda: state.info is not None and state.info.run == second.run_id, 20,
+                    "the new run")  # fmt: skip
+        await until(pilot, lambda: state.connection.status is Status.LIVE and state.step > 0, 20,
+                    "live again")  # fmt: skip
+        app.refresh_view()
+        await pilot.pause()
+        text = screen_text(app)
+        assert second.run_id in text and "● live" in text
+
+    run(app, check, (120, 40))
+
+
+def test_garbage_on_a_telemetry_socket_is_counted(
+    start_hook_loop: Callable[..., HookLoop], private_runtime: Path
+) -> None:
+    loop = start_hook_loop(rate=100, seconds=60)
+    app = live_app(loop.run_id)
+    endpoint = f"ipc://{private_runtime}/garbage{os.getpid()}"
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.step > 0, 20, "steps")
+        app.receiver.source.subscribe(RankInfo(rank=9, pub=endpoint))  # type: ignore[attr-defined]
+        alien = encode(Telemetry(run="x", rank=9, seq=1, time=time.time(), step=1, v=2))
+        deadline = time.monotonic() + 10
+        while state.bad_frames < 3 and time.monotonic() < deadline:
+            for frame in (b"\x00garbage", b"\xc1", alien):  # bad msgpack, reserved byte, v2
+                pub.send(frame)
+            await pilot.pause(0.2)
+        assert state.bad_frames >= 3
+        before = state.step
+        await until(pilot, lambda: state.step > before + 10, 20, "steps after the garbage")
+        app.refresh_view()
+        await pilot.pause()
+        assert "bad frames" in screen_text(app)
+        assert state.connection.status is Status.LIVE and app.receiver.errors == 0
+
+    try:
+        run(app, check, (120, 40))
+    finally:
+        pub.close(0)
+        context.term()

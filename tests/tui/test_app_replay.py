@@ -1,0 +1,240 @@
+"""The app on replayed streams (real Textual, run_test + Pilot): layout, keys, modals, modes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+from textual.pilot import Pilot
+from textual.widgets import Input
+
+from memtui.recording import ReplaySource
+from memtui.tui.app import MemtuiApp
+from memtui.tui.screens.cancel import CancelScreen
+from memtui.tui.screens.edit import EditKnobScreen
+from memtui.tui.screens.help import HelpScreen
+from memtui.tui.state import Status
+from tests.tui.conftest import (
+    OOM,
+    STARVING,
+    pending_offset,
+    replay_app,
+    run,
+    screen_text,
+    settle,
+    until,
+)
+
+WIDE = (120, 40)
+NARROW = (60, 50)
+
+
+def text_of(pilot: Pilot[Any], selector: str) -> str:
+    """The plain text a widget shows."""
+    widget = pilot.app.screen.query_one(selector)
+    rendered = widget.render()
+    return str(getattr(rendered, "plain", rendered))
+
+
+def test_starving_with_a_change_pending() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        screen = screen_text(pilot.app)
+        assert "demo-" in screen and "● live" in screen and "step " in screen
+        assert "STARVED" in text_of(pilot, "#verdict")
+        assert "data wait 6" in text_of(pilot, "#verdict")  # 60-70% of each step
+        config = text_of(pilot, "#config")
+        assert "num_workers" in config and "→ 4" in config
+        assert "pending  #1 num_workers=4" in text_of(pilot, "#changes")
+
+    run(replay_app(STARVING, until_s=pending_offset()), check, WIDE)
+
+
+def test_the_change_lands_and_the_run_ends() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        assert isinstance(app, MemtuiApp)
+        assert app.state.connection.status is Status.ENDED
+        assert "● ended: run ended at step 500" in screen_text(app)
+        assert "applied  step 300  num_workers 0 → 4" in text_of(pilot, "#changes")
+        assert "BALANCED" in text_of(pilot, "#verdict")
+
+    run(replay_app(STARVING), check, WIDE)
+
+
+def test_oom_risk_shows_where_the_memory_goes() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        verdict = text_of(pilot, "#verdict")
+        assert "OOM RISK" in verdict and "peak memory 88% (21.1 GiB of 24.0 GiB)" in verdict
+        memory = text_of(pilot, "#memory")
+        for needle in ("capacity", "24.0 GiB", "peak reserved", "reserved unalloc.", "3.2 GiB",
+                       "beyond torch", "1.1 GiB", "python[31337]"):  # fmt: skip
+            assert needle in memory, needle
+        config = text_of(pilot, "#config")
+        assert "effective batch 128 = 32 x 2 x 2 ranks → 144" in config
+        assert "2 ranks" in text_of(pilot, "#header")
+
+    run(replay_app(OOM), check, WIDE)
+
+
+def test_narrow_layout_stacks_and_drops_secondary_columns() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        screen = pilot.app.screen
+        assert screen.has_class("narrow")
+        config, memory, charts = (
+            screen.query_one(s).region for s in ("#config", "#memory", "#charts")
+        )
+        assert config.y < memory.y < charts.y, "stacked: config, memory, then the charts"
+        assert config.width == memory.width == charts.width == 60
+        text = screen_text(pilot.app)
+        assert "OOM RISK" in text and "step 315" in text
+        assert "python[31337]" not in text, "the secondary memory lines are dropped"
+        assert all(len(line) <= 60 for line in text.splitlines())
+
+    run(replay_app(OOM), check, NARROW)
+
+
+def test_edit_validates_before_sending() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        assert isinstance(app, MemtuiApp)
+        await pilot.press("w")
+        assert isinstance(app.screen, EditKnobScreen)
+        await pilot.press("minus", "1", "enter")
+        assert isinstance(app.screen, EditKnobScreen), "an invalid value is not sent"
+        assert "num_workers must be 0 or more" in str(app.screen.query_one("#preview").render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, EditKnobScreen)
+        await pilot.press("k", "b")  # keep-effective-batch on, then batch_size
+        assert isinstance(app.screen, EditKnobScreen)
+        await pilot.press("4", "8")
+        preview = str(app.screen.query_one("#preview").render())
+        assert "batch_size=48 grad_accum=1" in preview  # 32 x 2 kept as 48 x 1 (~48)
+        await pilot.press("enter")
+        assert not isinstance(app.screen, EditKnobScreen)
+        await pilot.pause(0.3)
+        app.refresh_view()
+        await pilot.pause()
+        assert "takes no changes" in text_of(pilot, "#changes")  # a recording answers none
+
+    run(replay_app(OOM), check, WIDE)
+
+
+def test_cancel_picks_a_pending_change() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        await pilot.press("c")
+        assert isinstance(app.screen, CancelScreen)
+        assert "#3 batch_size=24 grad_accum=3" in screen_text(app)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, CancelScreen)
+
+    run(replay_app(OOM), check, WIDE)
+
+
+def test_help_shows_keys_and_thresholds() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(pilot.app.screen, HelpScreen)
+        text = screen_text(pilot.app)
+        for needle in ("data wait >= 30%", "85%-90%", "keep-effective-batch", "command palette"):
+            assert needle in text, needle
+        await pilot.press("escape")
+        assert not isinstance(pilot.app.screen, HelpScreen)
+
+    run(replay_app(OOM), check, WIDE)
+
+
+def test_pause_freezes_the_view() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("space")
+        await pilot.pause()
+        assert "PAUSED" in text_of(pilot, "#header")
+        await pilot.press("space")
+        await pilot.pause()
+        assert "PAUSED" not in text_of(pilot, "#header")
+
+    run(replay_app(STARVING, until_s=10), check, WIDE)
+
+
+def test_readonly_hides_and_disables_the_edit_keys() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        text = screen_text(app)
+        assert "READ-ONLY" in text and "set knob" not in text and "? help" in text
+        await pilot.press("w", "c", "k")
+        assert app.screen is app.screen_stack[0], "no editor opens"
+        assert isinstance(app, MemtuiApp) and not app.keep_effective_batch
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Set num_workers" not in titles and "Help: keys and thresholds" in titles
+
+    run(replay_app(STARVING, until_s=10, readonly=True), check, WIDE)
+
+
+def test_commands_are_in_the_palette() -> None:
+    app = replay_app(STARVING, until_s=1)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for title in ("Set batch_size", "Set num_workers", "Toggle keep-effective-batch",
+                      "Cancel a pending change", "Pause or resume the view", "Reconnect"):  # fmt: skip
+            assert title in titles
+        assert isinstance(app.screen.query_one("#config"), object)
+        assert not app.screen.query(Input)
+
+    run(app, check, WIDE)
+
+
+def test_breakpoint_at_eighty_columns() -> None:
+    for width, narrow in ((79, True), (80, False)):
+
+        async def check(pilot: Pilot[Any], narrow: bool = narrow) -> None:
+            await settle(pilot)
+            assert pilot.app.screen.has_class("narrow") is narrow
+
+        run(replay_app(OOM), check, (width, 45))
+
+
+def test_refresh_is_bounded_however_fast_the_frames_come() -> None:
+    app = MemtuiApp(ReplaySource(OOM, speed=20.0))  # 40 s of two ranks in 2 s
+
+    async def check(pilot: Pilot[Any]) -> None:
+        painted = 0
+        original = app.refresh_view
+
+        def counting(charts: bool = True) -> None:
+            nonlocal painted
+            before = app.repaints
+            original(charts)
+            painted += app.repaints > before
+
+        app.refresh_view = counting  # type: ignore[method-assign]
+        start = time.monotonic()
+        await until(pilot, lambda: app.caught_up, 20, "the replay")
+        elapsed = time.monotonic() - start
+        assert app.batches_folded >= 5 and app.state.step == 315
+        assert painted <= app.refresh_hz * elapsed + 2, (painted, elapsed)
+
+    run(app, check, WIDE)
+
+
+def test_the_demo_process_exit_is_reported() -> None:
+    demo = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    app = replay_app(STARVING, until_s=2, demo_process=demo)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await until(pilot, lambda: "exited with status 3" in text_of(pilot, "#changes"), 10,
+                    "the demo's exit")  # fmt: skip
+
+    run(app, check, WIDE)

@@ -1,0 +1,39 @@
+"""Snapshot tests (pytest-textual-snapshot) on recorded streams replayed to a fixed point.
+
+Deterministic by construction: a replay delivers its frames at once, every time and age shown
+comes from the recording's clock, and nothing animates. Update after an intended change of the
+look with ``pytest tests/tui/test_snapshots.py --snapshot-update`` and review the SVGs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from memtui.tui.app import MemtuiApp
+from tests.tui.conftest import OOM, STARVING, pending_offset, replay_app, settle
+
+SIZES = {"wide": (120, 40), "narrow": (60, 50)}
+
+
+def starving() -> MemtuiApp:
+    """The demo starving with --workers 0, num_workers=4 queued for the next checkpoint."""
+    return replay_app(STARVING, until_s=pending_offset())
+
+
+def oom_risk() -> MemtuiApp:
+    """Two CUDA ranks at 88% of 24 GiB, a change pending (synthetic: no GPU here)."""
+    return replay_app(OOM)
+
+
+def disconnected() -> MemtuiApp:
+    """The demo starving, then silent for 10 s: the run is gone without a word."""
+    return replay_app(STARVING, until_s=20.0, at_end="disconnect")
+
+
+@pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
+@pytest.mark.parametrize("make", [starving, oom_risk, disconnected], ids=lambda f: f.__name__)
+def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:
+    assert snap_compare(make(), terminal_size=SIZES[size], run_before=settle)
