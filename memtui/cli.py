@@ -16,6 +16,8 @@ from typing import Any
 import click
 
 from memtui import registry
+from memtui.advice.assess import STATE_NAMES, assess
+from memtui.advice.effect import describe as describe_effect
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.knobs import (
     KNOBS,
@@ -27,7 +29,7 @@ from memtui.knobs import (
     parse_changes,
 )
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
-from memtui.wire import AppliedChange, Knobs, Snapshot, to_builtins
+from memtui.wire import AppliedChange, Knobs, SetReply, Snapshot, to_builtins
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -107,12 +109,22 @@ def _knobs_dict(knobs: Knobs) -> dict[str, Any]:
 
 
 def _applied_dict(applied: AppliedChange) -> dict[str, Any]:
+    error = None
+    if applied.predicted_peak_bytes and applied.observed_peak_bytes:
+        error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
     return {
         "ids": applied.ids,
         "step": applied.step,
         "time": applied.time,
         "changes": {k: {"old": d.old, "new": d.new} for k, d in applied.changes.items()},
         "note": applied.note,
+        "rollback": applied.rollback,
+        "predicted_peak_bytes": applied.predicted_peak_bytes,
+        "observed_peak_bytes": applied.observed_peak_bytes,
+        "prediction_error": error,
+        "effect": None
+        if applied.effect is None
+        else {**to_builtins(applied.effect), "summary": describe_effect(applied.effect)},
     }
 
 
@@ -171,6 +183,57 @@ def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
     return entry
 
 
+def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) -> dict[str, Any]:
+    """Verdict, breakdown, recommendations, memory model, prediction accuracy and OOMs."""
+    found = assess(snapshot, ranks)
+    control = snapshot.control
+    model = control.model
+    errors = [
+        abs(a.predicted_peak_bytes / a.observed_peak_bytes - 1)
+        for a in control.applied
+        if a.predicted_peak_bytes and a.observed_peak_bytes
+    ]
+    return {
+        "verdict": {
+            "state": STATE_NAMES[found.verdict.state],
+            "severity": found.verdict.severity,
+            "headline": found.verdict.headline,
+            "reasons": [
+                {"label": r.label, "value": r.value, "severity": r.severity}
+                for r in found.verdict.reasons
+            ],
+        },
+        "breakdown": None
+        if found.breakdown is None
+        else {"capacity_bytes": found.breakdown.capacity_bytes, **found.breakdown.as_dict()},
+        "static_memory": to_builtins(control.static) if control.static else None,
+        "recommendations": [
+            {
+                "title": r.title,
+                "changes": r.changes,
+                "applicable": r.applicable,
+                "needs_restart": r.needs_restart,
+                "why": r.why,
+                "memory_delta_bytes": r.memory_delta_bytes,
+                "host_delta_bytes": r.host_delta_bytes,
+                "speed_delta": r.speed_delta,
+                "predicted_peak_bytes": r.predicted_peak_bytes,
+                "effective_batch": r.effective_batch,
+            }
+            for r in found.recommendations
+        ],
+        "max_safe_batch_size": found.max_safe_batch_size,
+        "model": None
+        if model is None
+        else {**to_builtins(model), "confidence": found.model_confidence},
+        "prediction_accuracy": {
+            "changes_measured": len(errors),
+            "mean_abs_error": sum(errors) / len(errors) if errors else None,
+        },
+        "ooms": [to_builtins(o) for o in control.ooms],
+    }
+
+
 def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | None]:
     """Rank 0's snapshot and every other rank's (None where a rank did not answer)."""
     others = [r for r in snapshot.ranks if r.rank != snapshot.info.rank]
@@ -206,6 +269,7 @@ def status_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) 
         "rejected": [to_builtins(r) for r in control.rejected],
         "metrics": _metrics_dict(snapshot),
         "memory": _memory_dict(snapshot),
+        **_assessment_dict(snapshot, ranks),
         "disabled": control.disabled,
         "ranks": [_rank_dict(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
         "last_step": to_builtins(snapshot.steps[-1]) if snapshot.steps else None,
@@ -229,6 +293,8 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     lines.append(
         f"run {info.run}  pid {info.pid}  host {info.host}  ranks {info.world_size}  up {age}"
     )
+    verdict = data["verdict"]
+    lines.append(f"verdict: {verdict['state']}: {verdict['headline']}")
     metrics = data["metrics"]
     if metrics:
         lines.append(
@@ -252,6 +318,17 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
             if memory["beyond_torch_bytes"] is not None:
                 line += f", beyond torch {format_bytes(memory['beyond_torch_bytes'])}"
         lines.append(line)
+    split = data["breakdown"]
+    if split:
+        parts = [f"{k} {format_bytes(v)}" for k, v in split.items() if k != "capacity_bytes" and v]
+        lines.append("breakdown at peak: " + ", ".join(parts))
+    if data["model"]:
+        safe = data["max_safe_batch_size"]
+        lines.append(
+            f"memory model: {format_bytes(data['model']['steady_bytes'])} steady + "
+            f"{format_bytes(data['model']['per_sample_bytes'])} per sample ({data['model']['confidence']})"
+            + (f"; largest micro-batch under 85%: {safe}" if safe is not None else "")
+        )
     host = snapshot.host[-1] if snapshot.host else None
     if host:
         lines.append(
@@ -264,16 +341,32 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
     for change in control.pending:
         note = f"  [{change.note}]" if change.note else ""
+        predicted = ""
+        if change.predicted_peak_bytes:
+            predicted = f", predicted peak {format_bytes(change.predicted_peak_bytes)}"
         lines.append(
-            f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}){note}"
+            f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
         )
     for applied in list(control.applied)[-5:]:
         diffs = ", ".join(
             f"{k} {format_value(d.old)} -> {format_value(d.new)}"
             for k, d in applied.changes.items()
         )
-        ids = ",".join(f"#{i}" for i in applied.ids)
-        lines.append(f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})")
+        ids = ",".join(f"#{i}" for i in applied.ids) or "rollback"
+        line = f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})"
+        if applied.effect is not None:
+            line += f": {describe_effect(applied.effect)}"
+        if applied.predicted_peak_bytes and applied.observed_peak_bytes:
+            error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
+            line += f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} ({error:+.0%})"
+        lines.append(line)
+    for oom in list(control.ooms)[-3:]:
+        lines.append(
+            f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"
+        )
+    for index, option in enumerate(data["recommendations"][:3], 1):
+        speed = f", {option['speed_delta']:+.0%} samples/s" if option["speed_delta"] else ""
+        lines.append(f"option {index}: {option['title']}{speed}  ({option['why']})")
     for rejected in list(control.rejected)[-3:]:
         lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
     if control.disabled:
@@ -364,14 +457,32 @@ def set_command(
         _fail(f"rejected: {reply.reason}", 2)
     if dry_run:
         click.echo(f"would queue {format_changes(reply.changes)}")
+        click.echo(_prediction_line(reply))
+        if reply.needs_force:
+            click.echo("it would need --force: predicted over the 90% danger band")
     else:
         click.echo(str(reply.id))
         click.echo(
             f"queued #{reply.id}: {format_changes(reply.changes)} (applies at the next checkpoint)",
             err=True,
         )
-    if reply.note:
+        click.echo(_prediction_line(reply), err=True)
+    if reply.note and not (dry_run and reply.needs_force):
         click.echo(f"note: {reply.note}", err=True)
+
+
+def _prediction_line(reply: SetReply) -> str:
+    """The memory prediction in a reply, in one line."""
+    if reply.predicted_peak_bytes is None or not reply.capacity_bytes:
+        return "predicted peak: no memory model yet (it needs a few steps of samples)"
+    share = reply.predicted_peak_bytes / reply.capacity_bytes
+    line = (
+        f"predicted peak {format_bytes(reply.predicted_peak_bytes)} = {share:.0%} of "
+        f"{format_bytes(reply.capacity_bytes)} ({reply.confidence})"
+    )
+    if reply.max_safe_batch_size is not None:
+        line += f"; largest micro-batch under 85%: {reply.max_safe_batch_size}"
+    return line
 
 
 @main.command("cancel")
@@ -450,14 +561,23 @@ def _demo_argv(
     show_default=True,
     help="Processes under torchrun (gloo on CPU, nccl on GPUs).",
 )
+@click.option(
+    "--memory-limit", default=None, help="CPU runs: hold the demo to this budget (e.g. 1.5GiB)."
+)
+@click.option("--seq-len", default=32, show_default=True, help="Tokens per sample.")
+@click.option("--width", default=64, show_default=True, help="Model width.")
 def demo_command(
     no_tui: bool, steps: int, checkpoint_every: int, batch_size: int, grad_accum: int, workers: int,
     pin_memory: bool, slow_data_ms: float, out: str | None, resume: bool, ranks: int,
+    memory_limit: str | None, seq_len: int, width: int,
 ) -> None:  # fmt: skip
     """Run the bundled demo training (slow data: it starves until you add workers)."""
     argv = _demo_argv(
         steps, checkpoint_every, batch_size, grad_accum, workers, pin_memory, slow_data_ms, out, resume
     )  # fmt: skip
+    argv += ["--seq-len", str(seq_len), "--width", str(width)]
+    if memory_limit:
+        argv += ["--memory-limit", memory_limit]
     if ranks < 1:
         _fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)

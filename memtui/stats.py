@@ -115,6 +115,60 @@ def ram_fraction(sample: HostSample) -> float:
     return sample.ram_used_bytes / sample.ram_total_bytes if sample.ram_total_bytes else 0.0
 
 
+STRAGGLER_STEP_FACTOR = 1.25
+"""A rank straggles when its mean step time is at least this many times the ranks' median."""
+STRAGGLER_WAIT_SHARE = 0.25
+"""A rank straggles when it waits for data longer than the median rank by this share of the
+median step time (in synchronous data parallel every other rank then waits for it)."""
+STRAGGLER_LAG_S = 2.0
+"""A rank straggles when its newest step is this many seconds (at the median rate) behind."""
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (0.0 when there are none)."""
+    ordered = sorted(values)
+    count = len(ordered)
+    if not count:
+        return 0.0
+    middle = count // 2
+    return ordered[middle] if count % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+@dataclass(frozen=True)
+class RankSpread:
+    """The ranks' medians, against which one rank is called a straggler."""
+
+    step_time_s: float
+    """The median of the ranks' mean step times."""
+    data_wait_s: float
+    """The median of the ranks' mean data waits."""
+    lead_step: int
+    """The newest step of the rank furthest ahead."""
+
+    @classmethod
+    def of(cls, stats: Sequence[StepStats], last_steps: Sequence[int]) -> RankSpread:
+        """The medians over the ranks' step summaries, and the leading step."""
+        return cls(
+            median([s.step_time_s for s in stats]),
+            median([s.data_wait_s for s in stats]),
+            max(last_steps, default=0),
+        )
+
+    def straggler(self, stats: StepStats, last_step: int) -> str:
+        """Why a rank with these numbers straggles, in a few words ("" when it does not)."""
+        if self.step_time_s <= 0:
+            return ""
+        ratio = stats.step_time_s / self.step_time_s
+        if ratio >= STRAGGLER_STEP_FACTOR:
+            return f"straggler {ratio:.1f}x"
+        if stats.data_wait_s - self.data_wait_s >= STRAGGLER_WAIT_SHARE * self.step_time_s:
+            return "straggler: data"
+        behind = self.lead_step - last_step
+        if behind > 1 and behind * self.step_time_s >= STRAGGLER_LAG_S:
+            return f"{behind} steps behind"
+        return ""
+
+
 def format_bytes(value: float | None) -> str:
     """Bytes in binary units: ``812 MiB``, ``18.5 GiB``."""
     if value is None:
@@ -140,3 +194,20 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+    "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
+    "tib": 1 << 40,
+}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"1500 MB"``, ``"512M"`` or ``"1048576"`` -> bytes; ValueError otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (try 2GiB, 1500MB or a number of bytes)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])

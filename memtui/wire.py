@@ -155,6 +155,25 @@ class PendingChange(Struct, omit_defaults=True):
     keep_effective_batch: bool = False
     client: str = ""
     note: str = ""
+    predicted_peak_bytes: int | None = None
+    """The device peak the memory model predicts with this change (None: no model yet)."""
+    forced: bool = False
+    """Queued although predicted over the danger band (``--force`` or a confirmation)."""
+
+
+class Effect(Struct, omit_defaults=True):
+    """What an applied change did: the steps before it against the steps after it."""
+
+    steps_before: int
+    steps_after: int
+    samples_per_s_before: float
+    samples_per_s_after: float
+    step_time_s_before: float
+    step_time_s_after: float
+    data_wait_s_before: float
+    data_wait_s_after: float
+    peak_bytes_before: int | None = None
+    peak_bytes_after: int | None = None
 
 
 class AppliedChange(Struct, omit_defaults=True):
@@ -166,6 +185,91 @@ class AppliedChange(Struct, omit_defaults=True):
     time: float
     changes: dict[str, KnobDiff]
     note: str = ""
+    predicted_peak_bytes: int | None = None
+    """The peak the memory model predicted for the new config when it was applied."""
+    observed_peak_bytes: int | None = None
+    """The peak measured over the steps after the change (set once they have run)."""
+    effect: Effect | None = None
+    """Measured effect, once enough steps ran after the change."""
+    rollback: bool = False
+    """True for a rollback after an out-of-memory error (it reverts an earlier change)."""
+
+
+class ModelPoint(Struct, array_like=True, frozen=True):
+    """One observed (micro-batch, peak) point of the memory model."""
+
+    batch_size: int
+    peak_bytes: int
+    """Peak allocated (CUDA: torch allocator; CPU: process-tree memory) at that micro-batch."""
+    samples: int
+    """Device samples the peak was taken over."""
+
+
+class MemoryModel(Struct, omit_defaults=True):
+    """Peak device memory as a function of the micro-batch: steady + per_sample x batch.
+
+    The predicted device total adds the allocator's reserve overhead (reserved over allocated at
+    peak: fragmentation) and what the device holds beyond torch (CUDA context, NCCL, other
+    processes). See ``memtui.advice.predict``.
+    """
+
+    kind: str
+    batch_size: int
+    """The micro-batch the run has now."""
+    capacity_bytes: int
+    steady_bytes: int
+    """Memory that does not grow with the batch: parameters, gradients, optimizer state, runtime."""
+    per_sample_bytes: float
+    """Activations and temporaries per sample of the micro-batch."""
+    overhead_ratio: float = 1.0
+    """Peak reserved over peak allocated (>= 1): the allocator's fragmentation overhead."""
+    beyond_bytes: int = 0
+    """Device memory outside torch's reserve (CUDA context, NCCL, other processes)."""
+    points: list[ModelPoint] = []
+    fit_error: float | None = None
+    """RMS relative error of the fit over its points (None with a single point)."""
+    basis: str = ""
+    """How the model was made, in words (what it assumes)."""
+
+
+class StaticMemory(Struct, omit_defaults=True):
+    """Memory computed exactly from the model's and optimizer's tensors (bytes, by dtype)."""
+
+    kind: str
+    parameters_bytes: int = 0
+    gradients_bytes: int = 0
+    """Gradients as they exist during backward (one per trainable parameter)."""
+    optimizer_bytes: int = 0
+    buffers_bytes: int = 0
+    by_dtype: dict[str, dict[str, int]] = {}
+    """Part (parameters, gradients, optimizer, buffers) to dtype to bytes."""
+    optimizer_note: str = ""
+    """``measured`` from the optimizer's state, or how it was estimated before the first step."""
+    baseline_bytes: int = 0
+    """Device allocated (CUDA) or process-tree RSS (CPU) when the hook was installed."""
+
+
+class OomEvent(Struct, omit_defaults=True):
+    """An out-of-memory error seen by the hook, parsed, and what was done about it."""
+
+    time: float
+    step: int
+    kind: str
+    message: str
+    config: Knobs
+    """The knobs in effect when it happened."""
+    tried_bytes: int | None = None
+    capacity_bytes: int | None = None
+    free_bytes: int | None = None
+    process_in_use_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    rolled_back: bool = False
+    """The change that caused it was reverted and training went on."""
+    batch: str = ""
+    """What happened to the failing batch (re-queued, skipped, or lost with the run)."""
+    safe_config: Knobs | None = None
+    """The config written for the restart (the tuned YAML's ``config``)."""
 
 
 class RejectedChange(Struct, omit_defaults=True):
@@ -193,6 +297,12 @@ class ControlState(Struct, omit_defaults=True):
     rejected: list[RejectedChange] = []
     disabled: str = ""
     """Why this run takes no changes (ranks out of step at a boundary); empty when it does."""
+    model: MemoryModel | None = None
+    """The memory model the hook predicts with (None until it has seen enough)."""
+    static: StaticMemory | None = None
+    """Parameters, gradients and optimizer state, exactly (None without model and optimizer)."""
+    ooms: list[OomEvent] = []
+    """Out-of-memory errors seen, most recent last."""
 
 
 class HookCounters(Struct, omit_defaults=True):
@@ -324,6 +434,15 @@ class SetReply(Struct, tag="set_reply", omit_defaults=True):
     changes: dict[str, KnobValue] = {}
     reason: str = ""
     note: str = ""
+    predicted_peak_bytes: int | None = None
+    """The device peak predicted with the change (None: no memory model yet)."""
+    capacity_bytes: int | None = None
+    max_safe_batch_size: int | None = None
+    """The largest micro-batch predicted to stay under 85% of capacity."""
+    confidence: str = ""
+    """How sure the prediction is (points seen, fit error)."""
+    needs_force: bool = False
+    """Rejected only because it is predicted over the danger band: ``force`` would queue it."""
     v: int = WIRE_VERSION
 
 

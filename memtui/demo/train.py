@@ -28,7 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
+from memtui.hooks.oom import trim_heap
 from memtui.registry import state_home
+from memtui.stats import parse_bytes
 
 
 @dataclass
@@ -121,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="demo", help="run id prefix")
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_bytes,
+        default=None,
+        help="CPU runs: hold the process to this budget (e.g. 1.5GiB): exceeding it is an out-of-memory error",
+    )
     return parser.parse_args(argv)
 
 
@@ -173,8 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     dataset = SlowTokens(1_000_000, args.seq_len, vocab, args.slow_data_ms)
 
+    options = hooks.Options()
+    if args.memory_limit and not use_cuda:
+        options.memory_limit = args.memory_limit
     tuner = hooks.install(
-        config, model=net, optimizer=optimizer, state_dir=out, resume=args.resume, name=args.name
+        config,
+        model=net,
+        optimizer=optimizer,
+        state_dir=out,
+        resume=args.resume,
+        name=args.name,
+        options=options,
     )
 
     def make_loader(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
@@ -210,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"resumed from step {tuner.step_count}", flush=True)
 
     model.train()
+    guard = tuner.guard()
+    budget = MemoryBudget(args.memory_limit if not use_cuda else None)
     started = time.perf_counter()
     last_report = (started, tuner.step_count, 0)
     samples_seen = 0
@@ -226,9 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                 # DDP all-reduces on the last micro-batch of a step only: every rank must run the
                 # same number of micro-batches per step, which is why changes land on all at once
                 sync = nullcontext() if last_micro or world == 1 else model.no_sync()  # type: ignore[operator]
-                with sync:
+                with guard, sync:  # an out-of-memory error here is reported (and maybe rolled back)
                     loss = model(tokens, targets) / config.gradient_accumulation_steps
+                    budget.check()
                     loss.backward()
+                    budget.check()
+                if guard.rolled_back:  # the step starts over with the old config
+                    say(_describe_oom(tuner), flush=True)
+                    micro = 0
+                    continue
                 samples_seen += tokens.shape[0]
                 if not last_micro:
                     continue
@@ -265,6 +290,45 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     say(f"done: {tuner.step_count} steps in {elapsed:.1f} s", flush=True)
     return 0
+
+
+class MemoryBudget:
+    """On CPU, the budget ``--memory-limit`` holds the process to: the demo's stand-in for a GPU's
+    capacity, so seed 004 (a bigger micro-batch that no longer fits) can be re-created on a CPU.
+    Exceeding it raises ``MemoryError`` with the numbers, like CUDA's out-of-memory error."""
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.limit_bytes = limit_bytes
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self._page
+
+    def check(self) -> None:
+        """Raise MemoryError if the process's resident memory is over the budget."""
+        if not self.limit_bytes:
+            return
+        rss = self._rss()
+        if rss > self.limit_bytes:
+            trim_heap()  # freed memory glibc still holds is not in use: give it back, measure again
+            rss = self._rss()
+        if rss > self.limit_bytes:
+            gib = 1 << 30
+            raise MemoryError(
+                f"CPU out of memory (the demo's --memory-limit). Tried to allocate "
+                f"{(rss - self.limit_bytes) / gib:.2f} GiB. The budget has a total capacity of "
+                f"{self.limit_bytes / gib:.2f} GiB of which 0 bytes is free. Including non-PyTorch "
+                f"memory, this process has {rss / gib:.2f} GiB memory in use."
+            )
+
+
+def _describe_oom(tuner: hooks.Tuner) -> str:
+    """The last out-of-memory event, in one line."""
+    if not tuner.control.ooms:
+        return "out of memory: rolled back"
+    event = tuner.control.ooms[-1]
+    return f"out of memory at step {event.step}: rolled back the change; {event.batch}"
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:

@@ -11,6 +11,7 @@ recreates the runtime directory and sockets if someone removed them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -21,6 +22,9 @@ from typing import TYPE_CHECKING
 import zmq
 
 from memtui import registry
+from memtui.advice.effect import SETTLE_STEPS, describe, measure
+from memtui.advice.predict import Observation, fit, predict_peak
+from memtui.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
 from memtui.security import ZapHandler, make_server
 from memtui.wire import (
     CancelRequest,
@@ -31,7 +35,9 @@ from memtui.wire import (
     Hello,
     HookCounters,
     HostSample,
+    MemoryModel,
     Message,
+    ModelPoint,
     RankInfo,
     RunRecord,
     SetRequest,
@@ -39,6 +45,7 @@ from memtui.wire import (
     StepRecord,
     Telemetry,
     encode,
+    to_builtins,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +94,11 @@ class Agent(threading.Thread):
         """This rank's TCP telemetry endpoint as other nodes reach it ("" without TCP)."""
         self.tcp_control = ""
         self.registered = False
+        self._recording: RecordingWriter | None = None
+        self._recorded_bytes = 0
+        self._started_recording = 0.0
+        self._points: dict[int, ModelPoint] = {}
+        """The latest observed (micro-batch, peak) point of each micro-batch size."""
         self._sent_control_seq = 0
         self._sent_counters: HookCounters | None = None
         self._last_send = 0.0
@@ -114,8 +126,10 @@ class Agent(threading.Thread):
             self._close()
             return
         self.ready.set()
+        self._open_recording()
         next_flush = time.monotonic() + self.flush_period_s
         next_check = time.monotonic() + 2.0
+        next_model = time.monotonic() + 1.0
         while not self._stop_event.is_set():
             try:
                 timeout_ms = max(0, int((next_flush - time.monotonic()) * 1000))
@@ -139,15 +153,23 @@ class Agent(threading.Thread):
                 if now >= next_check:
                     next_check = now + 2.0
                     self._check_registry()
+                if now >= next_model:
+                    next_model = now + 1.0
+                    self._update_model()
+                    self._measure_applied()
             except BaseException as exc:  # never let the thread die silently
                 self.tuner._report(exc, "agent")
                 self._stop_event.wait(0.5)
                 with contextlib.suppress(BaseException):
                     self._rebind()
         with contextlib.suppress(BaseException):
+            self._measure_applied(final=True)
             self.flush(ended=True)
             time.sleep(0.05)  # let the final frame leave before the socket closes
         self._close()
+        if self._recording is not None:
+            with contextlib.suppress(OSError):
+                self._recording.close()
         if self.tuner.rank == 0:
             self.run_dir.remove()
 
@@ -302,9 +324,11 @@ class Agent(threading.Thread):
             counters=send_counters,
             ended=ended,
         )
-        if self._send(encode(message)):
+        frame = encode(message)
+        if self._send(frame):
             self._sent_control_seq = control_seq
             self._sent_counters = counters
+        self._record(self.tuner.rank, frame)
         self._last_send = now
 
     def _send(self, frame: bytes) -> bool:
@@ -387,6 +411,165 @@ class Agent(threading.Thread):
             checkpoints=list(self.checkpoints),
             counters=self.current_counters(),
         )
+
+    # ------------------------------------------------------------------ memory model and effects
+
+    def _update_model(self) -> None:
+        """Refit the memory model from the samples taken at the current micro-batch."""
+        tuner, control = self.tuner, self.tuner.control
+        batch = tuner.values.get("batch_size")
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            return
+        settle = tuner._segment_start + SETTLE_STEPS
+        window = [s for s in self.device if s.step > settle]
+        if len(window) < 3:
+            return
+        last = window[-1]
+        peak_allocated = max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in window)
+        peak_reserved = max(max(s.peak_reserved_bytes, s.reserved_bytes) for s in window)
+        floor = min(s.allocated_bytes for s in window)
+        static = control.static
+        beyond = 0
+        if last.kind == "cuda":
+            exact = 0
+            if static is not None:
+                exact = static.parameters_bytes + static.buffers_bytes
+                exact += static.gradients_bytes + static.optimizer_bytes
+            steady = max(exact, floor)
+            if last.nvml_used_bytes is not None:
+                beyond = max(0, last.nvml_used_bytes - last.reserved_bytes)
+        elif static is not None:
+            # the process's memory at install, plus what training created since (gradients,
+            # optimizer state unless it existed then), plus the loader workers
+            steady = static.baseline_bytes + static.gradients_bytes
+            at_install = tuner._static_at_install
+            if at_install is None or at_install.optimizer_note != "measured":
+                steady += static.optimizer_bytes
+            if self.host:
+                steady += self.host[-1].workers_rss_bytes
+        else:
+            steady = floor
+        observation = Observation(
+            kind=last.kind,
+            batch_size=batch,
+            capacity_bytes=last.capacity_bytes,
+            steady_bytes=steady,
+            peak_allocated_bytes=peak_allocated,
+            peak_reserved_bytes=peak_reserved,
+            beyond_bytes=beyond,
+            samples=len(window),
+        )
+        self._points[batch] = ModelPoint(batch, peak_allocated, len(window))
+        model = fit(observation, [p for b, p in self._points.items() if b != batch])
+        with control._lock:
+            old = control.model
+            if old is None or _moved(old, model, batch):
+                control.model = model
+                control.seq += 1
+
+    def _measure_applied(self, final: bool = False) -> None:
+        """Measure the effect and the peak of applied changes once enough steps ran after them."""
+        control = self.tuner.control
+        with control._lock:
+            waiting = [a for a in control.applied if a.effect is None and not a.rollback]
+            later = {id(a): b.step for a, b in itertools.pairwise(control.applied)}
+        if not waiting:
+            return
+        steps = list(self.steps)
+        for applied in waiting:
+            start = applied.step + SETTLE_STEPS
+            end = min(start + EFFECT_STEPS, later.get(id(applied), start + EFFECT_STEPS))
+            after = [r for r in steps if start < r.step <= end]
+            if len(after) < min(EFFECT_STEPS, end - start) and not final:
+                continue
+            if len(after) < 3:
+                continue
+            before = [r for r in steps if applied.step - EFFECT_STEPS < r.step <= applied.step]
+            peak_before = self._peak_between(applied.step - EFFECT_STEPS, applied.step)
+            peak_after = self._peak_between(start, after[-1].step)
+            effect = measure(before, after, peak_before, peak_after)
+            if effect is None:
+                continue
+            with control._lock:
+                applied.effect = effect
+                applied.observed_peak_bytes = peak_after
+                control.seq += 1
+            record: dict[str, object] = {
+                "ids": applied.ids,
+                "step": applied.step,
+                "predicted_peak_bytes": applied.predicted_peak_bytes,
+                "observed_peak_bytes": peak_after,
+                "effect": to_builtins(effect),
+                "summary": describe(effect),
+            }
+            if applied.predicted_peak_bytes and peak_after:
+                record["prediction_error"] = applied.predicted_peak_bytes / peak_after - 1
+            control._audit("measured", record)
+
+    def _peak_between(self, first_step: int, last_step: int) -> int | None:
+        """The device total at peak over samples taken in steps (first, last]."""
+        samples = [s for s in self.device if first_step < s.step <= last_step]
+        if not samples:
+            return None
+        if samples[-1].kind == "cuda":
+            return max(
+                max(s.peak_reserved_bytes, s.reserved_bytes)
+                + max(0, (s.nvml_used_bytes or 0) - s.reserved_bytes)
+                for s in samples
+            )
+        return max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in samples)
+
+    # ------------------------------------------------------------------ recording
+
+    def _open_recording(self) -> None:
+        """Start writing the published stream to ``options.record`` (with a first snapshot)."""
+        path = self.tuner.options.record
+        if not path:
+            return
+        if self.tuner.world_size > 1:
+            path = f"{path}.rank{self.tuner.rank}"
+        try:
+            header = RecordingHeader(
+                started=time.time(),
+                run=self.tuner.run_id,
+                source="hook",
+                note=f"rank {self.tuner.rank}",
+            )
+            self._recording = RecordingWriter(path, header)
+            self._started_recording = time.monotonic()
+            if self.tuner.rank == 0:
+                self._record(CONTROL_RANK, encode(self.snapshot()))
+        except Exception as exc:
+            self.tuner._report(exc, "recording")
+            self._recording = None
+
+    def _record(self, rank: int, frame: bytes) -> None:
+        if self._recording is None:
+            return
+        try:
+            self._recording.write(time.monotonic() - self._started_recording, rank, frame)
+            self._recorded_bytes += len(frame)
+            if self._recorded_bytes > RECORD_LIMIT:
+                self._recording.close()
+                self._recording = None
+                log.warning("memtui: the recording reached %d MiB; stopped it", RECORD_LIMIT >> 20)
+        except OSError as exc:
+            self.tuner._report(exc, "recording")
+            self._recording = None
+
+
+def _moved(old: MemoryModel, new: MemoryModel, batch: int) -> bool:
+    """True when a refit model differs enough from the published one to publish it again."""
+    if len(old.points) != len(new.points) or old.batch_size != new.batch_size:
+        return True
+    drift = abs(predict_peak(old, batch) - predict_peak(new, batch))
+    return drift > 0.01 * max(new.capacity_bytes, 1)
+
+
+RECORD_LIMIT = 512 << 20
+"""A recording stops (and says so) at this size: the hook never grows without bound."""
+EFFECT_STEPS = 20
+"""Steps compared before and after an applied change for its measured effect."""
 
 
 def _pub_socket(context: zmq.Context) -> zmq.Socket:

@@ -10,9 +10,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from memtui.advice.predict import DANGER, EDGE, confidence, max_batch, predict_peak
 from memtui.hooks.persist import AuditLog
 from memtui.knobs import KNOBS, KnobError, format_changes, parse_changes, resolve
+from memtui.stats import format_bytes
 from memtui.wire import (
     AppliedChange,
     CancelReply,
@@ -20,10 +24,13 @@ from memtui.wire import (
     ControlState,
     Knobs,
     KnobValue,
+    MemoryModel,
+    OomEvent,
     PendingChange,
     RejectedChange,
     SetReply,
     SetRequest,
+    StaticMemory,
 )
 
 HISTORY = 50
@@ -62,6 +69,10 @@ class Control:
         self.applied: deque[AppliedChange] = deque(maxlen=HISTORY)
         self.rejected: deque[RejectedChange] = deque(maxlen=HISTORY)
         self._next_id = 1
+        self.model: MemoryModel | None = None
+        """The memory model (set by the agent thread as the run shows more)."""
+        self.static: StaticMemory | None = None
+        self.ooms: deque[OomEvent] = deque(maxlen=10)
         self.disabled = ""
         """Why changes are off for this run (set when ranks fall out of step); empty when on."""
         self.taken_time = 0.0
@@ -82,6 +93,9 @@ class Control:
                 applied=list(self.applied),
                 rejected=list(self.rejected),
                 disabled=self.disabled,
+                model=self.model,
+                static=self.static,
+                ooms=list(self.ooms),
             )
 
     def projected(self) -> Knobs:
@@ -114,8 +128,17 @@ class Control:
                     keep_effective_batch=request.keep_effective_batch,
                     world_size=self.world_size,
                 )
+                projected = knobs_with(self._projected(), resolved.changes)
+                prediction = self._predict(projected)
                 if request.dry_run:
-                    return SetReply(ok=True, changes=resolved.changes, note=resolved.note)
+                    return prediction.reply(
+                        ok=True,
+                        changes=resolved.changes,
+                        note=_join(resolved.note, prediction.warning),
+                        needs_force=prediction.over_danger,
+                    )
+                if prediction.over_danger and not request.force:
+                    raise OverDanger(prediction.warning)
                 change = PendingChange(
                     id=self._next_id,
                     changes=resolved.changes,
@@ -124,12 +147,15 @@ class Control:
                     queued_step=step,
                     keep_effective_batch=request.keep_effective_batch,
                     client=request.client,
-                    note=resolved.note,
+                    note=_join(resolved.note, prediction.warning if request.force else ""),
+                    predicted_peak_bytes=prediction.peak_bytes,
+                    forced=bool(request.force and prediction.over_danger),
                 )
                 self._next_id += 1
                 self.pending.append(change)
                 self.seq += 1
         except KnobError as exc:
+            prediction = self._predict(self.projected())
             rejected = RejectedChange(
                 id=0,
                 requested=dict(request.changes),
@@ -142,9 +168,18 @@ class Control:
                 self.rejected.append(rejected)
                 self.seq += 1
             self._audit("rejected", rejected)
-            return SetReply(ok=False, reason=str(exc))
+            return prediction.reply(
+                ok=False, reason=str(exc), needs_force=isinstance(exc, OverDanger)
+            )
         self._audit("queued", change)
-        return SetReply(ok=True, id=change.id, changes=change.changes, note=change.note)
+        return prediction.reply(ok=True, id=change.id, changes=change.changes, note=change.note)
+
+    def _predict(self, projected: Knobs) -> Prediction:
+        """The memory model's prediction for a config (empty without a model or a batch size)."""
+        model = self.model
+        if model is None or projected.batch_size is None:
+            return Prediction()
+        return Prediction.of(model, projected.batch_size)
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
@@ -207,6 +242,72 @@ class Control:
             except OSError as exc:  # the in-memory record still holds; say the log is short
                 if self._report is not None:
                     self._report(exc, "audit log")
+
+
+class OverDanger(KnobError):
+    """A change predicted over the danger band, refused unless forced."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the memory model says of a config."""
+
+    peak_bytes: int | None = None
+    capacity_bytes: int | None = None
+    max_safe_batch_size: int | None = None
+    confidence: str = ""
+
+    @classmethod
+    def of(cls, model: MemoryModel, batch_size: int) -> Prediction:
+        """The prediction of ``model`` at ``batch_size``."""
+        return cls(
+            predict_peak(model, batch_size),
+            model.capacity_bytes,
+            max_batch(model, EDGE),
+            confidence(model),
+        )
+
+    @property
+    def fraction(self) -> float:
+        """Predicted peak over capacity (0 without a prediction)."""
+        if not self.peak_bytes or not self.capacity_bytes:
+            return 0.0
+        return self.peak_bytes / self.capacity_bytes
+
+    @property
+    def over_danger(self) -> bool:
+        """Predicted over the 90% band."""
+        return self.fraction > DANGER
+
+    @property
+    def warning(self) -> str:
+        """Why the change is risky, with the numbers."""
+        if not self.over_danger:
+            return ""
+        safe = (
+            f"; the largest micro-batch predicted under 85% is {self.max_safe_batch_size}"
+            if self.max_safe_batch_size
+            else ""
+        )
+        return (
+            f"predicted peak {format_bytes(self.peak_bytes)} = {self.fraction:.0%} of "
+            f"{format_bytes(self.capacity_bytes)}, over the 90% danger band ({self.confidence}){safe}; "
+            "queue it with --force (or confirm in the viewer) if you mean it"
+        )
+
+    def reply(self, **fields: Any) -> SetReply:
+        """A SetReply carrying this prediction."""
+        return SetReply(
+            predicted_peak_bytes=self.peak_bytes,
+            capacity_bytes=self.capacity_bytes,
+            max_safe_batch_size=self.max_safe_batch_size,
+            confidence=self.confidence,
+            **fields,
+        )
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def describe_change(change: PendingChange) -> str:

@@ -47,6 +47,8 @@ class _EpochStream:
         self.replay: deque[int] = deque()
         self.inflight: deque[list[int]] = deque()
         """Index batches drawn by the current loader and not yet delivered, oldest first."""
+        self.redeliver: list[int] = []
+        """Delivered indices handed back (an OOM rollback): they go first after the rebuild."""
         self.consumed = 0
         """Samples of this epoch delivered to the training loop."""
         for _ in range(skip):
@@ -66,7 +68,8 @@ class _EpochStream:
 
     def requeue_inflight(self) -> int:
         """Put the undelivered batches back in front of the stream; return how many indices."""
-        pending = [i for batch in self.inflight for i in batch]
+        pending = self.redeliver + [i for batch in self.inflight for i in batch]
+        self.redeliver = []
         self.inflight.clear()
         self.replay.extendleft(reversed(pending))
         return len(pending)
@@ -138,6 +141,7 @@ class TunedLoader:
         """The epoch being (or last) iterated, counted by this wrapper from 0."""
         self._resume: tuple[int, int] | None = None
         self._built_for: tuple[Any, ...] = ()
+        self._force_rebuild = False
         self.generation = 0
         """Counts loader rebuilds."""
         self.last_rebuild = ""
@@ -206,10 +210,24 @@ class TunedLoader:
         else:
             self._loader = template
         self._built_for = tuple(knobs[k] for k in LOADER_KNOBS)
+        self._force_rebuild = False
         return knobs
 
     def _stale(self) -> bool:
+        if self._force_rebuild:
+            return True
         return self._built_for != tuple(self._tuner._current_knob(k) for k in LOADER_KNOBS)
+
+    def requeue(self, indices: list[int]) -> bool:
+        """Hand delivered samples back to be delivered again first (an OOM rollback)."""
+        stream = self._stream
+        if self.mode != "exact" or stream is None:
+            return False
+        stream.redeliver.extend(indices)
+        stream.consumed -= len(indices)
+        self._force_rebuild = True
+        self._tuner._loader_generation += 1
+        return True
 
     # ---------------------------------------------------------------- iteration
 
@@ -255,11 +273,14 @@ class TunedLoader:
                 tuner._t_last = t0
             tuner._wait_acc += t1 - t0
             tuner._micro_acc += 1
-            if stream is not None:
-                n = len(stream.inflight.popleft()) if stream.inflight else batch_size
+            if stream is not None and stream.inflight:
+                indices = stream.inflight.popleft()
+                n = len(indices)
                 stream.consumed += n
+                tuner._step_batches.append((self, indices))
             else:
                 n = batch_size
+                tuner._step_batches.append((self, n))
             tuner._samples_acc += n
             yield batch
 

@@ -47,13 +47,16 @@ class AuditLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
-def write_tuned(path: Path, run: str, step: int, config: dict[str, Any]) -> None:
-    """Write the tuned config atomically (temp file and rename)."""
+def write_tuned(
+    path: Path, run: str, step: int, config: dict[str, Any], extra: dict[str, Any] | None = None
+) -> None:
+    """Write the tuned config atomically (temp file and rename); ``extra`` adds sections."""
     body = {
         "run": run,
         "step": step,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {k: v for k, v in config.items() if v is not None},
+        **(extra or {}),
     }
     text = (
         "# memtui tuned config: rewritten at every applied change.\n"

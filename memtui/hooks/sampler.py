@@ -85,11 +85,12 @@ class HostProbe:
     """Host memory and the RSS of the training's process tree, with cached psutil objects."""
 
     CHILD_REFRESH_S = 5.0
-    USS_PERIOD_S = 10.0
+    USS_PERIOD_S = 5.0
 
-    def __init__(self, pid: int | None = None) -> None:
+    def __init__(self, pid: int | None = None, limit_bytes: int | None = None) -> None:
         self.process = psutil.Process(pid)
-        self.limit_bytes = cgroup_memory_limit() or psutil.virtual_memory().total
+        self.limit_bytes = limit_bytes or cgroup_memory_limit() or psutil.virtual_memory().total
+        """The CPU device's capacity: the budget given, else the cgroup's limit, else total RAM."""
         self._children: list[psutil.Process] = []
         self._children_at = 0.0
         self._uss_at = 0.0
@@ -334,7 +335,7 @@ class Sampler(threading.Thread):
             now = time.monotonic()
             try:
                 if self.host is None:
-                    self.host = HostProbe()
+                    self.host = HostProbe(limit_bytes=self.tuner.options.memory_limit)
                 if self.tuner._rebuilt_flag:
                     self.tuner._rebuilt_flag = False
                     self.host.refresh_requested = True

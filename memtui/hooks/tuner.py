@@ -23,15 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 import memtui
 from memtui import registry
+from memtui.advice.predict import predict_peak
 from memtui.hooks.binding import ConfigBinding
 from memtui.hooks.control import Control
 from memtui.hooks.coordinate import Coordinator
 from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
+from memtui.hooks.memory import static_memory
+from memtui.hooks.oom import Guard, install_excepthook
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
 from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
+from memtui.stats import parse_bytes
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,
@@ -39,9 +45,11 @@ from memtui.wire import (
     KnobDiff,
     Knobs,
     KnobValue,
+    OomEvent,
     PendingChange,
     RankInfo,
     RunInfo,
+    StaticMemory,
 )
 
 log = logging.getLogger("memtui")
@@ -77,6 +85,21 @@ class Options:
     """Also publish over TCP on this address (multi-node; CURVE keys from ``memtui keygen``)."""
     insecure: bool = field(default_factory=insecure_requested)
     """Allow plain TCP (loopback addresses only)."""
+    memory_limit: int | None = field(default_factory=lambda: _size_env("MEMTUI_MEMORY_LIMIT"))
+    """On CPU runs, the budget the device (the process tree) is held to; default: the cgroup's
+    limit, else total RAM."""
+    record: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_RECORD") or None)
+    """Also write the published stream to this file (replay it with ``memtui replay``)."""
+    rollback_steps: int = field(
+        default_factory=lambda: int(os.environ.get("MEMTUI_ROLLBACK_STEPS", "50"))
+    )
+    """An out-of-memory error inside ``tuner.guard()`` within this many steps after an applied
+    change reverts that change and training goes on (0: never roll back)."""
+
+
+def _size_env(name: str) -> int | None:
+    text = os.environ.get(name)
+    return parse_bytes(text) if text else None
 
 
 @dataclass
@@ -160,6 +183,12 @@ class Tuner:
         self._samples_acc = 0
         self._micro_acc = 0
         self._flags = 0
+        self._step_batches: list[tuple[TunedLoader, list[int] | int]] = []
+        """The micro-batches delivered in the current step (re-queued by an OOM rollback)."""
+        self._empty_cache_pending = False
+        self._segment_start = 0
+        """The step at which the current micro-batch size began (the memory model's window)."""
+        self._static_at_install: StaticMemory | None = None
         self._outbox: deque[tuple[int, float, float, float, int, int, int]] = deque(
             maxlen=OUTBOX_RECORDS
         )
@@ -232,8 +261,11 @@ class Tuner:
         except SecurityError as exc:
             self._report(exc, "tcp")
         self._refresh_device()
+        self._baseline_bytes = self._allocated_now()
+        self._refresh_static()
         if optimizer is not None and auto_step:
             self.watch_optimizer(optimizer)
+        install_excepthook(self)
         _live_tuners.add(self)
         atexit.register(self.close)
         disabled = os.environ.get("MEMTUI_DISABLE", "") in ("1", "true", "yes")
@@ -466,6 +498,7 @@ class Tuner:
             self._samples_acc = 0
             self._micro_acc = 0
             self._flags = 0
+            self._step_batches.clear()
         except Exception as exc:
             self._report(exc, "step")
 
@@ -487,6 +520,7 @@ class Tuner:
         try:
             save_s = now - self._t_last if self._t_last is not None else 0.0
             self._refresh_device()
+            self._refresh_static()
             result = self._boundary()
             taken = self.control.taken_time if self.rank == 0 else time.time()
             self._checkpoint_box.append(CheckpointRecord(self._step, taken, save_s))
@@ -528,6 +562,32 @@ class Tuner:
         diffs = {
             k: KnobDiff(self.values.get(k), v) for k, v in merged.items() if self.values.get(k) != v
         }
+        error = self._write_knobs(diffs)
+        if error:
+            self.control.record_rejected(pending, error, step)
+            return None
+        rebuilds = any(k in LOADER_KNOBS for k in diffs)
+        note = "the data loader is rebuilt at the next batch" if rebuilds else ""
+        model = self.control.model
+        batch = self.values.get("batch_size")
+        predicted = predict_peak(model, int(batch)) if model is not None and batch else None
+        applied = AppliedChange(
+            ids=[c.id for c in pending],
+            step=step,
+            time=time.time(),
+            changes=diffs,
+            note=note,
+            predicted_peak_bytes=predicted,
+        )
+        self.control.record_applied(applied, self.knobs())
+        if self.rank == 0:
+            self._write_tuned()
+        result = Applied(step, {k: (d.old, d.new) for k, d in diffs.items()}, applied.ids, note)
+        log.info("%s", result)
+        return result
+
+    def _write_knobs(self, diffs: dict[str, KnobDiff]) -> str:
+        """Write new values into the config (all or none) and the loaders; "" or why it failed."""
         written: list[str] = []
         failing = ""
         try:
@@ -538,33 +598,133 @@ class Tuner:
         except Exception as exc:
             for knob in written:
                 self.binding.write(knob, diffs[knob].old)
-            reason = f"could not write {failing} into the config: {exc}"
-            self.control.record_rejected(pending, reason, step)
             self._report(exc, "apply")
-            return None
+            return f"could not write {failing} into the config: {exc}"
         for knob, diff in diffs.items():
             self.values[knob] = diff.new
-        note = ""
+        if "batch_size" in diffs:
+            self._segment_start = self._step
         if any(k in LOADER_KNOBS for k in diffs):
             self._loader_generation += 1
-            note = "the data loader is rebuilt at the next batch"
-        applied = AppliedChange(
-            ids=[c.id for c in pending], step=step, time=time.time(), changes=diffs, note=note
-        )
-        self.control.record_applied(applied, self.knobs())
-        if self.rank == 0:
-            self._write_tuned()
-        result = Applied(step, {k: (d.old, d.new) for k, d in diffs.items()}, applied.ids, note)
-        log.info("%s", result)
-        return result
+        return ""
 
-    def _write_tuned(self) -> None:
+    def _write_tuned(self, extra: dict[str, Any] | None = None) -> None:
         config = {k: v for k, v in self.values.items() if v is not None}
         for path in self.tuned_paths:
             try:
-                write_tuned(path, self.run_id, self._step, config)
+                write_tuned(path, self.run_id, self._step, config, extra)
             except OSError as exc:
                 self._report(exc, f"writing {path}")
+
+    # ------------------------------------------------------------------ memory
+
+    def _allocated_now(self) -> int:
+        """Device allocated (CUDA) or the main process's RSS (CPU), for the install baseline."""
+        try:
+            torch = sys.modules.get("torch")
+            if self._cuda_device is not None and torch is not None:
+                return int(torch.cuda.memory_allocated(self._cuda_device))
+            return int(psutil.Process().memory_info().rss)
+        except Exception:
+            return 0
+
+    def _refresh_static(self) -> None:
+        """Recompute parameters, gradients and optimizer state from the tensors (training thread)."""
+        if self.model is None and self.optimizer is None:
+            return
+        try:
+            kind = "cuda" if self._cuda_device is not None else "cpu"
+            static = static_memory(self.model, self.optimizer, kind, self._baseline_bytes)
+        except Exception as exc:
+            self._report(exc, "static memory")
+            return
+        if self._static_at_install is None:
+            self._static_at_install = static
+        with self.control._lock:
+            if self.control.static != static:
+                self.control.static = static
+                self.control.seq += 1
+
+    def guard(self) -> Guard:
+        """A context manager for the allocating part of a step: OOM post-mortem and rollback."""
+        return Guard(self)
+
+    def _requeue_step_batches(self) -> tuple[int, int]:
+        """Give the step's micro-batches back to their loaders: (re-queued, skipped) samples."""
+        requeued = skipped = 0
+        for loader, batch in self._step_batches:
+            if isinstance(batch, list) and loader.requeue(batch):
+                requeued += len(batch)
+            else:
+                skipped += len(batch) if isinstance(batch, list) else batch
+        self._step_batches.clear()
+        return requeued, skipped
+
+    def _revert(self, target: AppliedChange, report_text: str) -> str:
+        """Undo an applied change now (an OOM rollback); return what changed, in words."""
+        diffs = {
+            k: KnobDiff(self.values.get(k), d.old)
+            for k, d in target.changes.items()
+            if d.old is not None and self.values.get(k) != d.old
+        }
+        error = self._write_knobs(diffs)
+        if error:
+            return error
+        rollback = AppliedChange(
+            ids=[],
+            step=self._step,
+            time=time.time(),
+            changes=diffs,
+            note=report_text,
+            rollback=True,
+        )
+        self.control.record_applied(rollback, self.knobs())
+        return ", ".join(
+            f"{k} {format_value(d.old)} -> {format_value(d.new)}" for k, d in diffs.items()
+        )
+
+    def _zero_grad(self) -> None:
+        try:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            elif self.model is not None:
+                self.model.zero_grad(set_to_none=True)
+        except Exception as exc:
+            self._report(exc, "zero_grad")
+
+    def _reset_partial_step(self) -> None:
+        """Forget the failed step's partial timing; it starts over."""
+        self._wait_acc = 0.0
+        self._samples_acc = 0
+        self._micro_acc = 0
+        self._t_last = time.perf_counter()
+
+    def _record_oom(self, event: OomEvent, values: dict[str, Any], why: str) -> None:
+        """Publish an OOM, audit it, and write the post-mortem and safe config into the YAML."""
+        with self.control._lock:
+            self.control.ooms.append(event)
+            self.control.seq += 1
+        self.control._audit("oom", event)
+        postmortem = {
+            "step": event.step,
+            "kind": event.kind,
+            "message": event.message,
+            "tried_bytes": event.tried_bytes,
+            "capacity_bytes": event.capacity_bytes,
+            "free_bytes": event.free_bytes,
+            "process_in_use_bytes": event.process_in_use_bytes,
+            "allocated_bytes": event.allocated_bytes,
+            "reserved_unallocated_bytes": event.reserved_unallocated_bytes,
+            "config_at_oom": {k: getattr(event.config, k) for k in KNOBS},
+            "rolled_back": event.rolled_back,
+            "batch": event.batch,
+        }
+        saved = dict(self.values)
+        self.values.update(values)
+        try:
+            self._write_tuned({"safe_config_reason": why, "oom": postmortem})
+        finally:
+            self.values.update(saved)
 
     def _loader_rebuilt(self) -> None:
         """Tell the sampler to look for the new loader workers now."""

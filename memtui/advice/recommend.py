@@ -1,0 +1,348 @@
+"""Ranked recommendations, like seed 004's options table, computed from the run's live numbers.
+
+Pure. Each option says what it would change, the memory it is expected to add or free (from the
+memory model, or the measured per-worker memory), the expected change of samples/s where the
+numbers allow an estimate (``None``: not known until measured, and the option says why), the
+resulting effective batch, and whether memtui can apply it (a queued change) or it is advice
+the operator must act on (a restart, a code change).
+
+The data-loader estimate assumes loading is waiting (storage, network, decoding in C) that
+workers overlap: with ``W`` workers a micro-batch of ``n`` samples is ready after
+``n * d / W`` seconds, where ``d`` is the measured per-sample load time. A step then takes
+``max(compute, load)``. Loading that burns the CPU scales no further than the free cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from memtui.advice.predict import DANGER, EDGE, max_batch, predict_peak
+from memtui.knobs import accumulation_for, effective_batch, max_workers
+from memtui.stats import MemoryStats, StepStats, format_bytes
+from memtui.wire import HostSample, Knobs, KnobValue, MemoryModel
+
+UNDERUSED = 0.60
+"""Peak memory under this share of capacity, not starved: room for a bigger micro-batch."""
+STARVED = 0.30
+"""Data wait at or over this share of the step: the loader is the bottleneck."""
+FRAGMENTED = 0.10
+"""Reserved-but-unallocated over this share of what torch reserved: fragmentation matters."""
+HOST_RAM_FOR_WORKERS = 0.5
+"""New workers may use at most this share of the host's available RAM."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The live numbers the recommendations are computed from."""
+
+    config: Knobs
+    tunable: tuple[str, ...]
+    world_size: int = 1
+    steps: StepStats | None = None
+    samples_per_step: float | None = None
+    """Samples in one optimizer step on one rank (micro-batch x accumulation, measured)."""
+    memory: MemoryStats | None = None
+    model: MemoryModel | None = None
+    host: HostSample | None = None
+    host_pressure: bool = False
+    device_kind: str = "cpu"
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One option, with its expected effects."""
+
+    title: str
+    changes: dict[str, KnobValue]
+    """What memtui would queue ({} for advice it cannot apply)."""
+    why: str
+    """The numbers behind it."""
+    memory_delta_bytes: int | None = None
+    """Expected change of peak device memory (None: unknown)."""
+    host_delta_bytes: int | None = None
+    """Expected change of host memory."""
+    speed_delta: float | None = None
+    """Expected relative change of samples/s (+0.4 = 40% faster; None: unknown)."""
+    predicted_peak_bytes: int | None = None
+    effective_batch: int | None = None
+    needs_restart: bool = False
+    score: float = 0.0
+    """Higher first."""
+
+    @property
+    def applicable(self) -> bool:
+        """memtui can queue it (a knob change that needs no restart)."""
+        return bool(self.changes) and not self.needs_restart
+
+
+def recommend(inputs: Inputs) -> list[Recommendation]:
+    """Every option that applies to the run now, best first."""
+    options: list[Recommendation] = []
+    options += _loader_options(inputs)
+    options += _batch_options(inputs)
+    options += _memory_advice(inputs)
+    return sorted(options, key=lambda r: -r.score)
+
+
+# ----------------------------------------------------------------------------- data loader
+
+
+def _per_worker_bytes(inputs: Inputs) -> int | None:
+    host = inputs.host
+    if host is None or not host.workers:
+        return None
+    unique = host.workers_uss_bytes
+    return int((unique if unique else host.workers_rss_bytes) / host.workers)
+
+
+def _loader_model(inputs: Inputs) -> tuple[float, float, float] | None:
+    """(compute s per step, load s per sample, samples per micro-batch), or None if unknown."""
+    steps, config = inputs.steps, inputs.config
+    if steps is None or not inputs.samples_per_step or config.num_workers is None:
+        return None
+    samples = inputs.samples_per_step
+    compute = steps.compute_s
+    workers = max(config.num_workers, 0)
+    if workers == 0:
+        per_sample = steps.data_wait_s / samples
+    else:  # the wait is what the workers' supply falls short of the compute time
+        per_sample = (steps.data_wait_s + compute) * workers / samples
+    return compute, per_sample, samples
+
+
+def _step_time(compute: float, per_sample: float, samples: float, workers: int) -> float:
+    load = per_sample * samples / workers if workers else per_sample * samples
+    return max(compute, load) if workers else compute + load
+
+
+def _loader_options(inputs: Inputs) -> list[Recommendation]:
+    config, steps = inputs.config, inputs.steps
+    out: list[Recommendation] = []
+    if steps is None or config.num_workers is None or "num_workers" not in inputs.tunable:
+        return out
+    model = _loader_model(inputs)
+    wait = steps.data_wait_fraction
+    per_worker = _per_worker_bytes(inputs)
+    workers = config.num_workers
+    if wait >= STARVED and model is not None and not inputs.host_pressure:
+        compute, per_sample, samples = model
+        wanted = math.ceil(per_sample * samples / compute) if compute > 0 else workers + 2
+        wanted = max(workers + 1, min(wanted + 1, max_workers(inputs.cpus)))
+        limit_note = ""
+        host = inputs.host
+        if per_worker and host is not None:
+            affordable = workers + int(
+                HOST_RAM_FOR_WORKERS * host.ram_available_bytes // per_worker
+            )
+            if affordable < wanted:
+                wanted, limit_note = max(workers + 1, affordable), " (capped by free host RAM)"
+        before = _step_time(compute, per_sample, samples, workers)
+        after = _step_time(compute, per_sample, samples, wanted)
+        host_delta = per_worker * (wanted - workers) if per_worker else None
+        out.append(
+            Recommendation(
+                title=f"more loader workers: num_workers {workers} -> {wanted}{limit_note}",
+                changes={"num_workers": wanted},
+                why=(
+                    f"{wait:.0%} of each step waits for data; loading takes "
+                    f"{per_sample * 1000:.2f} ms per sample, compute {compute * 1000:.1f} ms per step"
+                ),
+                memory_delta_bytes=0,
+                host_delta_bytes=host_delta,
+                speed_delta=before / after - 1 if after > 0 else None,
+                effective_batch=_effective(config, inputs.world_size),
+                score=3.0 + wait,
+            )
+        )
+        if (
+            inputs.device_kind == "cuda"
+            and config.pin_memory is False
+            and "pin_memory" in inputs.tunable
+        ):
+            out.append(
+                Recommendation(
+                    title="pin_memory on",
+                    changes={"pin_memory": True},
+                    why="page-locked batches copy to the GPU faster and can overlap compute",
+                    memory_delta_bytes=0,
+                    host_delta_bytes=None,
+                    speed_delta=None,
+                    effective_batch=_effective(config, inputs.world_size),
+                    score=1.0 + wait / 2,
+                )
+            )
+    if inputs.host_pressure and workers > 0:
+        fewer = workers // 2
+        speed = None
+        if model is not None:
+            compute, per_sample, samples = model
+            speed = (
+                _step_time(compute, per_sample, samples, workers)
+                / _step_time(compute, per_sample, samples, fewer)
+                - 1
+            )
+        out.append(
+            Recommendation(
+                title=f"fewer loader workers: num_workers {workers} -> {fewer}",
+                changes={"num_workers": fewer},
+                why=f"host memory is under pressure; each worker holds about {format_bytes(per_worker)}",
+                memory_delta_bytes=0,
+                host_delta_bytes=-per_worker * (workers - fewer) if per_worker else None,
+                speed_delta=speed,
+                effective_batch=_effective(config, inputs.world_size),
+                score=3.5,
+            )
+        )
+    if inputs.host_pressure and config.pin_memory:
+        out.append(
+            Recommendation(
+                title="pin_memory off",
+                changes={"pin_memory": False},
+                why="page-locked host memory cannot be swapped out; under host pressure it hurts",
+                memory_delta_bytes=0,
+                effective_batch=_effective(config, inputs.world_size),
+                score=3.2,
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- micro-batch
+
+
+def _effective(
+    config: Knobs, world: int, batch: int | None = None, accum: int | None = None
+) -> int | None:
+    b = batch if batch is not None else config.batch_size
+    a = accum if accum is not None else config.grad_accum
+    if b is None:
+        return None
+    return effective_batch(b, a or 1, world)
+
+
+def _batch_options(inputs: Inputs) -> list[Recommendation]:
+    config, model = inputs.config, inputs.model
+    out: list[Recommendation] = []
+    if model is None or config.batch_size is None or "batch_size" not in inputs.tunable:
+        return out
+    batch = config.batch_size
+    accum = config.grad_accum
+    target = batch * (accum or 1)
+    peak_now = predict_peak(model, batch)
+    frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
+    safe = max_batch(model, EDGE)
+    starved = inputs.steps is not None and inputs.steps.data_wait_fraction >= STARVED
+    keep = "grad_accum" in inputs.tunable and accum is not None
+    if frac_now < UNDERUSED and not starved and safe is not None and safe > batch:
+        bigger = _friendly(min(safe, batch * 2), target if keep else None)
+        changes: dict[str, KnobValue] = {"batch_size": bigger}
+        new_accum = accum
+        if keep:
+            new_accum, _ = accumulation_for(target, bigger)
+            changes["grad_accum"] = new_accum
+        peak = predict_peak(model, bigger)
+        out.append(
+            Recommendation(
+                title=f"bigger micro-batch: batch_size {batch} -> {bigger}"
+                + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
+                changes=changes,
+                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under 85%: {safe})",
+                memory_delta_bytes=peak - peak_now,
+                predicted_peak_bytes=peak,
+                speed_delta=None,
+                effective_batch=_effective(config, inputs.world_size, bigger, new_accum),
+                score=2.0 + (UNDERUSED - frac_now),
+            )
+        )
+    if frac_now >= EDGE and batch > 1:
+        smaller = _friendly(
+            max(1, min(safe if safe else batch // 2, batch - 1)), target if keep else None
+        )
+        changes = {"batch_size": smaller}
+        new_accum = accum
+        if keep:
+            new_accum, _ = accumulation_for(target, smaller)
+            changes["grad_accum"] = new_accum
+        peak = predict_peak(model, smaller)
+        out.append(
+            Recommendation(
+                title=f"smaller micro-batch: batch_size {batch} -> {smaller}"
+                + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
+                changes=changes,
+                why=f"peak memory {frac_now:.0%} of capacity: {'danger' if frac_now >= DANGER else 'edge'} band",
+                memory_delta_bytes=peak - peak_now,
+                predicted_peak_bytes=peak,
+                speed_delta=None,
+                effective_batch=_effective(config, inputs.world_size, smaller, new_accum),
+                score=4.0 + frac_now,
+            )
+        )
+    return out
+
+
+def _friendly(batch: int, target: int | None) -> int:
+    """Prefer a micro-batch that divides the effective batch (so it can be kept exactly)."""
+    if target is None or batch <= 1:
+        return max(1, batch)
+    for candidate in range(batch, max(1, batch // 2) - 1, -1):
+        if target % candidate == 0:
+            return candidate
+    return batch
+
+
+# ----------------------------------------------------------------------------- advice only
+
+
+def _memory_advice(inputs: Inputs) -> list[Recommendation]:
+    memory, model = inputs.memory, inputs.model
+    out: list[Recommendation] = []
+    if memory is None or memory.capacity_bytes <= 0:
+        return out
+    peak_fraction = memory.peak_used_fraction
+    if inputs.device_kind == "cuda" and memory.reserved_bytes > 0:
+        share = memory.fragmentation_bytes / memory.reserved_bytes
+        if share >= FRAGMENTED or memory.fragmentation_bytes >= 1 << 30:
+            out.append(
+                Recommendation(
+                    title="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (needs a restart)",
+                    changes={},
+                    why=f"{format_bytes(memory.fragmentation_bytes)} reserved but unallocated ({share:.0%} of the reserve)",
+                    memory_delta_bytes=-memory.fragmentation_bytes,
+                    speed_delta=0.0,
+                    effective_batch=_effective(inputs.config, inputs.world_size),
+                    needs_restart=True,
+                    score=2.5 + share,
+                )
+            )
+    if peak_fraction >= EDGE:
+        activations = None
+        if model is not None and inputs.config.batch_size:
+            activations = int(model.per_sample_bytes * inputs.config.batch_size)
+        out.append(
+            Recommendation(
+                title="gradient checkpointing (a code change)",
+                changes={},
+                why="recomputes activations in backward instead of keeping them",
+                memory_delta_bytes=-int(activations * 0.6) if activations else None,
+                speed_delta=-0.25,
+                effective_batch=_effective(inputs.config, inputs.world_size),
+                needs_restart=True,
+                score=1.5,
+            )
+        )
+        out.append(
+            Recommendation(
+                title="shorter sequences (a data change)",
+                changes={},
+                why="activations grow with the sequence length, attention with its square",
+                memory_delta_bytes=None,
+                speed_delta=None,
+                effective_batch=_effective(inputs.config, inputs.world_size),
+                needs_restart=True,
+                score=1.0,
+            )
+        )
+    return out
