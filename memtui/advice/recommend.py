@@ -129,7 +129,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
     workers = config.num_workers
     if wait >= STARVED and model is not None and not inputs.host_pressure:
         compute, per_sample, samples = model
-        wanted = math.ceil(per_sample * samples / compute) if compute > 0 else workers + 2
+        wanted = math.ceil(per_sample * samples / compute - 1e-9) if compute > 0 else workers + 2
         wanted = max(workers + 1, min(wanted + 1, max_workers(inputs.cpus)))
         limit_note = ""
         host = inputs.host

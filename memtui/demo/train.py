@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
-from memtui.hooks.oom import trim_heap
 from memtui.registry import state_home
 from memtui.stats import parse_bytes
 
@@ -79,6 +79,8 @@ class TinyGPT(nn.Module):
         )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
+        self.after_loss_backward: Callable[[], None] | None = None
+        """Called in backward right after the loss's gradient (``--memory-limit`` checks there)."""
         self.mask: torch.Tensor
         self.register_buffer(
             "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
@@ -90,6 +92,10 @@ class TinyGPT(nn.Module):
         hidden = self.embed(tokens) + self.position[:length]
         hidden = self.blocks(hidden, mask=self.mask[:length, :length], is_causal=True)
         logits = self.head(hidden)
+        if self.after_loss_backward is not None and logits.requires_grad:
+            # runs right after the loss's backward, the step's memory peak on this model
+            callback = self.after_loss_backward
+            logits.register_hook(lambda grad: (callback(), grad)[1])
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -112,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument(
+        "--vocab", type=int, default=256, help="vocabulary size (the logits' memory grows with it)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="checkpoint and state directory")
     parser.add_argument(
         "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"
@@ -175,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_path = out / "checkpoint.pt"
 
     config = DemoConfig(args.batch_size, args.grad_accum, args.workers, args.pin_memory)
-    vocab = 256
-    net = TinyGPT(vocab, args.seq_len, args.width, args.layers).to(device)
+    vocab = args.vocab
+    net = TinyGPT(vocab, args.seq_len, args.width, args.layers, args.heads).to(device)
     model: nn.Module = DistributedDataParallel(net) if world > 1 else net
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     dataset = SlowTokens(1_000_000, args.seq_len, vocab, args.slow_data_ms)
@@ -229,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     guard = tuner.guard()
     budget = MemoryBudget(args.memory_limit if not use_cuda else None)
+    if budget.limit_bytes:
+        net.after_loss_backward = budget.check
     started = time.perf_counter()
     last_report = (started, tuner.step_count, 0)
     samples_seen = 0
@@ -247,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 sync = nullcontext() if last_micro or world == 1 else model.no_sync()  # type: ignore[operator]
                 with guard, sync:  # an out-of-memory error here is reported (and maybe rolled back)
                     loss = model(tokens, targets) / config.gradient_accumulation_steps
-                    budget.check()
                     loss.backward()
-                    budget.check()
                 if guard.rolled_back:  # the step starts over with the old config
                     say(_describe_oom(tuner), flush=True)
                     micro = 0
@@ -295,32 +305,39 @@ def main(argv: list[str] | None = None) -> int:
 class MemoryBudget:
     """On CPU, the budget ``--memory-limit`` holds the process to: the demo's stand-in for a GPU's
     capacity, so seed 004 (a bigger micro-batch that no longer fits) can be re-created on a CPU.
-    Exceeding it raises ``MemoryError`` with the numbers, like CUDA's out-of-memory error."""
+
+    Right after the loss's backward (where this model's memory peaks) it reads the process's peak
+    resident memory (``VmHWM``, reset every 200 ms by memtui's sampler, an instant earlier at
+    most): a peak over the budget raises ``MemoryError`` with the numbers, like CUDA's
+    out-of-memory error.
+    """
 
     def __init__(self, limit_bytes: int | None) -> None:
         self.limit_bytes = limit_bytes
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * self._page
 
     def check(self) -> None:
-        """Raise MemoryError if the process's resident memory is over the budget."""
+        """Raise MemoryError if the peak since the last reset went over the budget."""
         if not self.limit_bytes:
             return
-        rss = self._rss()
-        if rss > self.limit_bytes:
-            trim_heap()  # freed memory glibc still holds is not in use: give it back, measure again
-            rss = self._rss()
-        if rss > self.limit_bytes:
+        peak = _peak_rss()
+        if peak > self.limit_bytes:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # the next micro-batch is measured afresh
             gib = 1 << 30
             raise MemoryError(
                 f"CPU out of memory (the demo's --memory-limit). Tried to allocate "
-                f"{(rss - self.limit_bytes) / gib:.2f} GiB. The budget has a total capacity of "
+                f"{(peak - self.limit_bytes) / gib:.2f} GiB. The budget has a total capacity of "
                 f"{self.limit_bytes / gib:.2f} GiB of which 0 bytes is free. Including non-PyTorch "
-                f"memory, this process has {rss / gib:.2f} GiB memory in use."
+                f"memory, this process has {peak / gib:.2f} GiB memory in use."
             )
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _describe_oom(tuner: hooks.Tuner) -> str:

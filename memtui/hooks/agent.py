@@ -438,16 +438,9 @@ class Agent(threading.Thread):
             steady = max(exact, floor)
             if last.nvml_used_bytes is not None:
                 beyond = max(0, last.nvml_used_bytes - last.reserved_bytes)
-        elif static is not None:
-            # the process's memory at install, plus what training created since (gradients,
-            # optimizer state unless it existed then), plus the loader workers
-            steady = static.baseline_bytes + static.gradients_bytes
-            at_install = tuner._static_at_install
-            if at_install is None or at_install.optimizer_note != "measured":
-                steady += static.optimizer_bytes
-            if self.host:
-                steady += self.host[-1].workers_rss_bytes
         else:
+            # CPU: the lowest memory in use (RSS minus malloc's free cache) over the window: the
+            # samples fall all over the step cycle, and the lowest ones between steps
             steady = floor
         observation = Observation(
             kind=last.kind,
@@ -485,7 +478,9 @@ class Agent(threading.Thread):
             if len(after) < 3:
                 continue
             before = [r for r in steps if applied.step - EFFECT_STEPS < r.step <= applied.step]
-            peak_before = self._peak_between(applied.step - EFFECT_STEPS, applied.step)
+            # a sample carries the step count when it was taken: samples counted ``step`` ran
+            # during the step after it, so the last one before the change is ``step - 1``
+            peak_before = self._peak_between(applied.step - EFFECT_STEPS - 1, applied.step - 1)
             peak_after = self._peak_between(start, after[-1].step)
             effect = measure(before, after, peak_before, peak_after)
             if effect is None:

@@ -166,19 +166,37 @@ class HostProbe:
 
 
 class CpuDeviceProbe:
-    """On CPU runs the host is the device: process-tree RSS against the memory limit."""
+    """On CPU runs the host is the device: the process tree's memory against the memory limit.
+
+    Like CUDA's allocated and reserved, ``allocated`` is the memory in use (the main process's
+    RSS minus what glibc's malloc holds free, from ``mallinfo2``, plus the workers' RSS) and
+    ``reserved`` what the tree holds resident (RSS). Peaks are the main process's high-water
+    mark since the previous sample plus the workers' RSS.
+    """
 
     kind = "cpu"
 
     def __init__(self, host: HostProbe) -> None:
         self.host = host
+        self._mallinfo = _mallinfo2()
+
+    def _malloc_free_bytes(self) -> int:
+        if self._mallinfo is None:
+            return 0
+        try:
+            return int(self._mallinfo().fordblks)
+        except Exception:
+            self._mallinfo = None
+            return 0
 
     def sample(self, step: int) -> DeviceSample:
         """One sample; the peak is the main process's high-water mark since the last one."""
+        free_in_malloc = self._malloc_free_bytes()
         main, _workers, workers_rss = self.host.tree_rss(time.monotonic())
         hwm = _read_hwm_and_reset()
-        current = main + workers_rss
-        peak = max(current, (hwm or main) + workers_rss)
+        resident = main + workers_rss
+        live = max(0, main - free_in_malloc) + workers_rss
+        peak = max(resident, (hwm or main) + workers_rss)
         return DeviceSample(
             time=time.time(),
             step=step,
@@ -186,11 +204,33 @@ class CpuDeviceProbe:
             index=-1,
             name="cpu",
             capacity_bytes=self.host.limit_bytes,
-            allocated_bytes=current,
+            allocated_bytes=live,
             peak_allocated_bytes=peak,
-            reserved_bytes=current,
+            reserved_bytes=resident,
             peak_reserved_bytes=peak,
         )
+
+
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (bytes malloc holds free, among others), or None elsewhere."""
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd",
+                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+                )
+            ]  # fmt: skip
+
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+        function.restype = MallInfo2
+        function()
+        return function
+    except (OSError, AttributeError):
+        return None
 
 
 class CudaDeviceProbe:

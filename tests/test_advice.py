@@ -1,0 +1,232 @@
+"""The advice models alone: OOM parsing, memory prediction, effects, breakdown, recommendations."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtui.advice.breakdown import breakdown
+from memtui.advice.effect import describe, measure, speedup
+from memtui.advice.oom import is_oom, parse_oom
+from memtui.advice.predict import Observation, confidence, fit, max_batch, predict_peak
+from memtui.advice.recommend import Inputs, recommend
+from memtui.stats import MemoryStats, StepStats
+from memtui.wire import HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+SEED_004 = """torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.23 GiB.
+GPU 0 has a total capacity of 19.58 GiB of which 1.06 GiB is free.
+Including non-PyTorch memory, this process has 18.50 GiB memory in use.
+Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.18 GiB is reserved by PyTorch but unallocated."""
+
+
+def test_parse_seed_004() -> None:
+    report = parse_oom(SEED_004)
+    assert report.kind == "cuda" and report.device_index == 0
+    assert report.tried_bytes == pytest.approx(1.23 * GIB, rel=1e-6)
+    assert report.capacity_bytes == pytest.approx(19.58 * GIB, rel=1e-6)
+    assert report.free_bytes == pytest.approx(1.06 * GIB, rel=1e-6)
+    assert report.process_in_use_bytes == pytest.approx(18.5 * GIB, rel=1e-6)
+    assert report.allocated_bytes == pytest.approx(14.94 * GIB, rel=1e-6)
+    assert report.reserved_unallocated_bytes == pytest.approx(3.18 * GIB, rel=1e-6)
+    assert report.non_pytorch_bytes == pytest.approx(0.38 * GIB, rel=1e-3)
+    assert report.fragmentation_fraction == pytest.approx(3.18 / 18.12, rel=1e-3)
+
+
+def test_parse_older_and_other_processes() -> None:
+    old = parse_oom(
+        "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; "
+        "14.56 GiB already allocated; 3.88 MiB free; 14.69 GiB reserved in total by PyTorch)"
+    )
+    assert old.tried_bytes == 20 * MIB and old.allocated_bytes == pytest.approx(14.56 * GIB)
+    assert old.reserved_unallocated_bytes == pytest.approx(0.13 * GIB, rel=1e-3)
+    crowded = parse_oom(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of "
+        "which 10.81 MiB is free. Process 2939 has 18.42 GiB memory in use. Including non-PyTorch "
+        "memory, this process has 60.71 GiB memory in use."
+    )
+    assert crowded.other_processes == {2939: int(18.42 * GIB)}
+    assert (
+        is_oom(MemoryError())
+        and is_oom(RuntimeError("CUDA out of memory."))
+        and not is_oom(ValueError("x"))
+    )
+    assert parse_oom(MemoryError("CPU out of memory. Tried to allocate 1 GiB.")).kind == "cpu"
+
+
+def test_one_point_model_and_the_seed_004_mistake() -> None:
+    """Seed 004 guessed 12-16 GB for batch 32; counting fragmentation and the context says more."""
+    observation = Observation(
+        kind="cuda",
+        batch_size=16,
+        capacity_bytes=int(19.58 * GIB),
+        steady_bytes=int(4.0 * GIB),
+        peak_allocated_bytes=int(9.6 * GIB),
+        peak_reserved_bytes=int(11.0 * GIB),
+        beyond_bytes=int(0.4 * GIB),
+        samples=20,
+    )
+    model = fit(observation)
+    assert model.per_sample_bytes == pytest.approx(5.6 * GIB / 16)
+    assert confidence(model) == "low: one micro-batch seen"
+    at_32 = predict_peak(model, 32)
+    assert at_32 == pytest.approx((4.0 + 0.35 * 32) * 11.0 / 9.6 * GIB + 0.4 * GIB, rel=1e-6)
+    assert at_32 > 0.9 * observation.capacity_bytes, "doubling would be flagged before apply"
+    safe = max_batch(model)
+    assert safe is not None and predict_peak(
+        model, safe
+    ) <= 0.85 * model.capacity_bytes < predict_peak(model, safe + 1)
+
+
+def test_model_fits_a_line_through_observed_batches() -> None:
+    history = [ModelPoint(8, 459 * MIB, 10), ModelPoint(16, 615 * MIB, 10)]
+    observation = Observation("cpu", 32, 24 * GIB, 400 * MIB, 899 * MIB, 899 * MIB, 0, 10)
+    model = fit(observation, history)
+    assert [p.batch_size for p in model.points] == [8, 16, 32]
+    assert model.fit_error is not None and model.fit_error < 0.05
+    assert "3 micro-batches" in confidence(model)
+    assert predict_peak(model, 24) == pytest.approx(757 * MIB, rel=0.05)
+
+
+def _steps(first: int, count: int, step_time: float, wait: float, samples: int) -> list[StepRecord]:
+    return [StepRecord(first + i, 100.0 + i, step_time, wait, samples, 2) for i in range(count)]
+
+
+def test_effect() -> None:
+    before = _steps(1, 20, 0.12, 0.08, 32)
+    after = _steps(21, 20, 0.05, 0.005, 32)
+    effect = measure(before, after, int(9.6 * GIB), int(15.2 * GIB))
+    assert effect is not None and speedup(effect) == pytest.approx(1.4, rel=1e-6)
+    assert (
+        describe(effect)
+        == "+140% samples/s, step 120.0 ms -> 50.0 ms, data wait 67% -> 10%, peak 9.6 GiB -> 15.2 GiB"
+    )
+    assert measure([], after) is None
+
+
+def test_breakdown_adds_up_to_capacity() -> None:
+    memory = MemoryStats(
+        kind="cuda",
+        capacity_bytes=24 * GIB,
+        current_bytes=12 * GIB,
+        reserved_bytes=18 * GIB,
+        peak_bytes=19 * GIB,
+        peak_allocated_bytes=16 * GIB,
+        fragmentation_bytes=3 * GIB,
+        nvml_used_bytes=20 * GIB,
+        ooms=0,
+        alloc_retries=0,
+    )
+    static = StaticMemory(
+        kind="cuda", parameters_bytes=2 * GIB, gradients_bytes=2 * GIB, optimizer_bytes=4 * GIB
+    )
+    split = breakdown(memory, static)
+    parts = split.as_dict()
+    assert parts["parameters"] == 2 * GIB and parts["optimizer"] == 4 * GIB
+    assert parts["activations"] == 8 * GIB and parts["fragmentation"] == 3 * GIB
+    assert parts["beyond torch"] == 2 * GIB
+    assert sum(parts.values()) == 24 * GIB
+
+
+def _model(batch: int, peak_fraction: float) -> object:
+    capacity = 24 * GIB
+    return fit(
+        Observation(
+            "cuda",
+            batch,
+            capacity,
+            4 * GIB,
+            int(peak_fraction * capacity),
+            int(peak_fraction * capacity),
+        )
+    )
+
+
+def test_starving_recommends_more_workers_first() -> None:
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8.3
+        ),
+        samples_per_step=32,
+        host=HostSample(
+            time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=12 * GIB
+        ),
+        device_kind="cuda",
+    )
+    options = recommend(inputs)
+    assert options[0].changes == {"num_workers": 3} and options[0].applicable
+    assert options[0].speed_delta == pytest.approx(0.12 / 0.04 - 1)
+    assert any(o.changes == {"pin_memory": True} for o in options)
+
+
+def test_underused_recommends_a_bigger_micro_batch_keeping_the_effective_batch() -> None:
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=8, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.02, samples_per_s=128, steps_per_s=1
+        ),
+        samples_per_step=128,
+        model=_model(16, 0.45),  # type: ignore[arg-type]
+        device_kind="cuda",
+    )
+    top = recommend(inputs)[0]
+    assert top.changes == {"batch_size": 32, "grad_accum": 4}, (
+        "seed 003: 16x8 -> 32x4, effective 128 kept"
+    )
+    assert top.effective_batch == 128 and top.predicted_peak_bytes is not None
+    assert top.memory_delta_bytes and top.memory_delta_bytes > 0
+
+
+def test_near_oom_recommends_a_smaller_micro_batch_and_expandable_segments() -> None:
+    model = _model(32, 0.92)
+    memory = MemoryStats(
+        "cuda", 24 * GIB, 18 * GIB, 20 * GIB, int(22 * GIB), int(19 * GIB), 3 * GIB, 22 * GIB, 0, 1
+    )
+    inputs = Inputs(
+        config=Knobs(batch_size=32, grad_accum=2, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.0, samples_per_s=64, steps_per_s=1
+        ),
+        samples_per_step=64,
+        memory=memory,
+        model=model,  # type: ignore[arg-type]
+        device_kind="cuda",
+    )
+    options = recommend(inputs)
+    top = options[0]
+    assert top.changes["batch_size"] < 32 and top.effective_batch is not None
+    assert top.predicted_peak_bytes is not None and top.predicted_peak_bytes < 0.9 * 24 * GIB
+    titles = [o.title for o in options]
+    assert any("expandable_segments" in t and "restart" in t for t in titles)
+    assert any("gradient checkpointing" in t for t in titles)
+    assert all(not o.applicable for o in options if o.needs_restart)
+
+
+def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=8, num_workers=8, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.05, samples_per_s=128, steps_per_s=1
+        ),
+        samples_per_step=128,
+        host=HostSample(
+            time=0,
+            ram_total_bytes=32 * GIB,
+            ram_available_bytes=GIB,
+            ram_used_bytes=31 * GIB,
+            workers=8,
+            workers_rss_bytes=16 * GIB,
+            workers_uss_bytes=8 * GIB,
+        ),
+        host_pressure=True,
+    )
+    options = recommend(inputs)
+    assert options[0].changes == {"num_workers": 4}
+    assert options[0].host_delta_bytes == -4 * GIB
+    assert any(o.changes == {"pin_memory": False} for o in options)

@@ -1,0 +1,137 @@
+"""The seeds, re-created on a CPU with the demo: starving (003), and a bigger batch that OOMs (004)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from tests.conftest import DemoRun, memtui_cli, wait_for
+
+MIB = 1 << 20
+# a model whose logits dominate memory, so the micro-batch matters (~20 MiB per sample)
+HEAVY = [
+    "--seq-len",
+    "256",
+    "--width",
+    "64",
+    "--vocab",
+    "8192",
+    "--layers",
+    "1",
+    "--grad-accum",
+    "1",
+]
+
+
+def status(run: str) -> dict[str, Any]:
+    result = memtui_cli("status", run, "--json")
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout))
+
+
+def until(
+    run: str, predicate: Callable[[dict[str, Any]], object], timeout: float, what: str
+) -> dict[str, Any]:
+    """Poll ``memtui status --json`` until ``predicate`` holds; return that status."""
+
+    def check() -> dict[str, Any] | None:
+        data = status(run)
+        return data if predicate(data) else None
+
+    return wait_for(check, timeout, 0.3, what)  # type: ignore[return-value]
+
+
+def test_seed_003_starving_more_workers_measurably_faster(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2")
+    run = demo.run_id
+    starving = until(
+        run,
+        lambda s: s["verdict"]["state"] == "STARVED" and s["recommendations"],
+        60,
+        "a STARVED verdict with recommendations",
+    )
+    top = starving["recommendations"][0]
+    assert "num_workers" in top["changes"] and top["applicable"] and top["speed_delta"] > 0.3
+    assert any(r["label"] == "data wait" and r["severity"] for r in starving["verdict"]["reasons"])
+    workers = top["changes"]["num_workers"]
+    assert memtui_cli("set", run, f"num_workers={workers}").returncode == 0
+    measured = until(
+        run, lambda s: s["applied"] and s["applied"][0]["effect"], 90, "the measured effect"
+    )
+    effect = measured["applied"][0]["effect"]
+    assert effect["samples_per_s_after"] > 1.3 * effect["samples_per_s_before"], effect["summary"]
+    assert effect["data_wait_s_after"] < 0.5 * effect["data_wait_s_before"]
+    until(run, lambda s: s["verdict"]["state"] != "STARVED", 60, "the starvation to go away")
+
+
+def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    demo = start_demo(
+        "--steps", "45", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
+        "--memory-limit", "720MiB", *HEAVY,
+    )  # fmt: skip
+    run = demo.run_id
+    until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    dry = memtui_cli("set", run, "batch_size=16", "--dry-run")
+    assert dry.returncode == 0 and "it would need --force" in dry.stdout, dry.stdout
+    refused = memtui_cli("set", run, "batch_size=16")
+    assert refused.returncode == 2 and "over the 90% danger band" in refused.stderr
+    assert "largest micro-batch predicted under 85%" in refused.stderr
+    forced = memtui_cli("set", run, "batch_size=16", "--force")
+    assert forced.returncode == 0, forced.stderr
+    after = until(run, lambda s: s["ooms"], 90, "the out-of-memory error")
+    oom = after["ooms"][0]
+    assert oom["rolled_back"] and oom["kind"] == "cpu" and oom["config"]["batch_size"] == 16
+    assert oom["batch"].startswith("re-queued")
+    assert [a["rollback"] for a in after["applied"]] == [False, True]
+    assert after["applied"][1]["changes"] == {"batch_size": {"old": 16, "new": 8}}
+    assert after["applied"][0]["predicted_peak_bytes"] > 0.9 * 720 * MIB
+    assert demo.wait_exit(180) == 0, demo.output()
+    assert "rolled back the change" in demo.output()
+    tuned = yaml.safe_load((demo.out / "memtui-tuned.yaml").read_text())
+    assert tuned["config"]["batch_size"] == 8 and tuned["oom"]["rolled_back"] is True
+    assert tuned["oom"]["config_at_oom"]["batch_size"] == 16
+    events = [
+        json.loads(line)["event"]
+        for line in (demo.out / "memtui-audit.jsonl").read_text().splitlines()
+    ]
+    assert events.count("oom") == 1 and events.count("applied") == 2
+
+
+def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    demo = start_demo(
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "5",
+        "--slow-data-ms",
+        "0",
+        "--batch-size",
+        "8",
+        *HEAVY,
+    )
+    run = demo.run_id
+    until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    assert memtui_cli("set", run, "batch_size=16").returncode == 0
+    measured = until(
+        run,
+        lambda s: s["applied"] and s["applied"][0]["observed_peak_bytes"],
+        120,
+        "the observed peak",
+    )
+    applied = measured["applied"][0]
+    error = applied["prediction_error"]
+    assert abs(error) < 0.10, (applied["predicted_peak_bytes"], applied["observed_peak_bytes"])
+    assert applied["observed_peak_bytes"] > 1.2 * applied["effect"]["peak_bytes_before"], (
+        "the batch mattered"
+    )
+    assert measured["prediction_accuracy"]["changes_measured"] == 1
+    assert measured["model"]["points"][0][0] == 8 and len(measured["model"]["points"]) == 2
