@@ -44,6 +44,7 @@ bench: $(STAMP)
 
 bench-tui: $(STAMP)
 	$(PY) benchmarks/tui_cpu.py
+	$(PY) benchmarks/tui_ranks.py
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -586,8 +587,29 @@ def demo_command(
             from memtui.demo.train import main as demo_main
 
             sys.exit(demo_main(argv))
-        sys.exit(subprocess.call(command))
+        sys.exit(_run_forwarding_signals(command))
     _demo_with_tui(command)
+
+
+def _run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command`` in the foreground; SIGTERM and SIGHUP sent to us reach it too.
+
+    torchrun passes them on to its ranks, so stopping ``memtui demo --ranks N --no-tui`` stops
+    the whole job instead of leaving the ranks running.
+    """
+    proc = subprocess.Popen(command)
+
+    def forward(signum: int, frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the terminal sent SIGINT to the child too: wait for it
+            continue
 
 
 def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
@@ -635,6 +657,19 @@ def _wait_for_run_id(log_path: Any, proc: subprocess.Popen[bytes], timeout: floa
         time.sleep(0.1)
     _fail(f"the demo training did not start within {timeout:.0f} s; see {log_path}")
     return ""
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+@main.command("replay")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--speed", default=1.0, show_default=True, help="Playback speed (x real time).")
+def replay_command(path: str, speed: float) -> None:
+    """Show a recorded stream (.mtrec) in the viewer, with pause and speed controls."""
+    from memtui.tui.app import run_replay
+
+    sys.exit(run_replay(path, speed=speed))
 
 
 # ---------------------------------------------------------------------------- keygen

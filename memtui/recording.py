@@ -3,7 +3,8 @@
 A *source* hands raw wire frames to the viewer's receiver, which decodes them itself (so a
 replay goes through the same decoder, bad-frame counting included). Two sources exist:
 :class:`LiveSource` (ZeroMQ: SUB to every rank's telemetry, requests to rank 0's control
-socket) and :class:`ReplaySource` (a recording file, at real or accelerated speed).
+socket, and one hello to every other rank's control socket for its history and config) and
+:class:`ReplaySource` (a recording file, at real or accelerated speed).
 
 The recording format (``.mtrec``), small on purpose::
 
@@ -44,15 +45,25 @@ MAGIC = b"MTREC01\n"
 FORMAT_VERSION = 1
 CONTROL_RANK = -1
 """The rank recorded for frames that came from the control socket (snapshots)."""
+TELEMETRY = -2
+"""The rank a live source gives a telemetry frame: its publisher's rank is inside the frame
+(one socket takes every rank's telemetry)."""
+MAX_BURST = 10_000
+"""Frames taken from the telemetry socket per poll, at most."""
 MAX_RECORD = 64 << 20
 """A record longer than this is taken for corruption."""
 MAX_FRAME = 16 << 20
 """Telemetry frames over this size are refused by ZeroMQ (a bad publisher cannot bloat us)."""
+RANK_HISTORY = 512
+"""Step records asked of each rank other than the control rank (its own hello, once)."""
+RANKS_REFRESH_S = 5.0
+"""How often a live source reads the run's registry record again for ranks that appeared."""
 
 T = TypeVar("T")
 
 RawFrame = tuple[int, bytes]
-"""A frame as a source yields it: (publishing rank, or -1 for the control socket; raw bytes)."""
+"""A frame as a source yields it: (publishing rank, -1 for the control socket, or -2 for
+telemetry whose rank is in the frame; raw bytes)."""
 
 
 class SourceUnavailable(RuntimeError):
@@ -230,6 +241,12 @@ class LiveSource:
     None for the newest live run). After the run is lost, ``connect`` looks for it again: the
     same endpoint or selector, or else a live run with the same state directory (the run,
     resumed from its checkpoint under a new id).
+
+    Every rank the registry or a snapshot lists is subscribed to, all on one SUB socket (ranks
+    that appear later too: the registry record is read again every ``ranks_refresh_s``). Once
+    the control rank has answered, every other rank gets one hello on its own control socket,
+    without waiting for the answer: the snapshots come back through ``poll`` as control frames
+    (rank -1), and a rank that does not answer within the request timeout is given up on.
     """
 
     serves_requests = True
@@ -241,8 +258,11 @@ class LiveSource:
         context: zmq.Context | None = None,
         client: str = "",
         request_timeout_s: float = 2.0,
+        ranks_refresh_s: float = RANKS_REFRESH_S,
     ) -> None:
         self.selector = selector
+        self.ranks_refresh_s = ranks_refresh_s
+        """How often the run's registry record is read again for ranks that appeared."""
         self.context = context or zmq.Context()
         self._own_context = context is None
         self.client = client or client_name("tui")
@@ -251,10 +271,22 @@ class LiveSource:
         """The run id of the current (or last) connection."""
         self._control = ""
         self._state_dir = ""
-        self._subs: dict[str, tuple[int, zmq.Socket]] = {}
+        self._sub: zmq.Socket | None = None
+        """One SUB socket connected to every rank's telemetry endpoint (fair-queued)."""
+        self._subs: dict[str, int] = {}
+        """The endpoints it is connected to, and their ranks."""
         self._poller = zmq.Poller()
         self._wanted: list[RankInfo] = []
         self._wanted_lock = threading.Lock()
+        self._ranks: dict[int, RankInfo] = {}
+        """Every rank subscribed to, by number (its latest endpoints)."""
+        self._control_rank: int | None = None
+        """The rank whose control socket answered the last hello (None: not yet)."""
+        self._asked: set[int] = set()
+        """Ranks sent their hello in this connection."""
+        self._hellos: dict[zmq.Socket, tuple[int, float]] = {}
+        """Hellos awaiting an answer: socket -> (rank, give up at)."""
+        self._next_refresh = 0.0
 
     @property
     def label(self) -> str:
@@ -301,6 +333,7 @@ class LiveSource:
             self._state_dir = target.record.state_dir or self._state_dir
         self.subscribe(*target.ranks)
         self._apply_wanted()
+        self._next_refresh = time.monotonic() + self.ranks_refresh_s
 
     def subscribe(self, *ranks: RankInfo) -> None:
         """Subscribe to more ranks' telemetry (thread-safe: applied in the receiver's thread)."""
@@ -314,36 +347,96 @@ class LiveSource:
             endpoint = registry.rank_pub(rank)  # ipc on this host, else authenticated TCP
             if not endpoint or endpoint in self._subs:
                 continue
-            sock = self.context.socket(zmq.SUB)
+            sock = self._sub
+            if sock is None:
+                sock = self._sub = self.context.socket(zmq.SUB)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 10000)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                self._poller.register(sock, zmq.POLLIN)
+            try:
+                make_client(sock, endpoint)  # the same keys for every TCP endpoint
+                sock.connect(endpoint)
+            except (zmq.ZMQError, SecurityError) as exc:
+                raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
+            self._subs[endpoint] = rank.rank
+            if self._ranks.get(rank.rank, rank) != rank:
+                self._asked.discard(rank.rank)  # new endpoints: ask it again
+            self._ranks[rank.rank] = rank
+
+    def _refresh_ranks(self) -> None:
+        """Subscribe to ranks the run's registry record lists now (at most every few seconds)."""
+        now = time.monotonic()
+        if not self.run or now < self._next_refresh:
+            return
+        self._next_refresh = now + self.ranks_refresh_s
+        try:
+            target = registry.find_run(self.run)
+        except (registry.RunNotFound, registry.RegistryError):
+            return
+        if target.run == self.run:
+            self.subscribe(*(r for r in target.ranks if self._ranks.get(r.rank) != r))
+
+    def _ask_ranks(self) -> None:
+        """Send one hello to every known rank not asked yet (the control rank aside)."""
+        if self._control_rank is None:
+            return
+        frame = b""
+        for number, info in self._ranks.items():
+            if number == self._control_rank or number in self._asked:
+                continue
+            self._asked.add(number)
+            endpoint = registry.rank_control(info)
+            if not endpoint:
+                continue
+            frame = frame or encode(Hello(client=self.client, history=RANK_HISTORY))
+            sock = self.context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 10000)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
             try:
                 make_client(sock, endpoint)
                 sock.connect(endpoint)
-            except (zmq.ZMQError, SecurityError) as exc:
+                sock.send(frame, zmq.NOBLOCK)
+            except (zmq.ZMQError, SecurityError):
                 sock.close(0)
-                raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
-            self._subs[endpoint] = (rank.rank, sock)
+                continue
+            self._hellos[sock] = (number, time.monotonic() + self.request_timeout_s)
             self._poller.register(sock, zmq.POLLIN)
 
+    def _close_hello(self, sock: zmq.Socket) -> None:
+        self._hellos.pop(sock, None)
+        with contextlib.suppress(KeyError):
+            self._poller.unregister(sock)
+        sock.close(0)
+
     def poll(self, timeout_s: float) -> list[RawFrame]:
-        """Frames from every subscribed rank, waiting up to ``timeout_s`` for the first."""
+        """Frames from every subscribed rank (and the other ranks' snapshots, as control frames),
+        waiting up to ``timeout_s`` for the first."""
         self._apply_wanted()
-        if not self._subs:
+        self._refresh_ranks()
+        self._apply_wanted()
+        self._ask_ranks()
+        if self._sub is None and not self._hellos:
             time.sleep(timeout_s)
             return []
         frames: list[RawFrame] = []
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        for rank, sock in self._subs.values():
-            if sock not in ready:
-                continue
-            for _ in range(1000):
+        sock = self._sub
+        if sock is not None and sock in ready:
+            for _ in range(MAX_BURST):
                 try:
-                    frames.append((rank, sock.recv(zmq.NOBLOCK)))
+                    frames.append((TELEMETRY, sock.recv(zmq.NOBLOCK)))
                 except zmq.Again:
                     break
+        now = time.monotonic()
+        for sock, (_rank, give_up) in list(self._hellos.items()):
+            if sock in ready:
+                with contextlib.suppress(zmq.Again):
+                    frames.append((CONTROL_RANK, sock.recv(zmq.NOBLOCK)))
+                    self._close_hello(sock)
+            elif now >= give_up:
+                self._close_hello(sock)
         return frames
 
     def request(self, message: Message, expect: type[T]) -> T:
@@ -363,16 +456,23 @@ class LiveSource:
         if isinstance(reply, Snapshot):
             self.run = reply.info.run
             self._state_dir = reply.info.state_dir or self._state_dir
+            self._control_rank = reply.info.rank
             self.subscribe(*reply.ranks)
         return reply
 
     def disconnect(self) -> None:
-        """Close the SUB sockets."""
-        for _rank, sock in self._subs.values():
+        """Close the SUB socket and the hellos still waiting."""
+        if self._sub is not None:
             with contextlib.suppress(KeyError):
-                self._poller.unregister(sock)
-            sock.close(0)
+                self._poller.unregister(self._sub)
+            self._sub.close(0)
+            self._sub = None
         self._subs.clear()
+        for sock in list(self._hellos):
+            self._close_hello(sock)
+        self._ranks.clear()
+        self._asked.clear()
+        self._control_rank = None
         self._control = ""
 
     def close(self) -> None:
@@ -426,6 +526,12 @@ class ReplaySource:
         self._started: float | None = None
         self._offset = 0.0
         self._silent = False
+        self._clock_lock = threading.Lock()
+        self._base_position = 0.0
+        """The recording offset (seconds) reached at ``_based_at``."""
+        self._based_at = 0.0
+        self.paused = False
+        """The replay's clock is stopped (``pause``); nothing more is delivered until resumed."""
 
     @property
     def label(self) -> str:
@@ -447,7 +553,35 @@ class ReplaySource:
         if self.delivered:
             raise SourceUnavailable("end of the recording")
         if self._started is None:
-            self._started = time.monotonic()
+            self._started = self._based_at = time.monotonic()
+
+    def position(self) -> float:
+        """How far into the recording the replay's clock is (seconds)."""
+        with self._clock_lock:
+            if self._started is None or self.paused or self.speed is None:
+                return self._base_position
+            return self._base_position + (time.monotonic() - self._based_at) * self.speed
+
+    def _rebase(self) -> None:
+        # called with the lock held: the clock's position so far becomes the new base
+        now = time.monotonic()
+        if self._started is not None and not self.paused and self.speed is not None:
+            self._base_position += (now - self._based_at) * self.speed
+        self._based_at = now
+
+    def pause(self, paused: bool) -> None:
+        """Stop (or restart) the replay's clock; safe from any thread."""
+        with self._clock_lock:
+            self._rebase()
+            self.paused = paused
+
+    def set_speed(self, speed: float) -> None:
+        """Replay at ``speed`` times real time from here on; safe from any thread."""
+        if speed <= 0:
+            raise ValueError("the replay speed must be positive")
+        with self._clock_lock:
+            self._rebase()
+            self.speed = speed
 
     def poll(self, timeout_s: float) -> list[RawFrame]:
         """The frames due by now; sleeps until the next one is due (at most ``timeout_s``)."""
@@ -458,12 +592,13 @@ class ReplaySource:
         if self.speed is None:
             due = len(self._frames)
         else:
-            position = (time.monotonic() - self._started) * self.speed
+            position = self.position()
             due = self._next
             while due < len(self._frames) and self._frames[due].offset_s <= position:
                 due += 1
             if due == self._next:
-                wait = (self._frames[due].offset_s - position) / self.speed
+                speed = self.speed or 1.0
+                wait = timeout_s if self.paused else (self._frames[due].offset_s - position) / speed
                 time.sleep(max(0.0, min(timeout_s, wait)))
                 return []
         frames = self._frames[self._next : due]
@@ -533,10 +668,11 @@ def record(
             writer.write(time.monotonic() - start, CONTROL_RANK, encode(snapshot))
             while time.monotonic() - start < duration_s and not (stop and stop.is_set()):
                 for rank, frame in source.poll(0.1):
-                    writer.write(time.monotonic() - start, rank, frame)
                     message = decoder.decode(frame)
-                    if isinstance(message, Telemetry) and message.ended and message.rank == 0:
-                        ended = True
+                    if isinstance(message, Telemetry):
+                        rank = message.rank
+                        ended = ended or (message.ended and message.rank == 0)
+                    writer.write(time.monotonic() - start, rank, frame)
                 if ended:
                     break
             frames = writer.frames

@@ -1,9 +1,10 @@
 """Write the README's screenshots: the viewer on replayed streams, as SVG, into screenshots/.
 
-Two recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
-fix ``num_workers=4`` queued), and a synthetic two-rank CUDA run at 88% of its memory (this
-machine has no GPU; see tests/data/make_oom_stream.py). Each at full width (120x40) and in a
-side pane (60x50). Run: ``make screenshots`` or ``.venv/bin/python screenshots/export_screenshots.py``.
+Three recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
+fix ``num_workers=4`` queued), a synthetic two-rank CUDA run at 88% of its memory, and a
+synthetic eight-rank CUDA run with a straggler and a rank near OOM (this machine has no GPU;
+see tests/data/make_oom_stream.py and make_ranks_stream.py). Each at full width (120x40) and in
+a side pane (60x50). Run: ``make screenshots`` or ``.venv/bin/python screenshots/export_screenshots.py``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
 
 
 def main() -> int:
-    """Write the four screenshots and list them."""
+    """Write the six screenshots and list them."""
     starving = DATA / "demo_starving.mtrec"
     scenes = {
         "starving": lambda: ReplaySource(starving, speed=None, until_s=pending_offset(starving)),
         "oom-risk": lambda: ReplaySource(DATA / "oom_risk.mtrec", speed=None),
+        "ranks": lambda: ReplaySource(DATA / "ranks_8.mtrec", speed=None),
     }
     for scene, source in scenes.items():
         for layout, size in SIZES.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -233,3 +234,30 @@ def test_a_boundary_missed_on_one_rank_is_loud_not_a_hang(tmp_path: Path) -> Non
     assert "changes are OFF for this run" in output
     assert "did not reach checkpoint #1" in output
     assert "rejected changes are off for this run: rank(s) 1 did not reach checkpoint #1" in output
+
+
+def test_stopping_memtui_demo_stops_every_rank(tmp_path: Path) -> None:
+    """SIGTERM to ``memtui demo --ranks 2 --no-tui`` reaches torchrun and its ranks."""
+    log = tmp_path / "demo.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memtui.cli", "demo", "--ranks", "2", "--no-tui",
+             "--steps", "100000", "--out", str(tmp_path / "out")],
+            stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    family: list[psutil.Process] = []
+    try:
+        wait_for(lambda: "run " in log.read_text() or proc.poll() is not None, 90, what="the run")
+        assert proc.poll() is None, log.read_text()
+        family += psutil.Process(proc.pid).children(recursive=True)
+        assert len(family) >= 3, family  # torchrun and its two ranks
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        _gone, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, f"still running after SIGTERM: {alive}\n{log.read_text()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in family:
+            with contextlib.suppress(psutil.Error):
+                child.kill()

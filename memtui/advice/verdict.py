@@ -4,7 +4,8 @@ Pure: the inputs are summaries (data-wait fraction, peak-memory fraction, host R
 output is a state, a severity, a position on the STARVED..OOM RISK gauge and the numbers behind
 it. Every threshold lives in :class:`Thresholds` (one documented place, shown in the viewer's
 help screen). The memory bands are the seeds': under 85% of capacity is safe, 85-90% is the
-edge, over 90% is danger.
+edge, over 90% is danger. On a run of several ranks the inputs are the worst rank's numbers
+(``wait_rank``, ``memory_rank``) and the headline and reasons name that rank.
 
 Rules, in order:
 
@@ -74,6 +75,10 @@ class Inputs:
     swap_used_bytes: int = 0
     swap_growth_bytes: int = 0
     """Growth of swap in use over the host window (negative when it shrank)."""
+    wait_rank: int | None = None
+    """The rank the data wait is from, named in the verdict (None: a single-rank run)."""
+    memory_rank: int | None = None
+    """The rank the peak memory is from, named in the verdict (None: a single-rank run)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,11 @@ def _clamp(value: float, low: float, high: float) -> float:
     return max(low, min(high, value))
 
 
+def _of_rank(rank: int | None, text: str) -> str:
+    """``text`` prefixed with the rank it is about (``rank 3: ...``) on a multi-rank run."""
+    return text if rank is None else f"rank {rank}: {text}"
+
+
 def _memory_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
     fraction = inputs.peak_memory_fraction
     if fraction is None:
@@ -113,7 +123,9 @@ def _memory_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
     severity = (
         2 if fraction >= t.memory_danger_fraction else int(fraction >= t.memory_edge_fraction)
     )
-    label = "peak memory" if inputs.device_kind != "cpu" else "peak RSS"
+    label = _of_rank(
+        inputs.memory_rank, "peak memory" if inputs.device_kind != "cpu" else "peak RSS"
+    )
     value = f"{fraction:.0%}"
     if inputs.peak_memory_bytes is not None and inputs.capacity_bytes:
         value += (
@@ -132,7 +144,8 @@ def _wait_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
             f" ({format_duration(inputs.data_wait_s)} of {format_duration(inputs.step_time_s)}"
             "/step)"
         )
-    return Reason("data wait", value, int(fraction >= t.starved_wait_fraction))
+    severity = int(fraction >= t.starved_wait_fraction)
+    return Reason(_of_rank(inputs.wait_rank, "data wait"), value, severity)
 
 
 def _host_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
@@ -170,13 +183,10 @@ def decide(inputs: Inputs, thresholds: Thresholds = THRESHOLDS) -> Verdict:
         span = max(1e-9, 1.0 - t.memory_edge_fraction)
         position = 0.5 + 0.5 * _clamp((memory - t.memory_edge_fraction) / span, 0.0, 1.0)
         what = "device memory" if inputs.device_kind != "cpu" else "the memory limit"
-        return Verdict(
-            State.OOM_RISK,
-            2 if danger else 1,
-            f"peak {memory:.0%} of {what}: {band}",
-            position,
-            reasons,
-        )
+        headline = f"peak {memory:.0%} of {what}: {band}"
+        if inputs.memory_rank is not None:  # shorter, to fit a side pane with the rank's name
+            headline = f"rank {inputs.memory_rank}: peak {memory:.0%}, {band}"
+        return Verdict(State.OOM_RISK, 2 if danger else 1, headline, position, reasons)
     if ram is not None and (ram >= t.host_ram_fraction or _swap_growing(inputs, t)):
         span = max(1e-9, 1.0 - t.host_ram_fraction)
         position = 0.5 + 0.5 * _clamp((ram - t.host_ram_fraction) / span, 0.0, 1.0)
@@ -190,13 +200,10 @@ def decide(inputs: Inputs, thresholds: Thresholds = THRESHOLDS) -> Verdict:
     if wait >= t.starved_wait_fraction:
         span = max(1e-9, 1.0 - t.starved_wait_fraction)
         position = -(0.5 + 0.5 * _clamp((wait - t.starved_wait_fraction) / span, 0.0, 1.0))
-        return Verdict(
-            State.STARVED,
-            1,
-            f"{wait:.0%} of each step waits on the data loader",
-            position,
-            reasons,
-        )
+        headline = f"{wait:.0%} of each step waits on the data loader"
+        if inputs.wait_rank is not None:
+            headline = f"rank {inputs.wait_rank}: {wait:.0%} of each step waits on data"
+        return Verdict(State.STARVED, 1, headline, position, reasons)
     pull_right = 0.5 * (memory or 0.0) / t.memory_edge_fraction
     pull_left = 0.5 * wait / t.starved_wait_fraction
     position = _clamp(pull_right - pull_left, -0.49, 0.49)

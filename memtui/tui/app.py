@@ -3,12 +3,15 @@
 Data flow: the receiver (one thread worker, the only owner of sockets) puts batches in an inbox
 and posts a ``ReceiverUpdate``; the handler folds every waiting batch into the RunState (cheap,
 no drawing); a timer at ``refresh_hz`` (4 Hz) repaints the widgets whose content changed, the
-charts every ``chart_every`` ticks (2 Hz), all under ``batch_update``. So the screen is redrawn at
-most 4 times a second however fast the run steps, and not at all while nothing changes.
+charts and the summaries (per-rank numbers, verdict) every ``chart_every`` ticks (2 Hz; above
+``MANY_RANKS`` ranks the rest at 2 Hz, these at 1 Hz), all under ``batch_update``. So the
+screen is redrawn at most 4 times a second however fast the run steps (and however many ranks
+it has), and not at all while nothing changes.
 """
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -23,14 +26,14 @@ from textual.worker import get_current_worker
 
 from memtui import registry
 from memtui.knobs import KNOBS
-from memtui.recording import LiveSource, Source
+from memtui.recording import LiveSource, ReplaySource, Source, SourceUnavailable
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.receiver import Inbox, Receiver
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
-from memtui.tui.state import Notice, RunState, ViewOptions
+from memtui.tui.state import MANY_RANKS, Notice, RunState, ViewOptions
 from memtui.wire import CancelRequest, KnobValue, SetRequest
 
 EDIT_GROUP = Binding.Group("set knob")
@@ -55,6 +58,8 @@ class MemtuiApp(App[int]):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         Binding("r", "reconnect", "reconnect", show=False),
+        Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),
+        Binding("minus", "replay_speed(0.5)", "slower", key_display="-"),
     ]
 
     paused: var[bool] = var(False, init=False)
@@ -71,16 +76,20 @@ class MemtuiApp(App[int]):
         refresh_hz: float = 4.0,
         chart_every: int = 2,
         receiver_options: dict[str, float] | None = None,
+        replay_controls: bool = False,
     ) -> None:
         super().__init__()
+        self.replay_controls = replay_controls
+        """``memtui replay``: + and - change the replay's speed, space stops its clock."""
         self.readonly = readonly
         """Show everything, send nothing."""
         self.demo_process = demo_process
         """The demo training this viewer was started with (``memtui demo``), if any."""
         self.refresh_hz = refresh_hz
         self.chart_every = max(1, chart_every)
-        self.state = RunState()
-        """What the viewer knows about the run (folded from the receiver's batches)."""
+        self.state = RunState(hold_summary=True)
+        """What the viewer knows about the run (folded from the receiver's batches); its
+        summaries are made anew by ``refresh_view``."""
         self.inbox = Inbox()
         self.receiver = Receiver(
             source,
@@ -146,10 +155,21 @@ class MemtuiApp(App[int]):
         self._ticks += 1
         self._check_demo()
         if not self.paused:
-            self.refresh_view(charts=self._ticks % self.chart_every == 0)
+            charts = self._ticks % self.chart_every == 0
+            if len(self.state.series) > MANY_RANKS:  # pace: the rest at 2 Hz, these at 1 Hz
+                if not charts:
+                    return
+                charts = self._ticks % (2 * self.chart_every) == 0
+            self.refresh_view(charts=charts)
 
     def refresh_view(self, charts: bool = True) -> None:
-        """Repaint what changed (the charts too when ``charts``), in one batch."""
+        """Repaint what changed (the charts, and the summaries behind the numbers, made anew,
+        too when ``charts``), in one batch."""
+        if not self.screen_stack:  # the app is closing: a late tick finds no screen
+            return
+        if charts:
+            # every record of the rank the charts show is decoded (others' may be sampled)
+            self.receiver.decoder.favoured = self.state.refresh_summary().focus_rank
         with self.batch_update():
             self.repaints += self.main.update_view(self.state, self.view, charts)
 
@@ -172,6 +192,8 @@ class MemtuiApp(App[int]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide and disable the actions that change the run in a read-only view."""
+        if action == "replay_speed":
+            return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
         return not (self.readonly and action in EDIT_ACTIONS)
 
     def action_edit(self, knob: str) -> None:
@@ -214,8 +236,20 @@ class MemtuiApp(App[int]):
         self.push_screen(CancelScreen(pending), cancel)
 
     def action_toggle_pause(self) -> None:
-        """Freeze or unfreeze the view."""
+        """Freeze or unfreeze the view (and a replay's clock)."""
         self.paused = not self.paused
+        source = self.receiver.source
+        if self.replay_controls and isinstance(source, ReplaySource):
+            source.pause(self.paused)
+
+    def action_replay_speed(self, factor: float) -> None:
+        """Replay faster or slower (between 1/16 and 256 times real time)."""
+        source = self.receiver.source
+        if not (self.replay_controls and isinstance(source, ReplaySource)):
+            return
+        speed = min(256.0, max(1 / 16, (source.speed or 1.0) * factor))
+        source.set_speed(speed)
+        self.notify(f"replay at {speed:g}x", timeout=2)
 
     def action_help(self) -> None:
         """Show the keys and the thresholds."""
@@ -282,6 +316,25 @@ def run_app(
         if target.note:
             print(f"memtui: {target.note}", file=sys.stderr)
     app = MemtuiApp(LiveSource(selector), readonly=readonly, demo_process=demo_process)
+    # the viewer allocates many short-lived objects (64 ranks: 64,000 step records a second);
+    # collecting young objects less often keeps the collector from scanning Textual's widget
+    # graph hundreds of times a second (cycles are still collected)
+    gc.set_threshold(20_000, 20, 20)
+    result = app.run()
+    if isinstance(result, int):
+        return result
+    return app.return_code or 0
+
+
+def run_replay(path: str, *, speed: float = 1.0) -> int:
+    """Show a recording (.mtrec) in a read-only viewer: space pauses, + and - change speed."""
+    try:
+        source = ReplaySource(path, speed=speed)
+    except (OSError, ValueError, SourceUnavailable) as exc:
+        print(f"memtui: cannot replay {path}: {exc}", file=sys.stderr)
+        return 1
+    app = MemtuiApp(source, readonly=True, replay_controls=True)
+    gc.set_threshold(20_000, 20, 20)
     result = app.run()
     if isinstance(result, int):
         return result

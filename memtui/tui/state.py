@@ -4,26 +4,46 @@ The receiver thread turns frames into :class:`ReceivedBatch` objects; the app fo
 a :class:`RunState` with :meth:`RunState.apply`, and widgets render from the state. Everything is
 bounded: recent raw records for the summaries (the same windows as ``memtui status``), and
 one-second buckets for the charts (an hour of them), whatever the step rate.
+
+Every rank has its own series (every rank publishes, and answers hello with its own history and
+config). :meth:`RunState.summary` compares them: the medians, stragglers (``memtui.stats``), the
+rank nearest OOM, silent ranks, each rank's pressure (how close to a threshold) and the order
+worst first; the verdict is made from the worst rank's numbers and names that rank.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Generic, Protocol, TypeAlias, TypeVar
 
-from memtui.advice.verdict import Inputs, Verdict, decide
+from memtui.advice.verdict import THRESHOLDS, Inputs, State, Verdict, decide
 from memtui.knobs import KNOBS, effective_batch
-from memtui.stats import MemoryStats, StepStats, ram_fraction, summarize_device, summarize_steps
+from memtui.stats import (
+    STRAGGLER_STEP_FACTOR,
+    STRAGGLER_WAIT_SHARE,
+    MemoryStats,
+    RankSpread,
+    StepStats,
+    median,
+    ram_fraction,
+    summarize_device,
+    summarize_steps,
+)
 from memtui.wire import (
+    AppliedChange,
     CheckpointRecord,
     ControlState,
     DeviceSample,
     HookCounters,
     HostSample,
+    Knobs,
     KnobValue,
     Message,
     RankInfo,
@@ -37,8 +57,9 @@ BUCKET_S = 1.0
 """The charts' resolution: one bucket per second of wall time."""
 MAX_BUCKETS = 3600
 """Buckets kept per series: an hour."""
-RECENT_STEPS = 512
-"""Raw step records kept per rank for the summaries."""
+RECENT_STEPS = 64
+"""Raw step records kept per rank for the summaries (their window is 50 steps; the charts keep
+their own one-second sums). Few, so that 64 ranks at 1,000 steps/s stay in the CPU's caches."""
 RECENT_DEVICE = 150
 """Raw device samples kept per rank for the summaries."""
 RECENT_HOST = 600
@@ -47,6 +68,18 @@ HOST_WINDOW_S = 30.0
 """How far back swap growth is measured."""
 NOTICES = 20
 """Request outcomes and receiver notes kept for the change log."""
+MANY_RANKS = 16
+"""Above this many ranks the viewer paces itself: frames gathered for longer, the view redrawn
+at 2 Hz and the summaries made once a second."""
+NEAREST_OOM_FROM = 0.5
+"""The rank nearest OOM is called out once its peak is at least this share of its capacity."""
+SILENT_AFTER_S = 3.0
+"""A rank that has not reported for this long is silent (the hook sends at least one batch a
+second): its row says so, and the header counts it."""
+
+_STEP_TIME = attrgetter("step_time_s")
+_DATA_WAIT = attrgetter("data_wait_s")
+_END_TIME = attrgetter("end_time")
 
 
 class Status(enum.Enum):
@@ -125,7 +158,7 @@ class StepBucket:
     steps: int = 0
     step_time_s: float = 0.0
     data_wait_s: float = 0.0
-    samples: int = 0
+    """Data wait summed over the bucket's steps (each batch's at most its step time)."""
 
 
 @dataclass
@@ -179,7 +212,7 @@ class BucketSeries(Generic[B]):
 
 @dataclass
 class RankSeries:
-    """One rank's recent records and chart buckets."""
+    """One rank's recent records, chart buckets, newest host sample and own control state."""
 
     rank: int
     steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
@@ -192,31 +225,90 @@ class RankSeries:
     """The highest telemetry seq seen from this rank."""
     lost_batches: int = 0
     """Telemetry batches never received (gaps in seq)."""
+    host: HostSample | None = None
+    """The rank's newest host sample (its own process tree's RSS, its node's RAM)."""
+    control: ControlState | None = None
+    """The rank's own config and applied changes, as it last reported them (None: not yet)."""
+    control_seq: int = 0
+    reported: bool = False
+    """The rank has sent something (it may be listed by the run before it does)."""
+    reported_step: int = 0
+    """The newest step the rank's batches announced (their records may have been sampled out)."""
+    last_clock: float = 0.0
+    """The source's clock when the rank last reported (or was first listed)."""
+    version: int = 0
+    """Bumped when the rank's steps or memory change; its summaries are cached until then."""
+    _stats: tuple[int, StepStats | None, MemoryStats | None] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def last_step(self) -> int:
         """The newest step recorded."""
         return self.steps[-1].step if self.steps else 0
 
-    def add_steps(self, records: Iterable[StepRecord]) -> bool:
+    @property
+    def newest_step(self) -> int:
+        """The newest step the rank reported, recorded or not."""
+        return max(self.reported_step, self.steps[-1].step if self.steps else 0)
+
+    def stats(self) -> tuple[StepStats | None, MemoryStats | None]:
+        """Speed and memory over the recent records (recomputed only after new records)."""
+        if self._stats is None or self._stats[0] != self.version:
+            self._stats = (self.version, summarize_steps(self.steps), summarize_device(self.device))
+        return self._stats[1], self._stats[2]
+
+    def add_steps(self, records: Sequence[StepRecord]) -> bool:
         """Add records newer than the newest one; True if any was new."""
-        added = False
+        if not records:
+            return False
+        first = records[0]
+        if first.step <= self.last_step or records[-1].step - first.step != len(records) - 1:
+            return self._add_steps_one_by_one(records)
+        # the usual batch: consecutive new steps, summed per bucket without a loop per record
+        self.steps.extend(records if len(records) <= RECENT_STEPS else records[-RECENT_STEPS:])
+        self.version += 1
+        self._bucket_steps(records)
+        return True
+
+    def _add_steps_one_by_one(self, records: Iterable[StepRecord]) -> bool:
+        added: list[StepRecord] = []
         last = self.last_step
         for record in records:
-            if record.step <= last:
-                continue
-            last = record.step
-            self.steps.append(record)
-            added = True
-            if record.step_time_s <= 0:
-                continue
-            bucket = self.step_buckets.at(record.end_time)
+            if record.step > last:
+                last = record.step
+                added.append(record)
+        if not added:
+            return False
+        self.steps.extend(added)
+        self.version += 1
+        self._bucket_steps(added)
+        return True
+
+    def _bucket_steps(self, records: Sequence[StepRecord]) -> None:
+        """Sum time-ordered records into their buckets, one slice per bucket."""
+        start, count = 0, len(records)
+        while start < count:
+            end_time = records[start].end_time
+            edge = (math.floor(end_time / BUCKET_S) + 1) * BUCKET_S
+            end = bisect.bisect_left(records, edge, start, count, key=_END_TIME)
+            end = max(end, start + 1)
+            bucket = self.step_buckets.at(end_time)
             if bucket is not None:
-                bucket.steps += 1
-                bucket.step_time_s += record.step_time_s
-                bucket.data_wait_s += min(record.data_wait_s, record.step_time_s)
-                bucket.samples += record.samples
-        return added
+                part = records if start == 0 and end == count else records[start:end]
+                times = list(map(_STEP_TIME, part))
+                if min(times) > 0:
+                    total = sum(times)
+                    bucket.steps += len(part)
+                    bucket.step_time_s += total
+                    bucket.data_wait_s += min(total, sum(map(_DATA_WAIT, part)))
+                else:  # untimed records (none in a usual batch) are left out
+                    for record in part:
+                        if record.step_time_s > 0:
+                            bucket.steps += 1
+                            bucket.step_time_s += record.step_time_s
+                            bucket.data_wait_s += min(record.data_wait_s, record.step_time_s)
+            start = end
 
     def add_device(self, samples: Iterable[DeviceSample]) -> bool:
         """Add samples newer than the newest one; True if any was new."""
@@ -226,6 +318,7 @@ class RankSeries:
                 continue
             self.device.append(sample)
             added = True
+            self.version += 1
             bucket = self.memory_buckets.at(sample.time)
             if bucket is None:
                 continue
@@ -248,17 +341,44 @@ class RankSeries:
             self.lost_batches += seq - self.last_seq - 1
         self.last_seq = max(self.last_seq, seq)
 
+    def take_control(self, control: ControlState, seq: int) -> bool:
+        """Keep the rank's control state unless an older one; True if it was kept."""
+        if self.control is not None and seq < self.control_seq:
+            return False
+        self.control = control
+        self.control_seq = seq
+        return True
+
 
 # --------------------------------------------------------------------------- summaries
 
 
 @dataclass(frozen=True)
 class RankSummary:
-    """One rank's numbers, for the verdict and the multi-rank line."""
+    """One rank's numbers, for the verdict and the per-rank table."""
 
     rank: int
     steps: StepStats | None
     memory: MemoryStats | None
+    last_step: int = 0
+    host_rss_bytes: int | None = None
+    """The rank's process tree in host RAM: main process plus loader workers."""
+    age_s: float = 0.0
+    """Seconds since the rank last reported (or, if it has not yet, since it was listed)."""
+    reported: bool = True
+    silent: bool = False
+    """No word from the rank for ``SILENT_AFTER_S``."""
+    config: Knobs | None = None
+    """The rank's own config (None: not known)."""
+    config_differs: bool = False
+    """The rank's config is not the control rank's."""
+    straggler: str = ""
+    """Why the rank straggles behind the others, in a few words ("" when it does not)."""
+    nearest_oom: bool = False
+    """The rank with the highest peak memory fraction (of two or more measured), from
+    ``NEAREST_OOM_FROM`` of its capacity up."""
+    pressure: float = 0.0
+    """How close the rank is to a threshold (1.0 at one); the table puts the highest first."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +386,9 @@ class Summary:
     """What the widgets show, computed once per change of the data."""
 
     ranks: tuple[RankSummary, ...]
+    """Every rank, in rank order."""
+    worst_first: tuple[RankSummary, ...]
+    """Every rank, silent ones first, then by pressure (the per-rank table's order)."""
     focus_rank: int
     """The rank the verdict is about (the worst one), which the charts and panels show."""
     steps: StepStats | None
@@ -273,12 +396,74 @@ class Summary:
     host: HostSample | None
     swap_growth_bytes: int
     verdict: Verdict
+    median_step_s: float | None = None
+    """The median of the ranks' mean step times (None without timed steps)."""
+    median_wait_fraction: float | None = None
+    nearest_oom: int | None = None
+    stragglers: tuple[int, ...] = ()
+    silent: tuple[int, ...] = ()
+    """Ranks that have not reported for ``SILENT_AFTER_S``."""
+    serial: int = 0
+    """Counts the summaries made: a new serial means new numbers."""
+
+
+def rank_pressure(rank: RankSummary, spread: RankSpread | None) -> float:
+    """How close one rank is to a threshold (1.0 at one; inf when silent): its peak memory over
+    the edge band, its data wait over the starved share, and how far its step time and data wait
+    are above the ranks' medians against the straggler thresholds."""
+    if rank.silent:
+        return math.inf
+    parts = [0.0]
+    if rank.memory is not None and rank.memory.capacity_bytes:
+        parts.append(rank.memory.peak_used_fraction / THRESHOLDS.memory_edge_fraction)
+    if rank.steps is not None:
+        parts.append(rank.steps.data_wait_fraction / THRESHOLDS.starved_wait_fraction)
+        if spread is not None and spread.step_time_s > 0:
+            ratio = rank.steps.step_time_s / spread.step_time_s
+            parts.append((ratio - 1) / (STRAGGLER_STEP_FACTOR - 1))
+            excess = rank.steps.data_wait_s - spread.data_wait_s
+            parts.append(excess / (STRAGGLER_WAIT_SHARE * spread.step_time_s))
+    return max(parts)
+
+
+def compare_ranks(
+    ranks: Sequence[RankSummary], control: Knobs | None
+) -> tuple[list[RankSummary], RankSpread | None]:
+    """The ranks with their stragglers, nearest OOM, config differences and pressure filled in."""
+    live = [r for r in ranks if not r.silent]
+    timed = [r for r in live if r.steps is not None]
+    spread = None
+    if len(timed) > 1:
+        spread = RankSpread.of([r.steps for r in timed if r.steps], [r.last_step for r in timed])
+    measured = [r for r in ranks if r.memory is not None and r.memory.capacity_bytes]
+    nearest = None
+    if len(measured) > 1:
+        nearest = max(measured, key=lambda r: r.memory.peak_used_fraction if r.memory else 0.0)
+        if nearest.memory is None or nearest.memory.peak_used_fraction < NEAREST_OOM_FROM:
+            nearest = None  # nobody is near
+    out = []
+    several = len(ranks) > 1
+    for rank in ranks:
+        straggler = ""
+        if spread is not None and rank.steps is not None and not rank.silent:
+            straggler = spread.straggler(rank.steps, rank.last_step)
+        differs = several and control is not None and rank.config not in (None, control)
+        out.append(
+            dataclasses.replace(
+                rank,
+                straggler=straggler,
+                nearest_oom=nearest is not None and rank.rank == nearest.rank,
+                config_differs=differs,
+                pressure=rank_pressure(rank, spread),
+            )
+        )
+    return out, spread
 
 
 def verdict_inputs(
     ranks: Sequence[RankSummary], host: HostSample | None, swap_growth_bytes: int
-) -> tuple[Inputs, int]:
-    """The verdict's inputs (the worst rank for each number) and the rank it is about."""
+) -> tuple[Inputs, RankSummary | None, RankSummary | None]:
+    """The verdict's inputs (the worst rank for each number), the waiting and the fullest rank."""
     timed = [r for r in ranks if r.steps is not None]
     measured = [r for r in ranks if r.memory is not None and r.memory.capacity_bytes]
     waiting = max(timed, key=lambda r: r.steps.data_wait_fraction if r.steps else 0.0, default=None)
@@ -287,6 +472,7 @@ def verdict_inputs(
     )
     steps = waiting.steps if waiting else None
     memory = fullest.memory if fullest else None
+    several = len(ranks) > 1
     inputs = Inputs(
         data_wait_fraction=steps.data_wait_fraction if steps else None,
         step_time_s=steps.step_time_s if steps else None,
@@ -298,16 +484,28 @@ def verdict_inputs(
         host_ram_fraction=ram_fraction(host) if host else None,
         swap_used_bytes=host.swap_used_bytes if host else 0,
         swap_growth_bytes=swap_growth_bytes,
+        wait_rank=waiting.rank if several and waiting else None,
+        memory_rank=fullest.rank if several and fullest else None,
     )
-    focus = ranks[0].rank if ranks else 0
-    if fullest is not None and inputs.peak_memory_fraction is not None:
-        focus = fullest.rank
-    if waiting is not None and (
-        inputs.peak_memory_fraction is None
-        or (inputs.data_wait_fraction or 0.0) > inputs.peak_memory_fraction
-    ):
-        focus = waiting.rank
-    return inputs, focus
+    return inputs, waiting, fullest
+
+
+def focus_of(
+    verdict: Verdict,
+    worst_first: Sequence[RankSummary],
+    waiting: RankSummary | None,
+    fullest: RankSummary | None,
+) -> int:
+    """The rank the verdict is about: the fullest at OOM risk, the one waiting most when starved,
+    else the rank under the most pressure (silent ranks aside)."""
+    if verdict.state is State.OOM_RISK and fullest is not None:
+        return fullest.rank
+    if verdict.state is State.STARVED and waiting is not None:
+        return waiting.rank
+    for rank in worst_first:
+        if not rank.silent and (rank.steps is not None or rank.memory is not None):
+            return rank.rank
+    return worst_first[0].rank if worst_first else 0
 
 
 # --------------------------------------------------------------------------- the run
@@ -357,8 +555,11 @@ class RunState:
     """Bumped when the config or the change log changes."""
     connection_version: int = 0
     """Bumped when the connection status, the run's identity or the counters change."""
+    hold_summary: bool = False
+    """Keep the summary already made even if the data changed, until ``refresh_summary`` (the
+    app makes it anew at the charts' rate: with many ranks it is the costliest thing it draws)."""
     _summary: Summary | None = field(default=None, repr=False)
-    _summary_version: int = field(default=-1, repr=False)
+    _summary_version: tuple[int, int] = field(default=(-1, 0), repr=False)
 
     # ------------------------------------------------------------------ folding
 
@@ -412,12 +613,17 @@ class RunState:
         return series
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
-        """Fold a snapshot: identity, config and history (attaching to a new run resets)."""
-        new_run = self.info is None or snapshot.info.run != self.info.run
+        """Fold a snapshot: identity, config and history (a new run resets; another rank's
+        snapshot of the same run only adds to that rank's history and config)."""
+        info = self.info
+        if info is not None and snapshot.info.run == info.run and snapshot.info.rank != info.rank:
+            self._apply_rank_snapshot(snapshot)
+            return
+        new_run = info is None or snapshot.info.run != info.run
         if new_run:
             self._reset_run()
         self.info = snapshot.info
-        self.ranks = list(snapshot.ranks)
+        self.list_ranks(snapshot.ranks)
         if new_run or snapshot.control_seq >= self.control_seq:
             self.control = snapshot.control
             self.control_seq = snapshot.control_seq
@@ -425,35 +631,69 @@ class RunState:
         if snapshot.counters is not None:
             self.counters = snapshot.counters
         self.step = max(self.step, snapshot.step)
-        series = self.rank_series(snapshot.info.rank)
+        series = self._heard_from(snapshot.info.rank)
         series.add_steps(snapshot.steps)
         series.add_device(snapshot.device)
         series.last_seq = max(series.last_seq, snapshot.seq)
+        series.take_control(snapshot.control, snapshot.control_seq)
+        if snapshot.host:
+            series.host = snapshot.host[-1]
         self._add_host(snapshot.host)
         self._add_checkpoints(snapshot.checkpoints)
         self.data_version += 1
         self.connection_version += 1
+
+    def _apply_rank_snapshot(self, snapshot: Snapshot) -> None:
+        series = self._heard_from(snapshot.info.rank)
+        series.add_steps(snapshot.steps)
+        series.add_device(snapshot.device)
+        series.last_seq = max(series.last_seq, snapshot.seq)
+        if series.take_control(snapshot.control, snapshot.control_seq):
+            self.control_version += 1
+        if snapshot.host:
+            series.host = snapshot.host[-1]
+        self.step = max(self.step, snapshot.step)
+        self.data_version += 1
+
+    def list_ranks(self, ranks: Iterable[RankInfo]) -> None:
+        """Know the run's ranks (from a snapshot): each gets a row, even before it reports."""
+        self.ranks = list(ranks)
+        for info in self.ranks:
+            if info.rank not in self.series:
+                self.rank_series(info.rank).last_clock = self.clock
+
+    def _heard_from(self, rank: int) -> RankSeries:
+        series = self.rank_series(rank)
+        series.reported = True
+        series.last_clock = self.clock
+        return series
 
     def apply_telemetry(self, batch: Telemetry) -> None:
         """Fold one telemetry batch of the run (others' batches are counted and dropped)."""
         if self.info is None or batch.run != self.info.run:
             self.ignored_batches += 1
             return
-        series = self.rank_series(batch.rank)
+        series = self._heard_from(batch.rank)
         series.note_seq(batch.seq)
         changed = series.add_steps(batch.steps)
+        if batch.step > series.reported_step:
+            series.reported_step = batch.step
+            changed = True
         changed = series.add_device(batch.device) or changed
+        control_rank = batch.rank == self.info.rank  # the rank that takes changes
         if batch.host is not None:
-            changed = self._add_host([batch.host]) or changed
+            series.host = batch.host
+            if control_rank:  # the charts and swap growth follow one host's samples
+                self._add_host([batch.host])
+            changed = True
         self._add_checkpoints(batch.checkpoints)
-        if (
-            batch.control is not None
-            and batch.rank == self.info.rank  # the rank that takes changes
-            and batch.control_seq >= self.control_seq
-        ):
-            self.control = batch.control
-            self.control_seq = batch.control_seq
-            self.control_version += 1
+        if batch.control is not None:
+            if series.take_control(batch.control, batch.control_seq) and not control_rank:
+                self.control_version += 1
+            if control_rank and batch.control_seq >= self.control_seq:
+                self.control = batch.control
+                self.control_seq = batch.control_seq
+                self.control_version += 1
         if batch.counters is not None and batch.counters != self.counters:
             self.counters = batch.counters
             self.connection_version += 1
@@ -522,29 +762,91 @@ class RunState:
             oldest = sample
         return latest.swap_used_bytes - oldest.swap_used_bytes
 
+    def rank_summaries(self) -> list[RankSummary]:
+        """Each rank's own numbers, in rank order (not yet compared with the others)."""
+        out = []
+        for rank, series in sorted(self.series.items()):
+            steps, memory = series.stats()
+            host = series.host
+            age = max(0.0, self.clock - series.last_clock) if series.last_clock else 0.0
+            out.append(
+                RankSummary(
+                    rank=rank,
+                    steps=steps,
+                    memory=memory,
+                    last_step=series.newest_step,
+                    host_rss_bytes=host.main_rss_bytes + host.workers_rss_bytes if host else None,
+                    age_s=age,
+                    reported=series.reported,
+                    silent=age >= SILENT_AFTER_S,
+                    config=series.control.config if series.control is not None else None,
+                )
+            )
+        return out
+
     def summary(self) -> Summary:
-        """The summaries and the verdict (cached until the data changes)."""
-        if self._summary is not None and self._summary_version == self.data_version:
+        """The summaries, the ranks compared, and the verdict (cached until the data changes or
+        the clock passes a second, and while ``hold_summary`` is set)."""
+        if self._summary is not None and self.hold_summary:
             return self._summary
-        ranks = tuple(
-            RankSummary(rank, summarize_steps(s.steps), summarize_device(s.device))
-            for rank, s in sorted(self.series.items())
-        )
-        host = self.host[-1] if self.host else None
-        growth = self.swap_growth_bytes()
-        inputs, focus = verdict_inputs(ranks, host, growth)
+        return self.refresh_summary()
+
+    def refresh_summary(self) -> Summary:
+        """Make the summary anew if the data changed or the clock passed a second."""
+        version = (self.data_version, int(self.clock))
+        if self._summary is not None and self._summary_version == version:
+            return self._summary
+        control = self.control.config if self.control is not None else None
+        ranks, spread = compare_ranks(self.rank_summaries(), control)
+        worst_first = sorted(ranks, key=lambda r: (-round(r.pressure, 2), r.rank))
+        host, growth = self._verdict_host(ranks)
+        inputs, waiting, fullest = verdict_inputs(ranks, host, growth)
+        verdict = decide(inputs)
+        focus = focus_of(verdict, worst_first, waiting, fullest)
         focused = next((r for r in ranks if r.rank == focus), None)
+        timed = [r.steps for r in ranks if r.steps is not None and not r.silent]
+        serial = self._summary.serial + 1 if self._summary is not None else 1
         self._summary = Summary(
-            ranks=ranks,
+            ranks=tuple(ranks),
+            worst_first=tuple(worst_first),
             focus_rank=focus,
             steps=focused.steps if focused else None,
             memory=focused.memory if focused else None,
             host=host,
             swap_growth_bytes=growth,
-            verdict=decide(inputs),
+            verdict=verdict,
+            median_step_s=spread.step_time_s
+            if spread
+            else (timed[0].step_time_s if timed else None),
+            median_wait_fraction=median([s.data_wait_fraction for s in timed]) if timed else None,
+            nearest_oom=next((r.rank for r in ranks if r.nearest_oom), None),
+            stragglers=tuple(r.rank for r in ranks if r.straggler),
+            silent=tuple(r.rank for r in ranks if r.silent),
+            serial=serial,
         )
-        self._summary_version = self.data_version
+        self._summary_version = version
         return self._summary
+
+    def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
+        """The host sample the verdict weighs (the fullest host of any rank) and its swap growth."""
+        host = self.host[-1] if self.host else None
+        growth = self.swap_growth_bytes()
+        for rank in ranks:
+            series = self.series.get(rank.rank)
+            other = series.host if series is not None else None
+            if other is not None and (host is None or ram_fraction(other) > ram_fraction(host)):
+                host, growth = other, 0
+        return host, growth
+
+    def applied_on(self, applied: AppliedChange) -> tuple[int, int]:
+        """On how many ranks a change of the control rank is recorded as applied at the same step,
+        out of the ranks whose own change log is known."""
+        known = [s.control for s in self.series.values() if s.control is not None]
+        landed = sum(
+            any(a.ids == applied.ids and a.step == applied.step for a in control.applied)
+            for control in known
+        )
+        return landed, len(known)
 
     def pending_values(self) -> dict[str, KnobValue]:
         """What the pending changes will set, merged in queue order."""

@@ -28,6 +28,8 @@ STARVING = DATA / "demo_starving.mtrec"
 """A real demo run: starving with --workers 0, num_workers=4 queued and applied, then the end."""
 OOM = DATA / "oom_risk.mtrec"
 """A synthetic two-rank CUDA run at 88% of its 24 GiB (make_oom_stream.py)."""
+RANKS_8 = DATA / "ranks_8.mtrec"
+"""Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
 
 
 def pending_offset() -> float:

@@ -238,3 +238,32 @@ def test_the_demo_process_exit_is_reported() -> None:
                     "the demo's exit")  # fmt: skip
 
     run(app, check, WIDE)
+
+
+def test_replay_keys_pause_the_clock_and_change_speed() -> None:
+    source = ReplaySource(STARVING, speed=1.0)
+    app = MemtuiApp(source, readonly=True, replay_controls=True)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await until(pilot, lambda: app.state.step > 0, 20, "the first steps")
+        await pilot.press("plus", "plus")
+        assert source.speed == 4.0
+        await pilot.press("minus")
+        assert source.speed == 2.0
+        await pilot.press("space")
+        assert source.paused and app.paused
+        held = source.position()
+        await pilot.pause(0.3)
+        assert source.position() == held
+        await pilot.press("space")
+        assert not source.paused
+
+    run(app, check, WIDE)
+
+
+def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:
+    bad = tmp_path / "bad.mtrec"
+    bad.write_bytes(b"nope")
+    from memtui.tui.app import run_replay
+
+    assert run_replay(str(bad)) == 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from memtui.registry import find_run
 from memtui.tui.receiver import Inbox, Receiver
 from memtui.tui.state import ConnectionEvent, Notice, ReceivedBatch, RunState, Status
 from memtui.wire import SetRequest, Snapshot, Telemetry, encode
-from tests.conftest import memtui_cli, wait_for
+from tests.conftest import ROOT, memtui_cli, wait_for
 from tests.tui.conftest import STARVING, HookLoop
 
 
@@ -135,3 +137,39 @@ def test_attach_by_control_endpoint(start_hook_loop: Callable[..., HookLoop]) ->
         wait_for(lambda: any(isinstance(e, Telemetry) for e in events(batches)), 10, what="data")
     snapshot = next(e for e in events(batches) if isinstance(e, Snapshot))
     assert snapshot.info.run == loop.run_id and statuses(batches)[0] is Status.LIVE
+
+
+def test_ranks_that_appear_later_are_followed_and_asked() -> None:
+    # the benchmark's stand-in for a many-rank job (real sockets, the hook's cadence): rank 2
+    # publishes from the start but is listed (registry, snapshots) only after 2 s
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "tui_ranks.py"), "--publish", "--ranks", "3",
+         "--late", "1", "--rate", "50", "--for", "30"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        run = proc.stdout.readline().split()[1]
+        source = LiveSource(run, ranks_refresh_s=0.3)
+        with receiving(source) as (_receiver, batches):
+
+            def heard(rank: int) -> bool:
+                return any(isinstance(e, Telemetry) and e.rank == rank for e in events(batches))
+
+            wait_for(lambda: heard(0) and heard(1), 10, what="the listed ranks")
+            first = next(e for e in events(batches) if isinstance(e, Snapshot))
+            assert [r.rank for r in first.ranks] == [0, 1], "rank 2 is not listed yet"
+            wait_for(lambda: heard(2), 10, what="the late rank, from the registry")
+            wait_for(
+                lambda: any(isinstance(e, Snapshot) and e.info.rank == 2 for e in events(batches)),
+                10,
+                what="the late rank's answer to its hello",
+            )
+        state = RunState()
+        for batch in batches:
+            state.apply(batch)
+        assert sorted(state.series) == [0, 1, 2] and state.info is not None
+        assert state.info.rank == 0, "the late rank's snapshot did not take over the run"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -121,3 +121,19 @@ def test_record_a_live_hook(tmp_path: Path, start_hook_loop: Callable[..., HookL
     assert telemetry[-1].ended
     steps = [s.step for t in telemetry for s in t.steps]
     assert steps and steps == sorted(steps) and steps[-1] >= 300
+
+
+def test_a_replay_pauses_and_changes_speed() -> None:
+    source = ReplaySource(STARVING, speed=1.0)
+    source.connect()
+    source.pause(True)
+    frozen = source.position()
+    time.sleep(0.2)
+    assert source.position() == frozen
+    assert source.poll(0.05) == [] or source.position() == frozen  # nothing new comes due
+    source.set_speed(50.0)
+    source.pause(False)
+    time.sleep(0.2)
+    assert source.position() >= frozen + 50.0 * 0.15  # continuous: no jump back, no loss
+    with pytest.raises(ValueError):
+        source.set_speed(0)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from memtui.tui.app import MemtuiApp
-from tests.tui.conftest import OOM, STARVING, pending_offset, replay_app, settle
+from tests.tui.conftest import OOM, RANKS_8, STARVING, pending_offset, replay_app, settle
 
 SIZES = {"wide": (120, 40), "narrow": (60, 50)}
 
@@ -28,12 +28,19 @@ def oom_risk() -> MemtuiApp:
     return replay_app(OOM)
 
 
+def ranks_8() -> MemtuiApp:
+    """Eight CUDA ranks: rank 5 straggles on data, rank 6 at 88% (synthetic: no GPU here)."""
+    return replay_app(RANKS_8)
+
+
 def disconnected() -> MemtuiApp:
     """The demo starving, then silent for 10 s: the run is gone without a word."""
     return replay_app(STARVING, until_s=20.0, at_end="disconnect")
 
 
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
-@pytest.mark.parametrize("make", [starving, oom_risk, disconnected], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make", [starving, oom_risk, ranks_8, disconnected], ids=lambda f: f.__name__
+)
 def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:
     assert snap_compare(make(), terminal_size=SIZES[size], run_before=settle)

@@ -1,4 +1,4 @@
-"""The help screen: every key, and the verdict's thresholds."""
+"""The help screen: every key, the verdict's thresholds, and how ranks are compared."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from memtui.advice.verdict import describe_thresholds
+from memtui.stats import STRAGGLER_LAG_S, STRAGGLER_STEP_FACTOR, STRAGGLER_WAIT_SHARE
+from memtui.tui.state import NEAREST_OOM_FROM, SILENT_AFTER_S
 
 KEYS: tuple[tuple[str, str], ...] = (
     ("b", "set batch_size (micro-batch per rank)"),
@@ -20,13 +22,27 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("p", "set pin_memory (prefilled with the opposite of now)"),
     ("k", "toggle keep-effective-batch: a batch_size change recomputes grad_accum"),
     ("c", "cancel a pending change"),
-    ("space", "pause / resume the view (data keeps arriving)"),
+    ("space", "pause / resume the view (data keeps arriving; a replay's clock stops)"),
+    ("+ / -", "replay faster / slower (memtui replay only)"),
     ("r", "reconnect now"),
     ("ctrl+p", "command palette: every action by name"),
     ("?", "this help"),
     ("q", "quit (the run goes on)"),
 )
 """The keys, as the help screen lists them."""
+
+
+def describe_ranks() -> list[str]:
+    """How the per-rank table compares the ranks, in words."""
+    return [
+        f"straggler    step time >= {STRAGGLER_STEP_FACTOR}x the ranks' median, or data wait "
+        f"longer than the median's by {STRAGGLER_WAIT_SHARE:.0%} of the median step, or "
+        f"{STRAGGLER_LAG_S:.0f} s of steps behind",
+        f"nearest OOM  the highest peak memory share (from {NEAREST_OOM_FROM:.0%} of capacity)",
+        f"silent       no data for {SILENT_AFTER_S:.0f} s (listed first; the header counts them)",
+        "order        silent ranks, then how close each is to a threshold; a side pane shows "
+        "the worst 4 and sums up the rest",
+    ]
 
 
 def help_text(readonly: bool) -> Text:
@@ -45,6 +61,10 @@ def help_text(readonly: bool) -> Text:
         text.append("  This view is read-only: it sends nothing.\n", "bold yellow")
     text.append("\nVerdict\n", "bold")
     for line in describe_thresholds():
+        text.append(f"  {line}\n")
+    text.append("  on several ranks: the worst rank's numbers, and the verdict names it\n")
+    text.append("\nRanks (several), worst first\n", "bold")
+    for line in describe_ranks():
         text.append(f"  {line}\n")
     text.append("\n  esc or ? closes this help", "dim")
     return text

@@ -22,13 +22,22 @@ class StateView(Widget):
         self.view = ViewOptions()
         """The viewer's options last shown (paused, read-only, keep-effective-batch)."""
         self._key: Hashable = None
-        self._cache: tuple[Hashable, tuple[int, bool], RenderableType] | None = None
+        self._cache: tuple[Hashable, tuple[int, bool, bool], RenderableType] | None = None
 
     @property
     def narrow(self) -> bool:
         """True in the narrow layout (the screen's ``narrow`` class, under 80 columns)."""
         try:
             return self.screen.has_class("narrow")
+        except Exception:  # not mounted on a screen yet
+            return False
+
+    @property
+    def multirank(self) -> bool:
+        """True when the run has several ranks (the screen's ``multirank`` class): the per-rank
+        table is shown, and the other panels make room for it."""
+        try:
+            return self.screen.has_class("multirank")
         except Exception:  # not mounted on a screen yet
             return False
 
@@ -52,15 +61,25 @@ class StateView(Widget):
         width, height = self.content_size
         auto = width and self.styles.height is not None and self.styles.height.is_auto
         # a new line count needs a layout; the same count only a repaint
-        if auto and self.get_content_height(Size(0, 0), Size(0, 0), width) != height:
+        if auto and self._line_count(width) != height:
             self.refresh(layout=True)
         return True
+
+    def _line_count(self, width: int) -> int:
+        """The content's height at ``width``: its lines when none is too long (they come
+        pre-wrapped), else Textual's count (which wraps and formats the whole content)."""
+        content = self.render()
+        if isinstance(content, Text):
+            lines = content.plain.split("\n")
+            if max(map(len, lines)) <= width:
+                return len(lines)
+        return self.get_content_height(Size(0, 0), Size(0, 0), width)
 
     def render(self) -> RenderableType:
         """The content, built once per key and width."""
         if self.state is None:
             return Text("")
-        shape = (self.content_size.width, self.narrow)
+        shape = (self.content_size.width, self.narrow, self.multirank)
         if self._cache is not None and self._cache[0] == self._key and self._cache[1] == shape:
             return self._cache[2]
         content = self.build(self.state, self.view, shape[0])

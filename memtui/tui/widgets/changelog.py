@@ -1,4 +1,5 @@
-"""The change log: pending changes (with cancel), applied ones with their step, rejected ones."""
+"""The change log: pending changes (with cancel), applied ones with their step (and on how many
+ranks), rejected ones."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def change_lines(state: RunState, view: ViewOptions, limit: int) -> list[Text]:
             line = Text()
             line.append("applied  ", "bold green")
             line.append(f"step {applied.step}  ", "bold")
+            landed, known = state.applied_on(applied)
+            if known > 1:  # every rank applies the same change set at the same step
+                line.append(
+                    f"on {landed}/{known} ranks  ", "" if landed == known else "bold yellow"
+                )
             diffs = ", ".join(
                 f"{k} {format_value(d.old)} → {format_value(d.new)}"
                 for k, d in applied.changes.items()

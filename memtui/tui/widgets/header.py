@@ -20,11 +20,13 @@ class RunHeader(StateView):
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
         """Repaint when the step, the second, the speed or the connection changes."""
         elapsed = state.elapsed_s
+        summary = state.summary()
         return (
             state.connection_version,
             state.step,
             int(elapsed) if elapsed is not None else None,
-            state.summary().steps,
+            summary.steps,
+            summary.silent,
             view,
         )
 
@@ -48,6 +50,11 @@ class RunHeader(StateView):
         if connection.status is not Status.LIVE and connection.detail:
             status += f": {connection.detail}"
         identity.append((status, STATUS_STYLES[connection.status]))
+        silent = state.summary().silent
+        if connection.status is Status.LIVE and silent and len(state.series) > 1:
+            # live, but not every rank: say which part of the run is heard
+            names = f"rank {silent[0]}" if len(silent) == 1 else f"{len(silent)} ranks"
+            identity.append((f"{names} silent", "bold yellow"))
         if info is not None and label and label != info.run:
             identity.append((f"({label})", "dim"))  # a replay, or an endpoint
 

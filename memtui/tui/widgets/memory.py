@@ -27,6 +27,10 @@ class Row(NamedTuple):
     style: str = ""
     secondary: bool = False
     """A whole line dropped when narrow."""
+    detail: bool = False
+    """A whole line dropped on a multi-rank run (to make room for the per-rank table)."""
+    compact: bool = False
+    """A whole line dropped on a multi-rank run in the narrow layout."""
 
 
 def _share(value: int, capacity: int) -> str:
@@ -46,8 +50,19 @@ def cuda_rows(state: RunState, memory: MemoryStats) -> list[Row]:
     capacity = memory.capacity_bytes
     unallocated = max(0, memory.reserved_bytes - memory.current_bytes)
     beyond = memory.beyond_torch_bytes
+    series = state.series.get(state.summary().focus_rank)
+    newest = series.device[-1] if series and series.device else None
+    device = state.info.device if state.info else ""
+    if newest is not None and newest.name and len(state.series) > 1:  # the rank shown's device
+        device = f"{newest.kind}:{newest.index} {newest.name}"
     rows = [
-        Row("capacity", format_bytes(capacity), "", state.info.device if state.info else ""),
+        Row(
+            "capacity",
+            format_bytes(capacity),
+            "",
+            device,
+            compact=True,  # the verdict's reason says "of <capacity>"
+        ),
         Row(
             "peak in use",
             format_bytes(memory.peak_used_bytes),
@@ -55,11 +70,17 @@ def cuda_rows(state: RunState, memory: MemoryStats) -> list[Row]:
             "peak reserved + beyond torch",
             _band_style(memory.peak_used_fraction),
         ),
-        Row("peak reserved", format_bytes(memory.peak_bytes), _share(memory.peak_bytes, capacity)),
+        Row(
+            "peak reserved",
+            format_bytes(memory.peak_bytes),
+            _share(memory.peak_bytes, capacity),
+            detail=True,
+        ),
         Row(
             "peak allocated",
             format_bytes(memory.peak_allocated_bytes),
             _share(memory.peak_allocated_bytes, capacity),
+            detail=True,
         ),
         Row(
             "reserved unalloc.",
@@ -75,8 +96,7 @@ def cuda_rows(state: RunState, memory: MemoryStats) -> list[Row]:
             "CUDA context, NCCL, other processes",
         ),
     ]
-    series = state.series.get(state.summary().focus_rank)
-    others = series.device[-1].other_processes if series and series.device else []
+    others = newest.other_processes if newest is not None else []
     if others:
         names = ", ".join(f"{p.name}[{p.pid}] {format_bytes(p.used_bytes)}" for p in others[:3])
         total = sum(p.used_bytes for p in others)
@@ -107,7 +127,8 @@ def cpu_rows(state: RunState, memory: MemoryStats) -> list[Row]:
             _band_style(memory.peak_used_fraction),
         ),
     ]
-    host = state.summary().host
+    series = state.series.get(state.summary().focus_rank)
+    host = series.host if series is not None and series.host else state.summary().host
     note = f"main {format_bytes(host.main_rss_bytes)} + {host.workers} workers" if host else ""
     rows.append(
         Row(
@@ -149,7 +170,9 @@ def host_rows(state: RunState, secondary: bool) -> list[Row]:
 
 
 class MemoryPanel(StateView):
-    """Capacity, peaks, fragmentation and memory beyond torch; RSS against the limit on CPU."""
+    """Capacity, peaks, fragmentation and memory beyond torch; RSS against the limit on CPU.
+
+    On a multi-rank run it shows the rank the verdict is about (named in the border title)."""
 
     DEFAULT_CSS = "MemoryPanel { height: auto; }"
 
@@ -166,10 +189,13 @@ class MemoryPanel(StateView):
         if memory is None:
             return Text("no memory samples yet", style="dim")
         wide = not self.narrow
+        multirank = self.multirank
         rows = cpu_rows(state, memory) if memory.kind == "cpu" else cuda_rows(state, memory)
         lines = []
         for row in rows:
-            if row.secondary and not wide:
+            if (row.secondary and not wide) or (row.detail and multirank):
+                continue
+            if row.compact and multirank and not wide:
                 continue
             line = Text(f"{row.label:<17} ", style="dim")
             line.append(f"{row.value:>9} {row.share:>4}", style=row.style)

@@ -103,18 +103,21 @@ class SeriesChart(StateView):
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """The three charts, stacked."""
-        narrow = self.narrow
+        narrow, multirank = self.narrow, self.multirank
         rank = state.summary().focus_rank
         series = state.series.get(rank)
         chart_width = max(10, width - AXIS)
         end = state.clock or (state.info.started if state.info else 0.0)
         lines: list[Text] = []
+        # several ranks: shorter charts, and no host chart in a side pane (room for the ranks)
+        step_rows, memory_rows = (3, 4) if narrow else (4, 5) if multirank else (5, 6)
         if series is not None:
-            lines += self._steps(state, series, chart_width, end, 3 if narrow else 5)
-            lines += self._memory(state, series, chart_width, end, 4 if narrow else 6)
+            lines += self._steps(state, series, chart_width, end, step_rows)
+            lines += self._memory(state, series, chart_width, end, memory_rows)
         else:
             lines.append(Text("waiting for data", style="dim"))
-        lines += self._host(state, chart_width, end)
+        if not (narrow and multirank):
+            lines += self._host(state, chart_width, end)
         return Text("\n", no_wrap=True, overflow="ellipsis").join(lines)
 
     def _steps(

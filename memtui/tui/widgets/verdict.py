@@ -9,7 +9,7 @@ from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, Verdict
 from memtui.tui.palette import SEVERITY_STYLES, STATE_STYLES, chips
-from memtui.tui.state import RankSummary, RunState, ViewOptions
+from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 _ZONES = (
@@ -56,40 +56,23 @@ def gauge(verdict: Verdict, width: int) -> Text:
     return Text("\n").join([bar, labels])
 
 
-def rank_chips(ranks: tuple[RankSummary, ...], focus: int) -> list[tuple[str, str]]:
-    """Each rank's data wait and peak memory, the rank the verdict is about in bold."""
-    parts = []
-    for rank in ranks:
-        wait = f"{rank.steps.data_wait_fraction:.0%}" if rank.steps else "-"
-        peak = f"{rank.memory.peak_used_fraction:.0%}" if rank.memory else "-"
-        parts.append(
-            (f"rank {rank.rank}: wait {wait}, peak {peak}", "bold" if rank.rank == focus else "dim")
-        )
-    return parts
-
-
 class VerdictGauge(StateView):
     """Starvation against OOM risk at a glance, with the numbers that say why."""
 
     DEFAULT_CSS = "VerdictGauge { height: auto; }"
 
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
-        """Repaint when the verdict (its numbers included) or a rank's numbers change."""
-        summary = state.summary()
-        return summary.verdict, tuple(rank_chips(summary.ranks, summary.focus_rank))
+        """Repaint when the verdict (its numbers included) changes."""
+        return state.summary().verdict
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
-        """Gauge, state and headline, the ranks (when several), the reasons."""
-        summary = state.summary()
-        verdict = summary.verdict
+        """Gauge, state and headline, and the reasons (naming the rank on a multi-rank run)."""
+        verdict = state.summary().verdict
         text = gauge(verdict, width)
         text.append("\n")
         text.append(f" {verdict.state.value} ", STATE_STYLES[verdict.state])
         text.append(" ")
         text.append(verdict.headline, "bold" if verdict.severity else "")
-        if len(summary.ranks) > 1:
-            text.append("\n")
-            text.append_text(chips(rank_chips(summary.ranks, summary.focus_rank), width=width))
         if verdict.reasons:
             text.append("\n")
             text.append_text(
