@@ -231,3 +231,19 @@ class _ClosedProbe(Dataset[int]):
 
 
 _parent_pid = os.getpid()
+
+
+def test_a_loop_that_never_calls_step_stays_bounded() -> None:
+    from memtui.hooks.loader import MAX_STEP_BATCHES
+
+    tuner = make_tuner(batch_size=2)
+    try:
+        loader = tuner.loader(lambda batch_size: DataLoader(Indices(20_000), batch_size=batch_size))
+        for _ in loader:
+            pass
+        assert len(tuner._step_batches) == MAX_STEP_BATCHES
+        requeued, skipped = tuner._requeue_step_batches()
+        assert requeued + skipped == 20_000  # none unaccounted for
+        assert not tuner._step_batches
+    finally:
+        tuner.close()

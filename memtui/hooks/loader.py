@@ -39,6 +39,11 @@ log = logging.getLogger("memtui")
 LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
 
 
+MAX_STEP_BATCHES = 4096
+"""Micro-batches of the current step kept for an OOM requeue: a loop that never calls
+``step()`` does not grow the list without bound (beyond it a requeue says it skipped)."""
+
+
 class _EpochStream:
     """One epoch's indices: the sampler's iterator, plus drawn-but-undelivered ones to replay."""
 
@@ -252,9 +257,11 @@ class TunedLoader:
                 "memtui: this loader cannot skip to sample %d of the epoch (%s)", skip, self.mode
             )
         stream = self._stream if self.mode == "exact" else None
+        inflight = stream.inflight if stream is not None else None
         iterator = iter(self._loader)
         generation = tuner._loader_generation
         perf = time.perf_counter
+        step_batches = tuner._step_batches  # cleared by step(), never replaced
         batch_size = self.knobs["batch_size"] or 1
         while True:
             if generation != tuner._loader_generation:
@@ -262,6 +269,7 @@ class TunedLoader:
                 if self._stale():
                     iterator = self._switch(iterator)
                     stream = self._stream if self.mode == "exact" else None
+                    inflight = stream.inflight if stream is not None else None
                     batch_size = self.knobs["batch_size"] or 1
             t0 = perf()
             try:
@@ -273,14 +281,16 @@ class TunedLoader:
                 tuner._t_last = t0
             tuner._wait_acc += t1 - t0
             tuner._micro_acc += 1
-            if stream is not None and stream.inflight:
-                indices = stream.inflight.popleft()
+            if inflight:
+                indices = inflight.popleft()
                 n = len(indices)
-                stream.consumed += n
-                tuner._step_batches.append((self, indices))
+                stream.consumed += n  # type: ignore[union-attr]
+                if len(step_batches) < MAX_STEP_BATCHES:
+                    step_batches.append((self, indices))
             else:
                 n = batch_size
-                tuner._step_batches.append((self, n))
+                if len(step_batches) < MAX_STEP_BATCHES:
+                    step_batches.append((self, n))
             tuner._samples_acc += n
             yield batch
 

@@ -657,6 +657,9 @@ class Tuner:
                 requeued += len(batch)
             else:
                 skipped += len(batch) if isinstance(batch, list) else batch
+        # beyond MAX_STEP_BATCHES micro-batches (a loop that never calls step()) nothing was
+        # kept: those samples are counted as skipped, never lost silently
+        skipped += max(0, self._samples_acc - requeued - skipped)
         self._step_batches.clear()
         return requeued, skipped
 
