@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-no-tui test test-slow lint bench bench-tui screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-tui bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# transformers, accelerate and Lightning on top of the same venv (torch stays 2.13.0 CPU)
+FRAMEWORKS_STAMP := $(VENV)/.installed-frameworks
+$(FRAMEWORKS_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install --quiet -e ".[test,frameworks]" "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
+	touch $(FRAMEWORKS_STAMP)
+
+test-frameworks: $(FRAMEWORKS_STAMP)
+	$(PY) -m pytest -q -m frameworks tests/frameworks
+
+bench-hf: $(FRAMEWORKS_STAMP)
+	$(PY) benchmarks/hf_overhead.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

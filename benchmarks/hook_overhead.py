@@ -4,7 +4,9 @@ Three measurements, printed as one JSON line:
 
 1. ``hook_us_per_step``: the training thread's hot path. Interleaved rounds of one-micro-batch
    steps over a cheap DataLoader, bare (A) and through the tuner's loader wrapper with
-   ``tuner.step()`` (B); the median per-step difference.
+   ``tuner.step()`` (B); the median per-step difference, in the training thread's own CPU time
+   (``time.thread_time``: what the hook takes from that thread, unaffected by whatever else
+   the machine runs; the hook's own threads are measured separately, next).
 2. ``background_cpu_pct``: CPU time of the hook's two threads (agent and sampler) while a
    real training loop runs, in percent of one core (read per thread from /proc via psutil).
    Charged in full to the training, as if every microsecond of it held the GIL (worst case).
@@ -167,7 +169,7 @@ def main() -> None:
     hot_steps = 500 if args.quick else 4000
     loop_steps = 100 if args.quick else 1000
 
-    bare, hooked = hot_path(rounds, hot_steps)
+    bare, hooked = hot_path(rounds, hot_steps, clock=time.thread_time)
     hot_us = statistics.median(h - b for h, b in zip(hooked, bare, strict=True))
 
     loop = Loop()

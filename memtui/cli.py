@@ -19,6 +19,7 @@ import click
 from memtui import registry
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
+from memtui.advice.verdict import load_thresholds
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.knobs import (
     KNOBS,
@@ -186,7 +187,10 @@ def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
 
 def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) -> dict[str, Any]:
     """Verdict, breakdown, recommendations, memory model, prediction accuracy and OOMs."""
-    found = assess(snapshot, ranks)
+    config = load_thresholds()  # the YAML config's verdict: section, if any
+    for problem in config.problems:
+        print(f"memtui: {problem}", file=sys.stderr)
+    found = assess(snapshot, ranks, config.thresholds)
     control = snapshot.control
     model = control.model
     errors = [
@@ -199,6 +203,7 @@ def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) ->
             "state": STATE_NAMES[found.verdict.state],
             "severity": found.verdict.severity,
             "headline": found.verdict.headline,
+            "thresholds_from": config.source,
             "reasons": [
                 {"label": r.label, "value": r.value, "severity": r.severity}
                 for r in found.verdict.reasons
@@ -308,7 +313,9 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     memory = data["memory"]
     if memory:
         label = (
-            "device cpu (process-tree RSS)" if memory["kind"] == "cpu" else f"device {info.device}"
+            "device cpu (main RSS + workers USS)"
+            if memory["kind"] == "cpu"
+            else f"device {info.device}"
         )
         line = (
             f"{label}: {format_bytes(memory['current_bytes'])} now, peak {format_bytes(memory['peak_bytes'])} "
@@ -688,6 +695,125 @@ def keygen_command(force: bool) -> None:
         return
     click.echo(f"keys written to {root}")
     click.echo("copy this directory to every node of the job (or share the home directory)")
+
+
+# ---------------------------------------------------------------------------- gpus
+
+
+@main.command("gpus")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, freest first.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
+@click.option(
+    "--pick",
+    "pick_count",
+    type=int,
+    default=None,
+    is_flag=False,
+    flag_value=1,
+    help="Print the ids of the N freest GPUs for CUDA_VISIBLE_DEVICES (default 1).",
+)
+@click.option("--uuid", is_flag=True, help="With --pick: print GPU UUIDs instead of indices.")
+def gpus_command(
+    as_json: bool, watch: bool, interval: float, pick_count: int | None, uuid: bool
+) -> None:
+    """Every GPU on this host: free / used / total memory, utilisation, processes; freest first.
+
+    Without an NVIDIA driver it says so on stderr and exits 1 (with or without --pick).
+    """
+    from memtui.gpus import NoDriver, format_gpus, host_gpus, pick
+
+    def read() -> list[Any]:
+        try:
+            return host_gpus()
+        except NoDriver as exc:
+            _fail(str(exc))
+            raise
+
+    if pick_count is not None:
+        found = read()
+        if pick_count < 1 or pick_count > len(found):
+            _fail(f"asked for {pick_count} GPU(s), this host has {len(found)}")
+        click.echo(pick(found, pick_count, uuid))
+        return
+    while True:
+        found = read()
+        if as_json:
+            click.echo(json.dumps([g.as_dict() for g in found], indent=2))
+        else:
+            if watch:
+                click.clear()
+            click.echo(format_gpus(found, format_bytes))
+        if not watch:
+            return
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+
+
+# ---------------------------------------------------------------------------- estimate
+
+
+@main.command("estimate")
+@click.option("--params", default=None, help="A parameter count: 7B, 110M, 1.3e9.")
+@click.option("--model", default=None, help="module:factory (or class) building the model.")
+@click.option("--hf-config", default=None, help="A Hugging Face config.json on disk.")
+@click.option("--dtype", default=None, help="Parameter dtype: float32, bfloat16, float16.")
+@click.option(
+    "--mixed-precision",
+    type=click.Choice(["none", "amp", "master"]),
+    default="none",
+    show_default=True,
+    help="amp: torch.autocast, fp32 params; master: 16-bit params + fp32 master copy.",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw", "adam8bit"]),
+    default="adamw",
+    show_default=True,
+)
+@click.option("--freeze", multiple=True, help="Freeze parameters matching a glob or prefix.")
+@click.option("--lora-rank", default=0, show_default=True, help="LoRA rank r (0: no LoRA).")
+@click.option("--lora-modules", default="q_proj,v_proj", show_default=True)
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--batch-size", default=1, show_default=True, help="Micro-batch per GPU.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
+@click.option("--gpu-memory", default=None, help="Card size for the fit, e.g. 24GiB.")
+@click.option("--layers", type=int, default=None, help="Formula only: transformer layers.")
+@click.option("--hidden", type=int, default=None, help="Formula only: hidden size.")
+@click.option("--heads", type=int, default=None, help="Formula only: attention heads.")
+@click.option("--no-measure", is_flag=True, help="Use the formula even when the model runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def estimate_command(**kwargs: Any) -> None:
+    """The memory a training job needs per GPU, by part, and the largest micro-batch that fits."""
+    from memtui.estimate import EstimateError, Options, as_dict, estimate, format_table
+    from memtui.stats import parse_bytes
+
+    as_json = kwargs.pop("as_json")
+    gpu_memory = kwargs.pop("gpu_memory")
+    try:
+        card = parse_bytes(gpu_memory) if gpu_memory else None
+    except ValueError as exc:
+        _fail(str(exc), 2)
+        return
+    options = Options(
+        **{k: v for k, v in kwargs.items() if k not in {"freeze", "lora_modules", "no_measure"}},
+        freeze=tuple(kwargs["freeze"]),
+        lora_modules=tuple(m.strip() for m in kwargs["lora_modules"].split(",") if m.strip()),
+        gpu_memory=card,
+        measure=not kwargs["no_measure"],
+    )
+    try:
+        result = estimate(options)
+    except EstimateError as exc:
+        _fail(str(exc), 2)
+        return
+    if as_json:
+        click.echo(json.dumps(as_dict(result), indent=2))
+    else:
+        click.echo(format_table(result))
 
 
 # ---------------------------------------------------------------------------- attach

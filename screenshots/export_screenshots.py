@@ -3,7 +3,9 @@
 Three recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
 fix ``num_workers=4`` queued), a synthetic two-rank CUDA run at 88% of its memory, and a
 synthetic eight-rank CUDA run with a straggler and a rank near OOM (this machine has no GPU;
-see tests/data/make_oom_stream.py and make_ranks_stream.py). Each at full width (120x40) and in
+see tests/data/make_oom_stream.py and make_ranks_stream.py), and a real CPU demo under a 900 MiB
+limit with a forced micro-batch predicted over it, pending (make_advice_stream.py), and the same
+run at its end, after the out-of-memory error and the rollback. Each at full width (120x40) and in
 a side pane (60x50). Run: ``make screenshots`` or ``.venv/bin/python screenshots/export_screenshots.py``.
 """
 
@@ -23,10 +25,13 @@ DATA = ROOT / "tests" / "data"
 SIZES = {"wide": (120, 40), "narrow": (60, 50)}
 
 
-def pending_offset(path: Path) -> float:
-    """Just after the fix was queued in the demo recording (the run still starving)."""
+def pending_offset(path: Path, forced: bool = False) -> float:
+    """Just after a change was queued in a demo recording (the first, or the first forced one)."""
     offset = read_recording(path).offset_of(
-        lambda m: isinstance(m, Telemetry) and bool(m.control and m.control.pending)
+        lambda m: (
+            isinstance(m, Telemetry)
+            and bool(m.control and any(p.forced or not forced for p in m.control.pending))
+        )
     )
     if offset is None:
         raise SystemExit(f"{path}: no pending change recorded")
@@ -45,12 +50,17 @@ async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
 
 
 def main() -> int:
-    """Write the six screenshots and list them."""
+    """Write the ten screenshots and list them."""
     starving = DATA / "demo_starving.mtrec"
+    advice = DATA / "demo_advice.mtrec"
     scenes = {
         "starving": lambda: ReplaySource(starving, speed=None, until_s=pending_offset(starving)),
         "oom-risk": lambda: ReplaySource(DATA / "oom_risk.mtrec", speed=None),
         "ranks": lambda: ReplaySource(DATA / "ranks_8.mtrec", speed=None),
+        "advice": lambda: ReplaySource(
+            advice, speed=None, until_s=pending_offset(advice, forced=True)
+        ),
+        "rollback": lambda: ReplaySource(advice, speed=None),
     }
     for scene, source in scenes.items():
         for layout, size in SIZES.items():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import msgspec
 import pytest
 
 from memtui.advice.breakdown import breakdown
@@ -9,6 +13,16 @@ from memtui.advice.effect import describe, measure, speedup
 from memtui.advice.oom import is_oom, parse_oom
 from memtui.advice.predict import Observation, confidence, fit, max_batch, predict_peak
 from memtui.advice.recommend import Inputs, recommend
+from memtui.advice.verdict import (
+    THRESHOLDS,
+    State,
+    VerdictTracker,
+    config_path,
+    decide,
+    describe_thresholds,
+    load_thresholds,
+)
+from memtui.advice.verdict import Inputs as VerdictInputs
 from memtui.stats import MemoryStats, StepStats
 from memtui.wire import HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
 
@@ -181,6 +195,22 @@ def test_underused_recommends_a_bigger_micro_batch_keeping_the_effective_batch()
     assert top.memory_delta_bytes and top.memory_delta_bytes > 0
 
 
+def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> None:
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=1, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.02, samples_per_s=16, steps_per_s=1
+        ),
+        samples_per_step=16,
+        model=_model(16, 0.45),  # type: ignore[arg-type]
+        device_kind="cuda",
+    )
+    top = recommend(inputs)[0]
+    assert top.changes == {"batch_size": 32}, "never a no-op like 16 -> 16"
+    assert "effective batch grows" in top.title and top.effective_batch == 32
+
+
 def test_near_oom_recommends_a_smaller_micro_batch_and_expandable_segments() -> None:
     model = _model(32, 0.92)
     memory = MemoryStats(
@@ -230,3 +260,161 @@ def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:
     assert options[0].changes == {"num_workers": 4}
     assert options[0].host_delta_bytes == -4 * GIB
     assert any(o.changes == {"pin_memory": False} for o in options)
+
+
+# ----------------------------------------------------------------------------- verdict v2
+
+
+def test_verdict_underused_only_under_a_real_memory_bound() -> None:
+    low = VerdictInputs(
+        data_wait_fraction=0.05, peak_memory_fraction=0.4, peak_memory_bytes=8 * GIB,
+        capacity_bytes=20 * GIB,
+    )  # fmt: skip
+    verdict = decide(low)
+    assert verdict.state is State.UNDERUSED and verdict.severity == 0
+    assert "room for a bigger micro-batch" in verdict.headline
+    assert {r.label: r.value for r in verdict.reasons}["peak memory"] == "40% (8.0 GiB of 20.0 GiB)"
+    # a CPU run measured against the host's whole RAM: no limit, so no "room" claimed
+    host_only = dataclasses.replace(low, device_kind="cpu", capacity_is_limit=False)
+    balanced = decide(host_only)
+    assert balanced.state is State.BALANCED and "no memory limit known" in balanced.headline
+    # starving wins over underused (more data first, then a bigger batch)
+    assert decide(dataclasses.replace(low, data_wait_fraction=0.5)).state is State.STARVED
+    assert decide(dataclasses.replace(low, peak_memory_fraction=0.6)).state is State.BALANCED
+
+
+def test_verdict_host_pressure_names_workers_and_pinning() -> None:
+    verdict = decide(
+        VerdictInputs(
+            data_wait_fraction=0.05, peak_memory_fraction=0.7, host_ram_fraction=0.93,
+            workers=8, workers_bytes=12 * GIB, pin_memory=True,
+        )
+    )  # fmt: skip
+    assert verdict.state is State.HOST_PRESSURE and verdict.severity == 1
+    assert verdict.headline == "host RAM 93% used: loader workers / pin_memory"
+    values = {r.label: r.value for r in verdict.reasons}
+    assert values["loader workers"] == "8 holding 12.0 GiB"
+    assert values["pin_memory"].startswith("on")
+    # device memory risk is worse than host pressure
+    both = decide(VerdictInputs(peak_memory_fraction=0.91, host_ram_fraction=0.95))
+    assert both.state is State.OOM_RISK and both.severity == 2
+
+
+@pytest.mark.parametrize(
+    ("previous", "field", "value", "held", "released"),
+    [
+        (State.OOM_RISK, "peak_memory_fraction", 0.83, State.OOM_RISK, State.BALANCED),
+        (State.STARVED, "data_wait_fraction", 0.28, State.STARVED, State.BALANCED),
+        (State.UNDERUSED, "peak_memory_fraction", 0.61, State.UNDERUSED, State.BALANCED),
+        (State.HOST_PRESSURE, "host_ram_fraction", 0.885, State.HOST_PRESSURE, State.BALANCED),
+    ],
+)
+def test_verdict_hysteresis_holds_a_state_near_its_threshold(
+    previous: State, field: str, value: float, held: State, released: State
+) -> None:
+    base = VerdictInputs(data_wait_fraction=0.1, peak_memory_fraction=0.7, host_ram_fraction=0.5)
+    near = dataclasses.replace(base, **{field: value})
+    assert decide(near).state is released  # one-shot: the plain thresholds
+    kept = decide(near, previous=previous)
+    assert kept.state is held and kept.held and "(held)" in kept.headline
+    # crossing back by more than the margin releases it
+    far = {"peak_memory_fraction": 0.7, "data_wait_fraction": 0.1, "host_ram_fraction": 0.5}
+    assert (
+        decide(dataclasses.replace(base, **{field: far[field]}), previous=previous).state
+        is released
+    )
+
+
+def test_verdict_tracker_does_not_flicker() -> None:
+    tracker = VerdictTracker()
+    seen = [
+        tracker.update(VerdictInputs(data_wait_fraction=0.1, peak_memory_fraction=peak)).state
+        for peak in (0.80, 0.86, 0.84, 0.86, 0.835, 0.81, 0.86)
+    ]
+    assert seen == [State.BALANCED] + [State.OOM_RISK] * 4 + [State.BALANCED, State.OOM_RISK]
+
+
+def test_thresholds_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("verdict:\n  starved_wait_fraction: 0.2\n  memory_edge_fraction: 0.8\n")
+    config = load_thresholds(env={"MEMTUI_CONFIG": str(path)})
+    assert config.source == str(path) and config.problems == ()
+    assert config.thresholds.starved_wait_fraction == 0.2
+    assert config.thresholds.memory_edge_fraction == 0.8
+    assert config.thresholds.memory_danger_fraction == THRESHOLDS.memory_danger_fraction
+    assert decide(VerdictInputs(data_wait_fraction=0.25), config.thresholds).state is State.STARVED
+    assert any("20%" in line for line in describe_thresholds(config.thresholds))
+
+
+def test_thresholds_file_location_follows_xdg(tmp_path: Path) -> None:
+    assert config_path({"XDG_CONFIG_HOME": str(tmp_path)}) == tmp_path / "memtui/config.yaml"
+    assert config_path({"MEMTUI_CONFIG": "/x/y.yaml", "XDG_CONFIG_HOME": "/z"}) == Path("/x/y.yaml")
+    (tmp_path / "memtui").mkdir()
+    (tmp_path / "memtui/config.yaml").write_text("verdict:\n  hysteresis: 0.05\n")
+    config = load_thresholds(env={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert config.thresholds.hysteresis == 0.05
+    absent = load_thresholds(env={"XDG_CONFIG_HOME": str(tmp_path / "none")})
+    assert absent.source == "built-in defaults" and absent.problems == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("verdict:\n  starved: 0.2\n", "unknown key verdict.starved ignored"),
+        ("verdict:\n  starved_wait_fraction: lots\n", "'lots' is not a number"),
+        ("verdict:\n  memory_edge_fraction: 85\n", "not a share in (0, 1]"),
+        ("verdict:\n  memory_edge_fraction: 0.95\n", "must be under memory_danger_fraction"),
+        ("verdict: [1, 2]\n", "verdict: is not a mapping"),
+        ("verdict:\n  starved_wait_fraction: [0.2\n", "not valid YAML"),
+        ("- a list\n", "not a mapping of sections"),
+    ],
+)
+def test_bad_threshold_files_warn_in_one_line_and_keep_defaults(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    config = load_thresholds(path)
+    assert len(config.problems) == 1 and "\n" not in config.problems[0]
+    assert problem in config.problems[0], config.problems
+    assert config.thresholds.memory_edge_fraction == THRESHOLDS.memory_edge_fraction
+    assert config.thresholds.starved_wait_fraction == THRESHOLDS.starved_wait_fraction
+
+
+def test_a_named_config_file_that_is_missing_is_reported(tmp_path: Path) -> None:
+    config = load_thresholds(env={"MEMTUI_CONFIG": str(tmp_path / "nope.yaml")})
+    assert config.thresholds == THRESHOLDS and "no such file" in config.problems[0]
+
+
+def test_verdicts_on_the_recorded_advice_stream() -> None:
+    """The real CPU demo recording (tests/data/make_advice_stream.py): underused at batch 4 under
+    its 900 MiB limit, balanced at batch 8; ``memtui status --json`` names the states."""
+    from memtui.advice.assess import STATE_NAMES, assess
+    from memtui.cli import status_dict
+    from memtui.recording import read_recording
+    from memtui.wire import Decoder, Snapshot, Telemetry
+
+    recording = read_recording(Path(__file__).parent / "data" / "demo_advice.mtrec")
+    decoder = Decoder()
+    snapshot: Snapshot | None = None
+    for frame in recording.frames:  # the snapshot, brought up to 0.9 s (before any change)
+        message = decoder.decode(frame.frame)
+        if isinstance(message, Snapshot):
+            snapshot = message
+        elif isinstance(message, Telemetry) and snapshot is not None and frame.offset_s < 0.9:
+            snapshot = msgspec.structs.replace(
+                snapshot,
+                control=message.control or snapshot.control,
+                steps=[*snapshot.steps, *message.steps],
+                device=[*snapshot.device, *message.device],
+                host=[*snapshot.host, *([message.host] if message.host else [])],
+            )
+    assert snapshot is not None and snapshot.control.model is not None
+    found = assess(snapshot)
+    assert found.verdict.state is State.UNDERUSED and STATE_NAMES[State.UNDERUSED] == "UNDERUSED"
+    assert found.breakdown is not None and found.breakdown.as_dict()["optimizer"] > 0
+    assert found.max_safe_batch_size is not None and found.max_safe_batch_size > 4
+    data = status_dict(snapshot)
+    assert data["verdict"]["state"] == "UNDERUSED"
+    assert data["verdict"]["thresholds_from"]
+    assert data["recommendations"][0]["title"].startswith("bigger micro-batch")

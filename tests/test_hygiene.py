@@ -37,3 +37,15 @@ def test_hooks_with_torch_still_no_ui() -> None:
 )
 def test_clients_import_no_torch(module: str) -> None:
     assert "torch" not in loaded_after(f"import {module}")
+
+
+def test_hooks_import_no_framework() -> None:
+    loaded = loaded_after("import memtui.hooks\nimport memtui.hooks.adapters")
+    assert not loaded & {"transformers", "lightning", "pytorch_lightning", "accelerate"}
+
+
+def test_plain_config_install_loads_no_framework() -> None:
+    loaded = loaded_after(
+        "import torch\nfrom memtui import hooks\nhooks.install({'batch_size': 2}).close()"
+    )
+    assert not loaded & {"transformers", "lightning", "pytorch_lightning", "accelerate"}

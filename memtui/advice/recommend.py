@@ -236,18 +236,30 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     safe = max_batch(model, EDGE)
     starved = inputs.steps is not None and inputs.steps.data_wait_fraction >= STARVED
     keep = "grad_accum" in inputs.tunable and accum is not None
+    # the effective batch can only be kept by trading accumulation for micro-batch: at
+    # grad_accum 1 a bigger micro-batch grows the effective batch (and the title says so)
+    keep_bigger = keep and (accum or 1) > 1
+    bigger = batch
     if frac_now < UNDERUSED and not starved and safe is not None and safe > batch:
-        bigger = _friendly(min(safe, batch * 2), target if keep else None)
+        bigger = _friendly(min(safe, batch * 2), target if keep_bigger else None)
+        if bigger <= batch:  # no divisor of the effective batch above the current micro-batch
+            bigger = min(safe, batch * 2)
+            keep_bigger = False
+    if bigger > batch:
         changes: dict[str, KnobValue] = {"batch_size": bigger}
         new_accum = accum
-        if keep:
+        if keep_bigger:
             new_accum, _ = accumulation_for(target, bigger)
             changes["grad_accum"] = new_accum
         peak = predict_peak(model, bigger)
         out.append(
             Recommendation(
                 title=f"bigger micro-batch: batch_size {batch} -> {bigger}"
-                + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
+                + (
+                    f", grad_accum {accum} -> {new_accum}"
+                    if keep_bigger and new_accum != accum
+                    else " (the effective batch grows)"
+                ),
                 changes=changes,
                 why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under 85%: {safe})",
                 memory_delta_bytes=peak - peak_now,

@@ -1,26 +1,46 @@
-"""The verdict: is the run starving for data, balanced, or at risk of running out of memory?
+"""The verdict: is the run starving for data, balanced, underusing its memory, or at risk?
 
 Pure: the inputs are summaries (data-wait fraction, peak-memory fraction, host RAM and swap), the
 output is a state, a severity, a position on the STARVED..OOM RISK gauge and the numbers behind
 it. Every threshold lives in :class:`Thresholds` (one documented place, shown in the viewer's
-help screen). The memory bands are the seeds': under 85% of capacity is safe, 85-90% is the
-edge, over 90% is danger. On a run of several ranks the inputs are the worst rank's numbers
-(``wait_rank``, ``memory_rank``) and the headline and reasons name that rank.
+help screen, overridable in a YAML file: :func:`load_thresholds`). The memory bands are the
+seeds': under 85% of capacity is safe, 85-90% is the edge, over 90% is danger. On a run of
+several ranks the inputs are the worst rank's numbers (``wait_rank``, ``memory_rank``) and the
+headline and reasons name that rank.
 
 Rules, in order:
 
 1. OOM RISK when the peak device memory is at or over ``memory_edge_fraction`` of capacity
-   (severity 1 in the edge band, 2 at or over ``memory_danger_fraction``), or when host RAM
-   is at or over ``host_ram_fraction``, or swap is in use and grew by ``swap_growth_bytes`` or
-   more over the host window (severity 1). Memory wins over starvation: it can kill the run.
-2. STARVED when the loader wait is at or over ``starved_wait_fraction`` of the step time.
-3. BALANCED otherwise; NO DATA until a timed step has been seen.
+   (severity 1 in the edge band, 2 at or over ``memory_danger_fraction``). Memory wins over
+   starvation: it can kill the run.
+2. HOST PRESSURE when host RAM is at or over ``host_ram_fraction``, or swap is in use and grew
+   by ``swap_growth_bytes`` or more over the host window (severity 1): too many loader workers
+   or pinned memory, most often (seed 003).
+3. NO DATA until a timed step has been seen.
+4. STARVED when the loader wait is at or over ``starved_wait_fraction`` of the step time.
+5. UNDERUSED when the peak is under ``underused_memory_fraction`` of a capacity that is a real
+   bound: a device's memory, or on a CPU run a memory limit (a cgroup's or the demo's budget),
+   never the host's whole RAM, which other processes share. Room for a bigger micro-batch.
+6. BALANCED otherwise.
+
+Hysteresis: :func:`decide` takes the previous state; leaving it needs the number to cross back
+by ``hysteresis`` (a share of capacity or of the step: 0.03 is three points), so the verdict
+does not flicker at a threshold. :class:`VerdictTracker` keeps the previous state for a viewer;
+one-shot callers (``memtui status``) pass none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from dataclasses import dataclass
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from memtui.stats import format_bytes, format_duration
 
@@ -31,7 +51,9 @@ class State(enum.Enum):
     NO_DATA = "NO DATA"
     STARVED = "STARVED"
     BALANCED = "BALANCED"
+    UNDERUSED = "UNDERUSED"
     OOM_RISK = "OOM RISK"
+    HOST_PRESSURE = "HOST PRESSURE"
 
 
 @dataclass(frozen=True)
@@ -40,18 +62,33 @@ class Thresholds:
 
     starved_wait_fraction: float = 0.30
     """STARVED at or over this share of step time spent waiting for the data loader."""
+    underused_memory_fraction: float = 0.60
+    """UNDERUSED under this share of capacity at peak (not starved, capacity a real bound)."""
     memory_edge_fraction: float = 0.85
     """OOM RISK (edge) at or over this share of device capacity at peak."""
     memory_danger_fraction: float = 0.90
     """OOM RISK (danger) at or over this share of device capacity at peak."""
     host_ram_fraction: float = 0.90
-    """OOM RISK (host) at or over this share of host RAM in use."""
+    """HOST PRESSURE at or over this share of host RAM in use."""
     swap_growth_bytes: int = 64 << 20
-    """OOM RISK (host) when swap is in use and grew at least this much over the host window."""
+    """HOST PRESSURE when swap is in use and grew at least this much over the host window."""
+    hysteresis: float = 0.03
+    """Leaving a state needs its number to cross back by this much (shares: 0.03 = 3 points)."""
 
 
 THRESHOLDS = Thresholds()
-"""The thresholds memtui uses."""
+"""The built-in thresholds."""
+
+FRACTION_FIELDS = frozenset(
+    {
+        "starved_wait_fraction",
+        "underused_memory_fraction",
+        "memory_edge_fraction",
+        "memory_danger_fraction",
+        "host_ram_fraction",
+    }
+)
+"""Thresholds that are shares (0 < x <= 1)."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +107,19 @@ class Inputs:
     capacity_bytes: int | None = None
     device_kind: str = "cuda"
     """``"cuda"`` or ``"cpu"`` (on CPU runs the memory is the process tree's RSS)."""
+    capacity_is_limit: bool = True
+    """The capacity bounds the run (a device, a memory limit); False on a CPU run measured
+    against the host's whole RAM, where "room for a bigger batch" would not be honest."""
     host_ram_fraction: float | None = None
     """Host RAM in use over total host RAM."""
     swap_used_bytes: int = 0
     swap_growth_bytes: int = 0
     """Growth of swap in use over the host window (negative when it shrank)."""
+    workers: int | None = None
+    """Loader workers of the run (named in the host-pressure reasons)."""
+    workers_bytes: int | None = None
+    """Memory the loader workers hold (USS where measured, else RSS)."""
+    pin_memory: bool | None = None
     wait_rank: int | None = None
     """The rank the data wait is from, named in the verdict (None: a single-rank run)."""
     memory_rank: int | None = None
@@ -105,6 +150,14 @@ class Verdict:
     position: float
     """Where the gauge's marker sits: -1 fully starved, 0 balanced, +1 out of memory."""
     reasons: tuple[Reason, ...]
+    held: bool = False
+    """The state is kept by hysteresis: its number is back under the threshold, not yet by
+    the margin."""
+
+
+# gauge zones: STARVED [-1, -0.5), UNDERUSED [-0.5, -0.15), BALANCED [-0.15, 0.5), risk [0.5, 1]
+UNDERUSED_END = -0.15
+"""Where the gauge's UNDERUSED zone ends and BALANCED begins."""
 
 
 def _clamp(value: float, low: float, high: float) -> float:
@@ -161,16 +214,54 @@ def _host_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
     return Reason("host RAM", value, severity)
 
 
+def _loader_reasons(inputs: Inputs) -> tuple[Reason, ...]:
+    """What the loader holds in host memory: the usual cause of host pressure."""
+    out = []
+    if inputs.workers is not None:
+        value = str(inputs.workers)
+        if inputs.workers_bytes:
+            value += f" holding {format_bytes(inputs.workers_bytes)}"
+        out.append(Reason("loader workers", value, 1 if inputs.workers else 0))
+    if inputs.pin_memory:
+        out.append(Reason("pin_memory", "on (page-locked, never swapped)", 1))
+    return tuple(out)
+
+
 def _swap_growing(inputs: Inputs, t: Thresholds) -> bool:
     return inputs.swap_used_bytes > 0 and inputs.swap_growth_bytes >= t.swap_growth_bytes
 
 
-def decide(inputs: Inputs, thresholds: Thresholds = THRESHOLDS) -> Verdict:
-    """The verdict for ``inputs`` under ``thresholds`` (see the module's rules)."""
-    t = thresholds
+def sticky(thresholds: Thresholds, previous: State | None) -> Thresholds:
+    """The thresholds that apply while in ``previous``: its own moved back by the hysteresis
+    margin, so that leaving it takes a clear change (entering any state takes the plain ones)."""
+    t, margin = thresholds, thresholds.hysteresis
+    if previous is State.OOM_RISK:
+        return dataclasses.replace(t, memory_edge_fraction=t.memory_edge_fraction - margin)
+    if previous is State.HOST_PRESSURE:
+        return dataclasses.replace(t, host_ram_fraction=t.host_ram_fraction - margin)
+    if previous is State.STARVED:
+        return dataclasses.replace(t, starved_wait_fraction=t.starved_wait_fraction - margin)
+    if previous is State.UNDERUSED:
+        return dataclasses.replace(
+            t, underused_memory_fraction=t.underused_memory_fraction + margin
+        )
+    return t
+
+
+def decide(
+    inputs: Inputs, thresholds: Thresholds | None = None, previous: State | None = None
+) -> Verdict:
+    """The verdict for ``inputs`` under ``thresholds`` (see the module's rules), with hysteresis
+    against the ``previous`` state when given."""
+    base = thresholds if thresholds is not None else THRESHOLDS
+    t = sticky(base, previous)
     reasons = tuple(
         r
-        for r in (_wait_reason(inputs, t), _memory_reason(inputs, t), _host_reason(inputs, t))
+        for r in (
+            _wait_reason(inputs, base),
+            _memory_reason(inputs, base),
+            _host_reason(inputs, base),
+        )
         if r is not None
     )
     wait = inputs.data_wait_fraction
@@ -178,52 +269,230 @@ def decide(inputs: Inputs, thresholds: Thresholds = THRESHOLDS) -> Verdict:
     ram = inputs.host_ram_fraction
 
     if memory is not None and memory >= t.memory_edge_fraction:
-        danger = memory >= t.memory_danger_fraction
-        band = "over 90%, danger" if danger else "85-90% edge band"
-        span = max(1e-9, 1.0 - t.memory_edge_fraction)
-        position = 0.5 + 0.5 * _clamp((memory - t.memory_edge_fraction) / span, 0.0, 1.0)
+        danger = memory >= base.memory_danger_fraction
+        held = memory < base.memory_edge_fraction
+        band = (
+            f"over {base.memory_danger_fraction:.0%}, danger"
+            if danger
+            else f"{base.memory_edge_fraction * 100:.0f}-{base.memory_danger_fraction:.0%} edge band"
+        )
+        if held:
+            band = f"just under the {base.memory_edge_fraction:.0%} edge (held)"
+        span = max(1e-9, 1.0 - base.memory_edge_fraction)
+        position = 0.5 + 0.5 * _clamp((memory - base.memory_edge_fraction) / span, 0.0, 1.0)
         what = "device memory" if inputs.device_kind != "cpu" else "the memory limit"
         headline = f"peak {memory:.0%} of {what}: {band}"
         if inputs.memory_rank is not None:  # shorter, to fit a side pane with the rank's name
             headline = f"rank {inputs.memory_rank}: peak {memory:.0%}, {band}"
-        return Verdict(State.OOM_RISK, 2 if danger else 1, headline, position, reasons)
+        return Verdict(State.OOM_RISK, 2 if danger else 1, headline, position, reasons, held)
     if ram is not None and (ram >= t.host_ram_fraction or _swap_growing(inputs, t)):
-        span = max(1e-9, 1.0 - t.host_ram_fraction)
-        position = 0.5 + 0.5 * _clamp((ram - t.host_ram_fraction) / span, 0.0, 1.0)
-        if ram >= t.host_ram_fraction:
-            headline = f"host RAM {ram:.0%} used"
-        else:
+        span = max(1e-9, 1.0 - base.host_ram_fraction)
+        position = 0.5 + 0.5 * _clamp((ram - base.host_ram_fraction) / span, 0.0, 1.0)
+        held = ram < base.host_ram_fraction and not _swap_growing(inputs, t)
+        if _swap_growing(inputs, t):
             headline = f"swap in use and growing ({format_bytes(inputs.swap_used_bytes)})"
-        return Verdict(State.OOM_RISK, 1, headline, position, reasons)
+        else:
+            headline = f"host RAM {ram:.0%} used" + (" (held)" if held else "")
+        if inputs.workers or inputs.pin_memory:
+            headline += ": loader workers / pin_memory"
+        return Verdict(
+            State.HOST_PRESSURE,
+            1,
+            headline,
+            position,
+            reasons + _loader_reasons(inputs),
+            held,
+        )
     if wait is None:
         return Verdict(State.NO_DATA, 0, "waiting for timed steps", 0.0, reasons)
     if wait >= t.starved_wait_fraction:
-        span = max(1e-9, 1.0 - t.starved_wait_fraction)
-        position = -(0.5 + 0.5 * _clamp((wait - t.starved_wait_fraction) / span, 0.0, 1.0))
+        span = max(1e-9, 1.0 - base.starved_wait_fraction)
+        position = -(0.5 + 0.5 * _clamp((wait - base.starved_wait_fraction) / span, 0.0, 1.0))
+        held = wait < base.starved_wait_fraction
         headline = f"{wait:.0%} of each step waits on the data loader"
         if inputs.wait_rank is not None:
             headline = f"rank {inputs.wait_rank}: {wait:.0%} of each step waits on data"
-        return Verdict(State.STARVED, 1, headline, position, reasons)
-    pull_right = 0.5 * (memory or 0.0) / t.memory_edge_fraction
-    pull_left = 0.5 * wait / t.starved_wait_fraction
-    position = _clamp(pull_right - pull_left, -0.49, 0.49)
+        if held:
+            headline += " (held)"
+        return Verdict(State.STARVED, 1, headline, position, reasons, held)
+    bounded = memory is not None and inputs.capacity_is_limit
+    if bounded and memory is not None and memory < t.underused_memory_fraction:
+        share = _clamp(memory / max(1e-9, base.underused_memory_fraction), 0.0, 1.0)
+        position = _clamp(-0.5 + (UNDERUSED_END + 0.5) * share, -0.49, UNDERUSED_END - 0.01)
+        held = memory >= base.underused_memory_fraction
+        headline = f"peak {memory:.0%} of capacity: room for a bigger micro-batch"
+        if inputs.memory_rank is not None:
+            headline = f"rank {inputs.memory_rank}: peak {memory:.0%}, room for a bigger batch"
+        if held:
+            headline += " (held)"
+        return Verdict(State.UNDERUSED, 0, headline, position, reasons, held)
+    pull_left = 0.3 * wait / max(1e-9, base.starved_wait_fraction)
+    if bounded and memory is not None:
+        span = max(1e-9, base.memory_edge_fraction - base.underused_memory_fraction)
+        share = (memory - base.underused_memory_fraction) / span
+        position = _clamp(UNDERUSED_END + 0.65 * share - pull_left, UNDERUSED_END + 0.01, 0.49)
+    else:
+        position = _clamp(0.3 - pull_left, UNDERUSED_END + 0.01, 0.49)
     headline = "the loader keeps up"
     if memory is not None:
         headline += " and memory has headroom"
+    if memory is not None and not inputs.capacity_is_limit:
+        headline += " (no memory limit known)"
     return Verdict(State.BALANCED, 0, headline, position, reasons)
 
 
-def describe_thresholds(thresholds: Thresholds = THRESHOLDS) -> list[str]:
+class VerdictTracker:
+    """Keeps the previous state, so that each verdict is decided with hysteresis (a viewer)."""
+
+    def __init__(self, thresholds: Thresholds | None = None) -> None:
+        self.thresholds = thresholds if thresholds is not None else THRESHOLDS
+        self.state: State | None = None
+        """The state of the latest verdict (None before the first)."""
+
+    def update(self, inputs: Inputs) -> Verdict:
+        """The verdict for ``inputs``, leaving the previous state only by the margin."""
+        verdict = decide(inputs, self.thresholds, self.state)
+        self.state = verdict.state
+        return verdict
+
+
+def describe_thresholds(thresholds: Thresholds | None = None) -> list[str]:
     """The rules in words, for the help screen."""
-    t = thresholds
+    t = thresholds if thresholds is not None else THRESHOLDS
     return [
-        f"STARVED   data wait >= {t.starved_wait_fraction:.0%} of step time",
-        f"OOM RISK  peak memory >= {t.memory_edge_fraction:.0%} of capacity "
+        f"OOM RISK       peak memory >= {t.memory_edge_fraction:.0%} of capacity "
         f"(edge {t.memory_edge_fraction:.0%}-{t.memory_danger_fraction:.0%}, "
         f"danger >= {t.memory_danger_fraction:.0%})",
-        f"OOM RISK  host RAM >= {t.host_ram_fraction:.0%}, or swap in use and grown "
-        f">= {format_bytes(t.swap_growth_bytes)} over the host window",
-        "BALANCED  otherwise (memory risk wins when both apply)",
+        f"HOST PRESSURE  host RAM >= {t.host_ram_fraction:.0%}, or swap in use and grown "
+        f">= {format_bytes(t.swap_growth_bytes)} over the host window (workers, pin_memory)",
+        f"STARVED        data wait >= {t.starved_wait_fraction:.0%} of step time",
+        f"UNDERUSED      peak memory < {t.underused_memory_fraction:.0%} of capacity, not "
+        "starved (on CPU only under a memory limit): room for a bigger batch",
+        "BALANCED       otherwise (checked in this order: memory risk wins)",
+        f"hysteresis     leaving a state takes its number back by {t.hysteresis:.0%} "
+        '("held" until then)',
         "peak memory: torch's peak reserve plus what NVML sees beyond it "
-        "(CUDA context, NCCL, other processes); on CPU runs, process-tree RSS over the limit",
+        "(CUDA context, NCCL, other processes); on CPU runs, main RSS + loader workers' own memory (USS) over the limit",
     ]
+
+
+# --------------------------------------------------------------------------- the config file
+
+
+@dataclass(frozen=True)
+class ThresholdConfig:
+    """The thresholds in force, where they came from, and what was wrong with the file."""
+
+    thresholds: Thresholds
+    source: str
+    """The file they were read from, or ``built-in defaults``."""
+    problems: tuple[str, ...] = field(default=())
+    """One line per thing ignored (unknown key, bad value, unreadable file)."""
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$MEMTUI_CONFIG``, else ``$XDG_CONFIG_HOME/memtui/config.yaml`` (``~/.config`` default)."""
+    env = os.environ if env is None else env
+    if env.get("MEMTUI_CONFIG"):
+        return Path(env["MEMTUI_CONFIG"]).expanduser()
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base).expanduser() / "memtui" / "config.yaml"
+
+
+def _check_value(name: str, value: Any) -> float | int | str:
+    """The value as the field's type, or a one-line reason it is not valid (a str)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"verdict.{name}: {value!r} is not a number"
+    if not math.isfinite(value):
+        return f"verdict.{name}: {value!r} is not a finite number"
+    if name in FRACTION_FIELDS and not 0 < value <= 1:
+        return f"verdict.{name}: {value!r} is not a share in (0, 1] (e.g. 0.85 for 85%)"
+    if name == "hysteresis" and not 0 <= value < 0.5:
+        return f"verdict.hysteresis: {value!r} is not in [0, 0.5)"
+    if name == "swap_growth_bytes":
+        if value < 0:
+            return f"verdict.swap_growth_bytes: {value!r} is negative"
+        return int(value)
+    return float(value)
+
+
+def parse_thresholds(data: Any, source: str = "") -> ThresholdConfig:
+    """Thresholds from a parsed config file's contents (its ``verdict:`` section)."""
+    if data is None:
+        return ThresholdConfig(THRESHOLDS, source)
+    if not isinstance(data, dict):
+        return ThresholdConfig(
+            THRESHOLDS, source, (f"{source}: not a mapping of sections; defaults used",)
+        )
+    section = data.get("verdict")
+    if section is None:
+        return ThresholdConfig(THRESHOLDS, source)
+    if not isinstance(section, dict):
+        return ThresholdConfig(
+            THRESHOLDS, source, (f"{source}: verdict: is not a mapping; defaults used",)
+        )
+    known = {f.name for f in dataclasses.fields(Thresholds)}
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in section.items():
+        if key not in known:
+            problems.append(
+                f"{source}: unknown key verdict.{key} ignored (known: {', '.join(sorted(known))})"
+            )
+            continue
+        checked = _check_value(str(key), value)
+        if isinstance(checked, str):
+            problems.append(f"{source}: {checked}; the default is used")
+        else:
+            values[str(key)] = checked
+    thresholds = dataclasses.replace(THRESHOLDS, **values)
+    if thresholds.memory_edge_fraction >= thresholds.memory_danger_fraction:
+        problems.append(
+            f"{source}: verdict.memory_edge_fraction must be under memory_danger_fraction; "
+            "both defaults used"
+        )
+        thresholds = dataclasses.replace(
+            thresholds,
+            memory_edge_fraction=THRESHOLDS.memory_edge_fraction,
+            memory_danger_fraction=THRESHOLDS.memory_danger_fraction,
+        )
+    if thresholds.underused_memory_fraction >= thresholds.memory_edge_fraction:
+        problems.append(
+            f"{source}: verdict.underused_memory_fraction must be under memory_edge_fraction; "
+            "the default is used"
+        )
+        thresholds = dataclasses.replace(
+            thresholds,
+            underused_memory_fraction=min(
+                THRESHOLDS.underused_memory_fraction, thresholds.memory_edge_fraction - 0.05
+            ),
+        )
+    return ThresholdConfig(thresholds, source, tuple(problems))
+
+
+def load_thresholds(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> ThresholdConfig:
+    """The thresholds from the config file (``path``, else :func:`config_path`); the built-in
+    defaults when there is none; never raises (a bad file is reported in ``problems``)."""
+    file = Path(path) if path is not None else config_path(env)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        explicit = path is not None or bool(
+            (os.environ if env is None else env).get("MEMTUI_CONFIG")
+        )
+        problems = (f"{file}: no such file; defaults used",) if explicit else ()
+        return ThresholdConfig(THRESHOLDS, "built-in defaults", problems)
+    except (OSError, UnicodeDecodeError) as exc:
+        return ThresholdConfig(
+            THRESHOLDS, "built-in defaults", (f"{file}: cannot read ({exc}); defaults used",)
+        )
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return ThresholdConfig(
+            THRESHOLDS, "built-in defaults", (f"{file}: not valid YAML ({first}); defaults used",)
+        )
+    return parse_thresholds(data, str(file))

@@ -10,11 +10,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from memtui.hooks.adapters import UnsupportedTrainer, framework_of
 from memtui.hooks.binding import BindingError
 from memtui.hooks.loader import TunedLoader
 from memtui.hooks.tuner import Applied, Options, Tuner
 
-__all__ = ["Applied", "BindingError", "Options", "TunedLoader", "Tuner", "install"]
+__all__ = [
+    "Applied",
+    "BindingError",
+    "Options",
+    "TunedLoader",
+    "Tuner",
+    "UnsupportedTrainer",
+    "install",
+]
 
 
 def install(
@@ -33,13 +42,37 @@ def install(
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
 
-    ``trainer`` is the object that holds the knobs: in a plain PyTorch loop, your config (a
-    dataclass, ``argparse.Namespace``, ``SimpleNamespace``, dict, or module / ``globals()``).
+    ``trainer`` is a ``transformers.Trainer``, a Lightning ``Trainer``, an
+    ``accelerate.Accelerator`` (see ``memtui.hooks.adapters``), or, in a plain PyTorch loop, the
+    object that holds the knobs: your config (a dataclass, ``argparse.Namespace``,
+    ``SimpleNamespace``, dict, or module / ``globals()``).
     ``knobs`` maps knob names to (dotted) paths in it when the common names do not apply.
     ``state_dir`` is where the audit log and the tuned config are written (use your checkpoint
     directory); ``resume=True`` starts from the tuned config found there (or pass a path).
     ``auto_step=True`` with ``optimizer`` counts steps from the optimizer's post-step hook.
     """
+    common: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "state_dir": state_dir,
+        "tuned_path": tuned_path,
+        "resume": resume,
+        "name": name,
+        "options": options,
+    }
+    framework = framework_of(trainer)
+    if framework == "transformers":
+        from memtui.hooks.adapters import hf
+
+        return hf.install(trainer, **common)
+    if framework in ("lightning", "pytorch_lightning"):
+        from memtui.hooks.adapters import lightning
+
+        return lightning.install(trainer, **common)
+    if framework == "accelerate":
+        from memtui.hooks.adapters import accelerate
+
+        return accelerate.install(trainer, knobs=knobs, config=config, **common)
     target = config if config is not None else trainer
     return Tuner(
         target,

@@ -96,6 +96,17 @@ class _TrackedBatchSampler:
         source = stream.source()
         inflight = stream.inflight
         size = self.batch_size
+        rank, world = self.owner.shard
+        if world > 1:  # one global batch of size x world, this rank's slice of it
+            while True:
+                batch = list(itertools.islice(source, size * world))
+                if not batch or (self.drop_last and len(batch) < size * world):
+                    return
+                inflight.append(batch)
+                short = (-len(batch)) % world  # every rank gets as many: repeat a few, as
+                padded = batch + batch[:short]  # DistributedSampler does at an epoch's end
+                share = len(padded) // world
+                yield padded[rank * share : (rank + 1) * share]
         while True:
             batch = list(itertools.islice(source, size))
             if not batch or (self.drop_last and len(batch) < size):
@@ -105,7 +116,8 @@ class _TrackedBatchSampler:
 
     def __len__(self) -> int:
         total = len(self.sampler)
-        return total // self.batch_size if self.drop_last else math.ceil(total / self.batch_size)
+        size = self.batch_size * self.owner.shard[1]
+        return total // size if self.drop_last else math.ceil(total / size)
 
 
 def _accepted_kwargs(factory: Callable[..., Any]) -> set[str]:
@@ -130,9 +142,20 @@ def _shutdown(iterator: Any, loader: Any) -> None:
 class TunedLoader:
     """A DataLoader stand-in that measures data wait and follows the tuner's loader knobs."""
 
-    def __init__(self, tuner: Tuner, factory: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        tuner: Tuner,
+        factory: Callable[..., Any],
+        shard: tuple[int, int] = (0, 1),
+        place: Callable[[Any], Any] | None = None,
+    ) -> None:
         self._tuner = tuner
         self._factory = factory
+        self.shard = shard
+        """(rank, world size): with world > 1 each batch is this rank's slice of a global batch
+        (the position is kept in global samples, the same on every rank)."""
+        self._place = place
+        """Applied to each batch before it is handed out (moving it to the device)."""
         self._accepts = _accepted_kwargs(factory)
         self._stream: _EpochStream | None = None
         self._loader: Any = None
@@ -263,6 +286,8 @@ class TunedLoader:
         perf = time.perf_counter
         step_batches = tuner._step_batches  # cleared by step(), never replaced
         batch_size = self.knobs["batch_size"] or 1
+        world = self.shard[1]
+        place = self._place
         while True:
             if generation != tuner._loader_generation:
                 generation = tuner._loader_generation
@@ -285,6 +310,8 @@ class TunedLoader:
                 indices = inflight.popleft()
                 n = len(indices)
                 stream.consumed += n  # type: ignore[union-attr]
+                if world > 1:
+                    n = -(-n // world)
                 if len(step_batches) < MAX_STEP_BATCHES:
                     step_batches.append((self, indices))
             else:
@@ -292,7 +319,7 @@ class TunedLoader:
                 if len(step_batches) < MAX_STEP_BATCHES:
                     step_batches.append((self, n))
             tuner._samples_acc += n
-            yield batch
+            yield batch if place is None else place(batch)
 
     def _switch(self, iterator: Any) -> Any:
         """Shut the current loader down and continue the epoch with one built for the new knobs."""

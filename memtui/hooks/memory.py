@@ -10,14 +10,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from memtui import memmath
 from memtui.wire import StaticMemory
-
-MOMENTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1}
-"""Optimizer state tensors per parameter, for the estimate before the first step."""
 
 
 def _dtype(tensor: Any) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return memmath.dtype_name(tensor.dtype)
 
 
 def _nbytes(tensor: Any) -> int:
@@ -28,9 +26,43 @@ def _on(tensor: Any, kind: str) -> bool:
     return str(tensor.device.type) == kind
 
 
+def tensor_specs(params: list[Any]) -> list[memmath.TensorSpec]:
+    """The shared arithmetic's view of live parameters: size, dtype and whether they train."""
+    return [
+        memmath.TensorSpec(str(i), int(p.numel()), _dtype(p), bool(p.requires_grad))
+        for i, p in enumerate(params)
+    ]
+
+
+def _expected_optimizer(
+    optimizer: Any, params: list[Any], kind: str
+) -> tuple[list[memmath.StateBytes], str]:
+    """The optimizer's states before its first step, by the shared arithmetic, and a note."""
+    name = type(optimizer).__name__
+    groups = list(getattr(optimizer, "param_groups", []))
+    momentum = any(group.get("momentum", 0) for group in groups)
+    optimizer_kind = memmath.torch_optimizer_kind(name, momentum)
+    if optimizer_kind is None:
+        return [], f"{name}: unknown until its first step"
+    held = {id(p) for group in groups for p in group["params"]}
+    trainable = [
+        spec
+        for spec, p in zip(tensor_specs(params), params, strict=True)
+        if spec.trainable and id(p) in held
+    ]
+    on_device = kind == "cpu" or any(g.get("fused") or g.get("capturable") for g in groups)
+    states = memmath.optimizer_states(trainable, optimizer_kind, step_on_device=on_device)
+    named = ", ".join(s.name for s in states if s.bytes) or "no state"
+    return states, f"expected before the first step: {name} keeps {named}"
+
+
 def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0) -> StaticMemory:
-    """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``."""
-    by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``.
+
+    Parameters and gradients come from the shared arithmetic (``memtui.memmath``) over the
+    live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
+    the same arithmetic's expectation before the first step.
+    """
     seen: set[int] = set()
     params: list[Any] = []
     sources = []
@@ -43,16 +75,11 @@ def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0
             if id(param) not in seen and _on(param, kind):
                 seen.add(id(param))
                 params.append(param)
-    parameters = gradients = 0
-    for param in params:
-        size = _nbytes(param)
-        parameters += size
-        by_dtype["parameters"][_dtype(param)] += size
-        if param.requires_grad:
-            grad = param.grad
-            grad_size = _nbytes(grad) if grad is not None else size
-            gradients += grad_size
-            by_dtype["gradients"][_dtype(grad if grad is not None else param)] += grad_size
+    static = memmath.static_estimate(tensor_specs(params), "sgd")
+    by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for part in ("parameters", "gradients"):
+        for dtype, size in static.by_dtype.get(part, {}).items():
+            by_dtype[part][dtype] += size
     buffers = 0
     if model is not None:
         for buffer in model.buffers():
@@ -70,24 +97,15 @@ def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0
         if optimizer_bytes:
             note = "measured"
         else:
-            name = type(optimizer).__name__
-            moments = MOMENTS.get(name)
-            if name == "SGD":
-                momentum = any(group.get("momentum", 0) for group in optimizer.param_groups)
-                moments = 1 if momentum else 0
-            if moments is None:
-                note = f"{name}: unknown until its first step"
-            else:
-                optimizer_bytes = moments * sum(_nbytes(p) for p in params if p.requires_grad)
-                note = f"expected before the first step: {name} keeps {moments} tensor(s) per parameter"
-                if optimizer_bytes:
-                    by_dtype["optimizer"][_dtype(params[0]) if params else "float32"] += (
-                        optimizer_bytes
-                    )
+            expected, note = _expected_optimizer(optimizer, params, kind)
+            optimizer_bytes = sum(s.bytes for s in expected)
+            for s in expected:
+                if s.bytes:
+                    by_dtype["optimizer"][s.dtype.split("/")[0]] += s.bytes
     return StaticMemory(
         kind=kind,
-        parameters_bytes=parameters,
-        gradients_bytes=gradients,
+        parameters_bytes=static.parameters,
+        gradients_bytes=static.gradients,
         optimizer_bytes=optimizer_bytes,
         buffers_bytes=buffers,
         by_dtype={part: dict(sizes) for part, sizes in by_dtype.items()},

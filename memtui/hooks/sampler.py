@@ -102,6 +102,7 @@ class HostProbe:
         if self.refresh_requested or now - self._children_at > self.CHILD_REFRESH_S:
             self.refresh_requested = False
             self._children_at = now
+            self._uss_at = 0.0  # measure the (possibly new) workers' own memory at once
             try:
                 self._children = self.process.children(recursive=True)
             except psutil.Error:
@@ -130,6 +131,16 @@ class HostProbe:
                     total += child.memory_full_info().uss
             self._workers_uss = total
         return self._workers_uss
+
+    def workers_own_bytes(self, now: float, workers_rss: int) -> int:
+        """The workers' memory not shared with the main process (USS), else their RSS.
+
+        Forked loader workers share the main process's pages until they write to them, so
+        their RSS counts those pages a second time; USS (sampled every ``USS_PERIOD_S``, about
+        0.2 ms per worker) counts only what each worker holds alone.
+        """
+        uss = self._uss(now) if self._children else None
+        return uss if uss is not None else workers_rss
 
     def _cpu_percent(self, now: float) -> float | None:
         used = 0.0
@@ -171,7 +182,9 @@ class CpuDeviceProbe:
     Like CUDA's allocated and reserved, ``allocated`` is the memory in use (the main process's
     RSS minus what glibc's malloc holds free, from ``mallinfo2``, plus the workers' RSS) and
     ``reserved`` what the tree holds resident (RSS). Peaks are the main process's high-water
-    mark since the previous sample plus the workers' RSS.
+    mark since the previous sample plus the workers'. A worker counts with its own memory
+    (USS), not its RSS: forked workers share the main process's pages, and summing RSS
+    counted them twice (2 demo workers doubled the peak with no more memory really used).
     """
 
     kind = "cpu"
@@ -192,11 +205,13 @@ class CpuDeviceProbe:
     def sample(self, step: int) -> DeviceSample:
         """One sample; the peak is the main process's high-water mark since the last one."""
         free_in_malloc = self._malloc_free_bytes()
-        main, _workers, workers_rss = self.host.tree_rss(time.monotonic())
+        now = time.monotonic()
+        main, _workers, workers_rss = self.host.tree_rss(now)
+        workers_own = self.host.workers_own_bytes(now, workers_rss)
         hwm = _read_hwm_and_reset()
-        resident = main + workers_rss
-        live = max(0, main - free_in_malloc) + workers_rss
-        peak = max(resident, (hwm or main) + workers_rss)
+        resident = main + workers_own
+        live = max(0, main - free_in_malloc) + workers_own
+        peak = max(resident, (hwm or main) + workers_own)
         return DeviceSample(
             time=time.time(),
             step=step,

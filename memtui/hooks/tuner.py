@@ -206,6 +206,10 @@ class Tuner:
         self._sampler: Any = None
         self._agent: Any = None
         self._hook_handle: Any = None
+        self.adapter: Any = None
+        """The framework adapter that drives this tuner (``hooks.install(trainer)``), if any."""
+        self.loader_options: dict[str, Any] = {}
+        """Extra ``TunedLoader`` arguments an adapter sets (``shard``, ``place``)."""
 
         self.options = options or Options()
         self.model = model
@@ -468,7 +472,7 @@ class Tuner:
         ``factory`` takes any of ``batch_size``, ``num_workers`` and ``pin_memory`` as keyword
         arguments and returns a ``torch.utils.data.DataLoader``.
         """
-        wrapped = TunedLoader(self, factory)
+        wrapped = TunedLoader(self, factory, **self.loader_options)
         for knob in LOADER_KNOBS:
             if self.values[knob] is None and wrapped.knobs.get(knob) is not None:
                 self.values[knob] = wrapped.knobs[knob]

@@ -25,20 +25,26 @@ from textual.screen import Screen
 from textual.worker import get_current_worker
 
 from memtui import registry
+from memtui.advice.recommend import Recommendation
+from memtui.advice.verdict import load_thresholds
 from memtui.knobs import KNOBS
 from memtui.recording import LiveSource, ReplaySource, Source, SourceUnavailable
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.receiver import Inbox, Receiver
+from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
-from memtui.tui.screens.edit import EditKnobScreen
+from memtui.tui.screens.edit import EditKnobScreen, EditResult
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
 from memtui.tui.state import MANY_RANKS, Notice, RunState, ViewOptions
+from memtui.tui.widgets.advice import top_applicable
 from memtui.wire import CancelRequest, KnobValue, SetRequest
 
 EDIT_GROUP = Binding.Group("set knob")
 """b, a, w and p share one label in the footer (the config panel shows which is which)."""
-EDIT_ACTIONS = frozenset({"edit", "toggle_keep", "cancel_change"})
+EDIT_ACTIONS = frozenset(
+    {"edit", "toggle_keep", "cancel_change", "apply_recommendation", "pick_recommendation"}
+)
 """Actions that change the run: disabled (and hidden) in a read-only view."""
 
 
@@ -54,10 +60,13 @@ class MemtuiApp(App[int]):
         Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP),
         Binding("k", "toggle_keep", "keep"),
         Binding("c", "cancel_change", "cancel"),
+        Binding("o", "apply_recommendation", "queue advice", show=False),  # the panel says "o"
+        Binding("O", "pick_recommendation", "pick advice", show=False),
         Binding("space", "toggle_pause", "pause", key_display="␣"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         Binding("r", "reconnect", "reconnect", show=False),
+        Binding("g", "gpus", "GPUs", show=False),
         Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),
         Binding("minus", "replay_speed(0.5)", "slower", key_display="-"),
     ]
@@ -87,7 +96,7 @@ class MemtuiApp(App[int]):
         """The demo training this viewer was started with (``memtui demo``), if any."""
         self.refresh_hz = refresh_hz
         self.chart_every = max(1, chart_every)
-        self.state = RunState(hold_summary=True)
+        self.state = RunState(hold_summary=True, thresholds=load_thresholds())
         """What the viewer knows about the run (folded from the receiver's batches); its
         summaries are made anew by ``refresh_view``."""
         self.inbox = Inbox()
@@ -126,6 +135,8 @@ class MemtuiApp(App[int]):
     def on_mount(self) -> None:
         """Start the receiver and the refresh timer."""
         self._receive()
+        for problem in self.state.thresholds.problems:  # the config file: say what was ignored
+            self.notify(problem, severity="warning", timeout=10)
         self.set_interval(1 / self.refresh_hz, self._tick, name="refresh")
         self.call_after_refresh(self.refresh_view)
 
@@ -206,17 +217,52 @@ class MemtuiApp(App[int]):
             self.notify(f"{knob} is not tunable in this run", severity="warning")
             return
 
-        def send(value: KnobValue | None) -> None:
-            if value is None:
+        def send(result: EditResult | None) -> None:
+            if result is None:
                 return
             keep = self.keep_effective_batch and knob == "batch_size"
+            changes: dict[str, KnobValue | str] = {knob: result.value}
             self.receiver.submit(
                 SetRequest(
-                    changes={knob: value}, keep_effective_batch=keep, client=self.receiver.client
+                    changes=changes,
+                    keep_effective_batch=keep,
+                    client=self.receiver.client,
+                    force=result.force,
                 )
             )
 
         self.push_screen(EditKnobScreen(knob, self.state, self.keep_effective_batch), send)
+
+    def _recommendations(self) -> list[Recommendation]:
+        advice = self.state.summary().advice
+        return advice.recommendations if advice is not None else []
+
+    def queue_recommendation(self, option: Recommendation | None) -> None:
+        """Send a recommendation's changes as one queued change (those it cannot apply: refused)."""
+        if option is None:
+            return
+        if not option.applicable:
+            self.notify(f"{option.title}: memtui cannot apply this one", severity="warning")
+            return
+        self.receiver.submit(SetRequest(changes=dict(option.changes), client=self.receiver.client))
+
+    def action_apply_recommendation(self) -> None:
+        """Queue the top recommendation that memtui can apply."""
+        top = top_applicable(self._recommendations(), self.state)
+        if top is None:
+            self.notify(
+                "no recommendation memtui can apply now (or it is pending)", severity="warning"
+            )
+            return
+        self.queue_recommendation(top)
+
+    def action_pick_recommendation(self) -> None:
+        """Pick a recommendation to queue."""
+        options = self._recommendations()
+        if not options:
+            self.notify("nothing to recommend now", severity="warning")
+            return
+        self.push_screen(AdviceScreen(options), self.queue_recommendation)
 
     def action_toggle_keep(self) -> None:
         """Toggle keep-effective-batch for the next batch_size change."""
@@ -253,7 +299,13 @@ class MemtuiApp(App[int]):
 
     def action_help(self) -> None:
         """Show the keys and the thresholds."""
-        self.push_screen(HelpScreen(self.readonly))
+        self.push_screen(HelpScreen(self.readonly, self.state.thresholds))
+
+    def action_gpus(self) -> None:
+        """Show every GPU on this host and the processes holding memory (read off-thread)."""
+        from memtui.tui.screens.gpus import GpusScreen
+
+        self.push_screen(GpusScreen())
 
     def action_reconnect(self) -> None:
         """Drop the connection and look for the run again."""
@@ -288,6 +340,14 @@ class MemtuiApp(App[int]):
             )
             yield SystemCommand(
                 "Cancel a pending change", "Unqueue a change", self.action_cancel_change
+            )
+            yield SystemCommand(
+                "Queue the top recommendation",
+                "The best option memtui can apply, for the next checkpoint",
+                self.action_apply_recommendation,
+            )
+            yield SystemCommand(
+                "Pick a recommendation", "Every ranked option", self.action_pick_recommendation
             )
         yield SystemCommand(
             "Pause or resume the view", "Freeze the display", self.action_toggle_pause

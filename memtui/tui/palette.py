@@ -21,7 +21,9 @@ STATE_STYLES: dict[State, str] = {
     State.NO_DATA: "bold white on grey30",
     State.STARVED: "bold black on dark_orange",
     State.BALANCED: "bold black on green",
+    State.UNDERUSED: "bold black on deep_sky_blue1",
     State.OOM_RISK: "bold white on red3",
+    State.HOST_PRESSURE: "bold white on magenta",
 }
 """The verdict's word, as a badge."""
 

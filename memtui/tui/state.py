@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Generic, Protocol, TypeAlias, TypeVar
 
-from memtui.advice.verdict import THRESHOLDS, Inputs, State, Verdict, decide
+from memtui.advice.assess import Advice, advise, capacity_is_limit, loader_memory
+from memtui.advice.verdict import (
+    THRESHOLDS,
+    Inputs,
+    State,
+    ThresholdConfig,
+    Thresholds,
+    Verdict,
+    VerdictTracker,
+)
 from memtui.knobs import KNOBS, effective_batch
 from memtui.stats import (
     STRAGGLER_STEP_FACTOR,
@@ -405,9 +414,14 @@ class Summary:
     """Ranks that have not reported for ``SILENT_AFTER_S``."""
     serial: int = 0
     """Counts the summaries made: a new serial means new numbers."""
+    advice: Advice | None = None
+    """The memory breakdown, ranked recommendations and model limits of the control rank (the
+    same function as ``memtui status --json``), made with the summary (None: no config yet)."""
 
 
-def rank_pressure(rank: RankSummary, spread: RankSpread | None) -> float:
+def rank_pressure(
+    rank: RankSummary, spread: RankSpread | None, thresholds: Thresholds = THRESHOLDS
+) -> float:
     """How close one rank is to a threshold (1.0 at one; inf when silent): its peak memory over
     the edge band, its data wait over the starved share, and how far its step time and data wait
     are above the ranks' medians against the straggler thresholds."""
@@ -415,9 +429,9 @@ def rank_pressure(rank: RankSummary, spread: RankSpread | None) -> float:
         return math.inf
     parts = [0.0]
     if rank.memory is not None and rank.memory.capacity_bytes:
-        parts.append(rank.memory.peak_used_fraction / THRESHOLDS.memory_edge_fraction)
+        parts.append(rank.memory.peak_used_fraction / thresholds.memory_edge_fraction)
     if rank.steps is not None:
-        parts.append(rank.steps.data_wait_fraction / THRESHOLDS.starved_wait_fraction)
+        parts.append(rank.steps.data_wait_fraction / thresholds.starved_wait_fraction)
         if spread is not None and spread.step_time_s > 0:
             ratio = rank.steps.step_time_s / spread.step_time_s
             parts.append((ratio - 1) / (STRAGGLER_STEP_FACTOR - 1))
@@ -427,7 +441,7 @@ def rank_pressure(rank: RankSummary, spread: RankSpread | None) -> float:
 
 
 def compare_ranks(
-    ranks: Sequence[RankSummary], control: Knobs | None
+    ranks: Sequence[RankSummary], control: Knobs | None, thresholds: Thresholds = THRESHOLDS
 ) -> tuple[list[RankSummary], RankSpread | None]:
     """The ranks with their stragglers, nearest OOM, config differences and pressure filled in."""
     live = [r for r in ranks if not r.silent]
@@ -454,14 +468,17 @@ def compare_ranks(
                 straggler=straggler,
                 nearest_oom=nearest is not None and rank.rank == nearest.rank,
                 config_differs=differs,
-                pressure=rank_pressure(rank, spread),
+                pressure=rank_pressure(rank, spread, thresholds),
             )
         )
     return out, spread
 
 
 def verdict_inputs(
-    ranks: Sequence[RankSummary], host: HostSample | None, swap_growth_bytes: int
+    ranks: Sequence[RankSummary],
+    host: HostSample | None,
+    swap_growth_bytes: int,
+    pin_memory: bool | None = None,
 ) -> tuple[Inputs, RankSummary | None, RankSummary | None]:
     """The verdict's inputs (the worst rank for each number), the waiting and the fullest rank."""
     timed = [r for r in ranks if r.steps is not None]
@@ -481,9 +498,13 @@ def verdict_inputs(
         peak_memory_bytes=memory.peak_used_bytes if memory else None,
         capacity_bytes=memory.capacity_bytes if memory else None,
         device_kind=memory.kind if memory else "cuda",
+        capacity_is_limit=capacity_is_limit(memory, host),
         host_ram_fraction=ram_fraction(host) if host else None,
         swap_used_bytes=host.swap_used_bytes if host else 0,
         swap_growth_bytes=swap_growth_bytes,
+        workers=host.workers if host else None,
+        workers_bytes=loader_memory(host),
+        pin_memory=pin_memory,
         wait_rank=waiting.rank if several and waiting else None,
         memory_rank=fullest.rank if several and fullest else None,
     )
@@ -555,11 +576,17 @@ class RunState:
     """Bumped when the config or the change log changes."""
     connection_version: int = 0
     """Bumped when the connection status, the run's identity or the counters change."""
+    thresholds: ThresholdConfig = field(
+        default_factory=lambda: ThresholdConfig(THRESHOLDS, "built-in defaults")
+    )
+    """The verdict's thresholds in force and where they came from (the YAML config file)."""
+    tracker: VerdictTracker = field(default_factory=VerdictTracker)
+    """Keeps the previous verdict's state: the hysteresis (made with ``thresholds``)."""
     hold_summary: bool = False
     """Keep the summary already made even if the data changed, until ``refresh_summary`` (the
     app makes it anew at the charts' rate: with many ranks it is the costliest thing it draws)."""
     _summary: Summary | None = field(default=None, repr=False)
-    _summary_version: tuple[int, int] = field(default=(-1, 0), repr=False)
+    _summary_version: tuple[int, int, int] = field(default=(-1, 0, 0), repr=False)
 
     # ------------------------------------------------------------------ folding
 
@@ -793,15 +820,19 @@ class RunState:
 
     def refresh_summary(self) -> Summary:
         """Make the summary anew if the data changed or the clock passed a second."""
-        version = (self.data_version, int(self.clock))
+        version = (self.data_version, int(self.clock), self.control_version)
         if self._summary is not None and self._summary_version == version:
             return self._summary
         control = self.control.config if self.control is not None else None
-        ranks, spread = compare_ranks(self.rank_summaries(), control)
+        thresholds = self.thresholds.thresholds
+        if self.tracker.thresholds is not thresholds:
+            self.tracker = VerdictTracker(thresholds)
+        ranks, spread = compare_ranks(self.rank_summaries(), control, thresholds)
         worst_first = sorted(ranks, key=lambda r: (-round(r.pressure, 2), r.rank))
         host, growth = self._verdict_host(ranks)
-        inputs, waiting, fullest = verdict_inputs(ranks, host, growth)
-        verdict = decide(inputs)
+        pin = control.pin_memory if control is not None else None
+        inputs, waiting, fullest = verdict_inputs(ranks, host, growth, pin)
+        verdict = self.tracker.update(inputs)
         focus = focus_of(verdict, worst_first, waiting, fullest)
         focused = next((r for r in ranks if r.rank == focus), None)
         timed = [r.steps for r in ranks if r.steps is not None and not r.silent]
@@ -823,9 +854,22 @@ class RunState:
             stragglers=tuple(r.rank for r in ranks if r.straggler),
             silent=tuple(r.rank for r in ranks if r.silent),
             serial=serial,
+            advice=self._advice(verdict, host),
         )
         self._summary_version = version
         return self._summary
+
+    def _advice(self, verdict: Verdict, host: HostSample | None) -> Advice | None:
+        """Breakdown, recommendations and limits from the control rank's numbers."""
+        if self.control is None:
+            return None
+        rank = self.info.rank if self.info is not None else 0
+        series = self.series.get(rank)
+        steps, memory = series.stats() if series is not None else (None, None)
+        last = series.steps[-1] if series is not None and series.steps else None
+        samples = float(last.samples) if last is not None and last.samples else None
+        own_host = series.host if series is not None and series.host is not None else host
+        return advise(self.control, memory, steps, samples, own_host, verdict)
 
     def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
         """The host sample the verdict weighs (the fullest host of any rank) and its swap growth."""

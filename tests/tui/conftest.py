@@ -28,6 +28,9 @@ STARVING = DATA / "demo_starving.mtrec"
 """A real demo run: starving with --workers 0, num_workers=4 queued and applied, then the end."""
 OOM = DATA / "oom_risk.mtrec"
 """A synthetic two-rank CUDA run at 88% of its 24 GiB (make_oom_stream.py)."""
+ADVICE = DATA / "demo_advice.mtrec"
+"""A real CPU demo under a 900 MiB limit (make_advice_stream.py): underused at batch 4, batch 8
+applied (measured effect, prediction error), batch 22 forced over the limit, OOM, rollback."""
 RANKS_8 = DATA / "ranks_8.mtrec"
 """Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
 
@@ -36,6 +39,18 @@ def pending_offset() -> float:
     """Just after num_workers=4 was queued in the starving recording (still pending)."""
     offset = read_recording(STARVING).offset_of(
         lambda m: isinstance(m, Telemetry) and bool(m.control and m.control.pending)
+    )
+    assert offset is not None
+    return offset + 0.05
+
+
+def forced_pending_offset() -> float:
+    """Just after the forced batch_size change was queued in the advice recording."""
+    offset = read_recording(ADVICE).offset_of(
+        lambda m: (
+            isinstance(m, Telemetry)
+            and bool(m.control and any(p.forced for p in m.control.pending))
+        )
     )
     assert offset is not None
     return offset + 0.05

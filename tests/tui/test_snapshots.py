@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 
 from memtui.tui.app import MemtuiApp
-from tests.tui.conftest import OOM, RANKS_8, STARVING, pending_offset, replay_app, settle
+from tests.tui.conftest import (
+    ADVICE,
+    OOM,
+    RANKS_8,
+    STARVING,
+    forced_pending_offset,
+    pending_offset,
+    replay_app,
+    settle,
+)
 
 SIZES = {"wide": (120, 40), "narrow": (60, 50)}
 
@@ -33,6 +42,17 @@ def ranks_8() -> MemtuiApp:
     return replay_app(RANKS_8)
 
 
+def advice_pending() -> MemtuiApp:
+    """A real CPU demo under a 900 MiB limit: batch 8 applied and measured, batch 22 forced and
+    pending with its predicted peak over the limit."""
+    return replay_app(ADVICE, until_s=forced_pending_offset())
+
+
+def advice_rollback() -> MemtuiApp:
+    """The same run at its end: the forced change went out of memory and was rolled back."""
+    return replay_app(ADVICE)
+
+
 def disconnected() -> MemtuiApp:
     """The demo starving, then silent for 10 s: the run is gone without a word."""
     return replay_app(STARVING, until_s=20.0, at_end="disconnect")
@@ -40,7 +60,9 @@ def disconnected() -> MemtuiApp:
 
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
 @pytest.mark.parametrize(
-    "make", [starving, oom_risk, ranks_8, disconnected], ids=lambda f: f.__name__
+    "make",
+    [starving, oom_risk, ranks_8, disconnected, advice_pending, advice_rollback],
+    ids=lambda f: f.__name__,
 )
 def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:
     assert snap_compare(make(), terminal_size=SIZES[size], run_before=settle)

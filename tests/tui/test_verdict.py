@@ -20,7 +20,7 @@ def test_no_data_until_a_timed_step() -> None:
     [(0.0, State.BALANCED), (0.29, State.BALANCED), (0.30, State.STARVED), (0.9, State.STARVED)],
 )
 def test_starved_at_thirty_percent_data_wait(wait: float, state: State) -> None:
-    assert decide(Inputs(data_wait_fraction=wait, peak_memory_fraction=0.5)).state is state
+    assert decide(Inputs(data_wait_fraction=wait, peak_memory_fraction=0.7)).state is state
 
 
 @pytest.mark.parametrize(
@@ -45,16 +45,16 @@ def test_memory_risk_wins_over_starvation() -> None:
     assert [r.severity for r in verdict.reasons] == [1, 2]
 
 
-def test_host_ram_and_growing_swap_are_oom_risk() -> None:
+def test_host_ram_and_growing_swap_are_host_pressure() -> None:
     full = decide(Inputs(data_wait_fraction=0.1, peak_memory_fraction=0.5, host_ram_fraction=0.94))
-    assert full.state is State.OOM_RISK and "host RAM 94%" in full.headline
+    assert full.state is State.HOST_PRESSURE and "host RAM 94%" in full.headline
     swapping = decide(
         Inputs(data_wait_fraction=0.1, host_ram_fraction=0.7, swap_used_bytes=2 * GIB,
                swap_growth_bytes=THRESHOLDS.swap_growth_bytes)
     )  # fmt: skip
-    assert swapping.state is State.OOM_RISK and "swap in use and growing" in swapping.headline
+    assert swapping.state is State.HOST_PRESSURE and "swap in use and growing" in swapping.headline
     steady = decide(
-        Inputs(data_wait_fraction=0.1, host_ram_fraction=0.7, swap_used_bytes=2 * GIB,
+        Inputs(data_wait_fraction=0.1, peak_memory_fraction=0.7, host_ram_fraction=0.7, swap_used_bytes=2 * GIB,
                swap_growth_bytes=0)
     )  # fmt: skip
     assert steady.state is State.BALANCED
@@ -78,10 +78,11 @@ def test_reasons_carry_the_numbers() -> None:
 def test_gauge_positions_order_the_states() -> None:
     starved = decide(Inputs(data_wait_fraction=0.9, peak_memory_fraction=0.1)).position
     hungry = decide(Inputs(data_wait_fraction=0.35, peak_memory_fraction=0.1)).position
-    balanced = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=0.5)).position
+    underused = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=0.3)).position
+    balanced = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=0.7)).position
     edge = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=0.87)).position
     danger = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=0.97)).position
-    assert -1.0 <= starved < hungry <= -0.5 < balanced < 0.5 <= edge < danger <= 1.0
+    assert -1.0 <= starved < hungry <= -0.5 < underused < balanced < 0.5 <= edge < danger <= 1.0
 
 
 def test_thresholds_are_one_documented_place() -> None:

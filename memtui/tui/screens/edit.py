@@ -1,7 +1,10 @@
-"""The modal that edits one knob: the value is validated before anything is sent."""
+"""The modal that edits one knob: the value is validated, and its predicted peak shown, before
+anything is sent; a change predicted over the 90% danger band needs a second Enter (it is then
+sent with ``force``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from textual import on
@@ -12,6 +15,7 @@ from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Input, Label, Static
 
+from memtui.advice.predict import DANGER, EDGE, confidence, max_batch, predict_peak
 from memtui.knobs import (
     KNOBS,
     KnobError,
@@ -21,8 +25,67 @@ from memtui.knobs import (
     parse_value,
     resolve,
 )
+from memtui.stats import format_bytes
 from memtui.tui.state import RunState
 from memtui.wire import Knobs, KnobValue
+
+
+@dataclass(frozen=True)
+class EditResult:
+    """What the modal sends: the value, and whether the operator confirmed a risky change."""
+
+    value: KnobValue
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The memory model's peak for the config a change would make (from the run's model)."""
+
+    peak_bytes: int
+    capacity_bytes: int
+    max_safe_batch_size: int | None
+    confidence: str
+
+    @property
+    def fraction(self) -> float:
+        """Predicted peak over capacity."""
+        return self.peak_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def over_danger(self) -> bool:
+        """Over the 90% band: the hook refuses it unless forced."""
+        return self.fraction > DANGER
+
+    def describe(self) -> str:
+        """``predicted peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (2 micro-batches ...)``."""
+        headroom = self.capacity_bytes - self.peak_bytes
+        room = (
+            f"headroom {format_bytes(headroom)}"
+            if headroom >= 0
+            else f"over by {format_bytes(-headroom)}"
+        )
+        return (
+            f"predicted peak {format_bytes(self.peak_bytes)} = {self.fraction:.0%} of "
+            f"{format_bytes(self.capacity_bytes)}, {room} ({self.confidence})"
+        )
+
+
+def predict_change(resolved: Resolved, state: RunState) -> Prediction | None:
+    """The predicted peak once ``resolved`` lands (None: no model, or the micro-batch stays)."""
+    control = state.control
+    model = control.model if control is not None else None
+    batch = resolved.changes.get("batch_size")
+    if model is None or not model.capacity_bytes or batch is None or isinstance(batch, bool):
+        return None
+    return Prediction(
+        predict_peak(model, batch), model.capacity_bytes, max_batch(model, EDGE), confidence(model)
+    )
+
+
+def text_key(text: str) -> str:
+    """The typed value as compared between two Enters (spaces around it do not count)."""
+    return text.strip()
 
 
 def check_change(
@@ -65,8 +128,9 @@ class KnobValidator(Validator):
         return self.success()
 
 
-class EditKnobScreen(ModalScreen[KnobValue | None]):
-    """Type a new value for one knob; Enter queues it for the next checkpoint, Escape cancels."""
+class EditKnobScreen(ModalScreen[EditResult | None]):
+    """Type a new value for one knob; Enter queues it for the next checkpoint (a change predicted
+    over 90% takes a second Enter, and is sent forced), Escape cancels."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss_none", "Cancel")]
 
@@ -75,6 +139,8 @@ class EditKnobScreen(ModalScreen[KnobValue | None]):
         self.knob = knob
         self.state = state
         self.keep_effective_batch = keep_effective_batch
+        self.confirming: str | None = None
+        """The text whose risky prediction was shown: Enter on it again sends it forced."""
 
     def compose(self) -> ComposeResult:
         """Title, what the knob is now, the input and a preview of what will be sent."""
@@ -117,11 +183,29 @@ class EditKnobScreen(ModalScreen[KnobValue | None]):
             preview.update(f"[red]{exc}[/]")
             return False
         note = f"\n{resolved.note}" if resolved.note else ""
-        preview.update(f"will queue [bold]{format_changes(resolved.changes)}[/]{note}")
+        prediction = predict_change(resolved, self.state)
+        shown = f"will queue [bold]{format_changes(resolved.changes)}[/]{note}"
+        if prediction is not None:
+            style = "bold red" if prediction.over_danger else "green"
+            if not prediction.over_danger and prediction.fraction >= EDGE:
+                style = "bold yellow"
+            shown += f"\n[{style}]{prediction.describe()}[/]"
+            if prediction.over_danger:
+                safe = prediction.max_safe_batch_size
+                shown += "\n[bold red]over the 90% danger band[/]"
+                if safe:
+                    shown += f" (largest under 85%: {safe})"
+                if self.confirming == text_key(text):
+                    shown += "\n[bold reverse red] enter again: queue it anyway (forced) [/]"
+                else:
+                    shown += "\nenter asks for a confirmation"
+        preview.update(shown)
         return True
 
     @on(Input.Changed)
     def _changed(self, event: Input.Changed) -> None:
+        if self.confirming != text_key(event.value):
+            self.confirming = None  # a new value: a new confirmation
         self._preview(event.value)
 
     @on(Input.Submitted)
@@ -129,10 +213,18 @@ class EditKnobScreen(ModalScreen[KnobValue | None]):
         event.stop()
         if not self._preview(event.value):
             return
-        value, _resolved = check_change(
+        value, resolved = check_change(
             self.knob, event.value, self.state, self.keep_effective_batch
         )
-        self.dismiss(value)
+        prediction = predict_change(resolved, self.state)
+        if prediction is not None and prediction.over_danger:
+            if self.confirming != text_key(event.value):
+                self.confirming = text_key(event.value)  # the confirm step
+                self._preview(event.value)
+                return
+            self.dismiss(EditResult(value, force=True))
+            return
+        self.dismiss(EditResult(value))
 
     def action_dismiss_none(self) -> None:
         """Close without sending."""

@@ -11,7 +11,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from memtui.advice.verdict import describe_thresholds
+from memtui.advice.verdict import THRESHOLDS, ThresholdConfig, describe_thresholds
 from memtui.stats import STRAGGLER_LAG_S, STRAGGLER_STEP_FACTOR, STRAGGLER_WAIT_SHARE
 from memtui.tui.state import NEAREST_OOM_FROM, SILENT_AFTER_S
 
@@ -22,9 +22,12 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("p", "set pin_memory (prefilled with the opposite of now)"),
     ("k", "toggle keep-effective-batch: a batch_size change recomputes grad_accum"),
     ("c", "cancel a pending change"),
+    ("o", "queue the top recommendation memtui can apply (for the next checkpoint)"),
+    ("O", "pick a recommendation to queue (advice-only ones are listed, not applicable)"),
     ("space", "pause / resume the view (data keeps arriving; a replay's clock stops)"),
     ("+ / -", "replay faster / slower (memtui replay only)"),
     ("r", "reconnect now"),
+    ("g", "GPUs on this host: free memory, utilisation, other processes holding memory"),
     ("ctrl+p", "command palette: every action by name"),
     ("?", "this help"),
     ("q", "quit (the run goes on)"),
@@ -45,8 +48,9 @@ def describe_ranks() -> list[str]:
     ]
 
 
-def help_text(readonly: bool) -> Text:
-    """Keys, what a change does, and the thresholds."""
+def help_text(readonly: bool, thresholds: ThresholdConfig | None = None) -> Text:
+    """Keys, what a change does, and the thresholds in force (and where they came from)."""
+    config = thresholds or ThresholdConfig(THRESHOLDS, "built-in defaults")
     text = Text()
     text.append("Keys\n", "bold")
     for key, what in KEYS:
@@ -56,12 +60,24 @@ def help_text(readonly: bool) -> Text:
     text.append(
         "  are validated here, queued by the run and applied at its next checkpoint boundary;\n"
         "  the change log shows them pending, then applied with their step (or rejected, why).\n"
+        "  A batch_size change shows its predicted peak first (the run's memory model); one\n"
+        "  predicted over 90% takes a second Enter and is sent forced. After it lands, the log\n"
+        "  shows the measured effect and predicted vs observed peak, and the running accuracy.\n"
     )
     if readonly:
         text.append("  This view is read-only: it sends nothing.\n", "bold yellow")
-    text.append("\nVerdict\n", "bold")
-    for line in describe_thresholds():
+    text.append("\nVerdict ", "bold")
+    text.append(f"(thresholds from {config.source})\n", "dim")
+    for line in describe_thresholds(config.thresholds):
         text.append(f"  {line}\n")
+    for problem in config.problems:
+        text.append(f"  ignored: {problem}\n", "yellow")
+    text.append(
+        "  set them in $MEMTUI_CONFIG or ~/.config/memtui/config.yaml (XDG_CONFIG_HOME), under\n"
+        "  verdict: (starved_wait_fraction, underused_memory_fraction, memory_edge_fraction,\n"
+        "  memory_danger_fraction, host_ram_fraction, swap_growth_bytes, hysteresis)\n",
+        "dim",
+    )
     text.append("  on several ranks: the worst rank's numbers, and the verdict names it\n")
     text.append("\nRanks (several), worst first\n", "bold")
     for line in describe_ranks():
@@ -79,11 +95,12 @@ class HelpScreen(ModalScreen[None]):
         Binding("q", "dismiss", "Close"),
     ]
 
-    def __init__(self, readonly: bool = False) -> None:
+    def __init__(self, readonly: bool = False, thresholds: ThresholdConfig | None = None) -> None:
         super().__init__()
         self.readonly = readonly
+        self.thresholds = thresholds
 
     def compose(self) -> ComposeResult:
         """The help text in a scrollable dialog."""
         with VerticalScroll(id="dialog"):
-            yield Static(help_text(self.readonly), id="help-text")
+            yield Static(help_text(self.readonly, self.thresholds), id="help-text")

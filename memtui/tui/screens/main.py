@@ -1,4 +1,5 @@
-"""The main screen: header, verdict, the ranks, charts, memory, config and change log."""
+"""The main screen: header, verdict, the ranks, charts, memory, config, recommendations and
+change log."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from memtui.tui.state import RunState, ViewOptions
+from memtui.tui.widgets.advice import AdvicePanel
 from memtui.tui.widgets.base import StateView
 from memtui.tui.widgets.changelog import ChangeLog
 from memtui.tui.widgets.config import ConfigPanel
@@ -38,7 +40,9 @@ class MainScreen(Screen[None]):
             with Vertical(id="side"):
                 yield ConfigPanel(id="config", classes="panel")
                 yield MemoryPanel(id="memory", classes="panel")
-            yield SeriesChart(id="charts", classes="panel")
+            with Vertical(id="main-col"):
+                yield SeriesChart(id="charts", classes="panel")
+                yield AdvicePanel(id="advice", classes="panel")
         yield ChangeLog(id="changes", classes="panel")
         yield Footer()
 
@@ -50,6 +54,7 @@ class MainScreen(Screen[None]):
             "config": "config",
             "memory": "memory",
             "charts": "history",
+            "advice": "recommendations, best first",
             "changes": "changes",
         }
         for widget_id, title in titles.items():

@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 from rich.text import Text
 
+from memtui.advice.predict import EDGE, confidence, max_batch
 from memtui.knobs import KNOBS, format_value
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
@@ -21,7 +22,8 @@ KNOB_KEYS: dict[str, str] = {
 
 
 class ConfigPanel(StateView):
-    """Knob, now, pending, and the key that edits it; effective batch now and after."""
+    """Knob, now, pending, and the key that edits it; effective batch now and after; the
+    largest micro-batch the memory model predicts under 85% of capacity."""
 
     DEFAULT_CSS = "ConfigPanel { height: auto; }"
 
@@ -61,5 +63,16 @@ class ConfigPanel(StateView):
         keep.append("on" if view.keep_effective_batch else "off", "bold")
         if show_keys:
             keep.append(" (k)", "dim")
+        model = control.model
+        if model is not None and "batch_size" in control.tunable:
+            safe = max_batch(model, EDGE)
+            line = Text("max safe batch  ", "dim") if not self.narrow else keep
+            if self.narrow:  # one line less in a side pane
+                line.append(" · max safe batch ", "dim")
+            line.append("unbounded" if safe is None else str(safe), "bold cyan")
+            line.append(f" (< {EDGE:.0%})" if self.narrow else f" (predicted < {EDGE:.0%})", "dim")
+            if not self.narrow:
+                line.append(f" {confidence(model)}", "dim")
+                lines.append(line)
         lines.append(keep)
         return Text("\n").join(lines)

@@ -1,4 +1,5 @@
-"""The verdict: one gauge from STARVED through BALANCED to OOM RISK, the state, and its numbers."""
+"""The verdict: one gauge from STARVED through UNDERUSED and BALANCED to OOM RISK (HOST PRESSURE
+marks the risk side in magenta), the state in words, and the numbers behind it."""
 
 from __future__ import annotations
 
@@ -7,53 +8,88 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.verdict import THRESHOLDS, Verdict
+from memtui.advice.verdict import THRESHOLDS, UNDERUSED_END, State, Thresholds, Verdict
 from memtui.tui.palette import SEVERITY_STYLES, STATE_STYLES, chips
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
-_ZONES = (
-    (-0.5, "dark_orange"),  # starved
-    (0.5, "green"),  # balanced
-    (
-        0.5
-        + 0.5
-        * (THRESHOLDS.memory_danger_fraction - THRESHOLDS.memory_edge_fraction)
-        / (1 - THRESHOLDS.memory_edge_fraction),
-        "yellow",
-    ),  # the 85-90% edge band
-    (1.01, "red"),  # over 90%
-)
-"""Gauge positions where each zone ends, and its colour."""
+ZONE_COLORS = {
+    State.STARVED: "dark_orange",
+    State.UNDERUSED: "deep_sky_blue1",
+    State.BALANCED: "green",
+    State.HOST_PRESSURE: "magenta",
+}
+"""Each state's colour on the gauge (OOM RISK is yellow in the edge band, red over it)."""
 
 
-def _zone(position: float) -> str:
-    for end, color in _ZONES:
+def zones(thresholds: Thresholds) -> tuple[tuple[float, str], ...]:
+    """Gauge positions where each zone ends, and its colour: STARVED, UNDERUSED, BALANCED, the
+    edge band and danger."""
+    t = thresholds
+    edge_end = 0.5 + 0.5 * (t.memory_danger_fraction - t.memory_edge_fraction) / max(
+        1e-9, 1 - t.memory_edge_fraction
+    )
+    return (
+        (-0.5, ZONE_COLORS[State.STARVED]),
+        (UNDERUSED_END, ZONE_COLORS[State.UNDERUSED]),
+        (0.5, ZONE_COLORS[State.BALANCED]),
+        (edge_end, "yellow"),
+        (1.01, "red"),
+    )
+
+
+def _zone(position: float, table: tuple[tuple[float, str], ...]) -> str:
+    for end, color in table:
         if position < end:
             return color
-    return _ZONES[-1][1]
+    return table[-1][1]
 
 
-def gauge(verdict: Verdict, width: int) -> Text:
-    """The gauge's bar with its marker, and the zone labels under it."""
+def _column(position: float, width: int) -> int:
+    return round((position + 1) / 2 * (width - 1))
+
+
+def gauge(verdict: Verdict, width: int, thresholds: Thresholds = THRESHOLDS) -> Text:
+    """The gauge's bar with its marker, and the zone labels under it (each under its zone)."""
     width = max(20, width)
-    marker = round((verdict.position + 1) / 2 * (width - 1))
+    table = zones(thresholds)
+    marker = _column(verdict.position, width)
+    marker_color = (
+        ZONE_COLORS[State.HOST_PRESSURE]
+        if verdict.state is State.HOST_PRESSURE
+        else _zone(verdict.position, table)
+    )
     bar = Text(no_wrap=True, overflow="crop")
     for x in range(width):
         position = 2 * x / (width - 1) - 1
         if x == marker and verdict.reasons:  # no marker until there is something to weigh
-            bar.append("◆", f"bold bright_white on {_zone(position)}")
+            bar.append("◆", f"bold bright_white on {marker_color}")
         else:
-            bar.append("━", _zone(position))
-    labels = Text(no_wrap=True, overflow="crop")
-    left, middle, right = "◂ STARVED", "BALANCED", "OOM RISK ▸"
-    gap = max(1, (width - len(middle)) // 2 - len(left))
-    labels.append(left, "dark_orange")
-    labels.append(" " * gap)
-    labels.append(middle, "green")
-    labels.append(" " * max(1, width - len(left) - gap - len(middle) - len(right)))
-    labels.append(right, "red")
-    return Text("\n").join([bar, labels])
+            bar.append("━", _zone(position, table))
+    right = "OOM RISK ▸"
+    if verdict.state is State.HOST_PRESSURE:
+        right = "HOST PRESSURE ▸" if width >= 80 else "HOST ▸"
+    labels = [
+        ("◂ STARVED", 0, ZONE_COLORS[State.STARVED]),
+        ("UNDERUSED", _middle(-0.5, UNDERUSED_END, width, 9), ZONE_COLORS[State.UNDERUSED]),
+        ("BALANCED", _middle(UNDERUSED_END, 0.5, width, 8), ZONE_COLORS[State.BALANCED]),
+        (right, width - len(right), "magenta" if right.startswith("HOST") else "red"),
+    ]
+    line = Text(no_wrap=True, overflow="crop")
+    column = 0
+    for label, at, color in labels:
+        at = max(at, column + (1 if column else 0))
+        if at + len(label) > width:
+            continue
+        line.append(" " * (at - column))
+        line.append(label, color)
+        column = at + len(label)
+    return Text("\n").join([bar, line])
+
+
+def _middle(start: float, end: float, width: int, length: int) -> int:
+    """The column where a label of ``length`` is centred under the zone from start to end."""
+    return (_column(start, width) + _column(end, width)) // 2 - length // 2
 
 
 class VerdictGauge(StateView):
@@ -68,7 +104,7 @@ class VerdictGauge(StateView):
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """Gauge, state and headline, and the reasons (naming the rank on a multi-rank run)."""
         verdict = state.summary().verdict
-        text = gauge(verdict, width)
+        text = gauge(verdict, width, state.thresholds.thresholds)
         text.append("\n")
         text.append(f" {verdict.state.value} ", STATE_STYLES[verdict.state])
         text.append(" ")

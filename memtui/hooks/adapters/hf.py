@@ -1,0 +1,303 @@
+"""Hugging Face ``transformers.Trainer``: one ``hooks.install(trainer)`` line before ``train()``.
+
+What it hooks: a ``TrainerCallback`` (step timing at ``on_step_end``, the checkpoint boundary at
+``on_save``, right after the Trainer's own save, on every rank), the Trainer's
+``get_batch_samples`` (the data wait of each optimizer step), and ``train`` itself.
+
+The Trainer reads its batch size, accumulation and loader settings once, when ``train()``
+builds its loop (the loader, ``num_update_steps_per_epoch`` and the accumulation grouping), so
+a change cannot land inside that loop. An applied change instead stops the loop at the
+checkpoint just saved and ``train`` resumes in-process from it with the new ``TrainingArguments``:
+the Trainer's own resume restores the global step, the optimizer, the LR scheduler, the RNG
+states and the callbacks' state. memtui keeps what the Trainer's resume would get wrong with new
+settings: ``max_steps`` stays the one computed at the start (so the LR schedule is the same),
+and the position in the data is kept in samples (the Trainer counts it in batches of the new
+size): memtui's sampler replays the epoch's order and leaves out exactly the samples already
+consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from transformers import TrainerCallback
+
+from memtui.hooks.tuner import Options, Tuner
+
+log = logging.getLogger("memtui")
+
+HF_KNOBS = {
+    "batch_size": "per_device_train_batch_size",
+    "grad_accum": "gradient_accumulation_steps",
+    "num_workers": "dataloader_num_workers",
+    "pin_memory": "dataloader_pin_memory",
+}
+"""memtui knob to the ``TrainingArguments`` field it sets."""
+
+
+class EpochOrderSampler:
+    """The training sampler: a seeded order per epoch that a resume can continue mid-epoch.
+
+    It stands in for the Trainer's ``RandomSampler`` (or ``SequentialSampler``): the order of
+    epoch ``e`` is a permutation seeded with ``seed + e`` (identical on every rank and after a
+    restart). For the epoch a resume lands in, ``cut = (epoch, kept, consumed)`` yields the
+    first ``kept`` indices (the Trainer skips them as whole batches of the new size), then the
+    order from ``consumed`` on: the ``consumed - kept`` samples between are not delivered again.
+    """
+
+    def __init__(self, size: int, shuffle: bool, seed: int) -> None:
+        self.size = size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.cut: tuple[int, int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order the next iteration yields."""
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> list[int]:
+        """The full order of ``epoch``."""
+        import torch
+
+        if not self.shuffle:
+            return list(range(self.size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order(self.epoch)
+        if self.cut is not None and self.cut[0] == self.epoch:
+            _, kept, consumed = self.cut
+            order = order[:kept] + order[consumed:]
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class MemtuiCallback(TrainerCallback):
+    """The Trainer's side of memtui: timing, the boundary at each save, and restart requests."""
+
+    def __init__(self, adapter: HFAdapter) -> None:
+        self.adapter = adapter
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Start the step clock; the tuner's step count follows the Trainer's global step."""
+        self.adapter.train_begin(state)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Count epochs and reset the samples consumed in the epoch."""
+        self.adapter.epoch_begin()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """One optimizer step is done."""
+        self.adapter.tuner.step()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The boundary, right after the Trainer saved: apply, and stop to resume if needed."""
+        self.adapter.boundary(state, control)
+
+
+class HFAdapter:
+    """memtui hooked into one ``transformers.Trainer``."""
+
+    def __init__(self, trainer: Any, tuner_kwargs: dict[str, Any]) -> None:
+        self.trainer = trainer
+        args = trainer.args
+        self.staged: dict[str, Any] = {name: getattr(args, name) for name in HF_KNOBS.values()}
+        """The knobs as memtui sees them; written at a boundary, copied into the args on resume."""
+        self.world = max(1, int(getattr(args, "world_size", 1) or 1))
+        self.user_optimizer = trainer.optimizer is not None
+        self.max_steps: int | None = None
+        self.epoch = -1
+        self.consumed = 0
+        """Samples (over all ranks) of the current epoch delivered to the loop."""
+        self.resume_at: tuple[int, int] | None = None
+        """(epoch, samples consumed in it) for the next resumed ``train`` call."""
+        self.restart: tuple[str, int, int] | None = None
+        """(checkpoint directory, epoch, consumed): set by a boundary that changed something."""
+        self.sampler: EpochOrderSampler | None = None
+        self.restarts = 0
+        """In-process resumes done to apply changes."""
+        self.tuner = Tuner(self.staged, model=trainer.model, **tuner_kwargs)
+        self.tuner.adapter = self
+        for name, value in self.staged.items():  # a tuned config loaded by resume=True
+            setattr(args, name, value)
+        trainer._train_batch_size = args.train_batch_size
+        self.callback = MemtuiCallback(self)
+        trainer.add_callback(self.callback)
+        self._wrap()
+
+    # ------------------------------------------------------------------ the Trainer's methods
+
+    def _wrap(self) -> None:
+        """Wrap the Trainer's methods on the instance (the class is left alone)."""
+        trainer = self.trainer
+        train = trainer.train
+        get_batch_samples = trainer.get_batch_samples
+        get_sampler = trainer._get_train_sampler
+        init_state = trainer._init_training_state
+        initial_values = trainer.set_initial_training_values
+        tuner = self.tuner
+        perf = time.perf_counter
+        adapter = self
+
+        def timed_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            t0 = perf()
+            batches, items = get_batch_samples(epoch_iterator, num_batches, device)
+            tuner._wait_acc += perf() - t0
+            count = len(batches)
+            size = adapter.staged["per_device_train_batch_size"]
+            tuner._micro_acc += count
+            tuner._samples_acc += count * size
+            adapter.consumed += count * size * adapter.world
+            return batches, items
+
+        def sampler(dataset: Any = None) -> Any:
+            base = get_sampler(dataset)
+            return adapter._own_sampler(base)
+
+        def init_training_state(*a: Any, **kw: Any) -> tuple[int, int]:
+            epochs_trained, skip = init_state(*a, **kw)
+            return adapter._resume_position(epochs_trained, skip)
+
+        def set_initial_training_values(*a: Any, **kw: Any) -> tuple[Any, ...]:
+            values = list(initial_values(*a, **kw))
+            if adapter.resume_at is not None:
+                # the resumed epoch is partial: leave the loop room for every step still to run
+                epoch = adapter.resume_at[0]
+                per_epoch = max(1, int(values[1]))
+                left = max(0, int(values[6]) - int(trainer.state.global_step or 0))
+                values[0] = max(int(values[0]), epoch + 2 + math.ceil(left / per_epoch))
+            return tuple(values)
+
+        def train_with_memtui(*a: Any, **kw: Any) -> Any:
+            output = train(*a, **kw)
+            while adapter.restart is not None:
+                checkpoint, epoch, consumed = adapter.restart
+                adapter.restart = None
+                adapter._prepare_resume(epoch, consumed)
+                kw.pop("resume_from_checkpoint", None)
+                rest = a[1:] if a else ()
+                output = train(checkpoint, *rest, **kw)
+            adapter.resume_at = None
+            return output
+
+        trainer.get_batch_samples = timed_batch_samples
+        trainer._get_train_sampler = sampler
+        trainer._init_training_state = init_training_state
+        trainer.set_initial_training_values = set_initial_training_values
+        trainer.train = train_with_memtui
+
+    def _own_sampler(self, base: Any) -> Any:
+        """Replace a random or sequential sampler with the resumable one (others stay)."""
+        from torch.utils.data import RandomSampler, SequentialSampler
+
+        if type(base) not in (RandomSampler, SequentialSampler):
+            return base
+        if self.sampler is None or self.sampler.size != len(base):
+            args = self.trainer.args
+            seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+            self.sampler = EpochOrderSampler(len(base), type(base) is RandomSampler, int(seed))
+        return self.sampler
+
+    def _resume_position(self, epochs_trained: int, skip: int) -> tuple[int, int]:
+        """Where a resumed loop starts: memtui's (epoch, whole batches to skip), else the Trainer's."""
+        if self.resume_at is None:
+            return epochs_trained, skip
+        epoch, consumed = self.resume_at
+        args = self.trainer.args
+        per_batch = args.per_device_train_batch_size * self.world
+        group = per_batch * args.gradient_accumulation_steps
+        kept = (consumed // group) * group
+        if self.sampler is not None:
+            self.sampler.cut = (epoch, kept, consumed)
+        elif kept != consumed:
+            log.warning(
+                "memtui: the Trainer's sampler is not memtui's; the resumed epoch skips %d "
+                "samples, not %d",
+                kept,
+                consumed,
+            )
+        return epoch, kept // per_batch
+
+    # ------------------------------------------------------------------ callbacks
+
+    def train_begin(self, state: Any) -> None:
+        """Start the clock; remember the run's ``max_steps`` (kept across resumes)."""
+        tuner = self.tuner
+        tuner._step = int(state.global_step or 0)
+        tuner._t_last = time.perf_counter()
+        if self.max_steps is None:
+            self.max_steps = int(state.max_steps)
+        state.train_batch_size = self.trainer._train_batch_size
+        optimizer = getattr(self.trainer, "optimizer", None)
+        tuner.optimizer = getattr(optimizer, "optimizer", optimizer)
+        tuner.model = self.trainer.model
+        if self.resume_at is not None:
+            self.epoch = self.resume_at[0] - 1
+
+    def epoch_begin(self) -> None:
+        """A new epoch of the loop (the resumed one continues its sample count)."""
+        self.epoch += 1
+        if self.resume_at is not None and self.resume_at[0] == self.epoch:
+            self.consumed = self.resume_at[1]
+        else:
+            self.consumed = 0
+
+    def boundary(self, state: Any, control: Any) -> None:
+        """The checkpoint boundary: apply, then stop the loop so ``train`` resumes with the change."""
+        applied = self.tuner.checkpoint()
+        try:
+            if applied is None or not applied.changes:
+                return
+            if state.global_step >= (self.max_steps or state.max_steps):
+                log.info("memtui: %s; the run is at its last step: kept for a resume", applied)
+                return
+            checkpoint = os.path.join(
+                self.trainer.args.output_dir, f"checkpoint-{state.global_step}"
+            )
+            self.restart = (checkpoint, self.epoch, self.consumed)
+            control.should_training_stop = True
+            log.info("memtui: resuming from %s with the new settings", checkpoint)
+        except Exception as exc:
+            self.tuner._report(exc, "hf boundary")
+
+    def _prepare_resume(self, epoch: int, consumed: int) -> None:
+        """Copy the applied knobs into the ``TrainingArguments`` and pin ``max_steps``."""
+        trainer = self.trainer
+        args = trainer.args
+        for name, value in self.staged.items():
+            setattr(args, name, value)
+        if self.max_steps is not None:
+            args.max_steps = self.max_steps
+        trainer._train_batch_size = args.train_batch_size
+        if not self.user_optimizer:
+            trainer.optimizer = None
+            trainer.lr_scheduler = None
+        size = self.sampler.size if self.sampler is not None else None
+        if size is not None and consumed >= size:
+            epoch, consumed = epoch + 1, 0
+        self.resume_at = (epoch, consumed)
+        self.restarts += 1
+
+
+def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
+    """Hook memtui into ``trainer`` and return its Tuner (``trainer.train()`` runs as usual)."""
+    tuner_kwargs.pop("config", None)
+    tuner_kwargs.pop("knobs", None)
+    tuner_kwargs.pop("auto_step", None)
+    if tuner_kwargs.get("state_dir") is None:
+        tuner_kwargs["state_dir"] = trainer.args.output_dir
+    options = tuner_kwargs.get("options") or Options()
+    tuner_kwargs["options"] = options
+    tuner_kwargs.pop("model", None)
+    tuner_kwargs.pop("optimizer", None)
+    return HFAdapter(trainer, tuner_kwargs).tuner

@@ -1,0 +1,122 @@
+"""The recommendations panel: memtui's ranked options on the run's live numbers (the same
+function as ``memtui status --json``), each with its expected memory and speed change and the
+resulting effective batch; ``o`` queues the top one that memtui can apply, ``O`` picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from rich.console import RenderableType
+from rich.text import Text
+
+from memtui.advice.recommend import Recommendation
+from memtui.stats import format_bytes
+from memtui.tui.palette import chips
+from memtui.tui.state import RunState, ViewOptions
+from memtui.tui.widgets.base import StateView
+
+SHOWN = 2
+"""Recommendations listed (the rest are counted; the narrow layout lists one)."""
+
+
+def _signed_bytes(value: int) -> str:
+    if value == 0:
+        return "±0"
+    return ("+" if value > 0 else "-") + format_bytes(abs(value))
+
+
+def is_pending(option: Recommendation, state: RunState) -> bool:
+    """The option's changes are already what the pending changes will set."""
+    pending = state.pending_values()
+    return bool(option.changes) and all(pending.get(k) == v for k, v in option.changes.items())
+
+
+def expected(option: Recommendation) -> list[tuple[str, str]]:
+    """The option's expected effects as (text, style) chips."""
+    parts: list[tuple[str, str]] = []
+    if option.memory_delta_bytes is not None:
+        memory = f"memory {_signed_bytes(option.memory_delta_bytes)}"
+        if option.predicted_peak_bytes is not None:
+            memory += f" (peak {format_bytes(option.predicted_peak_bytes)})"
+        parts.append((memory, "yellow" if option.memory_delta_bytes > 0 else "green"))
+    else:
+        parts.append(("memory ?", "dim"))
+    if option.host_delta_bytes:
+        parts.append((f"host {_signed_bytes(option.host_delta_bytes)}", "dim"))
+    if option.speed_delta is not None:
+        parts.append(
+            (f"speed {option.speed_delta:+.0%}", "green" if option.speed_delta > 0 else "yellow")
+        )
+    else:
+        parts.append(("speed: measured once applied", "dim"))
+    if option.effective_batch is not None:
+        parts.append((f"eff. batch {option.effective_batch}", ""))
+    return parts
+
+
+def top_applicable(
+    options: list[Recommendation], state: RunState | None = None
+) -> Recommendation | None:
+    """The best option memtui can queue itself and that is not pending yet (None: none)."""
+    return next(
+        (o for o in options if o.applicable and (state is None or not is_pending(o, state))),
+        None,
+    )
+
+
+def advice_lines(
+    state: RunState, view: ViewOptions, width: int, narrow: bool, multirank: bool = False
+) -> list[Text]:
+    """Each option: its rank and title (marked when it needs a restart or a code change), then
+    its expected effects; the reason behind it in the wide layout."""
+    advice = state.summary().advice
+    if advice is None:
+        return [Text("waiting for the run's config", "dim")]
+    options = advice.recommendations
+    if not options:
+        return [Text("nothing to recommend now: no threshold is near", "dim")]
+    top = top_applicable(options, state)
+    lines: list[Text] = []
+    shown = 1 if narrow or multirank else SHOWN
+    for rank, option in enumerate(options[:shown], start=1):
+        line = Text(f"{rank}. ", "bold")
+        line.append(option.title, "bold" if option.applicable else "")
+        if option.needs_restart:
+            line.append("  advice only: restart or code change", "dim")
+        elif not option.applicable:
+            line.append("  advice only", "dim")
+        elif is_pending(option, state):
+            line.append("  pending", "bold yellow")
+        elif option is top and not view.readonly:
+            line.append("  o: queue it", "bold cyan")
+        if multirank:  # one line beside the per-rank table (O lists them in full)
+            for text, style in expected(option):
+                line.append(" · ", "dim")
+                line.append(text, style)
+            lines.append(line)
+            continue
+        lines.append(line)
+        effects = chips(expected(option), separator=" · ", width=max(10, width - 3))
+        for part in effects.split("\n"):
+            lines.append(Text("   ").append_text(part))
+    if len(options) > shown and not multirank:  # beside the per-rank table: no room
+        more = len(options) - shown
+        hint = f"+{more} more" + ("" if view.readonly else " (O lists them)")
+        lines.append(Text(hint, "dim"))
+    return lines
+
+
+class AdvicePanel(StateView):
+    """Ranked recommendations with their expected effects."""
+
+    DEFAULT_CSS = "AdvicePanel { height: auto; }"
+
+    def key(self, state: RunState, view: ViewOptions) -> Hashable:
+        """Repaint when the recommendations (made at the summary's rate) change."""
+        advice = state.summary().advice
+        options = tuple(advice.recommendations) if advice else None
+        return options, view.readonly, state.control_version
+
+    def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
+        """The options, best first."""
+        return Text("\n").join(advice_lines(state, view, width, self.narrow, self.multirank))

@@ -1,0 +1,115 @@
+"""A tiny GPT-2 (built from a config, no download) trained by the Hugging Face Trainer with memtui.
+
+Synthetic token ids; the dataset records which samples the loop received. Waits at step
+``--wait-at`` for ``--go`` to exist (the test queues a change meanwhile), then writes what
+happened to ``--report`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from memtui import hooks
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--report", required=True)
+parser.add_argument("--go", default="")
+parser.add_argument("--wait-at", type=int, default=2)
+parser.add_argument("--samples", type=int, default=64)
+parser.add_argument("--max-steps", type=int, default=12)
+parser.add_argument("--save-steps", type=int, default=4)
+parser.add_argument("--batch-size", type=int, default=4)
+parser.add_argument("--grad-accum", type=int, default=2)
+parser.add_argument("--no-memtui", action="store_true")
+cli = parser.parse_args()
+
+SEQ = 16
+seen: list[int] = []
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Synthetic token ids, distinct per sample (the model's input tells which sample it is)."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (size, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class WaitForGo(TrainerCallback):
+    """Holds the run at one step until the test has queued its change."""
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if cli.go and state.global_step == cli.wait_at:
+            print(f"waiting at step {state.global_step}", flush=True)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(cli.go) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2))
+dataset = Tokens(cli.samples)
+index_of = {tuple(row.tolist()): i for i, row in enumerate(dataset.ids)}
+
+
+def record(module, args, kwargs):  # type: ignore[no-untyped-def]
+    """Every sample the model is trained on, in order (what the loop really consumed)."""
+    if module.training:
+        seen.extend(index_of[tuple(row.tolist())] for row in kwargs["input_ids"])
+
+
+model.register_forward_pre_hook(record, with_kwargs=True)
+args = TrainingArguments(
+    output_dir=cli.out,
+    max_steps=cli.max_steps,
+    per_device_train_batch_size=cli.batch_size,
+    gradient_accumulation_steps=cli.grad_accum,
+    learning_rate=1e-3,
+    lr_scheduler_type="linear",
+    save_strategy="steps",
+    save_steps=cli.save_steps,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    seed=7,
+)
+trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[WaitForGo()])
+tuner = None if cli.no_memtui else hooks.install(trainer)  # the one line
+if tuner is not None:
+    print(f"run {tuner.run_id}", flush=True)
+output = trainer.train()
+steps = [e["step"] for e in trainer.state.log_history if "learning_rate" in e]
+lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+report = {
+    "global_step": trainer.state.global_step,
+    "output_step": output.global_step,
+    "steps": steps,
+    "lrs": lrs,
+    "seen": seen,
+    "args": {
+        "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+    },
+    "tuner_step": tuner.step_count if tuner is not None else None,
+    "restarts": tuner.adapter.restarts if tuner is not None else 0,
+    "orders": [tuner.adapter.sampler.order(e) for e in range(3)] if tuner is not None else [],
+}
+Path(cli.report).write_text(json.dumps(report))
+if tuner is not None:
+    tuner.close()

@@ -1,0 +1,124 @@
+"""A tiny LightningModule trained by a Lightning Trainer with memtui (``hooks.install(trainer)``).
+
+Records the samples trained on, the micro-batches of every optimizer step and the learning
+rate; waits at step ``--wait-at`` for ``--go``; writes ``--report`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from memtui import hooks
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--report", required=True)
+parser.add_argument("--go", default="")
+parser.add_argument("--wait-at", type=int, default=2)
+parser.add_argument("--samples", type=int, default=96)
+parser.add_argument("--package", default="lightning.pytorch")
+cli = parser.parse_args()
+if cli.package == "pytorch_lightning":
+    import pytorch_lightning as pl
+else:
+    import lightning.pytorch as pl
+
+STEPS = 12
+
+
+class Indexed(Dataset):  # type: ignore[type-arg]
+    """Synthetic regression samples that carry their index."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, 8, generator=generator)
+        self.y = torch.randn(size, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return index, self.x[index], self.y[index]
+
+
+class Tiny(pl.LightningModule):
+    """A two-layer regression model that records what it trained on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+        )
+        self.seen: list[int] = []
+        self.micro = 0
+        self.accum_per_step: list[int] = []
+        self.lrs: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        index, x, y = batch
+        self.seen.extend(index.tolist())
+        self.micro += 1
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.accum_per_step.append(self.micro)
+        self.micro = 0
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / STEPS)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+class WaitForGo(pl.Callback):
+    """Holds the run at one step until the test has queued its change."""
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if cli.go and trainer.global_step == cli.wait_at and not os.path.exists(cli.go):
+            print(f"waiting at step {trainer.global_step}", flush=True)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(cli.go) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+torch.manual_seed(0)
+checkpoints = pl.callbacks.ModelCheckpoint(dirpath=cli.out, every_n_train_steps=4, save_top_k=-1)
+trainer = pl.Trainer(
+    max_steps=STEPS,
+    accumulate_grad_batches=2,
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    callbacks=[checkpoints, WaitForGo()],
+)
+tuner = hooks.install(trainer)  # the one line
+print(f"run {tuner.run_id}", flush=True)
+dataset = Indexed(cli.samples)
+loader = tuner.loader(lambda batch_size=4: DataLoader(dataset, batch_size=batch_size, shuffle=True))
+model = Tiny()
+trainer.fit(model, train_dataloaders=loader)
+report = {
+    "global_step": trainer.global_step,
+    "tuner_step": tuner.step_count,
+    "accum_per_step": model.accum_per_step,
+    "lrs": model.lrs,
+    "seen": model.seen,
+    "accumulate_grad_batches": trainer.accumulate_grad_batches,
+    "batch_size": loader.batch_size,
+}
+Path(cli.report).write_text(json.dumps(report))
+tuner.close()

@@ -1,0 +1,114 @@
+"""Accelerate with ``hooks.install(accelerator, ...)``: a change queued by a real client lands at
+the next ``save_state``, in the loop itself; one process and ``accelerate launch`` with two."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, memtui_cli, wait_for
+
+pytest.importorskip("accelerate")
+
+SCRIPT = Path(__file__).with_name("accel_train.py")
+SAMPLES = 96
+
+
+def run_with_change(
+    tmp_path: Path, launcher: list[str], world: int, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Start the loop, queue batch 4 -> 6 and accumulation 2 -> 3 at step 2, wait for the end."""
+    report, go, log = tmp_path / "report", tmp_path / "go", tmp_path / "train.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            [
+                *launcher,
+                str(SCRIPT),
+                "--out",
+                str(tmp_path / "out"),
+                "--report",
+                str(report),
+                "--go",
+                str(go),
+                "--samples",
+                str(SAMPLES),
+            ],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})),
+        )
+    try:
+        wait_for(
+            lambda: "waiting at step 2" in log.read_text() or proc.poll() is not None,
+            120,
+            what="the loop to reach step 2",
+        )
+        assert proc.poll() is None, log.read_text()
+        run = next(
+            line.split()[1] for line in log.read_text().splitlines() if line.startswith("run ")
+        )
+        setting = memtui_cli("set", run, "batch_size=6", "grad_accum=3")
+        assert setting.returncode == 0, setting.stderr + setting.stdout
+        go.touch()
+        assert proc.wait(180) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reports = [json.loads(Path(f"{report}.{rank}.json").read_text()) for rank in range(world)]
+    return reports
+
+
+def check_common(reports: list[dict[str, Any]]) -> None:
+    for report in reports:
+        assert report["steps"] == 12
+        assert report["accum_per_step"] == [2] * 4 + [3] * 8, "accumulation 3 from step 5 on"
+        assert report["gradient_accumulation_steps"] == report["config_accum"] == 3
+        assert report["batch_size"] == 6
+        expected = [0.1 * (1 - s / 12) for s in range(1, 13)]
+        assert report["lrs"] == pytest.approx(expected), "one scheduler step per optimizer step"
+
+
+def test_change_lands_in_the_loop_one_process(tmp_path: Path) -> None:
+    (report,) = run_with_change(tmp_path, [sys.executable], 1)
+    check_common([report])
+    seen = report["seen"]
+    # 4 steps x 2 x 4 samples, then 24 micro-batches of 6 (one of 4 ends epoch 0)
+    assert len(seen) == 32 + 64 + 13 * 6
+    assert sorted(seen[:SAMPLES]) == list(range(SAMPLES)), "epoch 0: every sample once"
+    assert len(set(seen[SAMPLES:])) == len(seen) - SAMPLES, "epoch 1: no sample twice"
+
+
+def test_same_change_same_step_under_accelerate_launch(tmp_path: Path) -> None:
+    # `--cpu` alone runs one process (several CPU processes go through mpirun); torchrun's
+    # launcher with ACCELERATE_USE_CPU gives MULTI_CPU over gloo
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
+    reports = run_with_change(tmp_path, launcher, 2, {"ACCELERATE_USE_CPU": "true"})
+    check_common(reports)
+    # global batches of 4 x 2 ranks, then 6 x 2: epoch 0 is 32 + 64 samples split between ranks
+    first = [i for r in reports for i in r["seen"][:16]]
+    assert len(set(first)) == 32, "before the change: no sample on both ranks"
+    after = [i for r in reports for i in r["seen"][16:48]]
+    assert sorted(first + after) == list(range(SAMPLES)), "epoch 0: every sample once over ranks"

@@ -1,0 +1,395 @@
+"""``memtui estimate`` and the shared static arithmetic, checked against real tensors on the CPU."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from memtui import estimate, memmath
+from memtui.hooks.memory import static_memory
+from tests.conftest import memtui_cli
+
+GB = 10**9
+
+
+class MLP(torch.nn.Module):
+    """A small MLP on feature vectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(torch.nn.Module):
+    """One pre-norm transformer block with q/k/v/o projections (the names LoRA targets)."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.q_proj = torch.nn.Linear(width, width)
+        self.k_proj = torch.nn.Linear(width, width)
+        self.v_proj = torch.nn.Linear(width, width)
+        self.o_proj = torch.nn.Linear(width, width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        y = self.norm1(x)
+        q, k, v = (
+            proj(y).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class TinyGPT(torch.nn.Module):
+    """A two-block decoder over a 128-token vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 32)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 128, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One real forward, backward and optimizer step on the CPU."""
+    if isinstance(model, TinyGPT):
+        tokens = torch.randint(0, 128, (4, 16))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    else:
+        dtype = next(model.parameters()).dtype
+        loss = model(torch.randn(8, 32, dtype=dtype)).float().square().mean()
+    loss.backward()
+    optimizer.step()
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def real_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the real parameters, gradients and each optimizer state after a step."""
+    parts = {
+        "parameters": sum(nbytes(p) for p in model.parameters()),
+        "gradients": sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
+    }
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                parts[name] = parts.get(name, 0) + nbytes(value)
+    return parts
+
+
+def estimated_parts(static: memmath.StaticEstimate) -> dict[str, int]:
+    parts = {"parameters": static.parameters, "gradients": static.gradients}
+    parts.update({s.name: s.bytes for s in static.states if s.bytes})
+    return parts
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("optimizer_kind", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("model_class", "dtype"),
+    [(MLP, torch.float32), (TinyGPT, torch.float32), (MLP, torch.bfloat16)],
+)
+def test_static_parts_match_real_tensors_exactly(
+    model_class: type[torch.nn.Module], dtype: torch.dtype, optimizer_kind: str
+) -> None:
+    """After a real step, params, grads and every optimizer state equal the arithmetic's bytes."""
+    torch.manual_seed(0)
+    model = model_class().to(dtype)
+    specs = estimate.tensor_specs(model)
+    optimizer = OPTIMIZERS[optimizer_kind](model.parameters())
+    train_step(model, optimizer)
+    static = memmath.static_estimate(specs, optimizer_kind, step_on_device=True)
+    assert estimated_parts(static) == real_parts(model, optimizer)
+    if optimizer_kind in {"adam", "adamw"}:  # torch makes the moments with zeros_like(param)
+        states = next(iter(optimizer.state.values()))
+        assert states["exp_avg"].dtype == dtype == states["exp_avg_sq"].dtype
+        assert {s.dtype for s in static.states if s.name.startswith("exp")} == {
+            memmath.dtype_name(dtype)
+        }
+
+
+def test_frozen_parameters_have_no_gradients_or_state() -> None:
+    """A model with its embedding and first block frozen: exact, and smaller than full."""
+    model = TinyGPT()
+    for name, param in model.named_parameters():
+        if name.startswith(("embed.", "blocks.0.")):
+            param.requires_grad_(False)
+    specs = estimate.tensor_specs(model)
+    assert specs == memmath.freeze(estimate.tensor_specs(TinyGPT()), ["embed", "blocks.0.*"]), (
+        "--freeze patterns select the same parameters"
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    train_step(model, optimizer)
+    static = memmath.static_estimate(specs, "adamw", step_on_device=True)
+    assert estimated_parts(static) == real_parts(model, optimizer)
+    assert static.trainable_params < static.total_params
+
+
+def test_lora_adapters_match_real_tensors() -> None:
+    """LoRA r=4 on q_proj and v_proj: base frozen, only A and B get gradients and AdamW state."""
+    model = TinyGPT()
+    targets = memmath.lora_targets(estimate.linear_specs(model), ["q_proj", "v_proj"])
+    specs = memmath.with_lora(estimate.tensor_specs(model), targets, rank=4)
+    assert estimate.apply_lora(model, ["q_proj", "v_proj"], rank=4) == len(targets) == 4
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable)
+    with torch.no_grad():  # B starts at zero in LoRA; make A's gradient non-zero too
+        for p in trainable:
+            p.normal_()
+    train_step(model, optimizer)
+    static = memmath.static_estimate(specs, "adamw", step_on_device=True)
+    assert estimated_parts(static) == real_parts(model, optimizer)
+    assert static.trainable_params == 4 * (4 * (32 + 32)) == sum(p.numel() for p in trainable)
+
+
+def test_live_breakdown_uses_the_same_arithmetic() -> None:
+    """The hook's static memory: expected before the first step == measured after == estimate."""
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = static_memory(model, optimizer, "cpu")
+    train_step(model, optimizer)
+    after = static_memory(model, optimizer, "cpu")
+    static = memmath.static_estimate(estimate.tensor_specs(model), "adamw", step_on_device=True)
+    assert before.optimizer_note.startswith("expected before the first step")
+    assert after.optimizer_note == "measured"
+    assert before.optimizer_bytes == after.optimizer_bytes == static.optimizer_bytes
+    assert before.parameters_bytes == after.parameters_bytes == static.parameters
+    assert before.gradients_bytes == after.gradients_bytes == static.gradients
+
+
+def test_seed_002_budget_and_where_the_hand_arithmetic_goes_wrong() -> None:
+    """Seed 002 (7B reward model): 14 GB params and 14 GB grads are right; the moments are not.
+
+    The seed wrote "fp32 AdamW (momentum and variance) 28 GB". Two fp32 moments for 7B
+    parameters are 56 GB; 28 GB is what plain torch keeps for bf16 parameters (its moments are
+    bf16, made by zeros_like). Fp32 moments come with an fp32 master copy: another 28 GB.
+    """
+    seven_b = memmath.uniform_tensors(7 * GB, "bfloat16")
+    plain = memmath.static_estimate(seven_b, "adamw")
+    assert plain.parameters == 14 * GB
+    assert plain.gradients == 14 * GB
+    assert {s.name: (s.bytes, s.dtype) for s in plain.states if s.bytes} == {
+        "exp_avg": (14 * GB, "bfloat16"),
+        "exp_avg_sq": (14 * GB, "bfloat16"),
+    }
+    assert [s.name for s in plain.states] == ["exp_avg", "exp_avg_sq", "step"]
+
+    master = memmath.static_estimate(seven_b, "adamw", master_weights=True)
+    assert master.parameters == 14 * GB and master.gradients == 14 * GB
+    assert {s.name: (s.bytes, s.dtype) for s in master.states if s.bytes} == {
+        "exp_avg": (28 * GB, "float32"),
+        "exp_avg_sq": (28 * GB, "float32"),
+    }
+    assert master.optimizer_bytes == 56 * GB, "two fp32 moments: 56 GB, not 28"
+    assert master.master == 28 * GB
+    assert master.total == 112 * GB, "16 bytes per parameter (the ZeRO paper's 2 + 2 + 12)"
+    seed_sum = 14 * GB + 28 * GB + 14 * GB
+    assert master.total - seed_sum == 56 * GB, "the seed's static sum misses 56 GB"
+
+    eight_bit = memmath.static_estimate(seven_b, "adam8bit")
+    assert 14 * GB <= eight_bit.optimizer_bytes < 14.25 * GB  # 2 B/param + 1/32 B absmax
+
+
+def mistral_7b() -> tuple[list[memmath.TensorSpec], list[memmath.LinearSpec]]:
+    """Mistral-7B's parameters and linear layers (32 layers, hidden 4096, 8 KV heads), bf16."""
+    hidden, ffn, kv, vocab = 4096, 14336, 1024, 32000
+    tensors = [memmath.TensorSpec("model.embed_tokens.weight", vocab * hidden, "bfloat16")]
+    linears = []
+    for layer in range(32):
+        for name, (d_in, d_out) in {
+            "self_attn.q_proj": (hidden, hidden),
+            "self_attn.k_proj": (hidden, kv),
+            "self_attn.v_proj": (hidden, kv),
+            "self_attn.o_proj": (hidden, hidden),
+            "mlp.gate_proj": (hidden, ffn),
+            "mlp.up_proj": (hidden, ffn),
+            "mlp.down_proj": (ffn, hidden),
+        }.items():
+            full = f"model.layers.{layer}.{name}"
+            linears.append(memmath.LinearSpec(full, d_in, d_out, "bfloat16"))
+            tensors.append(memmath.TensorSpec(f"{full}.weight", d_in * d_out, "bfloat16"))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors.append(memmath.TensorSpec(f"model.layers.{layer}.{norm}", hidden, "bfloat16"))
+    tensors.append(memmath.TensorSpec("model.norm.weight", hidden, "bfloat16"))
+    tensors.append(memmath.TensorSpec("lm_head.weight", vocab * hidden, "bfloat16"))
+    return tensors, linears
+
+
+def test_seed_002_lora_saves_about_40_gb() -> None:
+    """LoRA r=16 on q_proj,v_proj of Mistral-7B: 6.8M fp32 adapters; ~43 GB less than full."""
+    tensors, linears = mistral_7b()
+    assert sum(t.numel for t in tensors) == 7_241_732_096
+    full = memmath.static_estimate(tensors, "adamw")
+    targets = memmath.lora_targets(linears, ["q_proj", "v_proj"])
+    lora = memmath.static_estimate(memmath.with_lora(tensors, targets, 16), "adamw")
+    assert lora.trainable_params == 6_815_744
+    assert lora.gradients + lora.optimizer_bytes == 6_815_744 * 12  # fp32 grads + 2 moments
+    assert 42 * GB < full.total - lora.total < 44 * GB
+
+
+def test_zero_sharding_reproduces_the_zero_paper() -> None:
+    """ZeRO paper, figure 1: 7.5B params, 64 GPUs, fp16 + fp32 Adam (K = 12)."""
+    specs = memmath.uniform_tensors(7_500_000_000, "float16")
+    per_gpu = {
+        stage: memmath.static_estimate(specs, "adam", True, stage, 64).total / GB
+        for stage in (0, 1, 2, 3)
+    }
+    assert per_gpu[0] == 120
+    assert per_gpu[1] == pytest.approx(31.4, abs=0.05)
+    assert per_gpu[2] == pytest.approx(16.6, abs=0.05)
+    assert per_gpu[3] == pytest.approx(1.9, abs=0.05)
+
+
+def test_adam8bit_states_follow_bitsandbytes() -> None:
+    """Block-wise 8-bit: 1 B per element per state + fp32 absmax per 256; small tensors fp32."""
+    specs = [memmath.TensorSpec("big", 10_000), memmath.TensorSpec("small", 100)]
+    states = {s.name: s.bytes for s in memmath.static_estimate(specs, "adam8bit").states}
+    blocks = -(-10_000 // 256)
+    assert states == {
+        "state1": 10_000,
+        "state2": 10_000,
+        "absmax1": 4 * blocks,
+        "absmax2": 4 * blocks,
+        "state1+state2 (small tensors)": 8 * 100,
+    }
+
+
+MEASURE_TOLERANCE = 0.02
+"""Extrapolated activations at micro-batch 4 within 2% of the measured ones."""
+
+
+@pytest.mark.parametrize("model_class", [TinyGPT, MLP])
+def test_measured_activations_extrapolate_to_a_third_batch(
+    model_class: type[torch.nn.Module],
+) -> None:
+    """The line through micro-batches 1 and 2 predicts micro-batch 4 (measured for real)."""
+    model = model_class()
+    seq_len = 16 if model_class is TinyGPT else None
+    line = estimate.measure_activations(model, seq_len)
+    measured = estimate.saved_bytes(model, 4, seq_len)
+    assert line.per_sample > 0
+    assert abs(line.at(4) - measured) <= MEASURE_TOLERANCE * measured
+    assert all(p.grad is None for p in model.parameters()), "the measurement leaves no grads"
+
+
+def test_largest_batch_is_the_edge_of_the_band() -> None:
+    """The largest micro-batch fits under 85%; one more does not."""
+    card = 24 * 2**30
+    static, fixed, per = 9 * 2**30, 100 * 2**20, 350 * 2**20
+    batch = memmath.largest_batch(static, fixed, per, card)
+    assert memmath.total_bytes(static, fixed, per, batch) <= 0.85 * card
+    assert memmath.total_bytes(static, fixed, per, batch + 1) > 0.85 * card
+    assert memmath.largest_batch(30 * 2**30, fixed, per, card) == 0
+
+
+def test_cli_estimate_params_json() -> None:
+    """``memtui estimate --params 7B`` as JSON: the parts, the per-state list and the fit."""
+    result = memtui_cli(
+        "estimate", "--params", "7B", "--mixed-precision", "master", "--seq-len", "512",
+        "--batch-size", "2", "--gpu-memory", "80GB", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["param_dtype"] == "bfloat16"
+    assert data["parts"]["master"] == 28 * GB
+    assert [s["name"] for s in data["optimizer_states"]] == ["exp_avg", "exp_avg_sq", "step"]
+    assert data["activations"]["method"] == "formula"
+    assert data["largest_batch"] == 0, "112 GB of static state does not fit an 80 GB card"
+
+
+def test_cli_estimate_model_table() -> None:
+    """``--model`` builds a real model, measures activations and prints the table."""
+    result = memtui_cli(
+        "estimate", "--model", "tests.test_estimate:TinyGPT", "--seq-len", "16",
+        "--batch-size", "8", "--optimizer", "sgd-momentum", "--gpu-memory", "8GiB",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "momentum_buffer" in result.stdout
+    assert "measured on the CPU" in result.stdout
+    assert "largest micro-batch under 85%" in result.stdout
+
+
+def test_cli_estimate_errors_are_plain() -> None:
+    """Bad inputs exit 2 with one line on stderr."""
+    both = memtui_cli("estimate", "--params", "7B", "--model", "x:y")
+    assert both.returncode == 2 and "exactly one" in both.stderr
+    amp = memtui_cli("estimate", "--params", "1B", "--dtype", "bf16", "--mixed-precision", "amp")
+    assert amp.returncode == 2 and "stay float32" in amp.stderr
+    lora = memtui_cli("estimate", "--params", "1B", "--lora-rank", "8", "--seq-len", "8")
+    assert lora.returncode == 2 and "need the model's layers" in lora.stderr
+
+
+TINY_MISTRAL = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+
+
+def test_hf_config_builds_without_download(tmp_path: Any) -> None:
+    """A Hugging Face config.json on disk: built, LoRA applied by module name, measured."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MISTRAL))
+    options = estimate.Options(hf_config=str(config), seq_len=16, lora_rank=4, batch_size=2)
+    result = estimate.estimate(options)
+    assert result.lora_layers == 4  # q_proj and v_proj in two layers
+    assert result.static.trainable_params == 2 * 4 * ((64 + 64) + (64 + 32))
+    assert result.activations.method == "measured"
+    assert "on the CPU" in result.activations.explanation
+
+
+def test_hf_config_without_transformers_says_so(tmp_path: Any) -> None:
+    """Where transformers is not installed, --hf-config fails with the reason (exit 2)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MISTRAL))
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from memtui.cli import main\n"
+        f"main(['estimate', '--hf-config', {str(config)!r}, '--seq-len', '8'])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "needs the transformers package" in result.stderr

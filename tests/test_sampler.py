@@ -1,0 +1,42 @@
+"""The CPU device's memory: forked loader workers count with their own memory, not their RSS."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader
+
+from memtui.hooks.sampler import CpuDeviceProbe, HostProbe
+
+
+class Ballast(torch.utils.data.Dataset[torch.Tensor]):
+    """Samples from a large array the main process allocated before the workers forked."""
+
+    def __init__(self) -> None:
+        self.array = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB shared with the workers
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.array[index * 1024 : index * 1024 + 8].clone()
+
+
+def test_workers_count_with_their_own_memory() -> None:
+    loader = DataLoader(Ballast(), batch_size=4, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)  # the workers are up
+    try:
+        host = HostProbe(os.getpid())
+        device = CpuDeviceProbe(host)
+        sample = device.sample(step=1)
+        main, workers, workers_rss = host.tree_rss(0.0)
+        assert workers == 2
+        uss = host.workers_own_bytes(0.0, workers_rss)
+        assert 0 < uss < workers_rss, "USS leaves out the pages shared with the main process"
+        # the device's resident memory is the main RSS plus the workers' USS, not their RSS
+        assert sample.reserved_bytes < main + workers_rss
+        assert abs(sample.reserved_bytes - (main + uss)) < 32 << 20
+    finally:
+        del iterator
