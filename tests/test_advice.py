@@ -418,3 +418,19 @@ def test_verdicts_on_the_recorded_advice_stream() -> None:
     assert data["verdict"]["state"] == "UNDERUSED"
     assert data["verdict"]["thresholds_from"]
     assert data["recommendations"][0]["title"].startswith("bigger micro-batch")
+
+
+def test_recommendations_follow_the_configured_thresholds() -> None:
+    base = dict(
+        config=Knobs(batch_size=16, grad_accum=8, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.02, samples_per_s=128, steps_per_s=1
+        ),
+        samples_per_step=128,
+        model=_model(16, 0.45),
+        device_kind="cuda",
+    )
+    assert recommend(Inputs(**base))[0].title.startswith("bigger micro-batch")  # type: ignore[arg-type]
+    stricter = Inputs(**base, underused_memory_fraction=0.40)  # type: ignore[arg-type]
+    assert not any(r.title.startswith("bigger") for r in recommend(stricter))

@@ -127,3 +127,31 @@ def test_no_driver_says_so_and_exits_non_zero(args: Any) -> None:
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.startswith("memtui: no NVIDIA driver on this host")
+
+
+def test_watch_refreshes_until_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--watch`` reads NVML again at every refresh (the stand-in NVML; no GPU here)."""
+    from click.testing import CliRunner
+
+    import memtui.gpus
+    from memtui.cli import main
+
+    reads: list[int] = []
+
+    def host_gpus() -> list[GpuInfo]:
+        reads.append(1)
+        return read_gpus(FakeNvml(), describe)
+
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(memtui.gpus, "host_gpus", host_gpus)
+    monkeypatch.setattr("memtui.cli.time.sleep", sleep)
+    result = CliRunner().invoke(main, ["gpus", "--watch", "--interval", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert len(reads) == 3 and sleeps == [0.5, 0.5, 0.5]
+    assert result.output.count("GPU  NAME") == 3, "one table per refresh"

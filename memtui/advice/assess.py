@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memtui.advice.breakdown import Breakdown, breakdown
-from memtui.advice.predict import EDGE, confidence, max_batch
+from memtui.advice.predict import confidence, max_batch
 from memtui.advice.recommend import Inputs as RecommendInputs
 from memtui.advice.recommend import Recommendation, recommend
+from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
 from memtui.advice.verdict import Inputs as VerdictInputs
-from memtui.advice.verdict import State, Thresholds, Verdict, decide
 from memtui.stats import MemoryStats, StepStats, ram_fraction, summarize_device, summarize_steps
 from memtui.wire import ControlState, HostSample, Snapshot
 
@@ -65,9 +65,11 @@ def advise(
     samples_per_step: float | None,
     host: HostSample | None,
     verdict: Verdict,
+    thresholds: Thresholds | None = None,
 ) -> Advice:
     """Breakdown, recommendations and limits from one rank's live numbers (``memtui status
-    --json`` and the viewer both use this)."""
+    --json`` and the viewer both use this), against the verdict's thresholds in force."""
+    limits = thresholds or THRESHOLDS
     model = control.model
     split = breakdown(memory, control.static, model) if memory is not None else None
     options = recommend(
@@ -82,12 +84,17 @@ def advise(
             host=host,
             host_pressure=verdict.state is State.HOST_PRESSURE,
             device_kind=memory.kind if memory is not None else "cpu",
+            starved_wait_fraction=limits.starved_wait_fraction,
+            underused_memory_fraction=limits.underused_memory_fraction,
+            memory_edge_fraction=limits.memory_edge_fraction,
         )
     )
     return Advice(
         breakdown=split,
         recommendations=options,
-        max_safe_batch_size=max_batch(model, EDGE) if model is not None else None,
+        max_safe_batch_size=(
+            max_batch(model, limits.memory_edge_fraction) if model is not None else None
+        ),
         model_confidence=confidence(model) if model is not None else "no model yet",
     )
 
@@ -156,6 +163,7 @@ def assess(
         float(last.samples) if last is not None and last.samples else None,
         snapshot.host[-1] if snapshot.host else None,
         verdict,
+        thresholds,
     )
     return Assessment(
         verdict=verdict,

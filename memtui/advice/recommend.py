@@ -49,6 +49,12 @@ class Inputs:
     host_pressure: bool = False
     device_kind: str = "cpu"
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    starved_wait_fraction: float = STARVED
+    """The verdict's STARVED threshold in force (the YAML config may change it)."""
+    underused_memory_fraction: float = UNDERUSED
+    """The verdict's UNDERUSED threshold in force."""
+    memory_edge_fraction: float = EDGE
+    """The verdict's OOM edge in force: bigger batches stay under it, smaller ones get back."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
     wait = steps.data_wait_fraction
     per_worker = _per_worker_bytes(inputs)
     workers = config.num_workers
-    if wait >= STARVED and model is not None and not inputs.host_pressure:
+    if wait >= inputs.starved_wait_fraction and model is not None and not inputs.host_pressure:
         compute, per_sample, samples = model
         wanted = math.ceil(per_sample * samples / compute - 1e-9) if compute > 0 else workers + 2
         wanted = max(workers + 1, min(wanted + 1, max_workers(inputs.cpus)))
@@ -233,14 +239,18 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     target = batch * (accum or 1)
     peak_now = predict_peak(model, batch)
     frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
-    safe = max_batch(model, EDGE)
-    starved = inputs.steps is not None and inputs.steps.data_wait_fraction >= STARVED
+    edge = inputs.memory_edge_fraction
+    underused = inputs.underused_memory_fraction
+    safe = max_batch(model, edge)
+    starved = (
+        inputs.steps is not None and inputs.steps.data_wait_fraction >= inputs.starved_wait_fraction
+    )
     keep = "grad_accum" in inputs.tunable and accum is not None
     # the effective batch can only be kept by trading accumulation for micro-batch: at
     # grad_accum 1 a bigger micro-batch grows the effective batch (and the title says so)
     keep_bigger = keep and (accum or 1) > 1
     bigger = batch
-    if frac_now < UNDERUSED and not starved and safe is not None and safe > batch:
+    if frac_now < underused and not starved and safe is not None and safe > batch:
         bigger = _friendly(min(safe, batch * 2), target if keep_bigger else None)
         if bigger <= batch:  # no divisor of the effective batch above the current micro-batch
             bigger = min(safe, batch * 2)
@@ -266,10 +276,10 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 predicted_peak_bytes=peak,
                 speed_delta=None,
                 effective_batch=_effective(config, inputs.world_size, bigger, new_accum),
-                score=2.0 + (UNDERUSED - frac_now),
+                score=2.0 + (underused - frac_now),
             )
         )
-    if frac_now >= EDGE and batch > 1:
+    if frac_now >= edge and batch > 1:
         smaller = _friendly(
             max(1, min(safe if safe else batch // 2, batch - 1)), target if keep else None
         )
@@ -329,7 +339,7 @@ def _memory_advice(inputs: Inputs) -> list[Recommendation]:
                     score=2.5 + share,
                 )
             )
-    if peak_fraction >= EDGE:
+    if peak_fraction >= inputs.memory_edge_fraction:
         activations = None
         if model is not None and inputs.config.batch_size:
             activations = int(model.per_sample_bytes * inputs.config.batch_size)

@@ -869,7 +869,9 @@ class RunState:
         last = series.steps[-1] if series is not None and series.steps else None
         samples = float(last.samples) if last is not None and last.samples else None
         own_host = series.host if series is not None and series.host is not None else host
-        return advise(self.control, memory, steps, samples, own_host, verdict)
+        return advise(
+            self.control, memory, steps, samples, own_host, verdict, self.thresholds.thresholds
+        )
 
     def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
         """The host sample the verdict weighs (the fullest host of any rank) and its swap growth."""
