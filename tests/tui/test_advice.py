@@ -242,13 +242,13 @@ def test_bar_cells_fill_the_width_and_keep_small_parts_visible() -> None:
 def test_live_demo_queue_the_recommendation_and_see_its_effect(
     start_demo: Callable[..., DemoRun],
 ) -> None:
-    """A real CPU demo (torch, in a subprocess) under a 900 MiB limit at micro-batch 4 x 2:
+    """A real CPU demo (torch, in a subprocess) under a 1100 MiB limit at micro-batch 4 x 2:
     UNDERUSED; ``o`` queues the bigger micro-batch it recommends (accumulation lowered to keep
     the effective batch); the pending line shows its predicted peak; it lands, and the change
     log shows the measured effect and the prediction error."""
     demo = start_demo(
         "--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "0",
-        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "900MiB", *HEAVY,
+        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", *HEAVY,
     )  # fmt: skip
     app = MemtuiApp(LiveSource(demo.run_id))
 
