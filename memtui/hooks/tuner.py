@@ -175,6 +175,7 @@ class Tuner:
         name: str | None = None,
         auto_step: bool = False,
         options: Options | None = None,
+        placement: tuple[int, int, int] | None = None,
     ) -> None:
         # hot-path state first, so every method works even if the rest fails
         self._step = 0
@@ -216,7 +217,9 @@ class Tuner:
         self.optimizer = optimizer
         self.config = config
         self.binding = ConfigBinding(config, knobs)
-        self.rank, self.local_rank, self.world_size = _rank_env()
+        self.rank, self.local_rank, self.world_size = placement or _rank_env()
+        """``placement``: (rank, local rank, world size) from an adapter whose framework knows them
+        before the launcher's environment or ``torch.distributed`` says (Lightning)."""
         self.coordinator: Coordinator | None = None
         self.ranks: list[RankInfo] = []
         """Where every rank of the run publishes (filled at install)."""
@@ -237,6 +240,7 @@ class Tuner:
                 self._report(exc, "coordination")
                 coordination_error = f"ranks could not coordinate ({exc})"
                 self.coordinator = None
+        self._state_dir_given = bool(state_dir)
         self.state_dir = Path(state_dir) if state_dir else registry.state_home() / self.run_id
         self.tuned_paths = [self.state_dir / TUNED_FILE]
         if tuned_path:
@@ -291,10 +295,71 @@ class Tuner:
             except Exception as exc:
                 self._report(exc, "register")
 
+    def coordinate(self) -> bool:
+        """Start coordinating with the other ranks once ``torch.distributed`` is initialised.
+
+        ``install`` does this itself when the process group already exists; an adapter whose
+        framework starts it later (Lightning, inside ``fit``) calls this on every rank at the same
+        point (it is a collective). Every rank then takes rank 0's run id and the ranks exchange
+        their endpoints, as at install. Returns whether changes are coordinated.
+        """
+        if self.coordinator is not None:
+            return True
+        dist = _dist()
+        if dist is None:
+            return False
+        try:
+            coordinator = Coordinator(
+                dist,
+                timeout_s=self.options.boundary_timeout_s,
+                warn_every_s=self.options.boundary_warn_s,
+            )
+            run_id = str(coordinator.agree(self.run_id))
+            coordinator.attach_store(run_id)
+            if coordinator.rank != self.rank:
+                log.warning(
+                    "memtui: this process is rank %d, not %d as it seemed at install",
+                    coordinator.rank,
+                    self.rank,
+                )
+            self.rank, self.world_size = coordinator.rank, coordinator.world_size
+            self.control.world_size = self.world_size
+            self.info.rank, self.info.world_size = self.rank, self.world_size
+            if run_id != self.run_id:
+                self._adopt_run_id(run_id)
+            self.ranks = coordinator.gather(self._my_endpoints())
+        except Exception as exc:  # never apply uncoordinated: changes stay off
+            self._report(exc, "coordination")
+            self.control.disabled = f"ranks could not coordinate ({exc})"
+            return False
+        self.coordinator = coordinator
+        if self._agent is not None and self._agent.failed is None:
+            try:
+                self._agent.register()
+            except Exception as exc:
+                self._report(exc, "register")
+        log.info("memtui: rank %d of %d coordinated in run %s", self.rank, self.world_size, run_id)
+        return True
+
+    def _adopt_run_id(self, run_id: str) -> None:
+        """Join rank 0's run (this rank's sockets stay where they were bound)."""
+        self.run_id = run_id
+        self.info.run = run_id
+        if not self._state_dir_given:
+            self.state_dir = registry.state_home() / run_id
+            self.tuned_paths[0] = self.state_dir / TUNED_FILE
+            self.info.state_dir = str(self.state_dir)
+            self.info.audit_path = str(self.state_dir / AUDIT_FILE)
+            self.info.tuned_path = str(self.tuned_paths[-1])
+
     def _my_endpoints(self) -> RankInfo:
         """Where this rank publishes and answers."""
-        run_dir = registry.RunDir(registry.runtime_dir(create=False) / self.run_id)
         agent = self._agent
+        run_dir = (
+            agent.run_dir
+            if agent is not None
+            else registry.RunDir(registry.runtime_dir(create=False) / self.run_id)
+        )
         return RankInfo(
             rank=self.rank,
             pub=_try(lambda: run_dir.pub_endpoint(self.rank)),
@@ -538,6 +603,16 @@ class Tuner:
         """Decide (rank 0), broadcast, validate and apply the pending changes."""
         taken: list[PendingChange] = self.control.take_pending() if self.rank == 0 else []
         pending = taken
+        if self.coordinator is None and self.world_size > 1 and taken:
+            # one rank of several with no agreement: applying here alone would split the job
+            self.control.record_rejected(
+                taken,
+                f"rank {self.rank} of {self.world_size} is not coordinated with the others "
+                "(torch.distributed was not initialised at install; call tuner.coordinate() on "
+                "every rank once it is)",
+                self._step,
+            )
+            return None
         if self.coordinator is not None:
             agreed, abort = self.coordinator.boundary(self._step, taken)
             if abort:
@@ -778,6 +853,8 @@ class Tuner:
                 self._sampler.stop()
             if self._agent is not None:
                 self._agent.stop()
+                if self.rank != 0 and self._agent.run_dir.path.name != self.run_id:
+                    self._agent.run_dir.remove()  # bound before this rank joined rank 0's run
         except Exception as exc:
             self._report(exc, "close")
         finally:

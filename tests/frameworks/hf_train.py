@@ -2,7 +2,7 @@
 
 Synthetic token ids; the dataset records which samples the loop received. Waits at step
 ``--wait-at`` for ``--go`` to exist (the test queues a change meanwhile), then writes what
-happened to ``--report`` as JSON.
+happened to ``--report`` as JSON (``--report`` with ``.rank<r>`` appended under torchrun).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ cli = parser.parse_args()
 
 SEQ = 16
 seen: list[int] = []
+seen_at_step: dict[int, int] = {}
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -53,8 +54,9 @@ class WaitForGo(TrainerCallback):
     """Holds the run at one step until the test has queued its change."""
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        seen_at_step[state.global_step] = len(seen)
         if cli.go and state.global_step == cli.wait_at:
-            print(f"waiting at step {state.global_step}", flush=True)
+            print(f"rank {args.process_index} waiting at step {state.global_step}", flush=True)
             deadline = time.monotonic() + 60
             while not os.path.exists(cli.go) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -92,7 +94,7 @@ args = TrainingArguments(
 trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[WaitForGo()])
 tuner = None if cli.no_memtui else hooks.install(trainer)  # the one line
 if tuner is not None:
-    print(f"run {tuner.run_id}", flush=True)
+    print(f"run {tuner.run_id} rank {tuner.rank} of {tuner.world_size}", flush=True)
 output = trainer.train()
 steps = [e["step"] for e in trainer.state.log_history if "learning_rate" in e]
 lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
@@ -102,6 +104,7 @@ report = {
     "steps": steps,
     "lrs": lrs,
     "seen": seen,
+    "seen_at_step": seen_at_step,
     "args": {
         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
@@ -109,7 +112,14 @@ report = {
     "tuner_step": tuner.step_count if tuner is not None else None,
     "restarts": tuner.adapter.restarts if tuner is not None else 0,
     "orders": [tuner.adapter.sampler.order(e) for e in range(3)] if tuner is not None else [],
+    "rank": args.process_index,
+    "world_size": args.world_size,
+    "coordinated": tuner is not None and tuner.coordinator is not None,
+    "applied": [[a.step, sorted(a.changes)] for a in tuner.control.applied]
+    if tuner is not None
+    else [],
 }
-Path(cli.report).write_text(json.dumps(report))
+suffix = f".rank{args.process_index}" if args.world_size > 1 else ""
+Path(cli.report + suffix).write_text(json.dumps(report))
 if tuner is not None:
     tuner.close()

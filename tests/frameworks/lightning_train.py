@@ -1,7 +1,9 @@
 """A tiny LightningModule trained by a Lightning Trainer with memtui (``hooks.install(trainer)``).
 
 Records the samples trained on, the micro-batches of every optimizer step and the learning
-rate; waits at step ``--wait-at`` for ``--go``; writes ``--report`` as JSON.
+rate; waits at step ``--wait-at`` for ``--go``; writes ``--report`` as JSON. ``--devices 2`` runs
+``strategy="ddp"`` on two CPU processes (Lightning's launcher, or torchrun when it started this);
+each rank writes ``--report`` with ``.rank<r>`` appended.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ parser.add_argument("--go", default="")
 parser.add_argument("--wait-at", type=int, default=2)
 parser.add_argument("--samples", type=int, default=96)
 parser.add_argument("--package", default="lightning.pytorch")
+parser.add_argument("--devices", type=int, default=1)
 cli = parser.parse_args()
 if cli.package == "pytorch_lightning":
     import pytorch_lightning as pl
@@ -61,6 +64,12 @@ class Tiny(pl.LightningModule):
         self.micro = 0
         self.accum_per_step: list[int] = []
         self.lrs: list[float] = []
+        self.epoch_starts: list[int] = []
+        self.coordinated: list[bool] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.epoch_starts.append(len(self.seen))
+        self.coordinated.append(tuner.coordinator is not None)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         index, x, y = batch
@@ -87,7 +96,7 @@ class WaitForGo(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if cli.go and trainer.global_step == cli.wait_at and not os.path.exists(cli.go):
-            print(f"waiting at step {trainer.global_step}", flush=True)
+            print(f"rank {trainer.global_rank} waiting at step {trainer.global_step}", flush=True)
             deadline = time.monotonic() + 60
             while not os.path.exists(cli.go) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -99,16 +108,20 @@ trainer = pl.Trainer(
     max_steps=STEPS,
     accumulate_grad_batches=2,
     accelerator="cpu",
-    devices=1,
+    devices=cli.devices,
+    strategy="ddp" if cli.devices > 1 else "auto",
     logger=False,
     enable_progress_bar=False,
     enable_model_summary=False,
     callbacks=[checkpoints, WaitForGo()],
 )
 tuner = hooks.install(trainer)  # the one line
-print(f"run {tuner.run_id}", flush=True)
+print(f"run {tuner.run_id} rank {trainer.global_rank}", flush=True)
 dataset = Indexed(cli.samples)
-loader = tuner.loader(lambda batch_size=4: DataLoader(dataset, batch_size=batch_size, shuffle=True))
+order = torch.Generator().manual_seed(0)  # the same shuffled order on every rank
+loader = tuner.loader(
+    lambda batch_size=4: DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=order)
+)
 model = Tiny()
 trainer.fit(model, train_dataloaders=loader)
 report = {
@@ -119,6 +132,13 @@ report = {
     "seen": model.seen,
     "accumulate_grad_batches": trainer.accumulate_grad_batches,
     "batch_size": loader.batch_size,
+    "rank": tuner.rank,
+    "world_size": tuner.world_size,
+    "run": tuner.run_id,
+    "coordinated": model.coordinated,
+    "epoch_starts": model.epoch_starts,
+    "applied": [[a.step, sorted(a.changes)] for a in tuner.control.applied],
 }
-Path(cli.report).write_text(json.dumps(report))
+suffix = f".rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+Path(cli.report + suffix).write_text(json.dumps(report))
 tuner.close()

@@ -4,15 +4,13 @@ the next ``save_state``, in the loop itself; one process and ``accelerate launch
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.frameworks.harness import paused_run
 
 pytest.importorskip("accelerate")
 
@@ -24,44 +22,12 @@ def run_with_change(
     tmp_path: Path, launcher: list[str], world: int, env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """Start the loop, queue batch 4 -> 6 and accumulation 2 -> 3 at step 2, wait for the end."""
-    report, go, log = tmp_path / "report", tmp_path / "go", tmp_path / "train.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            [
-                *launcher,
-                str(SCRIPT),
-                "--out",
-                str(tmp_path / "out"),
-                "--report",
-                str(report),
-                "--go",
-                str(go),
-                "--samples",
-                str(SAMPLES),
-            ],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})),
-        )
-    try:
-        wait_for(
-            lambda: "waiting at step 2" in log.read_text() or proc.poll() is not None,
-            120,
-            what="the loop to reach step 2",
-        )
-        assert proc.poll() is None, log.read_text()
-        run = next(
-            line.split()[1] for line in log.read_text().splitlines() if line.startswith("run ")
-        )
-        setting = memtui_cli("set", run, "batch_size=6", "grad_accum=3")
-        assert setting.returncode == 0, setting.stderr + setting.stdout
-        go.touch()
-        assert proc.wait(180) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    args = ("--samples", str(SAMPLES))
+    extra = dict(OMP_NUM_THREADS="1", **(env or {}))
+    with paused_run(tmp_path, launcher, SCRIPT, *args, report="report", env=extra) as paused:
+        paused.queue_and_go("batch_size=6", "grad_accum=3")
+        paused.finish(180)
+    report = paused.report
     reports = [json.loads(Path(f"{report}.{rank}.json").read_text()) for rank in range(world)]
     return reports
 

@@ -4,64 +4,23 @@ the next save; the run resumes in-process and nothing is lost or repeated."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.frameworks.harness import PYTHON, paused_run
 
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).with_name("hf_train.py")
 
 
-def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path, Path, Path]:
-    report, go, log = tmp_path / "report.json", tmp_path / "go", tmp_path / "train.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                "--out",
-                str(tmp_path / "out"),
-                "--report",
-                str(report),
-                "--go",
-                str(go),
-                *args,
-            ],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    return proc, report, go, log
-
-
 def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> None:
-    proc, report_path, go, log = start(tmp_path)
-    try:
-        wait_for(
-            lambda: "waiting at step 2" in log.read_text() or proc.poll() is not None,
-            120,
-            what="the trainer to reach step 2",
-        )
-        assert proc.poll() is None, log.read_text()
-        run = next(
-            line.split()[1] for line in log.read_text().splitlines() if line.startswith("run ")
-        )
+    with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
         # 4 x 2 -> 6 x 1: 32 samples consumed at step 4 are not a whole number of new steps
-        setting = memtui_cli("set", run, "batch_size=6", "grad_accum=1")
-        assert setting.returncode == 0, setting.stderr
-        go.touch()
-        assert proc.wait(180) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        paused.queue_and_go("batch_size=6", "grad_accum=1")
+        paused.finish(180)
+    report_path = paused.report
     report = json.loads(report_path.read_text())
     assert report["restarts"] == 1
     assert report["global_step"] == report["output_step"] == report["tuner_step"] == 12

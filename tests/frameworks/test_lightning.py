@@ -4,14 +4,11 @@ change queued by a real client lands right after the next checkpoint, inside ``f
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.frameworks.harness import PYTHON, paused_run
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 SAMPLES = 96
@@ -20,46 +17,11 @@ SAMPLES = 96
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
 def test_change_lands_after_the_next_checkpoint(tmp_path: Path, package: str) -> None:
     pytest.importorskip(package)
-    report_path, go, log = tmp_path / "report.json", tmp_path / "go", tmp_path / "train.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                "--out",
-                str(tmp_path / "out"),
-                "--report",
-                str(report_path),
-                "--go",
-                str(go),
-                "--samples",
-                str(SAMPLES),
-                "--package",
-                package,
-            ],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    try:
-        wait_for(
-            lambda: "waiting at step 2" in log.read_text() or proc.poll() is not None,
-            120,
-            what="fit to reach step 2",
-        )
-        assert proc.poll() is None, log.read_text()
-        run = next(
-            line.split()[1] for line in log.read_text().splitlines() if line.startswith("run ")
-        )
-        setting = memtui_cli("set", run, "batch_size=6", "grad_accum=3")
-        assert setting.returncode == 0, setting.stderr + setting.stdout
-        go.touch()
-        assert proc.wait(180) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    args = ("--samples", str(SAMPLES), "--package", package)
+    with paused_run(tmp_path, PYTHON, SCRIPT, *args) as paused:
+        paused.queue_and_go("batch_size=6", "grad_accum=3")
+        paused.finish(180)
+    report_path = paused.report
     report = json.loads(report_path.read_text())
     assert report["global_step"] == report["tuner_step"] == 12
     accum = report["accum_per_step"]

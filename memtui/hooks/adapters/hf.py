@@ -13,7 +13,11 @@ states and the callbacks' state. memtui keeps what the Trainer's resume would ge
 settings: ``max_steps`` stays the one computed at the start (so the LR schedule is the same),
 and the position in the data is kept in samples (the Trainer counts it in batches of the new
 size): memtui's sampler replays the epoch's order and leaves out exactly the samples already
-consumed.
+consumed, and the resumed epoch's loop is sized to the samples it has left.
+
+Under torchrun, ``TrainingArguments`` starts ``torch.distributed``, so it is up at install and
+the ranks coordinate from the start: the change lands at the same save on every rank and every
+rank resumes from that checkpoint at the same global step.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class EpochOrderSampler:
         return iter(order)
 
     def __len__(self) -> int:
+        """The samples the next iteration yields (fewer in the epoch a resume cuts)."""
+        if self.cut is not None and self.cut[0] == self.epoch:
+            _, kept, consumed = self.cut
+            return kept + max(0, self.size - consumed)
         return self.size
 
 
@@ -145,6 +153,7 @@ class HFAdapter:
         get_sampler = trainer._get_train_sampler
         init_state = trainer._init_training_state
         initial_values = trainer.set_initial_training_values
+        run_epoch_of_trainer = trainer._run_epoch
         tuner = self.tuner
         perf = time.perf_counter
         adapter = self
@@ -178,6 +187,22 @@ class HFAdapter:
                 values[0] = max(int(values[0]), epoch + 2 + math.ceil(left / per_epoch))
             return tuple(values)
 
+        def run_epoch(*a: Any, **kw: Any) -> Any:
+            own = adapter.sampler
+            cut = own.cut if own is not None else None
+            resumed = cut is not None and kw.get("epoch") == cut[0] and "train_dataloader" in kw
+            if own is not None and cut is not None and resumed:
+                # the resumed epoch is shorter than the one the loop was sized for: without
+                # this the loop waits for batches that never come and the epoch's last optimizer
+                # step runs into the next epoch
+                own.set_epoch(cut[0])
+                steps = len(kw["train_dataloader"])
+                kw["steps_in_epoch"] = steps
+                kw["num_update_steps_per_epoch"] = max(
+                    1, math.ceil(steps / trainer.args.gradient_accumulation_steps)
+                )
+            return run_epoch_of_trainer(*a, **kw)
+
         def train_with_memtui(*a: Any, **kw: Any) -> Any:
             output = train(*a, **kw)
             while adapter.restart is not None:
@@ -194,6 +219,7 @@ class HFAdapter:
         trainer._get_train_sampler = sampler
         trainer._init_training_state = init_training_state
         trainer.set_initial_training_values = set_initial_training_values
+        trainer._run_epoch = run_epoch
         trainer.train = train_with_memtui
 
     def _own_sampler(self, base: Any) -> Any:
@@ -282,6 +308,8 @@ class HFAdapter:
         if not self.user_optimizer:
             trainer.optimizer = None
             trainer.lr_scheduler = None
+        if self.sampler is not None:
+            self.sampler.cut = None  # the loop is sized on whole epochs; the cut comes later
         size = self.sampler.size if self.sampler is not None else None
         if size is not None and consumed >= size:
             epoch, consumed = epoch + 1, 0

@@ -13,9 +13,12 @@ The change lands inside the running ``fit``, right after the checkpoint:
 * steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
   the loader (or, for a loader memtui does not own, the gap between batches).
 
-Changes are coordinated across ranks only when ``torch.distributed`` is initialised at install
-(under ``fit``, Lightning starts it later): install the hook on a single process, or after the
-process group exists.
+Several processes (``strategy="ddp"``, Lightning's own launcher or torchrun): install on every
+rank before ``fit``, as usual. The rank and world size come from the Trainer (Lightning's
+launcher sets no ``RANK``); Lightning starts ``torch.distributed`` inside ``fit``, so the ranks
+start coordinating at the callback's ``setup`` (every rank, right after the process group is up,
+before the first batch): they take rank 0's run id, exchange endpoints, and from then on every
+boundary applies the same change at the same step on every rank.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class LightningAdapter:
     def __init__(self, trainer: Any, package: str, tuner_kwargs: dict[str, Any]) -> None:
         self.trainer = trainer
         self.staged = {"gradient_accumulation_steps": int(trainer.accumulate_grad_batches)}
-        self.tuner = Tuner(self.staged, **tuner_kwargs)
+        self.tuner = Tuner(self.staged, placement=_placement(trainer), **tuner_kwargs)
         self.tuner.adapter = self
         accum = self.tuner.values.get("grad_accum")
         if accum is not None:
@@ -54,6 +57,9 @@ class LightningAdapter:
 
         @functools.wraps(save)
         def save_then_boundary(*args: Any, **kwargs: Any) -> Any:
+            # ModelCheckpoint saves in on_train_batch_end before memtui's callback counts the
+            # step: close it first, so the boundary is at the step Lightning saved
+            self.count_steps(self.trainer)
             result = save(*args, **kwargs)
             self.boundary()
             return result
@@ -82,6 +88,14 @@ class LightningAdapter:
 
     # ------------------------------------------------------------------ callback events
 
+    def setup(self) -> None:
+        """The process group exists now (every rank is here): start coordinating."""
+        tuner = self.tuner
+        if tuner.world_size > 1 and tuner.coordinator is None and not tuner.coordinate():
+            tuner.control.disabled = tuner.control.disabled or (
+                "torch.distributed is not initialised: ranks cannot be coordinated"
+            )
+
     def train_start(self, trainer: Any, module: Any) -> None:
         """Start the clock; the tuner's steps follow ``global_step``."""
         self.tuner._step = self.last_step = int(trainer.global_step)
@@ -96,12 +110,16 @@ class LightningAdapter:
             self.tuner._wait_acc += time.perf_counter() - self.batch_end
             self.tuner._micro_acc += 1
 
-    def batch_end_event(self, trainer: Any) -> None:
-        """After each batch: one tuner step per new optimizer step."""
+    def count_steps(self, trainer: Any) -> None:
+        """One tuner step per optimizer step Lightning made since the last count."""
         step = int(trainer.global_step)
         if step > self.last_step:
             self.last_step = step
             self.tuner.step()
+
+    def batch_end_event(self, trainer: Any) -> None:
+        """After each batch: count the optimizer step, if the batch made one."""
+        self.count_steps(trainer)
         self.batch_end = time.perf_counter()
 
 
@@ -110,6 +128,9 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
 
     class MemtuiCallback(base):
         """memtui's timing and epoch bookkeeping inside Lightning's loop."""
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            adapter.setup()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             adapter.train_start(trainer, pl_module)
@@ -124,6 +145,14 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
             adapter.batch_end_event(trainer)
 
     return MemtuiCallback()
+
+
+def _placement(trainer: Any) -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) as the Trainer knows them before ``fit`` starts the group."""
+    try:
+        return int(trainer.global_rank), int(trainer.local_rank), int(trainer.world_size)
+    except Exception:
+        return None
 
 
 def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:

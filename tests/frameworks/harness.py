@@ -1,0 +1,94 @@
+"""Running a framework training script that pauses at step 2 for a change to be queued."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import ROOT, memtui_cli, wait_for
+
+PYTHON = [sys.executable]
+"""Run the script in one process (or let the framework launch its own ranks)."""
+
+
+def torchrun(ranks: int) -> list[str]:
+    """The launcher prefix for ``ranks`` CPU processes under torchrun."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+    ]
+
+
+@dataclass
+class PausedRun:
+    """A training script (all its ranks) waiting at step 2 until the ``go`` file exists."""
+
+    proc: subprocess.Popen[str]
+    log: Path
+    go: Path
+    report: Path
+    """Where the script writes its report (ranks add their own suffix)."""
+
+    def output(self) -> str:
+        """What the script printed so far."""
+        return self.log.read_text()
+
+    def run_id(self) -> str:
+        """The run id rank 0 printed (``run <id> ...``)."""
+        lines = [x.split() for x in self.output().splitlines() if x.startswith("run ")]
+        zero = [x for x in lines if "rank" in x and x[x.index("rank") + 1] == "0"] or lines
+        return zero[0][1]
+
+    def queue_and_go(self, *changes: str) -> None:
+        """Queue ``changes`` with ``memtui set`` (a real client), then let the loop go on."""
+        setting = memtui_cli("set", self.run_id(), *changes)
+        assert setting.returncode == 0, setting.stderr + setting.stdout
+        self.go.touch()
+
+    def finish(self, timeout: float = 240.0) -> None:
+        """Wait for the script to end well."""
+        assert self.proc.wait(timeout) == 0, self.output()
+
+
+@contextmanager
+def paused_run(
+    tmp_path: Path,
+    launcher: list[str],
+    script: Path,
+    *args: str,
+    ranks: int = 1,
+    report: str = "report.json",
+    env: dict[str, str] | None = None,
+) -> Iterator[PausedRun]:
+    """Start ``script`` under ``launcher`` and yield once every rank waits at step 2."""
+    run = PausedRun(None, tmp_path / "train.log", tmp_path / "go", tmp_path / report)  # type: ignore[arg-type]
+    command = [*launcher, str(script), "--out", str(tmp_path / "out"), "--report", str(run.report)]
+    command += ["--go", str(run.go), *args]
+    with open(run.log, "w") as handle:
+        run.proc = subprocess.Popen(
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        )
+    try:
+        wait_for(
+            lambda: run.output().count("waiting at step 2") >= ranks or run.proc.poll() is not None,
+            180,
+            what=f"{ranks} rank(s) to reach step 2",
+        )
+        assert run.proc.poll() is None, run.output()
+        yield run
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
