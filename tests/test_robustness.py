@@ -44,6 +44,15 @@ while True:
 """
 
 
+def goes_on_then_stops(demo: DemoRun, control: str) -> None:
+    """Assert the run still trains (its step advances), then stop it as a user would."""
+    client = ControlClient(control, timeout_s=5)
+    start = client.hello().step
+    wait_for(lambda: client.hello().step >= start + 5, 30, 0.1, "steps to go on")
+    demo.stop()
+    assert demo.proc.returncode == 143, demo.output()
+
+
 def test_no_viewer_runs_to_the_end_and_leaves_no_entry(
     start_demo: Callable[..., DemoRun], private_runtime: Path
 ) -> None:
@@ -54,7 +63,7 @@ def test_no_viewer_runs_to_the_end_and_leaves_no_entry(
 
 
 def test_viewer_killed_mid_stream(start_demo: Callable[..., DemoRun]) -> None:
-    demo = start_demo("--steps", "80", "--checkpoint-every", "10", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "10", "--slow-data-ms", "0")
     target = registry.find_run(demo.run_id)
     viewer = subprocess.Popen(
         [sys.executable, "-c", VIEWER, target.control, target.ranks[0].pub],
@@ -67,11 +76,11 @@ def test_viewer_killed_mid_stream(start_demo: Callable[..., DemoRun]) -> None:
     time.sleep(0.5)
     viewer.send_signal(signal.SIGKILL)
     viewer.wait()
-    assert demo.wait_exit(120) == 0, demo.output()
+    goes_on_then_stops(demo, target.control)
 
 
 def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> None:
-    demo = start_demo("--steps", "60", "--checkpoint-every", "10", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "10", "--slow-data-ms", "0")
     control = registry.find_run(demo.run_id).control
     context = zmq.Context.instance()
 
@@ -112,7 +121,7 @@ def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> No
 
     snapshot = ControlClient(control, timeout_s=5).hello()
     assert snapshot.counters is not None and snapshot.counters.bad_frames >= 5
-    assert demo.wait_exit(120) == 0, demo.output()
+    goes_on_then_stops(demo, control)
 
 
 def test_runtime_directory_removed_while_running(
