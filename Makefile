@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-tui bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-instructions bench-tui bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/hook_overhead.py
 	$(PY) benchmarks/hook_ranks.py
+
+bench-instructions: $(STAMP)
+	$(PY) benchmarks/hook_instructions.py
 
 bench-tui: $(STAMP)
 	$(PY) benchmarks/tui_cpu.py

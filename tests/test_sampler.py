@@ -40,3 +40,29 @@ def test_workers_count_with_their_own_memory() -> None:
         assert abs(sample.reserved_bytes - (main + uss)) < 32 << 20
     finally:
         del iterator
+
+
+def test_proc_readers_agree_with_psutil_and_the_peak_resets() -> None:
+    """The kept-open /proc files read what psutil reads; the peak is reset after each read."""
+    import psutil
+
+    from memtui.hooks.sampler import MemInfo, PeakRss
+
+    total, available, swap_total, swap_used = MemInfo().read()
+    vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+    assert total == vm.total and swap_total == swap.total
+    assert abs(available - vm.available) < 256 << 20 and abs(swap_used - swap.used) < 256 << 20
+
+    peak_rss = PeakRss()
+    assert peak_rss.read_and_reset() is not None
+    ballast = bytearray(256 << 20)
+    ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: resident
+    del ballast
+    status = peak_rss.read_and_reset()
+    assert status is not None
+    rss, peak = status
+    assert peak - rss > 200 << 20, "the 256 MiB spike is in the peak"
+    again = peak_rss.read_and_reset()
+    assert again is not None and again[1] - again[0] < 64 << 20, "and reset after the read"
+    assert abs(rss - psutil.Process().memory_info().rss) < 64 << 20
+    peak_rss.close()

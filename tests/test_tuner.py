@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,3 +326,28 @@ def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: 
         assert (tuner._agent is None) == (value == "1")
     finally:
         tuner.close()
+
+
+def test_the_agent_wakes_about_ten_times_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each wake-up takes the GIL from training: a poll timeout truncated to 0 ms spun ~100/s."""
+    from memtui.hooks.agent import Agent
+
+    polls: list[float] = []
+    original = Agent._poller
+
+    def counted(self: Agent) -> Any:
+        polls.append(time.monotonic())
+        return original(self)
+
+    monkeypatch.setattr(Agent, "_poller", counted)
+    tuner = install(SimpleNamespace(batch_size=8), state_dir=tmp_path, name="wakeups")
+    try:
+        time.sleep(0.5)
+        start = len(polls)
+        time.sleep(2.0)
+        rate = (len(polls) - start) / 2.0
+    finally:
+        tuner.close()
+    assert 5 <= rate <= 15, f"{rate:.0f} wake-ups a second"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -104,6 +105,8 @@ class Agent(threading.Thread):
         self._last_send = 0.0
         self._last_step = 0
         self._host_sent_time = 0.0
+        self._polled: tuple[zmq.Socket, ...] = ()
+        self._poll = zmq.Poller()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -132,16 +135,9 @@ class Agent(threading.Thread):
         next_model = time.monotonic() + 1.0
         while not self._stop_event.is_set():
             try:
-                timeout_ms = max(0, int((next_flush - time.monotonic()) * 1000))
-                poller = zmq.Poller()
-                for sock in (
-                    self._router,
-                    self._router_tcp,
-                    self._zap.socket if self._zap else None,
-                ):
-                    if sock is not None:
-                        poller.register(sock, zmq.POLLIN)
-                for sock, _event in poller.poll(timeout_ms):
+                # rounded up: a timeout truncated to 0 ms would spin until the flush is due
+                timeout_ms = max(0, math.ceil((next_flush - time.monotonic()) * 1000))
+                for sock, _event in self._poller().poll(timeout_ms):
                     if self._zap is not None and sock is self._zap.socket:
                         self._zap.handle()
                     else:
@@ -172,6 +168,20 @@ class Agent(threading.Thread):
                 self._recording.close()
         if self.tuner.rank == 0:
             self.run_dir.remove()
+
+    def _poller(self) -> zmq.Poller:
+        """The poller over the sockets served now, rebuilt only when they change (a rebind)."""
+        sockets = tuple(
+            sock
+            for sock in (self._router, self._router_tcp, self._zap.socket if self._zap else None)
+            if sock is not None
+        )
+        if self._polled != sockets:
+            self._polled = sockets
+            self._poll = zmq.Poller()
+            for sock in sockets:
+                self._poll.register(sock, zmq.POLLIN)
+        return self._poll
 
     def _bind(self) -> None:
         """Bind this rank's ipc PUB and ROUTER sockets in the private runtime directory."""
@@ -268,15 +278,19 @@ class Agent(threading.Thread):
     def _drain(self) -> list[StepRecord]:
         outbox = self.tuner._outbox
         offset = self.tuner._wall_offset
-        records: list[StepRecord] = []
+        popleft = outbox.popleft
+        taken = [popleft() for _ in range(len(outbox))]  # the training thread only appends
+        if not taken:
+            return []
+        # a full outbox drops its oldest records, so a gap can only open before the first
         last = self._last_step
-        while outbox:
-            step, end, dt, wait, samples, micro, flags = outbox.popleft()
-            if last and step > last + 1:
-                self.counters.records_dropped += step - last - 1
-            last = step
-            records.append(StepRecord(step, end + offset, dt, wait, samples, micro, flags))
-        self._last_step = last
+        if last and taken[0][0] > last + 1:
+            self.counters.records_dropped += taken[0][0] - last - 1
+        self._last_step = taken[-1][0]
+        records = [
+            StepRecord(step, end + offset, dt, wait, samples, micro, flags)
+            for step, end, dt, wait, samples, micro, flags in taken
+        ]
         self.steps.extend(records)
         return records
 

@@ -279,47 +279,51 @@ class TunedLoader:
             log.warning(
                 "memtui: this loader cannot skip to sample %d of the epoch (%s)", skip, self.mode
             )
-        stream = self._stream if self.mode == "exact" else None
-        inflight = stream.inflight if stream is not None else None
         iterator = iter(self._loader)
-        generation = tuner._loader_generation
         perf = time.perf_counter
-        step_batches = tuner._step_batches  # cleared by step(), never replaced
-        batch_size = self.knobs["batch_size"] or 1
+        if tuner._t_last is None:
+            tuner._t_last = perf()
+        # The hot path, once per micro-batch: two clock reads, the tuner's tallies, and (exact
+        # mode) the delivered indices moved from in-flight to this step's list for an OOM
+        # requeue. Everything is a local or one attribute; ``micro`` doubles as the list's cap.
+        record = tuner._step_batches.append  # cleared by step(), never replaced
         world = self.shard[1]
         place = self._place
-        while True:
-            if generation != tuner._loader_generation:
-                generation = tuner._loader_generation
-                if self._stale():
-                    iterator = self._switch(iterator)
-                    stream = self._stream if self.mode == "exact" else None
-                    inflight = stream.inflight if stream is not None else None
-                    batch_size = self.knobs["batch_size"] or 1
+        generation = tuner._loader_generation
+        while True:  # one pass per underlying loader: a knob change switches loaders mid-epoch
+            stream = self._stream if self.mode == "exact" else None
+            inflight = stream.inflight if stream is not None else None
+            batch_size = self.knobs["batch_size"] or 1
+            switched = False
             t0 = perf()
-            try:
-                batch = next(iterator)
-            except StopIteration:
+            for batch in iterator:
+                t1 = perf()
+                tuner._wait_acc += t1 - t0
+                micro = tuner._micro_acc + 1
+                tuner._micro_acc = micro
+                if inflight:
+                    indices = inflight.popleft()
+                    n = len(indices)
+                    stream.consumed += n  # type: ignore[union-attr]
+                    if world > 1:
+                        n = -(-n // world)
+                    if micro <= MAX_STEP_BATCHES:
+                        record((self, indices))
+                else:
+                    n = batch_size
+                    if micro <= MAX_STEP_BATCHES:
+                        record((self, n))
+                tuner._samples_acc += n
+                yield batch if place is None else place(batch)
+                if generation != tuner._loader_generation:  # a boundary may have changed knobs
+                    generation = tuner._loader_generation
+                    if self._stale():
+                        iterator = self._switch(iterator)
+                        switched = True
+                        break
+                t0 = perf()
+            if not switched:
                 return
-            t1 = perf()
-            if tuner._t_last is None:
-                tuner._t_last = t0
-            tuner._wait_acc += t1 - t0
-            tuner._micro_acc += 1
-            if inflight:
-                indices = inflight.popleft()
-                n = len(indices)
-                stream.consumed += n  # type: ignore[union-attr]
-                if world > 1:
-                    n = -(-n // world)
-                if len(step_batches) < MAX_STEP_BATCHES:
-                    step_batches.append((self, indices))
-            else:
-                n = batch_size
-                if len(step_batches) < MAX_STEP_BATCHES:
-                    step_batches.append((self, n))
-            tuner._samples_acc += n
-            yield batch if place is None else place(batch)
 
     def _switch(self, iterator: Any) -> Any:
         """Shut the current loader down and continue the epoch with one built for the new knobs."""

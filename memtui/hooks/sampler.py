@@ -64,21 +64,98 @@ def cgroup_memory_limit() -> int | None:
     return min(real) if real else None
 
 
-def _read_hwm_and_reset() -> int | None:
-    """The main process's peak RSS since the last reset (VmHWM), then reset it (Linux)."""
-    try:
-        with open("/proc/self/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-                    break
-            else:
-                return None
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        return peak
-    except (OSError, ValueError):
-        return None
+def _status_kib(text: bytes, key: bytes) -> int:
+    """A ``kB`` field of /proc/PID/status, in bytes (ValueError when missing)."""
+    start = text.index(key) + len(key)
+    return int(text[start : text.index(b"kB", start)]) * 1024
+
+
+class PeakRss:
+    """The main process's RSS and its peak since the last read (VmHWM), reset after each read.
+
+    Linux only. Both proc files stay open: ``pread`` at offset 0 regenerates ``status`` and a
+    write to ``clear_refs`` resets the mark. Two system calls a sample, not the six of opening
+    and closing them: each one gives the GIL up, and a sampler that takes it back from a busy
+    training thread costs that thread a forced switch.
+    """
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._status = -1
+        self._clear = -1
+
+    def _open(self) -> None:
+        self.close()
+        self._pid = os.getpid()
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+
+    def read_and_reset(self) -> tuple[int, int] | None:
+        """(RSS, peak RSS since the previous call) in bytes; None where the kernel does not say."""
+        try:
+            if self._pid != os.getpid():
+                self._open()
+            text = os.pread(self._status, 8192, 0)
+            peak = _status_kib(text, b"VmHWM:")
+            rss = _status_kib(text, b"VmRSS:")
+            os.write(self._clear, b"5")
+            return rss, max(peak, rss)
+        except (OSError, ValueError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        """Close the proc files."""
+        for fd in (self._status, self._clear):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._status = self._clear = -1
+        self._pid = -1
+
+    def __del__(self) -> None:
+        if self._pid == os.getpid():  # a forked child never closes its parent's descriptors
+            self.close()
+
+
+class MemInfo:
+    """RAM and swap from one read of /proc/meminfo (Linux), else from psutil's two calls."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._fd = -1
+
+    def read(self) -> tuple[int, int, int, int]:
+        """(RAM total, RAM available, swap total, swap used) in bytes."""
+        try:
+            if self._pid != os.getpid():
+                self.close()
+                self._fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+                self._pid = os.getpid()
+            text = os.pread(self._fd, 32768, 0)
+            swap_total = _status_kib(text, b"SwapTotal:")
+            return (
+                _status_kib(text, b"MemTotal:"),
+                _status_kib(text, b"MemAvailable:"),
+                swap_total,
+                swap_total - _status_kib(text, b"SwapFree:"),
+            )
+        except (OSError, ValueError):
+            self.close()
+            vm = psutil.virtual_memory()
+            swap = psutil.swap_memory()
+            return vm.total, vm.available, swap.total, swap.used
+
+    def close(self) -> None:
+        """Close /proc/meminfo."""
+        if self._fd >= 0 and self._pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd = -1
+        self._pid = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class HostProbe:
@@ -96,6 +173,7 @@ class HostProbe:
         self._uss_at = 0.0
         self._workers_uss: int | None = None
         self._cpu_times: tuple[float, float] | None = None
+        self._meminfo = MemInfo()
         self.refresh_requested = True
 
     def _refresh_children(self, now: float) -> None:
@@ -108,10 +186,11 @@ class HostProbe:
             except psutil.Error:
                 self._children = []
 
-    def tree_rss(self, now: float) -> tuple[int, int, int]:
-        """(main RSS, live workers, workers' RSS summed)."""
+    def tree_rss(self, now: float, main: int | None = None) -> tuple[int, int, int]:
+        """(main RSS, live workers, workers' RSS summed); ``main`` when the caller read it."""
         self._refresh_children(now)
-        main = self.process.memory_info().rss
+        if main is None:
+            main = self.process.memory_info().rss
         workers = 0
         workers_rss = 0
         for child in self._children:
@@ -157,16 +236,15 @@ class HostProbe:
     def sample(self) -> HostSample:
         """One host sample."""
         now = time.monotonic()
-        vm = psutil.virtual_memory()
-        swap = psutil.swap_memory()
+        ram_total, ram_available, swap_total, swap_used = self._meminfo.read()
         main, workers, workers_rss = self.tree_rss(now)
         return HostSample(
             time=time.time(),
-            ram_total_bytes=vm.total,
-            ram_available_bytes=vm.available,
-            ram_used_bytes=vm.total - vm.available,
-            swap_total_bytes=swap.total,
-            swap_used_bytes=swap.used,
+            ram_total_bytes=ram_total,
+            ram_available_bytes=ram_available,
+            ram_used_bytes=ram_total - ram_available,
+            swap_total_bytes=swap_total,
+            swap_used_bytes=swap_used,
             limit_bytes=self.limit_bytes,
             main_rss_bytes=main,
             workers=workers,
@@ -192,6 +270,7 @@ class CpuDeviceProbe:
     def __init__(self, host: HostProbe) -> None:
         self.host = host
         self._mallinfo = _mallinfo2()
+        self._peak_rss = PeakRss()
 
     def _malloc_free_bytes(self) -> int:
         if self._mallinfo is None:
@@ -206,12 +285,12 @@ class CpuDeviceProbe:
         """One sample; the peak is the main process's high-water mark since the last one."""
         free_in_malloc = self._malloc_free_bytes()
         now = time.monotonic()
-        main, _workers, workers_rss = self.host.tree_rss(now)
+        status = self._peak_rss.read_and_reset()
+        main, _workers, workers_rss = self.host.tree_rss(now, status[0] if status else None)
         workers_own = self.host.workers_own_bytes(now, workers_rss)
-        hwm = _read_hwm_and_reset()
         resident = main + workers_own
         live = max(0, main - free_in_malloc) + workers_own
-        peak = max(resident, (hwm or main) + workers_own)
+        peak = max(resident, (status[1] if status else main) + workers_own)
         return DeviceSample(
             time=time.time(),
             step=step,
@@ -240,7 +319,9 @@ def _mallinfo2() -> Any:
                 )
             ]  # fmt: skip
 
-        function = ctypes.CDLL("libc.so.6").mallinfo2
+        # PyDLL keeps the GIL for the call (a few microseconds): releasing it would cost the
+        # training thread a forced switch to give it back
+        function = ctypes.PyDLL("libc.so.6").mallinfo2
         function.restype = MallInfo2
         function()
         return function

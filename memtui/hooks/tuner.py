@@ -53,6 +53,8 @@ from memtui.wire import (
 )
 
 log = logging.getLogger("memtui")
+_perf_counter = time.perf_counter
+"""The step clock, bound once: ``step()`` is on the hot path."""
 
 OUTBOX_RECORDS = 16384
 """Step records held for the agent; if it stalls, the oldest are dropped (and counted)."""
@@ -547,15 +549,15 @@ class Tuner:
 
     def step(self, samples: int | None = None) -> None:
         """Mark the end of one optimizer step (``samples``: override the count the loader made)."""
-        now = time.perf_counter()
+        now = _perf_counter()
         try:
-            self._step += 1
-            last = self._t_last
+            step = self._step + 1
+            self._step = step
             self._outbox.append(
                 (
-                    self._step,
+                    step,
                     now,
-                    now - last if last is not None else 0.0,
+                    now - (self._t_last or now),
                     self._wait_acc,
                     self._samples_acc if samples is None else samples,
                     self._micro_acc,
