@@ -177,9 +177,11 @@ def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
 
 
 def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> None:
-    tuner = Tuner(Config(), state_dir=tmp_path, options=Options(flush_period_s=0.01))
+    options = Options(flush_period_s=0.01, idle_flush_s=0.01)
+    tuner = Tuner(Config(), state_dir=tmp_path, options=options)
     try:
         assert tuner._agent is not None and tuner._agent.failed is None
+        agent = tuner._agent
         for _ in range(20_000):
             tuner.step()
         wait_for(lambda: not tuner._outbox, 10, what="the agent to drain the outbox")
@@ -190,7 +192,7 @@ def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> N
             tuner.step()
             if i % 20_000 == 0:
                 tuner.checkpoint()
-        wait_for(lambda: not tuner._outbox, 10, what="the agent to drain the outbox")
+        wait_for(lambda: not (tuner._outbox or agent._unsent), 10, what="the agent to send all")
         gc.collect()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
@@ -328,10 +330,16 @@ def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: 
         tuner.close()
 
 
-def test_the_agent_wakes_about_ten_times_a_second(
+def test_the_agent_wakes_ten_times_a_second_only_while_watched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each wake-up takes the GIL from training: a poll timeout truncated to 0 ms spun ~100/s."""
+    """Each wake-up takes the GIL from training: 1/s unwatched, 10/s with a viewer subscribed.
+
+    (A poll timeout truncated to 0 ms once made it spin: 880 wake-ups a second.)
+    """
+    import zmq
+
+    from memtui import registry
     from memtui.hooks.agent import Agent
 
     polls: list[float] = []
@@ -341,13 +349,30 @@ def test_the_agent_wakes_about_ten_times_a_second(
         polls.append(time.monotonic())
         return original(self)
 
+    def rate(seconds: float) -> float:
+        start = len(polls)
+        time.sleep(seconds)
+        return (len(polls) - start) / seconds
+
     monkeypatch.setattr(Agent, "_poller", counted)
     tuner = install(SimpleNamespace(batch_size=8), state_dir=tmp_path, name="wakeups")
+    sub = zmq.Context.instance().socket(zmq.SUB)
     try:
         time.sleep(0.5)
-        start = len(polls)
-        time.sleep(2.0)
-        rate = (len(polls) - start) / 2.0
+        assert rate(3.0) <= 2.5, "unwatched: about one wake-up a second"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(registry.find_run(tuner.run_id).ranks[0].pub)
+        for _ in range(20):
+            tuner.step()
+        assert sub.poll(1500), "a new viewer gets a batch at once, not at the next idle flush"
+        assert 5 <= rate(2.0) <= 15, "watched: ten a second"
+        agent = tuner._agent
+        assert isinstance(agent, Agent) and agent.subscribers == 1
+        sub.close()
+        wait_for(lambda: agent.subscribers == 0, 5, 0.05, "the unsubscribe")
+        time.sleep(1.2)
+        assert rate(3.0) <= 2.5, "unwatched again"
     finally:
+        sub.close()
         tuner.close()
-    assert 5 <= rate <= 15, f"{rate:.0f} wake-ups a second"

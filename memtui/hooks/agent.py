@@ -1,9 +1,12 @@
 """The agent thread: owns the ZeroMQ sockets, publishes telemetry in batches, serves the control socket.
 
-Every ``flush_period_s`` (100 ms) it drains the training thread's outbox of step records, adds
-the sampler's latest samples and any change of the control state, and sends one Telemetry frame
-with ``NOBLOCK`` on the PUB socket (a full queue drops the frame and counts it; the history ring
-keeps the records for the next viewer's snapshot). Between flushes it answers hello/set/cancel
+Every ``flush_period_s`` (100 ms) while a viewer is subscribed or a recording is written, else
+every ``idle_flush_s`` (1 s), it drains the training thread's outbox of step records, adds the
+sampler's latest samples and any change of the control state, and sends one Telemetry frame with
+``NOBLOCK`` on the PUB socket (a full queue drops the frame and counts it; the history ring keeps
+the records for the next viewer's snapshot). The PUB socket is an XPUB that reports every
+subscribe and unsubscribe, so the agent knows whether anyone listens: each wake-up takes the GIL
+from the training thread, and an unwatched run needs one a second, not ten. Between flushes it answers hello/set/cancel
 on the ROUTER control socket (rank 0). Every two seconds it checks the run's registry file and
 recreates the runtime directory and sockets if someone removed them.
 """
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("memtui")
 
 HISTORY_STEPS = 2048
+UNSENT_RECORDS = 16384
+"""Drained records waiting for the next flush (as many as the training thread's outbox)."""
 MAX_CONTROL_FRAME = 1 << 20
 """Bigger frames on the control socket are refused by ZeroMQ (a bad peer cannot bloat us)."""
 
@@ -69,12 +74,23 @@ class Agent(threading.Thread):
         *,
         flush_period_s: float = 0.1,
         heartbeat_s: float = 1.0,
+        idle_flush_s: float = 1.0,
     ) -> None:
         super().__init__(name="memtui-agent", daemon=True)
         self.tuner = tuner
         self.run_dir = run_dir
         self.flush_period_s = flush_period_s
         self.heartbeat_s = heartbeat_s
+        self.idle_flush_s = max(idle_flush_s, flush_period_s)
+        """The flush period while nobody is subscribed and nothing is recorded."""
+        self._subscribers: dict[int, int] = {}
+        """Live subscriptions on each PUB socket (by the socket's id), from the XPUB's reports."""
+        self._unsent: deque[StepRecord] = deque(maxlen=UNSENT_RECORDS)
+        """Records drained (by a flush or a snapshot) and not yet published."""
+        self._unsent_device: list[DeviceSample] = []
+        """Device samples drained from the sampler and not yet published (its deque's bound)."""
+        self._unsent_host: HostSample | None = None
+        """The newest host sample drained and not yet published."""
         self.steps: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self.device: deque[DeviceSample] = deque(maxlen=600)
         self.host: deque[HostSample] = deque(maxlen=120)
@@ -104,7 +120,6 @@ class Agent(threading.Thread):
         self._sent_counters: HookCounters | None = None
         self._last_send = 0.0
         self._last_step = 0
-        self._host_sent_time = 0.0
         self._polled: tuple[zmq.Socket, ...] = ()
         self._poll = zmq.Poller()
 
@@ -130,7 +145,7 @@ class Agent(threading.Thread):
             return
         self.ready.set()
         self._open_recording()
-        next_flush = time.monotonic() + self.flush_period_s
+        next_flush = time.monotonic() + self.flush_period()
         next_check = time.monotonic() + 2.0
         next_model = time.monotonic() + 1.0
         while not self._stop_event.is_set():
@@ -140,11 +155,14 @@ class Agent(threading.Thread):
                 for sock, _event in self._poller().poll(timeout_ms):
                     if self._zap is not None and sock is self._zap.socket:
                         self._zap.handle()
+                    elif isinstance(sock, zmq.Socket) and sock in (self._pub, self._pub_tcp):
+                        if self._read_subscriptions(sock):
+                            next_flush = time.monotonic()  # a viewer arrived: send at once
                     else:
                         self._serve(sock)
                 now = time.monotonic()
                 if now >= next_flush:
-                    next_flush = max(next_flush + self.flush_period_s, now)
+                    next_flush = max(next_flush + self.flush_period(), now)
                     self.flush()
                 if now >= next_check:
                     next_check = now + 2.0
@@ -173,7 +191,13 @@ class Agent(threading.Thread):
         """The poller over the sockets served now, rebuilt only when they change (a rebind)."""
         sockets = tuple(
             sock
-            for sock in (self._router, self._router_tcp, self._zap.socket if self._zap else None)
+            for sock in (
+                self._router,
+                self._router_tcp,
+                self._zap.socket if self._zap else None,
+                self._pub,
+                self._pub_tcp,
+            )
             if sock is not None
         )
         if self._polled != sockets:
@@ -182,6 +206,32 @@ class Agent(threading.Thread):
             for sock in sockets:
                 self._poll.register(sock, zmq.POLLIN)
         return self._poll
+
+    @property
+    def subscribers(self) -> int:
+        """Subscriptions live on this rank's PUB sockets (viewers attached, roughly)."""
+        return sum(self._subscribers.values())
+
+    def flush_period(self) -> float:
+        """Seconds to the next flush: short while watched or recorded, long while not."""
+        watched = self.subscribers > 0 or self._recording is not None
+        return self.flush_period_s if watched else self.idle_flush_s
+
+    def _read_subscriptions(self, sock: zmq.Socket) -> bool:
+        """Count the XPUB's subscribe/unsubscribe reports; True when the first viewer arrived."""
+        before = self.subscribers
+        count = self._subscribers.get(id(sock), 0)
+        while True:
+            try:
+                report = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if report[:1] == b"\x01":
+                count += 1
+            elif report[:1] == b"\x00":
+                count = max(0, count - 1)
+        self._subscribers[id(sock)] = count
+        return before == 0 and count > 0
 
     def _bind(self) -> None:
         """Bind this rank's ipc PUB and ROUTER sockets in the private runtime directory."""
@@ -225,6 +275,7 @@ class Agent(threading.Thread):
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close()
         self._pub = self._router = self._pub_tcp = self._router_tcp = None
+        self._subscribers.clear()
         if self._zap is not None:
             self._zap.close()
             self._zap = None
@@ -237,6 +288,7 @@ class Agent(threading.Thread):
         """Close and bind the ipc sockets again (the TCP ones do not depend on the directory)."""
         for sock in (self._pub, self._router):
             if sock is not None:
+                self._subscribers.pop(id(sock), None)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close(0)
         self._pub = self._router = None
@@ -275,13 +327,30 @@ class Agent(threading.Thread):
 
     # ------------------------------------------------------------------ telemetry
 
-    def _drain(self) -> list[StepRecord]:
+    def _drain(self) -> None:
+        """Move new step records and samples into the history, and into what the next flush sends.
+
+        A snapshot drains too (a viewer asking between flushes sees the newest state), so what
+        it took waits in the unsent buffers for the next flush.
+        """
+        sampler = self.tuner._sampler
+        if sampler is not None:
+            device = sampler.device_samples
+            while device:
+                sample = device.popleft()
+                self.device.append(sample)
+                self._unsent_device.append(sample)
+            del self._unsent_device[: -(device.maxlen or 512)]
+            host = sampler.host_samples
+            while host:
+                self._unsent_host = host.popleft()
+                self.host.append(self._unsent_host)
         outbox = self.tuner._outbox
         offset = self.tuner._wall_offset
         popleft = outbox.popleft
         taken = [popleft() for _ in range(len(outbox))]  # the training thread only appends
         if not taken:
-            return []
+            return
         # a full outbox drops its oldest records, so a gap can only open before the first
         last = self._last_step
         if last and taken[0][0] > last + 1:
@@ -292,22 +361,16 @@ class Agent(threading.Thread):
             for step, end, dt, wait, samples, micro, flags in taken
         ]
         self.steps.extend(records)
-        return records
+        self._unsent.extend(records)
 
     def flush(self, ended: bool = False) -> None:
         """Send one batch with everything new since the previous one (or a heartbeat)."""
         tuner = self.tuner
-        records = self._drain()
-        sampler = tuner._sampler
-        device: list[DeviceSample] = []
-        host: HostSample | None = None
-        if sampler is not None:
-            while sampler.device_samples:
-                device.append(sampler.device_samples.popleft())
-            while sampler.host_samples:
-                host = sampler.host_samples.popleft()
-                self.host.append(host)
-        self.device.extend(device)
+        self._drain()
+        records = list(self._unsent)  # a snapshot in between drained some: they go out too
+        self._unsent.clear()
+        device, self._unsent_device = self._unsent_device, []
+        host, self._unsent_host = self._unsent_host, None
         checkpoints: list[CheckpointRecord] = []
         while tuner._checkpoint_box:
             checkpoints.append(tuner._checkpoint_box.popleft())
@@ -582,7 +645,9 @@ EFFECT_STEPS = 20
 
 
 def _pub_socket(context: zmq.Context) -> zmq.Socket:
-    sock = context.socket(zmq.PUB)
+    """An XPUB: a PUB that also reports each subscribe and unsubscribe (all of them, verbose)."""
+    sock = context.socket(zmq.XPUB)
+    sock.setsockopt(zmq.XPUB_VERBOSER, 1)
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.LINGER, 100)
     return sock

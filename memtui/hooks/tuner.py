@@ -67,7 +67,10 @@ class Options:
     """Rates and switches of the hook's background work."""
 
     flush_period_s: float = 0.1
-    """How often telemetry is sent (at most ~10 batches a second, whatever the step rate)."""
+    """How often telemetry is sent while a viewer is subscribed or a recording is written (at
+    most ~10 batches a second, whatever the step rate)."""
+    idle_flush_s: float = 1.0
+    """How often telemetry is sent while nobody is subscribed (each send wakes a thread)."""
     device_period_s: float = 0.2
     """How often device memory is sampled (allocator peaks in between are kept)."""
     host_period_s: float = 1.0
@@ -456,7 +459,10 @@ class Tuner:
             self._sampler = Sampler(self, self.options.device_period_s, self.options.host_period_s)
             self._sampler.start()
             self._agent = Agent(
-                self, registry.run_dir(self.run_id), flush_period_s=self.options.flush_period_s
+                self,
+                registry.run_dir(self.run_id),
+                flush_period_s=self.options.flush_period_s,
+                idle_flush_s=self.options.idle_flush_s,
             )
             self._agent.start()
             self._agent.ready.wait(5.0)
