@@ -6,12 +6,15 @@ errors go to stderr, and the exit status says whether the request succeeded.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -520,48 +523,36 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
 # ---------------------------------------------------------------------------- demo
 
 
-def _demo_argv(
-    steps: int,
-    checkpoint_every: int,
-    batch_size: int,
-    grad_accum: int,
-    workers: int,
-    pin_memory: bool,
-    slow_data_ms: float,
-    out: str | None,
-    resume: bool,
-) -> list[str]:
-    argv = [
-        "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
-        "--batch-size", str(batch_size), "--grad-accum", str(grad_accum),
-        "--workers", str(workers), "--slow-data-ms", str(slow_data_ms),
-        "--pin-memory" if pin_memory else "--no-pin-memory",
-    ]  # fmt: skip
-    if out:
-        argv += ["--out", out]
-    if resume:
-        argv.append("--resume")
-    return argv
+DEMO_USAGE = "memtui demo [--no-tui] [--ranks N] [--dry-run] [TRAINING OPTIONS] (see --help)"
 
 
-@main.command("demo")
+class _DemoCommand(click.Command):
+    """``memtui demo``: its own options, then every option of the demo training, passed through
+    (its ``--help`` lists both; the training's come from :mod:`memtui.demo.options`)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_options(ctx, formatter)
+        from memtui.demo.options import build_parser
+
+        rows = []
+        for action in build_parser()._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            names = "/".join(action.option_strings)
+            if action.nargs != 0:
+                names += f" {action.metavar or action.dest.upper()}"
+            rows.append((names, action.help or ""))
+        with formatter.section("Training options (passed to python -m memtui.demo)"):
+            formatter.write_dl(rows)
+
+
+@main.command(
+    "demo",
+    cls=_DemoCommand,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
 @click.option(
     "--no-tui", is_flag=True, help="Run the training in the foreground, without the viewer."
-)
-@click.option("--steps", default=2000, show_default=True, help="Optimizer steps.")
-@click.option(
-    "--checkpoint-every", default=50, show_default=True, help="Steps between checkpoints."
-)
-@click.option("--batch-size", default=16, show_default=True, help="Micro-batch size.")
-@click.option("--grad-accum", default=2, show_default=True, help="Gradient accumulation steps.")
-@click.option("--workers", default=0, show_default=True, help="Data loader workers.")
-@click.option("--pin-memory/--no-pin-memory", default=False, show_default=True)
-@click.option(
-    "--slow-data-ms", default=2.0, show_default=True, help="Wait per sample (slow storage)."
-)
-@click.option("--out", default=None, help="Checkpoint and state directory.")
-@click.option(
-    "--resume", is_flag=True, help="Resume from the checkpoint and tuned config in --out."
 )
 @click.option(
     "--ranks",
@@ -570,32 +561,32 @@ def _demo_argv(
     help="Processes under torchrun (gloo on CPU, nccl on GPUs).",
 )
 @click.option(
-    "--memory-limit", default=None, help="CPU runs: hold the demo to this budget (e.g. 1.5GiB)."
+    "--dry-run", is_flag=True, help="Check the options, print the training command, run nothing."
 )
-@click.option("--seq-len", default=32, show_default=True, help="Tokens per sample.")
-@click.option("--width", default=64, show_default=True, help="Model width.")
-def demo_command(
-    no_tui: bool, steps: int, checkpoint_every: int, batch_size: int, grad_accum: int, workers: int,
-    pin_memory: bool, slow_data_ms: float, out: str | None, resume: bool, ranks: int,
-    memory_limit: str | None, seq_len: int, width: int,
-) -> None:  # fmt: skip
-    """Run the bundled demo training (slow data: it starves until you add workers)."""
-    argv = _demo_argv(
-        steps, checkpoint_every, batch_size, grad_accum, workers, pin_memory, slow_data_ms, out, resume
-    )  # fmt: skip
-    argv += ["--seq-len", str(seq_len), "--width", str(width)]
-    if memory_limit:
-        argv += ["--memory-limit", memory_limit]
+@click.pass_context
+def demo_command(ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool) -> None:
+    """Run the bundled demo training (slow data: it starves until you add workers).
+
+    Every option of the training (python -m memtui.demo) is accepted too, as listed below.
+    """
+    from memtui.demo.options import parse_args
+
+    argv = list(ctx.args)
+    # a wrong training option: argparse's message and exit status 2, before anything starts
+    args = parse_args(argv, "memtui demo", DEMO_USAGE)
     if ranks < 1:
         _fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
+    if dry_run:
+        click.echo(shlex.join(command))
+        return
     if no_tui:
         if ranks == 1:
             from memtui.demo.train import main as demo_main
 
             sys.exit(demo_main(argv))
         sys.exit(_run_forwarding_signals(command))
-    _demo_with_tui(command)
+    _demo_with_tui(command, args.out)
 
 
 def _run_forwarding_signals(command: list[str]) -> int:
@@ -627,14 +618,15 @@ def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
     return [*launcher, f"--nproc_per_node={ranks}", "-m", "memtui.demo", *argv]
 
 
-def _demo_with_tui(command: list[str]) -> None:
-    """Start the demo training in a subprocess and attach the viewer to it."""
+def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
+    """Start the demo training in a subprocess and attach the viewer to it (its output goes to
+    ``demo.log`` in ``out``, the demo's own default directory without it)."""
     try:
         from memtui.tui.app import run_app
     except ImportError:
         _fail("the viewer is not available in this build; use --no-tui")
         return
-    out_dir = registry.state_home().parent / "demo"
+    out_dir = out or registry.state_home().parent / "demo"
     log_path = out_dir / "demo.log"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")

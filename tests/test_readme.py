@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,58 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed the tuned config" in resumed.stderr
     assert "batch_size 32 -> 64" in resumed.stderr
+
+
+def readme_demo_commands() -> list[str]:
+    """Every ``memtui demo ...`` in the README: inline code, and lines of code blocks."""
+    text = (ROOT / "README.md").read_text()
+    found = [m.group(1).strip() for m in re.finditer(r"`(memtui demo[^`]*)`", text)]
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            if line.strip().startswith("memtui demo"):
+                found.append(line.split("#", 1)[0].strip())
+    return found
+
+
+def demo_option_names() -> set[str]:
+    """The options ``memtui demo`` accepts: its own and the training's (passed through)."""
+    from memtui.cli import demo_command
+    from memtui.demo.options import build_parser
+
+    names = {o for p in demo_command.params for o in (*p.opts, *p.secondary_opts)}
+    return names | {o for a in build_parser()._actions for o in a.option_strings}
+
+
+def test_every_memtui_demo_command_in_the_readme_is_accepted() -> None:
+    from click.testing import CliRunner
+
+    from memtui.cli import main
+
+    commands = readme_demo_commands()
+    assert any("--vocab 8192" in c for c in commands), commands  # the seed-004 re-creation
+    known = demo_option_names()
+    for command in commands:
+        words = command.split()[2:]
+        if "[" in command:  # a synopsis: every option it names exists
+            for option in re.findall(r"--[a-z][a-z-]*", command):
+                assert option in known, f"{command}: {option} is not an option of memtui demo"
+            continue
+        result = CliRunner().invoke(main, ["demo", *words, "--dry-run"])
+        assert result.exit_code == 0, f"{command}: {result.output}"
+        if "--help" not in words:  # the training command, with the options passed through
+            passed = [w for w in words if w != "--no-tui"]
+            ran = shlex.split(result.output)
+            assert ran[1:3] == ["-m", "memtui.demo"] and ran[3:] == passed, result.output
+
+
+def test_readme_seed_004_command_runs(tmp_path: Path) -> None:
+    """The README's seed-004 line really trains through ``memtui demo`` (a few steps)."""
+    line = next(c for c in readme_demo_commands() if "--memory-limit" in c and "[" not in c)
+    result = memtui_cli(
+        *line.split()[1:],
+        *("--no-tui", "--steps", "3", "--slow-data-ms", "0", "--out", str(tmp_path)),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "done: 3 steps" in result.stdout, result.stdout
+    assert (tmp_path / "checkpoint.pt").exists()

@@ -6,12 +6,12 @@ seed-003 situation, reproducible on any machine (waiting, unlike busy work, does
 with the training for the CPU cores). It runs on CUDA when present, else on the CPU, saves a
 real checkpoint every ``--checkpoint-every`` steps and resumes from it with ``--resume``.
 
-Run it as ``python -m memtui.demo --help`` or ``memtui demo``.
+Run it as ``python -m memtui.demo --help`` or ``memtui demo``; its command line is in
+:mod:`memtui.demo.options`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
+from memtui.demo.options import parse_args
 from memtui.registry import state_home
-from memtui.stats import parse_bytes
 
 
 @dataclass
@@ -97,49 +97,6 @@ class TinyGPT(nn.Module):
             callback = self.after_loss_backward
             logits.register_hook(lambda grad: (callback(), grad)[1])
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The demo's command line."""
-    parser = argparse.ArgumentParser(
-        prog="python -m memtui.demo", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--steps", type=int, default=2000, help="optimizer steps to run (default 2000)"
-    )
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
-    )
-    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
-    parser.add_argument("--grad-accum", type=int, default=2, help="gradient accumulation steps")
-    parser.add_argument("--workers", type=int, default=0, help="data loader workers")
-    parser.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False)
-    parser.add_argument("--slow-data-ms", type=float, default=2.0, help="wait per sample, in ms")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument(
-        "--vocab", type=int, default=256, help="vocabulary size (the logits' memory grows with it)"
-    )
-    parser.add_argument("--out", type=Path, default=None, help="checkpoint and state directory")
-    parser.add_argument(
-        "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"
-    )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument(
-        "--progress-every", type=float, default=5.0, help="seconds between progress lines"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--name", default="demo", help="run id prefix")
-    parser.add_argument(
-        "--memory-limit",
-        type=parse_bytes,
-        default=None,
-        help="CPU runs: hold the process to this budget (e.g. 1.5GiB): exceeding it is an out-of-memory error",
-    )
-    return parser.parse_args(argv)
 
 
 def save_checkpoint(

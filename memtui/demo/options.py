@@ -1,0 +1,90 @@
+"""The demo training's command line, without importing torch.
+
+``python -m memtui.demo`` parses it, and ``memtui demo`` validates its pass-through options with
+the same parser (and shows them in its ``--help``) before it starts anything, so the two command
+lines cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memtui.stats import parse_bytes
+
+DESCRIPTION = (
+    "The demo training: a small GPT-style model on synthetic tokens whose data loading is slow."
+)
+
+
+def size(text: str) -> int:
+    """A byte size such as ``720MiB`` or ``1.5GiB``."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+NUMBERS: tuple[tuple[str, type, float, str, str], ...] = (
+    ("--steps", int, 2000, "N", "optimizer steps to run"),
+    ("--checkpoint-every", int, 50, "K", "steps between checkpoints"),
+    ("--batch-size", int, 16, "B", "micro-batch size"),
+    ("--grad-accum", int, 2, "A", "gradient accumulation steps"),
+    ("--workers", int, 0, "W", "data loader workers"),
+    ("--slow-data-ms", float, 2.0, "MS", "wait per sample, in ms"),
+    ("--seq-len", int, 32, "N", "tokens per sample"),
+    ("--width", int, 64, "N", "model width"),
+    ("--layers", int, 2, "N", "transformer layers"),
+    ("--heads", int, 4, "N", "attention heads"),
+    ("--vocab", int, 256, "N", "vocabulary size: the logits' memory grows with it"),
+    ("--threads", int, 1, "N", "torch CPU threads"),
+    ("--progress-every", float, 5.0, "SECONDS", "seconds between progress lines"),
+    ("--seed", int, 0, "N", "random seed"),
+)
+"""The numeric options: name, type, default, metavar, help."""
+
+
+def build_parser(
+    prog: str = "python -m memtui.demo", usage: str | None = None
+) -> argparse.ArgumentParser:
+    """The demo's argument parser (``prog`` names the command in its messages)."""
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=DESCRIPTION)
+    for flag, kind, default, metavar, text in NUMBERS:
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=kind(default),
+            metavar=metavar,
+            help=f"{text} (default {default:g})",
+        )
+    parser.add_argument(
+        "--pin-memory",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pin the loader's batches (default off)",
+    )
+    parser.add_argument("--out", type=Path, metavar="DIR", help="checkpoint and state directory")
+    parser.add_argument(
+        "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"
+    )
+    parser.add_argument(
+        "--device", metavar="DEVICE", help="cuda or cpu (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--name", default="demo", metavar="NAME", help="run id prefix (default demo)"
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=size,
+        metavar="SIZE",
+        help="CPU runs: hold the process to this budget (e.g. 1.5GiB): exceeding it is an "
+        "out-of-memory error",
+    )
+    return parser
+
+
+def parse_args(
+    argv: list[str] | None = None, prog: str = "python -m memtui.demo", usage: str | None = None
+) -> argparse.Namespace:
+    """Parse the demo's command line (exits 2 with argparse's message when it is wrong)."""
+    return build_parser(prog, usage).parse_args(argv)
