@@ -2,7 +2,7 @@
 
 A *source* hands raw wire frames to the viewer's receiver, which decodes them itself (so a
 replay goes through the same decoder, bad-frame counting included). Two sources exist:
-:class:`LiveSource` (ZeroMQ: SUB to every rank's telemetry, requests to rank 0's control
+:class:`LiveSource` (ZeroMQ: SUB to every rank's telemetry, one socket per security domain, requests to rank 0's control
 socket, and one hello to every other rank's control socket for its history and config) and
 :class:`ReplaySource` (a recording file, at real or accelerated speed).
 
@@ -37,7 +37,7 @@ import zmq
 
 from memtui import registry
 from memtui.client import ClientError, ControlClient, client_name
-from memtui.security import SecurityError, make_client
+from memtui.security import SecurityError, client_domain, make_client
 from memtui.wire import Decoder, Hello, Message, RankInfo, Snapshot, Telemetry, encode
 
 MAGIC = b"MTREC01\n"
@@ -47,9 +47,9 @@ CONTROL_RANK = -1
 """The rank recorded for frames that came from the control socket (snapshots)."""
 TELEMETRY = -2
 """The rank a live source gives a telemetry frame: its publisher's rank is inside the frame
-(one socket takes every rank's telemetry)."""
+(one socket takes the telemetry of every rank of a security domain)."""
 MAX_BURST = 10_000
-"""Frames taken from the telemetry socket per poll, at most."""
+"""Frames taken from each telemetry socket per poll, at most."""
 MAX_RECORD = 64 << 20
 """A record longer than this is taken for corruption."""
 MAX_FRAME = 16 << 20
@@ -242,8 +242,12 @@ class LiveSource:
     same endpoint or selector, or else a live run with the same state directory (the run,
     resumed from its checkpoint under a new id).
 
-    Every rank the registry or a snapshot lists is subscribed to, all on one SUB socket (ranks
-    that appear later too: the registry record is read again every ``ranks_refresh_s``). Once
+    Every rank the registry or a snapshot lists is subscribed to (ranks that appear later too:
+    the registry record is read again every ``ranks_refresh_s``): ranks on this host over ipc,
+    the others over CURVE TCP. One SUB socket takes the telemetry of every rank reached the same
+    way (fair-queued): one for the plain ipc ranks, one per CURVE server key, all polled here.
+    They cannot share one socket: CURVE options set for a TCP rank apply to every later
+    connect, and an ipc rank connected after that would never deliver a frame. Once
     the control rank has answered, every other rank gets one hello on its own control socket,
     without waiting for the answer: the snapshots come back through ``poll`` as control frames
     (rank -1), and a rank that does not answer within the request timeout is given up on.
@@ -271,10 +275,12 @@ class LiveSource:
         """The run id of the current (or last) connection."""
         self._control = ""
         self._state_dir = ""
-        self._sub: zmq.Socket | None = None
-        """One SUB socket connected to every rank's telemetry endpoint (fair-queued)."""
+        self._sockets: dict[bytes, zmq.Socket] = {}
+        """SUB sockets by security domain (``security.client_domain``): b"" for the plain ipc
+        (and insecure loopback) ranks, else the CURVE server key; each is connected to the
+        telemetry endpoint of every rank of its domain (fair-queued)."""
         self._subs: dict[str, int] = {}
-        """The endpoints it is connected to, and their ranks."""
+        """The endpoints subscribed to, and their ranks."""
         self._poller = zmq.Poller()
         self._wanted: list[RankInfo] = []
         self._wanted_lock = threading.Lock()
@@ -347,23 +353,33 @@ class LiveSource:
             endpoint = registry.rank_pub(rank)  # ipc on this host, else authenticated TCP
             if not endpoint or endpoint in self._subs:
                 continue
-            sock = self._sub
-            if sock is None:
-                sock = self._sub = self.context.socket(zmq.SUB)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RCVHWM, 10000)
-                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-                sock.setsockopt(zmq.SUBSCRIBE, b"")
-                self._poller.register(sock, zmq.POLLIN)
             try:
-                make_client(sock, endpoint)  # the same keys for every TCP endpoint
-                sock.connect(endpoint)
+                self._sub_socket(endpoint).connect(endpoint)
             except (zmq.ZMQError, SecurityError) as exc:
                 raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
             self._subs[endpoint] = rank.rank
             if self._ranks.get(rank.rank, rank) != rank:
                 self._asked.discard(rank.rank)  # new endpoints: ask it again
             self._ranks[rank.rank] = rank
+
+    def _sub_socket(self, endpoint: str) -> zmq.Socket:
+        """The SUB socket for ``endpoint``'s security domain (made on first use)."""
+        domain = client_domain(endpoint)
+        sock = self._sockets.get(domain)
+        if sock is None:
+            sock = self.context.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 10000)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            try:
+                make_client(sock, endpoint)  # every endpoint of the domain takes the same keys
+            except SecurityError:
+                sock.close(0)
+                raise
+            self._sockets[domain] = sock
+            self._poller.register(sock, zmq.POLLIN)
+        return sock
 
     def _refresh_ranks(self) -> None:
         """Subscribe to ranks the run's registry record lists now (at most every few seconds)."""
@@ -417,13 +433,14 @@ class LiveSource:
         self._refresh_ranks()
         self._apply_wanted()
         self._ask_ranks()
-        if self._sub is None and not self._hellos:
+        if not self._sockets and not self._hellos:
             time.sleep(timeout_s)
             return []
         frames: list[RawFrame] = []
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        sock = self._sub
-        if sock is not None and sock in ready:
+        for sock in self._sockets.values():
+            if sock not in ready:
+                continue
             for _ in range(MAX_BURST):
                 try:
                     frames.append((TELEMETRY, sock.recv(zmq.NOBLOCK)))
@@ -461,12 +478,12 @@ class LiveSource:
         return reply
 
     def disconnect(self) -> None:
-        """Close the SUB socket and the hellos still waiting."""
-        if self._sub is not None:
+        """Close the SUB sockets and the hellos still waiting."""
+        for sock in self._sockets.values():
             with contextlib.suppress(KeyError):
-                self._poller.unregister(self._sub)
-            self._sub.close(0)
-            self._sub = None
+                self._poller.unregister(sock)
+            sock.close(0)
+        self._sockets.clear()
         self._subs.clear()
         for sock in list(self._hellos):
             self._close_hello(sock)

@@ -154,21 +154,45 @@ def make_server(sock: zmq.Socket, keys: Keys | None) -> None:
     sock.zap_domain = DOMAIN.encode()
 
 
-def make_client(sock: zmq.Socket, endpoint: str) -> None:
-    """Give a client socket what it needs to reach ``endpoint``; raise SecurityError if it can't."""
+def client_keys(endpoint: str) -> Keys | None:
+    """The CURVE keys a client needs to reach ``endpoint`` (None: plain, for ipc and insecure
+    loopback TCP); raise SecurityError when it cannot be reached safely."""
     if not endpoint.startswith("tcp://"):
-        return
+        return None
     keys = load_keys()
     if keys is not None and not insecure_requested():
-        sock.curve_serverkey = keys.server_public
-        sock.curve_publickey = keys.client_public
-        sock.curve_secretkey = keys.client_secret
-        return
+        return keys
     if insecure_requested() and is_loopback(host_of(endpoint)):
-        return
+        return None
     raise SecurityError(
         f"{endpoint} is TCP: run `memtui keygen` (or copy its keys here) to reach it"
     )
+
+
+def client_domain(endpoint: str) -> bytes:
+    """Which sockets may share a connection to ``endpoint``: b"" for plain (ipc, insecure
+    loopback TCP), else the CURVE server key it is reached with.
+
+    A ZeroMQ socket's security options apply to every connection made after they are set, so
+    one socket cannot reach a plain peer once it has been made a CURVE client (the plain peer's
+    handshake silently fails): a client that reaches several peers keeps one socket per domain.
+    Raises SecurityError like ``make_client``.
+    """
+    keys = client_keys(endpoint)
+    return b"" if keys is None else keys.server_public
+
+
+def make_client(sock: zmq.Socket, endpoint: str) -> None:
+    """Give a client socket what it needs to reach ``endpoint``; raise SecurityError if it can't.
+
+    The options stay on the socket for every later ``connect``: give a socket only endpoints
+    of one ``client_domain``.
+    """
+    keys = client_keys(endpoint)
+    if keys is not None:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
 
 
 class ZapHandler:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import stat
 import subprocess
 import sys
@@ -11,14 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import zmq
 
 from memtui import registry
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.hooks import Options, Tuner
+from memtui.recording import LiveSource
 from memtui.security import keygen, load_keys
-from memtui.wire import Decoder, Hello, Telemetry, encode
+from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, memtui_cli, wait_for
 
 
@@ -216,3 +220,144 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def telemetry_from(source: LiveSource, want: set[str], timeout: float = 20.0) -> set[str]:
+    """Poll ``source`` until telemetry from every one of ``want`` (``run/rank``) has arrived."""
+    decoder = Decoder()
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not want <= seen:
+        for _rank, frame in source.poll(0.2):
+            message = decoder.decode(frame)
+            if isinstance(message, Telemetry):
+                seen.add(f"{message.run}/{message.rank}")
+    return seen
+
+
+@pytest.mark.parametrize("tcp_first", [True, False], ids=["tcp-first", "ipc-first"])
+def test_one_viewer_hears_an_ipc_rank_and_a_curve_tcp_rank(
+    tcp_tuner: Tuner, tmp_path: Path, tcp_first: bool
+) -> None:
+    """A plain ipc rank and a CURVE TCP rank, subscribed to in either order, both deliver."""
+    local = Tuner(
+        SimpleNamespace(batch_size=4), state_dir=tmp_path / "local", options=Options(tcp=None)
+    )
+    source = LiveSource(None)
+    try:
+        here = local.ranks[0]
+        # the CURVE rank, as a rank on another node is listed: its host is not this one
+        remote = msgspec.structs.replace(tcp_tuner.ranks[0], rank=1, host="node1")
+        assert registry.endpoint_path(remote.pub) is not None
+        assert registry.endpoint_path(remote.pub).exists()  # type: ignore[union-attr]
+        assert registry.rank_pub(remote) == remote.pub_tcp, "another host: TCP, not its ipc path"
+        assert registry.rank_control(remote) == remote.control_tcp
+        assert registry.rank_pub(here) == here.pub
+        gone = msgspec.structs.replace(tcp_tuner.ranks[0], pub=here.pub + "-gone")
+        assert registry.rank_pub(gone) == gone.pub_tcp, "this host, socket gone: TCP"
+        first, second = (remote, here) if tcp_first else (here, remote)
+        source.subscribe(first)
+        source.poll(0.05)  # connected before the second one is subscribed to
+        source.subscribe(second)
+        want = {f"{local.run_id}/0", f"{tcp_tuner.run_id}/0"}
+        assert telemetry_from(source, want) == want
+    finally:
+        source.close()
+        local.close()
+
+
+NODE_RANK = """
+import os, socket, sys, time
+if os.environ.get("FAKE_HOSTNAME"):  # inside its own UTS namespace: another node's name
+    socket.sethostname(os.environ["FAKE_HOSTNAME"])
+import torch.distributed as dist
+from types import SimpleNamespace
+from memtui import hooks
+dist.init_process_group("gloo")
+tuner = hooks.install(SimpleNamespace(batch_size=4, grad_accum=1), name="nodes")
+me = tuner.ranks[dist.get_rank()]
+print("rank", dist.get_rank(), me.host, me.control_tcp, flush=True)
+for step in range(1, 1000000):
+    tuner.step()
+    time.sleep(0.01)
+"""
+
+
+def namespaces_permitted() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "-r", "--uts", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_path: Path) -> None:
+    """Two "nodes": rank 0 in a UTS namespace named node0, rank 1 here (a real hostname).
+
+    A viewer here attaches to rank 0's TCP control endpoint, as ``memtui attach tcp://node0:PORT``
+    on node 1 does: rank 0 is reached over CURVE TCP (another host, although its ipc socket is
+    visible in the shared runtime directory), rank 1 over ipc, and both deliver.
+    """
+    if not namespaces_permitted():
+        pytest.skip("user and UTS namespaces are not permitted here (unshare -r --uts)")
+    script = tmp_path / "node_rank.py"
+    script.write_text(NODE_RANK)
+    base = {
+        **os.environ,
+        "MEMTUI_TCP": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONUNBUFFERED": "1",
+    }
+    node0 = ["unshare", "-r", "--uts", sys.executable, str(script)]
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**base, "RANK": str(rank), **extra},
+        )
+        for rank, command, extra in (
+            (0, node0, {"FAKE_HOSTNAME": "node0"}),
+            (1, [sys.executable, str(script)], {}),
+        )
+    ]
+    source: LiveSource | None = None
+    try:
+        assert procs[0].stdout is not None
+        line = procs[0].stdout.readline()
+        assert line.startswith("rank 0 node0 tcp://127.0.0.1:"), line + procs[0].stdout.read()
+        control_tcp = line.split()[3]
+        source = LiveSource(control_tcp)
+        source.connect()
+        snapshot = source.request(Hello(client="test", history=0), Snapshot)
+        rank0, rank1 = snapshot.ranks
+        assert (rank0.host, rank1.host) == ("node0", socket.gethostname())
+        assert registry.endpoint_path(rank0.pub).exists()  # type: ignore[union-attr]
+        assert registry.rank_pub(rank0) == rank0.pub_tcp
+        assert registry.rank_pub(rank1) == rank1.pub
+        run = snapshot.info.run
+        want = {f"{run}/0", f"{run}/1"}
+        assert telemetry_from(source, want, timeout=30) == want
+    finally:
+        if source is not None:
+            source.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
