@@ -563,8 +563,18 @@ class _DemoCommand(click.Command):
 @click.option(
     "--dry-run", is_flag=True, help="Check the options, print the training command, run nothing."
 )
+@click.option(
+    "--tcp",
+    metavar="ADDRESS",
+    help="Also publish over TCP on ADDRESS (CURVE keys from `memtui keygen` required).",
+)
+@click.option(
+    "--insecure", is_flag=True, help="With --tcp: plain TCP, no keys (loopback addresses only)."
+)
 @click.pass_context
-def demo_command(ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool) -> None:
+def demo_command(
+    ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool, tcp: str | None, insecure: bool
+) -> None:
     """Run the bundled demo training (slow data: it starves until you add workers).
 
     Every option of the training (python -m memtui.demo) is accepted too, as listed below.
@@ -577,8 +587,10 @@ def demo_command(ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool) ->
     if ranks < 1:
         _fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
+    tcp_env = _tcp_env(tcp, insecure)
+    os.environ.update(tcp_env)  # the training (in this process or a child) reads them
     if dry_run:
-        click.echo(shlex.join(command))
+        click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
         return
     if no_tui:
         if ranks == 1:
@@ -587,6 +599,22 @@ def demo_command(ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool) ->
             sys.exit(demo_main(argv))
         sys.exit(_run_forwarding_signals(command))
     _demo_with_tui(command, args.out)
+
+
+def _tcp_env(tcp: str | None, insecure: bool) -> dict[str, str]:
+    """The environment that makes the training publish over TCP; refuse (exit 2) what the run
+    would refuse: TCP without keys, or ``--insecure`` on an address other than loopback."""
+    from memtui.security import SecurityError, plan_tcp
+
+    if insecure and not tcp:
+        _fail("--insecure goes with --tcp ADDRESS (a loopback address)", 2)
+    if not tcp:
+        return {}
+    try:
+        plan_tcp(tcp, insecure)
+    except SecurityError as exc:
+        _fail(str(exc), 2)
+    return {"MEMTUI_TCP": tcp, **({"MEMTUI_INSECURE": "1"} if insecure else {})}
 
 
 def _run_forwarding_signals(command: list[str]) -> int:
@@ -814,9 +842,15 @@ def estimate_command(**kwargs: Any) -> None:
 @main.command("attach")
 @click.argument("run", required=False)
 @click.option("--readonly", is_flag=True, help="Show everything, send nothing (for shared panes).")
-def attach_command(run: str | None, readonly: bool) -> None:
+@click.option(
+    "--insecure", is_flag=True, help="Reach plain (keyless) TCP endpoints, on loopback only."
+)
+def attach_command(run: str | None, readonly: bool, insecure: bool) -> None:
     """Open the viewer on a run (RUN: id, prefix, pid or endpoint; default: the newest)."""
     from memtui.tui.app import run_app
+
+    if insecure:
+        os.environ["MEMTUI_INSECURE"] = "1"  # read by every client socket the viewer makes
 
     sys.exit(run_app(run, readonly=readonly))
 

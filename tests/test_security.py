@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -361,3 +362,85 @@ def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_pat
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_demo_refuses_tcp_without_keys_and_insecure_off_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
+    monkeypatch.delenv("MEMTUI_INSECURE", raising=False)
+    out = str(tmp_path / "out")
+    refused = {
+        ("--tcp", "0.0.0.0"): "refusing TCP on 0.0.0.0 without keys: run `memtui keygen` first",
+        ("--tcp", "127.0.0.1"): "refusing TCP on 127.0.0.1 without keys",
+        ("--tcp", "0.0.0.0", "--insecure"): "--insecure is for loopback addresses only",
+        ("--tcp", "10.1.2.3", "--insecure"): "--insecure is for loopback addresses only",
+        ("--insecure",): "--insecure goes with --tcp",
+    }
+    for flags, message in refused.items():
+        result = memtui_cli("demo", "--no-tui", "--steps", "1", "--out", out, *flags)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+    assert registry.list_runs() == [], "nothing started"
+    dry = memtui_cli("demo", "--tcp", "::1", "--insecure", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith("MEMTUI_TCP=::1 MEMTUI_INSECURE=1 ")
+
+
+def test_demo_insecure_on_loopback_publishes_plain_tcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memtui demo --tcp 127.0.0.1 --insecure``: plain TCP, reached by ``attach --insecure``."""
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
+    monkeypatch.delenv("MEMTUI_INSECURE", raising=False)
+    log = tmp_path / "demo.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memtui.cli", "demo", "--no-tui", "--tcp", "127.0.0.1",
+             "--insecure", "--steps", "100000", "--out", str(tmp_path / "out")],
+            stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    server = f"memtui-insecure-{os.getpid()}"
+    tmux = ["tmux", "-L", server]
+    try:
+
+        def run_id() -> str | None:
+            for line in log.read_text().splitlines():
+                if line.startswith("run "):
+                    return line.split()[1]
+            assert proc.poll() is None, log.read_text()
+            return None
+
+        run = str(wait_for(run_id, 90, what="the demo's run id"))
+        rank = registry.find_run(run).ranks[0]
+        assert rank.control_tcp.startswith("tcp://127.0.0.1:"), rank
+        with pytest.raises(ClientError, match="memtui keygen"):
+            ControlClient(rank.control_tcp, timeout_s=2).hello()  # a viewer must ask for it too
+        monkeypatch.setenv("MEMTUI_INSECURE", "1")
+        assert ControlClient(rank.control_tcp, timeout_s=5).hello().info.run == run
+        if shutil.which("tmux") is None:
+            return
+        env = [
+            f"{k}={os.environ[k]}" for k in ("MEMTUI_RUNTIME_DIR", "XDG_STATE_HOME", "MEMTUI_KEYS")
+        ]
+        subprocess.run(
+            [*tmux, "new-session", "-d", "-s", "view", "-x", "120", "-y", "40",
+             *(a for pair in env for a in ("-e", pair)),
+             f"cd {ROOT} && exec env -u MEMTUI_INSECURE {sys.executable} -m memtui attach "
+             f"--insecure {rank.control_tcp}"],
+            check=True,
+        )  # fmt: skip
+
+        def pane() -> str:
+            return subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", "view"], capture_output=True, text=True
+            ).stdout
+
+        wait_for(lambda: run in pane(), 45, 0.5, "the run id in the viewer attached over TCP")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
