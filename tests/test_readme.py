@@ -91,7 +91,7 @@ def test_every_memtui_demo_command_in_the_readme_is_accepted() -> None:
     known = demo_option_names()
     for command in commands:
         words = command.split()[2:]
-        if "[" in command:  # a synopsis: every option it names exists
+        if "[" in command or any(w.isupper() for w in words):  # a synopsis: its options exist
             for option in re.findall(r"--[a-z][a-z-]*", command):
                 assert option in known, f"{command}: {option} is not an option of memtui demo"
             continue
@@ -100,7 +100,7 @@ def test_every_memtui_demo_command_in_the_readme_is_accepted() -> None:
         if "--help" not in words:  # the training command, with the options passed through
             passed = [w for w in words if w != "--no-tui"]
             ran = shlex.split(result.output)
-            assert ran[1:3] == ["-m", "memtui.demo"] and ran[3:] == passed, result.output
+            assert ran[ran.index("memtui.demo") + 1 :] == passed, result.output
 
 
 def test_readme_seed_004_command_runs(tmp_path: Path) -> None:

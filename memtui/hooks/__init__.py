@@ -6,6 +6,7 @@ script already uses it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,7 @@ def install(
     name: str | None = None,
     auto_step: bool = False,
     options: Options | None = None,
+    record: str | os.PathLike[str] | None = None,
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
 
@@ -50,7 +52,11 @@ def install(
     ``state_dir`` is where the audit log and the tuned config are written (use your checkpoint
     directory); ``resume=True`` starts from the tuned config found there (or pass a path).
     ``auto_step=True`` with ``optimizer`` counts steps from the optimizer's post-step hook.
+    ``record`` also writes the published stream to this file (``memtui replay`` shows it); the
+    same as ``options=Options(record=...)`` or ``MEMTUI_RECORD``, and it wins over both.
     """
+    if record is not None:
+        options = dataclasses.replace(options or Options(), record=os.fspath(record))
     common: dict[str, Any] = {
         "model": model,
         "optimizer": optimizer,
