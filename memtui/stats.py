@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -170,30 +171,40 @@ class RankSpread:
 
 
 def format_bytes(value: float | None) -> str:
-    """Bytes in binary units: ``812 MiB``, ``18.5 GiB``."""
-    if value is None:
+    """Bytes in binary units: ``812 MiB``, ``18.5 GiB`` (``-`` for None, infinity or NaN)."""
+    if value is None or not math.isfinite(value):
         return "-"
     size = float(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(size) < 1024 or unit == "TiB":
             if unit in ("B", "KiB", "MiB"):
                 return f"{size:.0f} {unit}"
-            return f"{size:.1f} {unit}"
+            return f"{size:.1f} {unit}" if abs(size) < 100_000 else f"{size:.2g} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
 
 
 def format_duration(seconds: float) -> str:
-    """A short duration: ``45.1 ms``, ``3.2 s``, ``4m05s``, ``2h13m``."""
+    """A short duration: ``45.1 ms``, ``3.2 s``, ``4m05s``, ``2h13m``, ``9d04h`` (``-`` for
+    infinity or NaN)."""
+    if not math.isfinite(seconds):
+        return "-"
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
     if seconds < 1:
         return f"{seconds * 1000:.1f} ms"
     if seconds < 60:
         return f"{seconds:.1f} s"
+    if seconds >= 100 * 86400:
+        return f"{seconds / 86400:.2g}d"
     minutes, secs = divmod(int(seconds), 60)
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
 
 
 _SIZE_UNITS = {

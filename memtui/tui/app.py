@@ -113,6 +113,7 @@ class MemtuiApp(App[int]):
         """Widget repaints made by the refresh timer."""
         self._ticks = 0
         self._demo_reported = False
+        self._error_told = ""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -156,7 +157,10 @@ class MemtuiApp(App[int]):
     def on_receiver_update(self, message: ReceiverUpdate) -> None:
         """Fold every waiting batch into the state; drawing waits for the timer."""
         for batch in self.inbox.drain():
-            self.state.apply(batch)
+            try:
+                self.state.apply(batch)
+            except Exception as error:  # the last line of defence: count it, show it, go on
+                self.state.note_viewer_error("folding a batch", error)
             self.batches_folded += 1
             for event in batch.events:
                 if isinstance(event, Notice):
@@ -165,6 +169,7 @@ class MemtuiApp(App[int]):
     def _tick(self) -> None:
         self._ticks += 1
         self._check_demo()
+        self._tell_error()
         if not self.paused:
             charts = self._ticks % self.chart_every == 0
             if len(self.state.series) > MANY_RANKS:  # pace: the rest at 2 Hz, these at 1 Hz
@@ -178,11 +183,21 @@ class MemtuiApp(App[int]):
         too when ``charts``), in one batch."""
         if not self.screen_stack:  # the app is closing: a late tick finds no screen
             return
-        if charts:
-            # every record of the rank the charts show is decoded (others' may be sampled)
-            self.receiver.decoder.favoured = self.state.refresh_summary().focus_rank
-        with self.batch_update():
-            self.repaints += self.main.update_view(self.state, self.view, charts)
+        try:
+            if charts:
+                # every record of the rank the charts show is decoded (others' may be sampled)
+                self.receiver.decoder.favoured = self.state.refresh_summary().focus_rank
+            with self.batch_update():
+                self.repaints += self.main.update_view(self.state, self.view, charts)
+        except Exception as error:  # the last line of defence: count it, show it, go on
+            self.state.note_viewer_error("drawing", error)
+
+    def _tell_error(self) -> None:
+        """Say once what went wrong when the viewer survives a new kind of error."""
+        error = self.state.last_viewer_error
+        if error and error != self._error_told:
+            self._error_told = error
+            self.notify(f"viewer error (survived): {error}", severity="error", timeout=10)
 
     @property
     def caught_up(self) -> bool:

@@ -60,6 +60,11 @@ def chips(parts: list[tuple[str, str]], separator: str = "  ", width: int = 0) -
     return text
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 bad value``, ``3 bad values``."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def rate(value: float) -> str:
     """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024``."""
     if value < 1:

@@ -45,6 +45,7 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
+from memtui.tui.plausible import check_snapshot, check_telemetry, is_time
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,
@@ -563,6 +564,12 @@ class RunState:
     bad_frames: int = 0
     """Frames the viewer could not decode."""
     last_bad_frame: str = ""
+    bad_values: int = 0
+    """Records, samples and numbers dropped for impossible values (``memtui.tui.plausible``):
+    infinite, NaN, negative or absurd, in otherwise well-formed messages."""
+    viewer_errors: int = 0
+    """Exceptions the viewer caught while folding or drawing a batch (and survived)."""
+    last_viewer_error: str = ""
     ignored_batches: int = 0
     """Telemetry from another run (or before any snapshot), dropped."""
     connection: ConnectionEvent = field(default_factory=_initial_connection)
@@ -592,7 +599,8 @@ class RunState:
 
     def apply(self, batch: ReceivedBatch) -> None:
         """Fold one batch from the receiver into the state."""
-        self.clock = max(self.clock, batch.clock)
+        if is_time(batch.clock):
+            self.clock = max(self.clock, batch.clock)
         if batch.bad_frames != self.bad_frames:
             self.bad_frames = batch.bad_frames
             self.last_bad_frame = batch.last_bad_frame
@@ -606,6 +614,17 @@ class RunState:
                 self.set_connection(event)
             elif isinstance(event, Notice):
                 self.add_notice(event)
+
+    def note_viewer_error(self, what: str, error: BaseException) -> None:
+        """Count an exception the viewer survived while doing ``what`` (shown in the header)."""
+        self.viewer_errors += 1
+        self.last_viewer_error = f"{what}: {type(error).__name__}: {error}"[:200]
+        self.connection_version += 1
+
+    def _count_bad_values(self, dropped: int) -> None:
+        if dropped:
+            self.bad_values += dropped
+            self.connection_version += 1
 
     def add_notice(self, notice: Notice) -> None:
         """Keep a line for the operator (shown in the change log)."""
@@ -641,7 +660,13 @@ class RunState:
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
         """Fold a snapshot: identity, config and history (a new run resets; another rank's
-        snapshot of the same run only adds to that rank's history and config)."""
+        snapshot of the same run only adds to that rank's history and config); impossible
+        values are dropped and counted."""
+        checked, dropped = check_snapshot(snapshot)
+        self._count_bad_values(dropped)
+        if checked is None:
+            return
+        snapshot = checked
         info = self.info
         if info is not None and snapshot.info.run == info.run and snapshot.info.rank != info.rank:
             self._apply_rank_snapshot(snapshot)
@@ -696,7 +721,13 @@ class RunState:
         return series
 
     def apply_telemetry(self, batch: Telemetry) -> None:
-        """Fold one telemetry batch of the run (others' batches are counted and dropped)."""
+        """Fold one telemetry batch of the run (others' batches are counted and dropped, and
+        so are impossible values)."""
+        checked, dropped = check_telemetry(batch)
+        self._count_bad_values(dropped)
+        if checked is None:
+            return
+        batch = checked
         if self.info is None or batch.run != self.info.run:
             self.ignored_batches += 1
             return
@@ -763,7 +794,7 @@ class RunState:
     @property
     def elapsed_s(self) -> float | None:
         """Time since the run started, on the source's clock."""
-        if self.info is None or not self.clock:
+        if self.info is None or not self.clock or self.info.started <= 0:
             return None
         return max(0.0, self.clock - self.info.started)
 

@@ -78,5 +78,8 @@ class MainScreen(Screen[None]):
         for widget in self._views or ():
             if isinstance(widget, SeriesChart) and not charts:
                 continue
-            repainted += widget.show(state, view)
+            try:
+                repainted += widget.show(state, view)
+            except Exception as error:  # one panel that cannot be drawn leaves the others
+                state.note_viewer_error(f"drawing the {widget.id}", error)
         return repainted

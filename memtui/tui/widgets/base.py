@@ -82,6 +82,10 @@ class StateView(Widget):
         shape = (self.content_size.width, self.narrow, self.multirank)
         if self._cache is not None and self._cache[0] == self._key and self._cache[1] == shape:
             return self._cache[2]
-        content = self.build(self.state, self.view, shape[0])
+        try:
+            content = self.build(self.state, self.view, shape[0])
+        except Exception as error:  # the last line of defence: count it, show it, go on
+            self.state.note_viewer_error(f"drawing the {self.id or 'panel'}", error)
+            content = Text(f"cannot draw this: {type(error).__name__}", "bold red")
         self._cache = (self._key, shape, content)
         return content

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 
 from memtui.stats import format_duration
-from memtui.tui.palette import STATUS_STYLES, chips, rate
+from memtui.tui.palette import STATUS_STYLES, chips, counted, rate
 from memtui.tui.state import RunState, Status, ViewOptions
 from memtui.tui.widgets.base import StateView
 
@@ -74,6 +74,10 @@ class RunHeader(StateView):
             progress.append((f"lost {state.lost_batches} batches", "yellow"))
         if state.bad_frames:
             progress.append((f"{state.bad_frames} bad frames", "bold red"))
+        if state.bad_values:
+            progress.append((counted(state.bad_values, "bad value"), "bold red"))
+        if state.viewer_errors:
+            progress.append((counted(state.viewer_errors, "viewer error"), "bold red"))
         if state.counters is not None and state.counters.errors:
             progress.append((f"hook errors {state.counters.errors}", "bold red"))
         if view.paused:
