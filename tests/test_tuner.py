@@ -330,49 +330,61 @@ def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: 
         tuner.close()
 
 
-def test_the_agent_wakes_ten_times_a_second_only_while_watched(
+def test_the_threads_wake_often_only_while_watched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each wake-up takes the GIL from training: 1/s unwatched, 10/s with a viewer subscribed.
+    """Each wake-up takes the GIL from training: the agent flushes and the sampler samples once a
+    second unwatched; with a viewer subscribed, ten and five times a second.
 
-    (A poll timeout truncated to 0 ms once made it spin: 880 wake-ups a second.)
+    (A poll timeout truncated to 0 ms once made the agent spin: 880 wake-ups a second.)
     """
     import zmq
 
     from memtui import registry
     from memtui.hooks.agent import Agent
+    from memtui.hooks.sampler import Sampler
 
     polls: list[float] = []
-    original = Agent._poller
+    samples: list[float] = []
+    poller, wait = Agent._poller, Sampler._wait
 
-    def counted(self: Agent) -> Any:
+    def counted_poller(self: Agent) -> Any:
         polls.append(time.monotonic())
-        return original(self)
+        return poller(self)
 
-    def rate(seconds: float) -> float:
-        start = len(polls)
+    def counted_wait(self: Sampler, seconds: float) -> None:
+        samples.append(time.monotonic())
+        wait(self, seconds)
+
+    def rates(seconds: float) -> tuple[float, float]:
+        start = len(polls), len(samples)
         time.sleep(seconds)
-        return (len(polls) - start) / seconds
+        return (len(polls) - start[0]) / seconds, (len(samples) - start[1]) / seconds
 
-    monkeypatch.setattr(Agent, "_poller", counted)
+    monkeypatch.setattr(Agent, "_poller", counted_poller)
+    monkeypatch.setattr(Sampler, "_wait", counted_wait)
     tuner = install(SimpleNamespace(batch_size=8), state_dir=tmp_path, name="wakeups")
     sub = zmq.Context.instance().socket(zmq.SUB)
     try:
         time.sleep(0.5)
-        assert rate(3.0) <= 2.5, "unwatched: about one wake-up a second"
+        agent_rate, sampler_rate = rates(3.0)
+        assert agent_rate <= 2.5 and sampler_rate <= 2.0, "unwatched: about once a second"
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(registry.find_run(tuner.run_id).ranks[0].pub)
         for _ in range(20):
             tuner.step()
         assert sub.poll(1500), "a new viewer gets a batch at once, not at the next idle flush"
-        assert 5 <= rate(2.0) <= 15, "watched: ten a second"
+        agent_rate, sampler_rate = rates(2.0)
+        assert 5 <= agent_rate <= 15, "watched: ten flushes a second"
+        assert 3 <= sampler_rate <= 7, "watched: five device samples a second"
         agent = tuner._agent
         assert isinstance(agent, Agent) and agent.subscribers == 1
         sub.close()
         wait_for(lambda: agent.subscribers == 0, 5, 0.05, "the unsubscribe")
         time.sleep(1.2)
-        assert rate(3.0) <= 2.5, "unwatched again"
+        agent_rate, sampler_rate = rates(3.0)
+        assert agent_rate <= 2.5 and sampler_rate <= 2.0, "unwatched again"
     finally:
         sub.close()
         tuner.close()

@@ -158,6 +158,9 @@ class Agent(threading.Thread):
                     elif isinstance(sock, zmq.Socket) and sock in (self._pub, self._pub_tcp):
                         if self._read_subscriptions(sock):
                             next_flush = time.monotonic()  # a viewer arrived: send at once
+                            sampler = self.tuner._sampler
+                            if sampler is not None:
+                                sampler.wake.set()  # and sample at the viewer's rate now
                     else:
                         self._serve(sock)
                 now = time.monotonic()
@@ -212,10 +215,14 @@ class Agent(threading.Thread):
         """Subscriptions live on this rank's PUB sockets (viewers attached, roughly)."""
         return sum(self._subscribers.values())
 
+    @property
+    def watched(self) -> bool:
+        """Whether a viewer is subscribed or the stream is recorded (the threads run fast)."""
+        return self.subscribers > 0 or self._recording is not None
+
     def flush_period(self) -> float:
         """Seconds to the next flush: short while watched or recorded, long while not."""
-        watched = self.subscribers > 0 or self._recording is not None
-        return self.flush_period_s if watched else self.idle_flush_s
+        return self.flush_period_s if self.watched else self.idle_flush_s
 
     def _read_subscriptions(self, sock: zmq.Socket) -> bool:
         """Count the XPUB's subscribe/unsubscribe reports; True when the first viewer arrived."""

@@ -444,15 +444,24 @@ def make_device_probe(tuner: Tuner, host: HostProbe) -> CpuDeviceProbe | CudaDev
 
 
 class Sampler(threading.Thread):
-    """Samples the device every ``device_period_s`` and the host every ``host_period_s``."""
+    """Samples the device every ``device_period_s`` (``idle_device_period_s`` while nobody
+    watches) and the host every ``host_period_s``."""
 
     def __init__(
-        self, tuner: Tuner, device_period_s: float = 0.2, host_period_s: float = 1.0
+        self,
+        tuner: Tuner,
+        device_period_s: float = 0.2,
+        host_period_s: float = 1.0,
+        *,
+        idle_device_period_s: float | None = None,
     ) -> None:
         super().__init__(name="memtui-sampler", daemon=True)
         self.tuner = tuner
         self.device_period_s = device_period_s
+        self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
         self.host_period_s = host_period_s
+        self.wake = threading.Event()
+        """Set to end the current wait early (a viewer arrived, or stop)."""
         self.device_samples: deque[DeviceSample] = deque(maxlen=512)
         self.host_samples: deque[HostSample] = deque(maxlen=64)
         self.host: HostProbe | None = None
@@ -462,6 +471,17 @@ class Sampler(threading.Thread):
     def stop(self) -> None:
         """Ask the thread to end."""
         self._stop_event.set()
+        self.wake.set()
+
+    def period(self) -> float:
+        """Seconds to the next device sample: short while watched, long while not."""
+        agent = self.tuner._agent
+        watched = agent is not None and agent.watched
+        return self.device_period_s if watched else self.idle_device_period_s
+
+    def _wait(self, seconds: float) -> None:
+        self.wake.wait(seconds)
+        self.wake.clear()
 
     def run(self) -> None:
         """Sample until stopped; a failing probe is reported and retried later."""
@@ -489,6 +509,6 @@ class Sampler(threading.Thread):
                 failures += 1
                 self.tuner._report(exc, "sampler")
                 self.probe = None
-                self._stop_event.wait(min(30.0, self.device_period_s * 2**failures))
+                self._wait(min(30.0, self.device_period_s * 2**failures))
                 continue
-            self._stop_event.wait(self.device_period_s)
+            self._wait(self.period())

@@ -72,7 +72,11 @@ class Options:
     idle_flush_s: float = 1.0
     """How often telemetry is sent while nobody is subscribed (each send wakes a thread)."""
     device_period_s: float = 0.2
-    """How often device memory is sampled (allocator peaks in between are kept)."""
+    """How often device memory is sampled while a viewer is subscribed or a recording is
+    written (allocator peaks in between are kept)."""
+    idle_device_period_s: float = 1.0
+    """How often device memory is sampled while nobody watches: the peaks stay exact (they are
+    the allocator's and the kernel's high-water marks), and each wake-up takes the GIL."""
     host_period_s: float = 1.0
     """How often host memory is sampled (psutil)."""
     reset_peaks: bool = True
@@ -456,7 +460,12 @@ class Tuner:
         from memtui.hooks.sampler import Sampler
 
         try:
-            self._sampler = Sampler(self, self.options.device_period_s, self.options.host_period_s)
+            self._sampler = Sampler(
+                self,
+                self.options.device_period_s,
+                self.options.host_period_s,
+                idle_device_period_s=self.options.idle_device_period_s,
+            )
             self._sampler.start()
             self._agent = Agent(
                 self,
