@@ -7,6 +7,7 @@ errors go to stderr, and the exit status says whether the request succeeded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -207,6 +208,7 @@ def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) ->
             "severity": found.verdict.severity,
             "headline": found.verdict.headline,
             "thresholds_from": config.source,
+            "thresholds": dataclasses.asdict(config.thresholds),
             "reasons": [
                 {"label": r.label, "value": r.value, "severity": r.severity}
                 for r in found.verdict.reasons
@@ -335,10 +337,11 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
         lines.append("breakdown at peak: " + ", ".join(parts))
     if data["model"]:
         safe = data["max_safe_batch_size"]
+        edge = verdict["thresholds"]["memory_edge_fraction"]
         lines.append(
             f"memory model: {format_bytes(data['model']['steady_bytes'])} steady + "
             f"{format_bytes(data['model']['per_sample_bytes'])} per sample ({data['model']['confidence']})"
-            + (f"; largest micro-batch under 85%: {safe}" if safe is not None else "")
+            + (f"; largest micro-batch under {edge:.0%}: {safe}" if safe is not None else "")
         )
     host = snapshot.host[-1] if snapshot.host else None
     if host:
@@ -466,24 +469,28 @@ def set_command(
         sys.exit(0 if reply.ok else 2)
     if not reply.ok:
         _fail(f"rejected: {reply.reason}", 2)
+    bands = load_thresholds().thresholds  # the run reads the same config file at install
     if dry_run:
         click.echo(f"would queue {format_changes(reply.changes)}")
-        click.echo(_prediction_line(reply))
+        click.echo(_prediction_line(reply, bands.memory_edge_fraction))
         if reply.needs_force:
-            click.echo("it would need --force: predicted over the 90% danger band")
+            click.echo(
+                f"it would need --force: predicted over the "
+                f"{bands.memory_danger_fraction:.0%} danger band"
+            )
     else:
         click.echo(str(reply.id))
         click.echo(
             f"queued #{reply.id}: {format_changes(reply.changes)} (applies at the next checkpoint)",
             err=True,
         )
-        click.echo(_prediction_line(reply), err=True)
+        click.echo(_prediction_line(reply, bands.memory_edge_fraction), err=True)
     if reply.note and not (dry_run and reply.needs_force):
         click.echo(f"note: {reply.note}", err=True)
 
 
-def _prediction_line(reply: SetReply) -> str:
-    """The memory prediction in a reply, in one line."""
+def _prediction_line(reply: SetReply, edge: float) -> str:
+    """The memory prediction in a reply, in one line (``edge``: the top of the safe band)."""
     if reply.predicted_peak_bytes is None or not reply.capacity_bytes:
         return "predicted peak: no memory model yet (it needs a few steps of samples)"
     share = reply.predicted_peak_bytes / reply.capacity_bytes
@@ -492,7 +499,7 @@ def _prediction_line(reply: SetReply) -> str:
         f"{format_bytes(reply.capacity_bytes)} ({reply.confidence})"
     )
     if reply.max_safe_batch_size is not None:
-        line += f"; largest micro-batch under 85%: {reply.max_safe_batch_size}"
+        line += f"; largest micro-batch under {edge:.0%}: {reply.max_safe_batch_size}"
     return line
 
 

@@ -434,3 +434,64 @@ def test_recommendations_follow_the_configured_thresholds() -> None:
     assert recommend(Inputs(**base))[0].title.startswith("bigger micro-batch")  # type: ignore[arg-type]
     stricter = Inputs(**base, underused_memory_fraction=0.40)  # type: ignore[arg-type]
     assert not any(r.title.startswith("bigger") for r in recommend(stricter))
+
+
+BANDS = """verdict:
+  underused_memory_fraction: 0.5
+  memory_edge_fraction: 0.75
+  memory_danger_fraction: 0.8
+"""
+
+
+def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memtui.advice.assess import advise
+    from memtui.hooks.control import Control
+    from memtui.tui.screens.edit import check_change, predict_change
+    from memtui.tui.state import RunState
+    from memtui.wire import ControlState, MemoryModel, SetRequest
+
+    path = tmp_path / "config.yaml"
+    path.write_text(BANDS)
+    monkeypatch.setenv("MEMTUI_CONFIG", str(path))
+    bands = load_thresholds()
+    # 24 GiB, 4 GiB steady, 0.8 GiB per sample: batch 21 is 87% (under 90%, over 80%)
+    model = _model(16, 0.70)
+    assert isinstance(model, MemoryModel) and round(predict_peak(model, 21) / GIB, 1) == 20.8
+    config = Knobs(batch_size=16, grad_accum=4, num_workers=2, pin_memory=False)
+    tunable = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
+    by_default = Control(config, tunable, thresholds=THRESHOLDS)
+    from_file = Control(config, tunable)  # the hook's: reads the config file like the viewer
+    assert from_file.thresholds == bands.thresholds
+    by_default.model = from_file.model = model
+    bigger = SetRequest(changes={"batch_size": 21})
+    assert by_default.queue(bigger).ok
+    refused = from_file.queue(bigger)
+    assert not refused.ok and refused.needs_force, refused
+    assert "over the 80% danger band" in refused.reason
+    assert "largest micro-batch predicted under 75% is 17" in refused.reason
+    assert refused.max_safe_batch_size == 17 and by_default.queue(bigger).max_safe_batch_size == 20
+    assert from_file.queue(SetRequest(changes={"batch_size": 21}, force=True)).ok
+
+    # the viewer's editor asks for the confirmation at the same bands
+    state = RunState(thresholds=bands)
+    state.control = ControlState(config=config, tunable=tunable, model=model)
+    _value, resolved = check_change("batch_size", "21", state, False)
+    prediction = predict_change(resolved, state)
+    assert prediction is not None and prediction.over_danger
+    assert prediction.max_safe_batch_size == 17 and (prediction.edge, prediction.danger) == (
+        0.75,
+        0.8,
+    )
+    assert not predict_change(resolved, RunState(control=state.control)).over_danger  # type: ignore[union-attr]
+
+    # the recommendations: at 78% the file's edge (75%) calls for a smaller micro-batch
+    near = ControlState(config=config, tunable=tunable, model=_model(16, 0.78))  # type: ignore[arg-type]
+    verdict = decide(VerdictInputs())
+    options = advise(near, None, None, None, None, verdict, bands.thresholds)
+    assert options.max_safe_batch_size == 15
+    smaller = options.recommendations[0]
+    assert smaller.title.startswith("smaller micro-batch: batch_size 16 -> ")
+    assert "edge band (largest under 75%: 15)" in smaller.why
+    assert not advise(near, None, None, None, None, verdict).recommendations

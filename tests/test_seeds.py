@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import msgspec
+import pytest
 import yaml
 
+from memtui.advice.predict import fraction, max_batch
+from memtui.wire import MemoryModel
 from tests.conftest import DemoRun, memtui_cli, wait_for
 
 MIB = 1 << 20
@@ -135,3 +140,35 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     )
     assert measured["prediction_accuracy"]["changes_measured"] == 1
     assert measured["model"]["points"][0][0] == 8 and len(measured["model"]["points"]) == 2
+
+
+def test_the_bands_of_the_config_file_gate_changes_in_the_run(
+    start_demo: Callable[..., DemoRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run reads the verdict's memory bands from the YAML config file, as the viewer and
+    ``memtui status`` do: a change under 90% but over the file's 80% needs --force."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "verdict:\n  underused_memory_fraction: 0.5\n"
+        "  memory_edge_fraction: 0.75\n  memory_danger_fraction: 0.8\n"
+    )
+    monkeypatch.setenv("MEMTUI_CONFIG", str(config))  # the demo and the command line alike
+    demo = start_demo(
+        "--steps", "100000", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "4",
+        "--memory-limit", "720MiB", *HEAVY,
+    )  # fmt: skip
+    run = demo.run_id
+    data = until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    fields = {k: v for k, v in data["model"].items() if k != "confidence"}
+    model = msgspec.convert(fields, MemoryModel)
+    between = [b for b in range(1, 64) if 0.81 < fraction(model, b) < 0.89]
+    assert between, "a micro-batch predicted between the file's danger band and the default's"
+    assert data["verdict"]["thresholds"]["memory_danger_fraction"] == 0.8
+    assert data["max_safe_batch_size"] == max_batch(model, 0.75) < max_batch(model, 0.85)  # type: ignore[operator]
+    refused = memtui_cli("set", run, f"batch_size={between[0]}")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "over the 80% danger band" in refused.stderr, refused.stderr
+    assert "largest micro-batch predicted under 75% is" in refused.stderr
+    dry = memtui_cli("set", run, f"batch_size={between[0]}", "--dry-run")
+    assert "it would need --force: predicted over the 80% danger band" in dry.stdout, dry.stdout
+    assert "largest micro-batch under 75%" in memtui_cli("status", run).stdout

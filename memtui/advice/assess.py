@@ -87,6 +87,7 @@ def advise(
             starved_wait_fraction=limits.starved_wait_fraction,
             underused_memory_fraction=limits.underused_memory_fraction,
             memory_edge_fraction=limits.memory_edge_fraction,
+            memory_danger_fraction=limits.memory_danger_fraction,
         )
     )
     return Advice(

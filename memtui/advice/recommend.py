@@ -55,6 +55,8 @@ class Inputs:
     """The verdict's UNDERUSED threshold in force."""
     memory_edge_fraction: float = EDGE
     """The verdict's OOM edge in force: bigger batches stay under it, smaller ones get back."""
+    memory_danger_fraction: float = DANGER
+    """The verdict's danger band in force (named in the reasons)."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                     else " (the effective batch grows)"
                 ),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under 85%: {safe})",
+                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {safe})",
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
                 speed_delta=None,
@@ -294,7 +296,8 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 title=f"smaller micro-batch: batch_size {batch} -> {smaller}"
                 + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: {'danger' if frac_now >= DANGER else 'edge'} band",
+                why=f"peak memory {frac_now:.0%} of capacity: {'danger' if frac_now >= inputs.memory_danger_fraction else 'edge'} band"
+                + (f" (largest under {edge:.0%}: {safe})" if safe is not None else ""),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
                 speed_delta=None,

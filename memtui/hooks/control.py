@@ -6,6 +6,7 @@ boundary and records the result. Every change of state bumps ``seq`` so viewers 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -13,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memtui.advice.predict import DANGER, EDGE, confidence, max_batch, predict_peak
+from memtui.advice.predict import confidence, max_batch, predict_peak
+from memtui.advice.verdict import THRESHOLDS, Thresholds, load_thresholds
 from memtui.hooks.persist import AuditLog
 from memtui.knobs import KNOBS, KnobError, format_changes, parse_changes, resolve
 from memtui.stats import format_bytes
@@ -32,6 +34,8 @@ from memtui.wire import (
     SetRequest,
     StaticMemory,
 )
+
+log = logging.getLogger("memtui")
 
 HISTORY = 50
 """Applied and rejected changes kept in memory (the audit log keeps all)."""
@@ -57,8 +61,11 @@ class Control:
         audit: AuditLog | None = None,
         step: Callable[[], int] = lambda: 0,
         report: Callable[[BaseException, str], None] | None = None,
+        thresholds: Thresholds | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self.thresholds = thresholds or _thresholds_in_force()
+        """The memory bands the gate uses: the verdict's, from the YAML config file if any."""
         self.current = current
         self.tunable = list(tunable)
         self.world_size = world_size
@@ -179,7 +186,7 @@ class Control:
         model = self.model
         if model is None or projected.batch_size is None:
             return Prediction()
-        return Prediction.of(model, projected.batch_size)
+        return Prediction.of(model, projected.batch_size, self.thresholds)
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
@@ -250,21 +257,30 @@ class OverDanger(KnobError):
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the memory model says of a config."""
+    """What the memory model says of a config, against the memory bands in force."""
 
     peak_bytes: int | None = None
     capacity_bytes: int | None = None
     max_safe_batch_size: int | None = None
     confidence: str = ""
+    edge: float = THRESHOLDS.memory_edge_fraction
+    """The top of the safe band (the largest safe micro-batch stays under it)."""
+    danger: float = THRESHOLDS.memory_danger_fraction
+    """Over this share of capacity a change needs ``force``."""
 
     @classmethod
-    def of(cls, model: MemoryModel, batch_size: int) -> Prediction:
-        """The prediction of ``model`` at ``batch_size``."""
+    def of(
+        cls, model: MemoryModel, batch_size: int, thresholds: Thresholds = THRESHOLDS
+    ) -> Prediction:
+        """The prediction of ``model`` at ``batch_size`` against ``thresholds``' memory bands."""
+        edge = thresholds.memory_edge_fraction
         return cls(
             predict_peak(model, batch_size),
             model.capacity_bytes,
-            max_batch(model, EDGE),
+            max_batch(model, edge),
             confidence(model),
+            edge,
+            thresholds.memory_danger_fraction,
         )
 
     @property
@@ -276,8 +292,8 @@ class Prediction:
 
     @property
     def over_danger(self) -> bool:
-        """Predicted over the 90% band."""
-        return self.fraction > DANGER
+        """Predicted over the danger band."""
+        return self.fraction > self.danger
 
     @property
     def warning(self) -> str:
@@ -285,14 +301,14 @@ class Prediction:
         if not self.over_danger:
             return ""
         safe = (
-            f"; the largest micro-batch predicted under 85% is {self.max_safe_batch_size}"
+            f"; the largest micro-batch predicted under {self.edge:.0%} is {self.max_safe_batch_size}"
             if self.max_safe_batch_size
             else ""
         )
         return (
             f"predicted peak {format_bytes(self.peak_bytes)} = {self.fraction:.0%} of "
-            f"{format_bytes(self.capacity_bytes)}, over the 90% danger band ({self.confidence}){safe}; "
-            "queue it with --force (or confirm in the viewer) if you mean it"
+            f"{format_bytes(self.capacity_bytes)}, over the {self.danger:.0%} danger band "
+            f"({self.confidence}){safe}; queue it with --force (or confirm in the viewer) if you mean it"
         )
 
     def reply(self, **fields: Any) -> SetReply:
@@ -304,6 +320,16 @@ class Prediction:
             confidence=self.confidence,
             **fields,
         )
+
+
+def _thresholds_in_force() -> Thresholds:
+    """The verdict's thresholds from the YAML config file, as the viewer and ``memtui status``
+    read them (``$MEMTUI_CONFIG``, else ``~/.config/memtui/config.yaml``); what the file got wrong
+    is logged, and the defaults stand in for it."""
+    config = load_thresholds()
+    for problem in config.problems:
+        log.warning("memtui: %s", problem)
+    return config.thresholds
 
 
 def _join(*notes: str) -> str:

@@ -39,7 +39,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from memtui.advice.oom import is_oom, parse_oom
-from memtui.advice.predict import EDGE, max_batch
+from memtui.advice.predict import max_batch
 from memtui.knobs import accumulation_for
 from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent
 
@@ -140,14 +140,15 @@ def safe_config(tuner: Tuner) -> tuple[dict[str, Any], str]:
     batch = values.get("batch_size")
     if isinstance(batch, int) and batch > 1:
         model = tuner.control.model
-        safer = max_batch(model, EDGE) if model is not None else None
+        edge = tuner.control.thresholds.memory_edge_fraction
+        safer = max_batch(model, edge) if model is not None else None
         new_batch = safer if safer and safer < batch else max(1, batch // 2)
         accum = values.get("grad_accum")
         if isinstance(accum, int):
             values["grad_accum"], _ = accumulation_for(batch * accum, new_batch)
         values["batch_size"] = new_batch
         why = (
-            "the memory model's largest micro-batch under 85%"
+            f"the memory model's largest micro-batch under {edge:.0%}"
             if safer and safer < batch
             else "the micro-batch halved"
         )

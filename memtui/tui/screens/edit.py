@@ -1,6 +1,6 @@
 """The modal that edits one knob: the value is validated, and its predicted peak shown, before
-anything is sent; a change predicted over the 90% danger band needs a second Enter (it is then
-sent with ``force``)."""
+anything is sent; a change predicted over the danger band (90% unless the config file says
+otherwise) needs a second Enter (it is then sent with ``force``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Input, Label, Static
 
-from memtui.advice.predict import DANGER, EDGE, confidence, max_batch, predict_peak
+from memtui.advice.predict import confidence, max_batch, predict_peak
 from memtui.knobs import (
     KNOBS,
     KnobError,
@@ -46,6 +46,10 @@ class Prediction:
     capacity_bytes: int
     max_safe_batch_size: int | None
     confidence: str
+    edge: float
+    """The top of the safe band in force (the verdict's, from the config file)."""
+    danger: float
+    """The danger band in force: over it the hook refuses the change unless forced."""
 
     @property
     def fraction(self) -> float:
@@ -54,8 +58,8 @@ class Prediction:
 
     @property
     def over_danger(self) -> bool:
-        """Over the 90% band: the hook refuses it unless forced."""
-        return self.fraction > DANGER
+        """Over the danger band: the hook refuses it unless forced."""
+        return self.fraction > self.danger
 
     def describe(self) -> str:
         """``predicted peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (2 micro-batches ...)``."""
@@ -78,8 +82,15 @@ def predict_change(resolved: Resolved, state: RunState) -> Prediction | None:
     batch = resolved.changes.get("batch_size")
     if model is None or not model.capacity_bytes or batch is None or isinstance(batch, bool):
         return None
+    bands = state.thresholds.thresholds
+    edge = bands.memory_edge_fraction
     return Prediction(
-        predict_peak(model, batch), model.capacity_bytes, max_batch(model, EDGE), confidence(model)
+        predict_peak(model, batch),
+        model.capacity_bytes,
+        max_batch(model, edge),
+        confidence(model),
+        edge,
+        bands.memory_danger_fraction,
     )
 
 
@@ -130,7 +141,7 @@ class KnobValidator(Validator):
 
 class EditKnobScreen(ModalScreen[EditResult | None]):
     """Type a new value for one knob; Enter queues it for the next checkpoint (a change predicted
-    over 90% takes a second Enter, and is sent forced), Escape cancels."""
+    over the danger band takes a second Enter, and is sent forced), Escape cancels."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss_none", "Cancel")]
 
@@ -187,14 +198,14 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
         shown = f"will queue [bold]{format_changes(resolved.changes)}[/]{note}"
         if prediction is not None:
             style = "bold red" if prediction.over_danger else "green"
-            if not prediction.over_danger and prediction.fraction >= EDGE:
+            if not prediction.over_danger and prediction.fraction >= prediction.edge:
                 style = "bold yellow"
             shown += f"\n[{style}]{prediction.describe()}[/]"
             if prediction.over_danger:
                 safe = prediction.max_safe_batch_size
-                shown += "\n[bold red]over the 90% danger band[/]"
+                shown += f"\n[bold red]over the {prediction.danger:.0%} danger band[/]"
                 if safe:
-                    shown += f" (largest under 85%: {safe})"
+                    shown += f" (largest under {prediction.edge:.0%}: {safe})"
                 if self.confirming == text_key(text):
                     shown += "\n[bold reverse red] enter again: queue it anyway (forced) [/]"
                 else:
