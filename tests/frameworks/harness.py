@@ -1,4 +1,4 @@
-"""Running a framework training script that pauses at step 2 for a change to be queued."""
+"""Running a framework training script that pauses at a step (2 unless told) for a change to be queued."""
 
 from __future__ import annotations
 
@@ -27,9 +27,37 @@ def torchrun(ranks: int) -> list[str]:
     ]
 
 
+def accelerate_launch(ranks: int) -> list[str]:
+    """``accelerate launch`` with ``ranks`` CPU processes (with ``ACCELERATE_CPU`` in the env).
+
+    ``--cpu`` alone runs one process (several CPU processes go through mpirun); the multi-GPU
+    launcher (torchrun's, inside) with ``ACCELERATE_USE_CPU=true`` gives MULTI_CPU over gloo.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(ranks),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
+
+
+ACCELERATE_CPU = {"ACCELERATE_USE_CPU": "true"}
+"""The environment that makes Accelerate (and the Trainer) run several CPU processes over gloo."""
+
+
 @dataclass
 class PausedRun:
-    """A training script (all its ranks) waiting at step 2 until the ``go`` file exists."""
+    """A training script (all its ranks) waiting at a step until the ``go`` file exists."""
 
     proc: subprocess.Popen[str]
     log: Path
@@ -67,11 +95,12 @@ def paused_run(
     ranks: int = 1,
     report: str = "report.json",
     env: dict[str, str] | None = None,
+    wait_at: int = 2,
 ) -> Iterator[PausedRun]:
-    """Start ``script`` under ``launcher`` and yield once every rank waits at step 2."""
+    """Start ``script`` under ``launcher`` and yield once every rank waits at step ``wait_at``."""
     run = PausedRun(None, tmp_path / "train.log", tmp_path / "go", tmp_path / report)  # type: ignore[arg-type]
     command = [*launcher, str(script), "--out", str(tmp_path / "out"), "--report", str(run.report)]
-    command += ["--go", str(run.go), *args]
+    command += ["--go", str(run.go), "--wait-at", str(wait_at), *args]
     with open(run.log, "w") as handle:
         run.proc = subprocess.Popen(
             command,
@@ -83,9 +112,12 @@ def paused_run(
         )
     try:
         wait_for(
-            lambda: run.output().count("waiting at step 2") >= ranks or run.proc.poll() is not None,
+            lambda: (
+                run.output().count(f"waiting at step {wait_at}") >= ranks
+                or run.proc.poll() is not None
+            ),
             180,
-            what=f"{ranks} rank(s) to reach step 2",
+            what=f"{ranks} rank(s) to reach step {wait_at}",
         )
         assert run.proc.poll() is None, run.output()
         yield run

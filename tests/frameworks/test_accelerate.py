@@ -1,5 +1,6 @@
 """Accelerate with ``hooks.install(accelerator, ...)``: a change queued by a real client lands at
-the next ``save_state``, in the loop itself; one process and ``accelerate launch`` with two."""
+the next ``save_state``, in the loop itself; one process, and two under ``accelerate launch`` and
+under torchrun."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.harness import paused_run
+from tests.frameworks.harness import ACCELERATE_CPU, accelerate_launch, paused_run, torchrun
 
 pytest.importorskip("accelerate")
 
@@ -52,26 +53,12 @@ def test_change_lands_in_the_loop_one_process(tmp_path: Path) -> None:
     assert len(set(seen[SAMPLES:])) == len(seen) - SAMPLES, "epoch 1: no sample twice"
 
 
-def test_same_change_same_step_under_accelerate_launch(tmp_path: Path) -> None:
-    # `--cpu` alone runs one process (several CPU processes go through mpirun); torchrun's
-    # launcher with ACCELERATE_USE_CPU gives MULTI_CPU over gloo
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-    ]
-    reports = run_with_change(tmp_path, launcher, 2, {"ACCELERATE_USE_CPU": "true"})
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_same_change_same_step_under_two_processes(tmp_path: Path, launcher: str) -> None:
+    # on a machine with no GPU, Accelerate runs several CPU processes (MULTI_CPU, gloo) only with
+    # ACCELERATE_USE_CPU; under torchrun without it each process would train alone
+    prefix = accelerate_launch(2) if launcher == "accelerate" else torchrun(2)
+    reports = run_with_change(tmp_path, prefix, 2, ACCELERATE_CPU)
     check_common(reports)
     # global batches of 4 x 2 ranks, then 6 x 2: epoch 0 is 32 + 64 samples split between ranks
     first = [i for r in reports for i in r["seen"][:16]]

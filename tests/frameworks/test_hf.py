@@ -1,13 +1,18 @@
 """Hugging Face Trainer with ``hooks.install(trainer)``: a change queued by a real client lands at
-the next save; the run resumes in-process and nothing is lost or repeated."""
+the next save; the run resumes in-process from that checkpoint with the optimizer's state and the
+LR schedule where they were, and no sample is lost or repeated. A run whose checkpoints cannot be
+resumed from refuses changes, with the reason."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.conftest import memtui_cli
 from tests.frameworks.harness import PYTHON, paused_run
 
 pytest.importorskip("transformers")
@@ -15,13 +20,32 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("hf_train.py")
 
 
+def digest_of_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The training script's digest of an optimizer's state, from a saved ``optimizer.pt``."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)["state"]
+    return {
+        str(index): {
+            name: [hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest(), float(t.norm())]
+            for name, t in tensors.items()
+        }
+        for index, tensors in state.items()
+    }
+
+
+def audit_of(tmp_path: Path) -> list[dict[str, Any]]:
+    lines = (tmp_path / "out" / "memtui-audit.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
 def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> None:
     with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
-        # 4 x 2 -> 6 x 1: 32 samples consumed at step 4 are not a whole number of new steps
-        paused.queue_and_go("batch_size=6", "grad_accum=1")
+        # 4 x 2 -> 6 x 1: 32 samples consumed at step 4 are not a whole number of new steps;
+        # no loader workers -> 2; pinned memory: off (use_cpu turns it off) -> on
+        paused.queue_and_go("batch_size=6", "grad_accum=1", "num_workers=2", "pin_memory=true")
         paused.finish(180)
-    report_path = paused.report
-    report = json.loads(report_path.read_text())
+    report = json.loads(paused.report.read_text())
     assert report["restarts"] == 1
     assert report["global_step"] == report["output_step"] == report["tuner_step"] == 12
     assert report["steps"] == list(range(1, 13)), "global step continued, never reset"
@@ -35,8 +59,101 @@ def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> No
     assert seen[:32] == orders[0][:32]
     assert seen[32:64] == orders[0][32:], "epoch 0 continued exactly after the resume"
     assert seen[64:] == orders[1][:12]
-    audit = [
-        json.loads(x) for x in (tmp_path / "out" / "memtui-audit.jsonl").read_text().splitlines()
+    applied = [entry for entry in audit_of(tmp_path) if entry.get("event") == "applied"]
+    assert applied and applied[0]["step"] == 4, applied
+
+    # the optimizer (AdamW) goes on from its state at the save: the resumed train() loaded
+    # exactly what the loop had at step 4, which is what checkpoint-4 holds
+    (resumed,) = report["resumed"]
+    at_save = report["saved"]["4"]
+    assert resumed["step"] == 4
+    assert (
+        resumed["optimizer"]
+        == at_save
+        == digest_of_file(tmp_path / "out" / "checkpoint-4" / "optimizer.pt")
+    )
+    for tensors in at_save.values():
+        assert tensors["step"][1] == 4.0, "Adam's step count: 4, not restarted"
+        assert tensors["exp_avg"][1] > 0 and tensors["exp_avg_sq"][1] > 0
+    # the scheduler stepped 4 times; the LR of the first step after the change (step 5) is the
+    # schedule's value for step 5
+    assert resumed["scheduler_last_epoch"] == 4
+    assert resumed["lr"] == pytest.approx(1e-3 * (1 - 4 / 12))
+
+    # the loader: rebuilt by the resumed train() with the new workers and pinning (on a machine
+    # with no GPU torch then pins nothing, but the DataLoader is asked to)
+    assert report["loader_args"] == {"dataloader_num_workers": 2, "dataloader_pin_memory": True}
+    assert report["loaders"] == [
+        {"num_workers": 0, "pin_memory": False},
+        {"num_workers": 2, "pin_memory": True},
     ]
-    applied = [entry for entry in audit if entry.get("event") == "applied"]
-    assert applied and applied[0]["step"] == 4, audit
+    workers = report["workers_at_step"]
+    assert [workers[str(s)] for s in range(1, 5)] == [0] * 4, "no worker process before"
+    # (at the end of step 10 epoch 0's iterator is spent and its workers are gone; epoch 1 starts
+    # two new ones)
+    after = [workers[str(s)] for s in (*range(5, 10), 11, 12)]
+    assert after == [2] * 7, "two worker processes after"
+
+
+def test_save_only_model_refuses_changes_with_the_reason(tmp_path: Path) -> None:
+    with paused_run(tmp_path, PYTHON, SCRIPT, "--save-only-model") as paused:
+        refused = memtui_cli("set", paused.run_id(), "batch_size=6")
+        paused.go.touch()
+        paused.finish(180)
+    assert refused.returncode != 0
+    assert "save_only_model=True" in refused.stderr + refused.stdout
+    report = json.loads(paused.report.read_text())
+    assert report["restarts"] == 0 and report["applied"] == []
+    assert report["global_step"] == 12 and report["steps"] == list(range(1, 13))
+    assert "optimizer and the LR schedule afresh" in report["disabled"]
+    assert report["rejected"] and "save_only_model=True" in report["rejected"][0][1]
+
+
+def test_checkpoint_without_scheduler_state_refuses_the_change(tmp_path: Path) -> None:
+    with paused_run(tmp_path, PYTHON, SCRIPT, "--drop-scheduler") as paused:
+        paused.queue_and_go("batch_size=6")
+        paused.finish(180)
+    report = json.loads(paused.report.read_text())
+    assert report["restarts"] == 0 and report["applied"] == []
+    assert report["rejected"] == [
+        [
+            4,
+            "checkpoint-4 holds no LR scheduler state: resuming from it to apply the change "
+            "would start that state afresh",
+        ]
+    ]
+    assert report["args"]["per_device_train_batch_size"] == 4
+    assert report["global_step"] == 12 and report["steps"] == list(range(1, 13))
+    rejected = [entry for entry in audit_of(tmp_path) if entry.get("event") == "rejected"]
+    assert [entry["step"] for entry in rejected] == [4]
+
+
+def test_missing_resume_state_names_what_is_missing(tmp_path: Path) -> None:
+    from memtui.hooks.adapters.hf import missing_resume_state
+
+    checkpoint = tmp_path / "checkpoint-4"
+    assert "checkpoint-4 is not there" in missing_resume_state(str(checkpoint))
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").touch()
+    assert "no optimizer or LR scheduler state" in missing_resume_state(str(checkpoint))
+    assert missing_resume_state(str(checkpoint), deepspeed=True) == ""
+    (checkpoint / "scheduler.pt").touch()
+    assert "no optimizer state" in missing_resume_state(str(checkpoint))
+    (checkpoint / "optimizer_0").mkdir()  # FSDP's sharded optimizer
+    assert missing_resume_state(str(checkpoint)) == ""
+
+
+def test_change_survives_save_total_limit_and_best_model_at_end(tmp_path: Path) -> None:
+    # save and evaluate every 2 steps, keep 1 checkpoint (and the best: the first one): the end of
+    # the stopped train() would delete checkpoint-4, the one the change resumes from
+    args = ("--save-steps", "2", "--save-total-limit", "1", "--best")
+    with paused_run(tmp_path, PYTHON, SCRIPT, *args, wait_at=3) as paused:
+        paused.queue_and_go("batch_size=6", "grad_accum=1")
+        paused.finish(180)
+    report = json.loads(paused.report.read_text())
+    assert report["applied"] == [[4, ["batch_size", "grad_accum"]]]
+    assert report["restarts"] == 1
+    assert report["resumed"][0]["optimizer"] == report["saved"]["4"]
+    assert report["global_step"] == 12 and report["steps"] == list(range(1, 13))
+    # at the run's real end the Trainer keeps only the best checkpoint, as it was asked to
+    assert report["checkpoints"] == ["checkpoint-2"]

@@ -1,6 +1,7 @@
-"""Hugging Face Trainer under torchrun (2 CPU processes, gloo) with ``hooks.install(trainer)``: a
-change queued by a real client lands at the same save on both ranks; both resume in-process at
-the same step, and every sample of an epoch is trained on exactly once across the ranks."""
+"""Hugging Face Trainer with two CPU processes (gloo) under torchrun and under ``accelerate
+launch`` with ``hooks.install(trainer)``: a change queued by a real client lands at the same save
+on both ranks; both resume in-process at the same step with the optimizer's state of the save,
+and every sample of an epoch is trained on exactly once across the ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from memtui import registry
 from memtui.client import hello_many
-from tests.frameworks.harness import paused_run, torchrun
+from tests.frameworks.harness import ACCELERATE_CPU, accelerate_launch, paused_run, torchrun
 
 pytest.importorskip("transformers")
 
@@ -19,9 +20,13 @@ SCRIPT = Path(__file__).with_name("hf_train.py")
 SAMPLES = 96
 
 
-def test_two_ranks_apply_at_the_same_save_and_resume_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_ranks_apply_at_the_same_save_and_resume_exactly(tmp_path: Path, launcher: str) -> None:
     args = ("--samples", str(SAMPLES))
-    with paused_run(tmp_path, torchrun(2), SCRIPT, *args, ranks=2) as paused:
+    prefix, env = (
+        (torchrun(2), None) if launcher == "torchrun" else (accelerate_launch(2), ACCELERATE_CPU)
+    )
+    with paused_run(tmp_path, prefix, SCRIPT, *args, ranks=2, env=env) as paused:
         lines = paused.output().splitlines()
         runs = {line.split()[1] for line in lines if line.startswith("run ")}
         assert len(runs) == 1, f"one run id on both ranks: {runs}"
@@ -42,6 +47,9 @@ def test_two_ranks_apply_at_the_same_save_and_resume_exactly(tmp_path: Path) -> 
         assert rep["restarts"] == 1
         assert rep["global_step"] == rep["output_step"] == rep["tuner_step"] == 12
         assert rep["args"] == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3}
+        (resumed,) = rep["resumed"]
+        assert resumed["optimizer"] == rep["saved"]["4"], "the optimizer goes on from the save"
+        assert resumed["scheduler_last_epoch"] == 4
         if rep["steps"]:  # the Trainer logs on the main process
             assert rep["steps"] == list(range(1, 13)), "global step continued, never reset"
             expected = [1e-3 * (1 - (s - 1) / 12) for s in range(1, 13)]

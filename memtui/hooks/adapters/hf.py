@@ -15,9 +15,17 @@ and the position in the data is kept in samples (the Trainer counts it in batche
 size): memtui's sampler replays the epoch's order and leaves out exactly the samples already
 consumed, and the resumed epoch's loop is sized to the samples it has left.
 
-Under torchrun, ``TrainingArguments`` starts ``torch.distributed``, so it is up at install and
-the ranks coordinate from the start: the change lands at the same save on every rank and every
-rank resumes from that checkpoint at the same global step.
+Under torchrun or ``accelerate launch``, ``TrainingArguments`` starts ``torch.distributed``, so it
+is up at install and the ranks coordinate from the start: the change lands at the same save on
+every rank and every rank resumes from that checkpoint at the same global step.
+
+The resume needs the checkpoint's optimizer and LR scheduler state (the Trainer's own resume
+silently starts both afresh when their files are missing). With ``save_only_model=True`` (or
+``save_strategy="no"``: no save, no boundary) changes are refused from the start, with the
+reason; a checkpoint found without that state at the boundary (deleted or pruned by hand) gets
+the pending changes refused there. The end of the stopped ``train`` is not the end of the run:
+``load_best_model_at_end`` and the ``save_total_limit=1`` clean-up (which deletes every
+checkpoint but the best, the one to resume from included) wait for the run's real end.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from transformers import TrainerCallback
 from memtui.hooks.tuner import Options, Tuner
 
 log = logging.getLogger("memtui")
+
+RESUME_STATE = ("optimizer", "scheduler.pt")
+"""What a checkpoint needs to resume from besides the model and ``trainer_state.json``: a name
+with ``optimizer`` in it (``optimizer.pt``/``.bin``, FSDP's ``optimizer_0``) and the scheduler."""
 
 HF_KNOBS = {
     "batch_size": "per_device_train_batch_size",
@@ -134,14 +146,39 @@ class HFAdapter:
         self.sampler: EpochOrderSampler | None = None
         self.restarts = 0
         """In-process resumes done to apply changes."""
+        self.refusal = ""
+        """Why the boundary now running refuses the pending changes (rank 0); empty: it may apply."""
+        self.suspended: dict[str, Any] = {}
+        """End-of-``train`` settings set aside while a stopped ``train`` is not the run's end."""
         self.tuner = Tuner(self.staged, model=trainer.model, **tuner_kwargs)
         self.tuner.adapter = self
+        self._refuse_when_told()
+        control = self.tuner.control
+        control.disabled = control.disabled or cannot_resume(args)
         for name, value in self.staged.items():  # a tuned config loaded by resume=True
             setattr(args, name, value)
         trainer._train_batch_size = args.train_batch_size
         self.callback = MemtuiCallback(self)
         trainer.add_callback(self.callback)
         self._wrap()
+
+    def _refuse_when_told(self) -> None:
+        """Make the boundary's taking of the pending changes refuse them while ``refusal`` says so.
+
+        In the same step as the taking, so a change queued meanwhile is not applied in their place.
+        """
+        control = self.tuner.control
+        take_pending = control.take_pending
+        adapter = self
+
+        def take_unless_refused() -> list[Any]:
+            taken = take_pending()
+            if taken and adapter.refusal:
+                control.record_rejected(taken, adapter.refusal, adapter.tuner.step_count)
+                return []
+            return taken
+
+        control.take_pending = take_unless_refused  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ the Trainer's methods
 
@@ -280,21 +317,40 @@ class HFAdapter:
 
     def boundary(self, state: Any, control: Any) -> None:
         """The checkpoint boundary: apply, then stop the loop so ``train`` resumes with the change."""
-        applied = self.tuner.checkpoint()
+        trainer = self.trainer
+        checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{state.global_step}")
+        if self.tuner.rank == 0:  # rank 0 takes the pending changes and decides for every rank
+            deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+            self.refusal = missing_resume_state(checkpoint, deepspeed)
+        try:
+            applied = self.tuner.checkpoint()
+        finally:
+            self.refusal = ""
         try:
             if applied is None or not applied.changes:
                 return
             if state.global_step >= (self.max_steps or state.max_steps):
                 log.info("memtui: %s; the run is at its last step: kept for a resume", applied)
                 return
-            checkpoint = os.path.join(
-                self.trainer.args.output_dir, f"checkpoint-{state.global_step}"
-            )
             self.restart = (checkpoint, self.epoch, self.consumed)
             control.should_training_stop = True
+            self._suspend_end_of_train()
             log.info("memtui: resuming from %s with the new settings", checkpoint)
         except Exception as exc:
             self.tuner._report(exc, "hf boundary")
+
+    def _suspend_end_of_train(self) -> None:
+        """The stopped ``train`` is not the run's end: no best-model load, no clean-up.
+
+        With ``save_total_limit=1`` and a best checkpoint, the Trainer's end of ``train`` deletes
+        every other checkpoint, the one to resume from included; both settings come back at the
+        resume, so the run's real end does what it should.
+        """
+        args = self.trainer.args
+        for name, off in (("save_total_limit", None), ("load_best_model_at_end", False)):
+            if hasattr(args, name):
+                self.suspended.setdefault(name, getattr(args, name))
+                setattr(args, name, off)
 
     def _prepare_resume(self, epoch: int, consumed: int) -> None:
         """Copy the applied knobs into the ``TrainingArguments`` and pin ``max_steps``."""
@@ -302,6 +358,9 @@ class HFAdapter:
         args = trainer.args
         for name, value in self.staged.items():
             setattr(args, name, value)
+        for name, value in self.suspended.items():
+            setattr(args, name, value)
+        self.suspended = {}
         if self.max_steps is not None:
             args.max_steps = self.max_steps
         trainer._train_batch_size = args.train_batch_size
@@ -315,6 +374,49 @@ class HFAdapter:
             epoch, consumed = epoch + 1, 0
         self.resume_at = (epoch, consumed)
         self.restarts += 1
+
+
+def cannot_resume(args: Any) -> str:
+    """Why a run with these ``TrainingArguments`` cannot resume at a save to apply a change."""
+    if getattr(args, "save_only_model", False):
+        return (
+            "the Trainer saves only the model (save_only_model=True): resuming from its "
+            "checkpoint to apply a change would start the optimizer and the LR schedule afresh; "
+            "save the full state to tune this run"
+        )
+    strategy = getattr(args, "save_strategy", None)
+    if getattr(strategy, "value", strategy) == "no":
+        return (
+            "the Trainer never saves (save_strategy='no'): memtui applies changes at a save, "
+            "resuming from it"
+        )
+    return ""
+
+
+def missing_resume_state(checkpoint: str, deepspeed: bool = False) -> str:
+    """Why ``checkpoint`` cannot be resumed from with the optimizer and LR schedule; "" if it can."""
+    name = os.path.basename(checkpoint)
+    try:
+        names = os.listdir(checkpoint)
+    except OSError:
+        return f"{name} is not there (deleted or pruned): there is no state to resume from"
+    if deepspeed:  # DeepSpeed keeps both in its own global_step* folder, with the model
+        return ""
+    optimizer, scheduler = RESUME_STATE
+    missing = [
+        what
+        for what, found in (
+            ("optimizer", any(optimizer in n for n in names)),
+            ("LR scheduler", scheduler in names),
+        )
+        if not found
+    ]
+    if not missing:
+        return ""
+    return (
+        f"{name} holds no {' or '.join(missing)} state: resuming from it to apply the change "
+        "would start that state afresh"
+    )
 
 
 def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
