@@ -141,6 +141,20 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     assert measured["prediction_accuracy"]["changes_measured"] == 1
     assert measured["model"]["points"][0][0] == 8 and len(measured["model"]["points"]) == 2
 
+    # the audit log keeps predicted against observed, with the measured effect
+    def measured_line() -> dict[str, Any] | None:
+        audit = (demo.out / "memtui-audit.jsonl").read_text().splitlines()
+        return next((e for e in map(json.loads, audit) if e["event"] == "measured"), None)
+
+    line: dict[str, Any] = wait_for(measured_line, 10, 0.1, "the measured line")  # type: ignore[assignment]
+    assert line["ids"] == applied["ids"] and line["step"] == applied["step"]
+    assert line["predicted_peak_bytes"] == applied["predicted_peak_bytes"] > 0
+    assert line["observed_peak_bytes"] == applied["observed_peak_bytes"] > 0
+    assert line["prediction_error"] == error
+    assert line["effect"]["peak_bytes_after"] == applied["observed_peak_bytes"]
+    assert line["effect"]["samples_per_s_before"] > 0 and line["effect"]["samples_per_s_after"] > 0
+    assert "samples/s" in line["summary"] and "peak" in line["summary"], line["summary"]
+
 
 def test_the_bands_of_the_config_file_gate_changes_in_the_run(
     start_demo: Callable[..., DemoRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
