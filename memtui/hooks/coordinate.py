@@ -8,7 +8,8 @@ At the k-th checkpoint boundary of every rank, before anything is applied:
 
 1. each rank posts its arrival (with its step) in the job's c10d store, under the run's prefix;
 2. rank 0 waits until every rank has arrived (polling; a warning names the missing ranks every
-   ``warn_every_s``), checks that they are all at the same step, and posts the decision
+   ``warn_every_s``, at least three times before it gives up), checks that they are all at the
+   same step, and posts the decision
    ``go`` or ``abort: <reason>`` with ``compare_set``, so that a rank that gives up waiting
    (after ``timeout_s``) and rank 0 cannot post different decisions;
 3. on ``go``, every rank is known to be at the boundary, so rank 0's change set is broadcast
@@ -21,6 +22,14 @@ At the k-th checkpoint boundary of every rank, before anything is applied:
 
 A collective alone could not do this: a rank that never calls it leaves the others blocked
 until the process-group timeout (30 minutes by default) and then kills the job.
+
+The wait must also end before the *job's own* next collective times out: a rank that skipped
+the boundary is already blocked in it (the gradient all-reduce) while rank 0 waits here. So a
+boundary gives up after at most half the default process group's timeout (read from its
+backends: 10 minutes for NCCL and 30 for gloo unless ``init_process_group(timeout=...)`` says
+otherwise; 10 minutes assumed when torch does not tell), whatever longer timeout was asked for.
+The other half is left for rank 0 to reach the boundary (a save before ``checkpoint()``) and get
+back to training.
 """
 
 from __future__ import annotations
@@ -33,6 +42,26 @@ from typing import Any
 log = logging.getLogger("memtui")
 
 GO = "go"
+GROUP_SHARE = 0.5
+"""A boundary waits at most this share of the process group's timeout."""
+ASSUMED_GROUP_TIMEOUT_S = 600.0
+"""The group timeout assumed when torch does not tell it: NCCL's default, the shortest."""
+WARNINGS = 3
+"""A waiting rank names the missing ranks at least this many times before it gives up."""
+
+
+def group_timeout_s(dist: Any) -> float | None:
+    """The default process group's collective timeout in seconds (the shortest of its backends'),
+    None when torch does not expose it."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        timeouts = [
+            group._get_backend(device).options._timeout.total_seconds()
+            for device in group._device_types
+        ]
+    except Exception:  # a private API: another torch may not have it
+        return None
+    return min(timeouts) if timeouts else None
 
 
 class Coordinator:
@@ -42,9 +71,17 @@ class Coordinator:
         self.dist = dist
         self.rank = int(dist.get_rank())
         self.world_size = int(dist.get_world_size())
-        self.timeout_s = timeout_s
-        self.warn_every_s = warn_every_s
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, 60.0)))
+        self.group_timeout_s = group_timeout_s(dist)
+        """The job's process-group timeout (None: torch does not say)."""
+        limit = GROUP_SHARE * (self.group_timeout_s or ASSUMED_GROUP_TIMEOUT_S)
+        self.timeout_s = min(timeout_s, limit)
+        """How long a boundary waits: as asked, but at most half the group's timeout."""
+        self.limited = timeout_s > limit
+        """The timeout asked for was cut to fit the group's."""
+        self.warn_every_s = min(warn_every_s, self.timeout_s / WARNINGS)
+        self.group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=max(self.timeout_s, 60.0))
+        )
         self.store: Any = None
         self.boundaries = 0
         """Boundaries this rank has reached (the k of the protocol)."""
@@ -112,7 +149,7 @@ class Coordinator:
             if missing:
                 verdict = (
                     f"abort: rank(s) {', '.join(map(str, missing))} did not reach checkpoint #{k} "
-                    f"(rank 0 at step {step}) within {self.timeout_s:.0f} s"
+                    f"(rank 0 at step {step}) within {self._within()}"
                 )
             else:
                 steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
@@ -129,11 +166,19 @@ class Coordinator:
             return final
         if self._wait([decision_key], step, k):
             give_up = (
-                f"abort: rank {self.rank} waited {self.timeout_s:.0f} s at checkpoint #{k} "
+                f"abort: rank {self.rank} waited {self._within()} at checkpoint #{k} "
                 f"(step {step}) for rank 0"
             )
             return _text(store.compare_set(decision_key, "", give_up))
         return _text(store.get(decision_key))
+
+    def _within(self) -> str:
+        """The wait, and why it is no longer (``12 s``, ``300 s, half the job's 600 s timeout``)."""
+        if not self.limited:
+            return f"{self.timeout_s:g} s"
+        group = self.group_timeout_s
+        basis = f"the job's {group:g} s" if group else f"an assumed {ASSUMED_GROUP_TIMEOUT_S:g} s"
+        return f"{self.timeout_s:g} s, half {basis} collective timeout"
 
     def _wait(self, keys: list[str], step: int, k: int) -> list[int]:
         """Poll until every key exists; return the ranks still missing at the timeout."""
@@ -151,12 +196,14 @@ class Coordinator:
                 who = ", ".join(str(_rank_of(key)) for key in missing)
                 log.warning(
                     "memtui: rank %d has waited %.0f s at checkpoint #%d (step %d) for rank(s) %s; "
-                    "is tuner.checkpoint() called on every rank?",
+                    "is tuner.checkpoint() called on every rank? Changes are switched off after "
+                    "%s.",
                     self.rank,
                     now - start,
                     k,
                     step,
                     who,
+                    self._within(),
                 )
             time.sleep(self.poll_s)
 
