@@ -35,7 +35,7 @@ from memtui.knobs import (
     parse_changes,
 )
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
-from memtui.wire import AppliedChange, Knobs, SetReply, Snapshot, to_builtins
+from memtui.wire import AppliedChange, HostSample, Knobs, SetReply, Snapshot, to_builtins
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -348,7 +348,7 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
         lines.append(
             f"host: RAM {format_bytes(host.ram_used_bytes)} / {format_bytes(host.ram_total_bytes)} used, "
             f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
-            f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS)"
+            + _workers_memory(host)
         )
     config = " ".join(f"{k}={format_value(getattr(control.config, k))}" for k in KNOBS)
     eff = data["effective_batch"]
@@ -402,6 +402,19 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     if counters and counters.errors:
         lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
     return "\n".join(lines)
+
+
+def _workers_memory(host: HostSample) -> str:
+    """The loader workers and their memory, labelled: USS (their own pages, as the device total
+    counts them) once measured, else RSS (which counts pages shared with the main process)."""
+    if not host.workers:
+        return "no loader workers"
+    if host.workers_uss_bytes:
+        return f"{host.workers} loader workers ({format_bytes(host.workers_uss_bytes)} USS)"
+    return (
+        f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS, "
+        "USS not measured yet)"
+    )
 
 
 @main.command("status")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,20 @@ def test_the_bands_of_the_config_file_gate_changes_in_the_run(
     dry = memtui_cli("set", run, f"batch_size={between[0]}", "--dry-run")
     assert "it would need --force: predicted over the 80% danger band" in dry.stdout, dry.stdout
     assert "largest micro-batch under 75%" in memtui_cli("status", run).stdout
+
+
+def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0")
+
+    def host_line() -> str | None:
+        text = memtui_cli("status", demo.run_id).stdout
+        line = next((x for x in text.splitlines() if x.startswith("host: ")), "")
+        return line if "USS)" in line else None
+
+    line = str(wait_for(host_line, 60, 0.5, "the workers' USS in memtui status"))
+    assert re.search(r"2 loader workers \([\d.]+ [KMG]iB USS\)$", line), line
+    data = status(demo.run_id)
+    uss = data["host_memory"]["workers_uss_bytes"]
+    assert 0 < uss < data["host_memory"]["workers_rss_bytes"], "USS leaves out the shared pages"
