@@ -1,15 +1,25 @@
-"""How much CPU the viewer takes watching 64 ranks, each publishing at the hook's real cadence.
+"""How much CPU the viewer takes watching 64 ranks: recorded streams replayed at full rate, one
+socket each.
 
-A publisher process stands for a 64-rank job (this machine has no GPUs, nor 64 cores to run 64
-hooks): ONE PUB SOCKET PER RANK, each sending that rank's telemetry batch every 100 ms (the
-hook's flush period) with the step records of ``--rate`` steps/s (1,000 by default: 100 records
-a batch), a device sample every 200 ms and a host sample every second, built from memtui's own
-wire Structs; plus, per rank, a control socket that answers hello with that rank's Snapshot
-(rank 0's lists all 64 ranks' endpoints, as a real run's does). The ranks differ: rank number,
-slightly different step and wait times, one straggler (rank 17: 1.4x the step time, so its step
-count lags), one near OOM (rank 42: 88% of 80 GiB). It registers the run in the runtime
-directory like a hook does, so the real ``memtui attach RUN`` finds it by run id and discovers
-the 64 endpoints itself.
+The streams are real hook output. By default the benchmark first records the hook itself
+(``benchmarks/tui_cpu.py --loop``: ``memtui.hooks`` in a loop at ``--rate`` steps/s, 1,000 by
+default, for ``--record-seconds``) with ``MEMTUI_RECORD``, which writes exactly the frames the
+hook publishes: a snapshot, then one telemetry batch every 100 ms (the hook's flush period) with
+that period's step records, device and host samples, checkpoints and control state.
+``--recording FILE`` (repeatable) replays recordings you give instead (``tests/data/*.mtrec``;
+every rank of a multi-rank recording is a stream of its own).
+
+A publisher process then stands for a ``--ranks``-rank job (64 by default: this machine has
+neither 64 GPUs nor 64 cores to run 64 hooks). ONE PUB SOCKET PER SIMULATED RANK replays one
+stream (the streams are dealt out to the ranks in turn) at its recorded pace (``--speed 1``,
+full rate: every frame when the hook published it), in a loop, each rank starting at another
+point of its stream, so that their steps and memory differ. A frame goes out as recorded except
+for what makes it this rank's, now: the run id and rank number, its seq, and every time and step
+number moved on by the loop (and a recorded end of the run is not passed on). Each rank's
+control socket answers hello with a snapshot built from the recording's and the steps it has
+replayed (rank 0's lists all the ranks' endpoints, as a real run's does). The run is registered
+in the runtime directory as a hook registers it, so the real ``memtui attach RUN`` finds it by
+run id and discovers the endpoints itself.
 
 The viewer runs in a detached tmux pane (or headless without tmux); after a warm-up its CPU time
 is measured over ``--seconds`` with psutil. One JSON line per pane size::
@@ -17,15 +27,15 @@ is measured over ``--seconds`` with psutil. One JSON line per pane size::
     {"tui_cpu_pct_of_core": 7.9, "ranks": 64, "steps_per_s_per_rank": 998.1, "size": "60x50", ...}
 
 Target: under 10% of one core. Run: ``.venv/bin/python benchmarks/tui_ranks.py [--ranks 64]
-[--rate 1000] [--seconds 20] [--size 120x40 --size 60x50]``.
+[--rate 1000] [--seconds 20] [--size 120x40 --size 60x50] [--recording FILE ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
-import math
 import os
 import shutil
 import signal
@@ -34,50 +44,204 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
+if TYPE_CHECKING:
+    from memtui.wire import (
+        ControlState,
+        DeviceSample,
+        HostSample,
+        RankInfo,
+        RunInfo,
+        Snapshot,
+        StepRecord,
+        Telemetry,
+    )
+
 ROOT = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
 FLUSH_S = 0.1
-"""The hook's flush period: one telemetry batch per rank every 100 ms."""
-SAMPLE_S = 0.2
-"""The hook's allocator sampling period."""
-STRAGGLER = 17
-NEAR_OOM = 42
+"""The hook's flush period: the gap assumed after a stream's last frame, before it loops."""
+DEFAULT_PUBLISH_RECORDING = ROOT / "tests" / "data" / "demo_starving.mtrec"
+"""What ``--publish`` alone replays (a recorded ``memtui demo``; the viewer tests use it)."""
 
 
-def publish(ranks: int, rate: float, seconds: float, stats_path: str, late: int = 0) -> int:
-    """Stand for a ``ranks``-rank job: publish every rank's telemetry and answer hellos.
+@dataclass
+class Stream:
+    """One recorded rank's telemetry, ready to loop."""
+
+    name: str
+    frames: list[tuple[float, Telemetry]]
+    """(seconds since the stream's first frame, the frame)."""
+    snapshot: Snapshot | None
+    period: float
+    """One loop: the last frame's offset plus one flush period."""
+    step_span: int
+    """Steps one loop covers (the step numbers of loop k are moved on by k times this)."""
+    control_span: int
+
+    @property
+    def steps_per_s(self) -> float:
+        """The recorded step rate."""
+        return self.step_span / self.period
+
+
+def load_streams(paths: list[Path]) -> list[Stream]:
+    """Every rank's telemetry in each recording, as a stream."""
+    from memtui.recording import read_recording
+    from memtui.wire import Decoder, Snapshot, Telemetry
+
+    streams = []
+    for path in paths:
+        recording = read_recording(path)
+        decoder = Decoder()
+        snapshots: dict[int, Snapshot] = {}
+        frames: dict[int, list[tuple[float, Telemetry]]] = {}
+        for recorded in recording.frames:
+            message = decoder.decode(recorded.frame)
+            if isinstance(message, Snapshot):
+                snapshots.setdefault(message.info.rank, message)
+            elif isinstance(message, Telemetry):
+                frames.setdefault(message.rank, []).append((recorded.offset_s, message))
+        for rank, telemetry in sorted(frames.items()):
+            if len(telemetry) < 2:
+                continue
+            first = telemetry[0][0]
+            base = telemetry[0][1].step - len(telemetry[0][1].steps)
+            streams.append(
+                Stream(
+                    name=f"{path.name}#{rank}",
+                    frames=[(offset - first, message) for offset, message in telemetry],
+                    snapshot=snapshots.get(rank) or next(iter(snapshots.values()), None),
+                    period=telemetry[-1][0] - first + FLUSH_S,
+                    step_span=max(1, telemetry[-1][1].step - base),
+                    control_span=max(m.control_seq for _o, m in telemetry) + 1,
+                )
+            )
+    if not streams:
+        raise SystemExit(f"no telemetry to replay in {', '.join(map(str, paths))}")
+    return streams
+
+
+def record_hook(rate: float, seconds: float, directory: Path) -> Path:
+    """Record the real hook stepping at ``rate`` steps/s for ``seconds``; return the file."""
+    path = directory / f"hook-{rate:g}.mtrec"
+    env = dict(os.environ, MEMTUI_RECORD=str(path), MEMTUI_RUNTIME_DIR=str(directory / "rec"),
+               XDG_STATE_HOME=str(directory / "rec-state"))  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tui_cpu.py"), "--loop", "--rate", str(rate),
+         "--seconds", str(seconds)],
+        env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=seconds + 60,
+    )  # fmt: skip
+    return path
+
+
+class Replayer:
+    """One simulated rank replaying a stream: moves each frame on to its loop and to now."""
+
+    def __init__(self, rank: int, stream: Stream, run: str, start_index: int) -> None:
+        self.rank = rank
+        self.stream = stream
+        self.run = run
+        self.index = start_index
+        self.loop = 0
+        self.origin = stream.frames[start_index][0]
+        """The stream offset this rank started at (its time zero)."""
+        self.seq = 0
+        self.step = 0
+        self.control_seq = 0
+        self.control: ControlState | None = None
+        if stream.snapshot is not None:
+            self.control = stream.snapshot.control
+        self.history: deque[StepRecord] = deque(maxlen=2048)
+        self.device: deque[DeviceSample] = deque(maxlen=64)
+        self.host: deque[HostSample] = deque(maxlen=64)
+        self.steps_sent = 0
+
+    def due(self) -> float:
+        """Seconds after this rank's start that its next frame is due (at speed 1)."""
+        return self.loop * self.stream.period + self.stream.frames[self.index][0] - self.origin
+
+    def next_frame(self, world_size: int) -> Telemetry:
+        """The next frame as this rank publishes it now; advances the replay."""
+        import msgspec
+
+        from memtui.wire import CheckpointRecord, StepRecord
+
+        replace = msgspec.structs.replace
+        recorded = self.stream.frames[self.index][1]
+        now = time.time()
+        dt = now - recorded.time
+        ds = self.loop * self.stream.step_span
+        steps = [StepRecord(r.step + ds, r.end_time + dt, r.step_time_s, r.data_wait_s,
+                            r.samples, r.micro_batches, r.flags)
+                 for r in recorded.steps]  # fmt: skip
+        device = [replace(d, time=d.time + dt, step=d.step + ds) for d in recorded.device]
+        host = replace(recorded.host, time=recorded.host.time + dt) if recorded.host else None
+        control = recorded.control
+        if control is not None:
+            control = self.control = replace(control, world_size=world_size)
+        self.seq += 1
+        self.step = recorded.step + ds
+        self.control_seq = recorded.control_seq + self.loop * self.stream.control_span
+        message = replace(
+            recorded, run=self.run, rank=self.rank, seq=self.seq, time=now, step=self.step,
+            steps=steps, device=device, host=host, control=control,
+            control_seq=self.control_seq, ended=False,
+            checkpoints=[CheckpointRecord(c.step + ds, c.time + dt, c.save_s)
+                         for c in recorded.checkpoints],
+        )  # fmt: skip
+        self.history.extend(steps)
+        self.device.extend(device)
+        if host is not None:
+            self.host.append(host)
+        self.steps_sent += len(steps)
+        self.index += 1
+        if self.index == len(self.stream.frames):
+            self.index = 0
+            self.loop += 1
+        return message
+
+    def snapshot(self, info: RunInfo, ranks: list[RankInfo], want: int) -> Snapshot:
+        """This rank's answer to a hello: its replayed history and the latest control state."""
+        from memtui.wire import ControlState, Knobs, Snapshot
+
+        control = self.control or ControlState(config=Knobs(), tunable=[])
+        recent = list(self.history)[-min(want, 2048) :] if want else []
+        return Snapshot(info=info, control=control, ranks=ranks, step=self.step, seq=self.seq,
+                        control_seq=self.control_seq, steps=recent, device=list(self.device),
+                        host=list(self.host))  # fmt: skip
+
+
+def publish(
+    ranks: int,
+    paths: list[Path],
+    seconds: float,
+    stats_path: str,
+    late: int = 0,
+    speed: float = 1.0,
+) -> int:
+    """Stand for a ``ranks``-rank job: replay the streams, one PUB socket per rank; answer hellos.
 
     With ``late``, the last ``late`` ranks are listed (in the registry and the snapshots) only
     after two seconds, as ranks that join late: the viewer's tests use it.
     """
+    import msgspec
     import zmq
 
     from memtui import registry
-    from memtui.wire import (
-        ControlState,
-        Decoder,
-        DeviceSample,
-        Hello,
-        HostSample,
-        Knobs,
-        RankInfo,
-        RunInfo,
-        RunRecord,
-        Snapshot,
-        StepRecord,
-        Telemetry,
-        encode,
-    )
+    from memtui.wire import Decoder, Hello, RankInfo, RunInfo, RunRecord, encode
 
+    streams = load_streams(paths)
     run = registry.new_run_id("bench64")
     rundir = registry.run_dir(run)
     rundir.create()
     context = zmq.Context()
-    pubs, routers, infos = [], [], []
+    pid = os.getpid()
+    pubs, routers, infos, replayers = [], [], [], []
     for rank in range(ranks):
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 1000)
@@ -90,12 +254,11 @@ def publish(ranks: int, rate: float, seconds: float, stats_path: str, late: int 
         routers.append(router)
         infos.append(RankInfo(rank=rank, pub=rundir.pub_endpoint(rank),
                               control=rundir.control_endpoint(rank), local_rank=rank % 8,
-                              host="bench-node", pid=os.getpid()))  # fmt: skip
+                              host="bench-node", pid=pid))  # fmt: skip
+        stream = streams[rank % len(streams)]
+        start = (rank // len(streams)) * len(stream.frames) * len(streams) // ranks
+        replayers.append(Replayer(rank, stream, run, start % len(stream.frames)))
     started = time.time()
-    config = Knobs(batch_size=8, grad_accum=4, num_workers=6, pin_memory=True)
-    control = ControlState(config=config, tunable=["batch_size", "grad_accum", "num_workers",
-                           "pin_memory"], world_size=ranks)  # fmt: skip
-    pid = os.getpid()
     listed = infos[: ranks - late]
 
     def register() -> None:
@@ -106,43 +269,11 @@ def publish(ranks: int, rate: float, seconds: float, stats_path: str, late: int 
 
     register()
 
-    def step_time(rank: int) -> float:
-        base = (1.0 + 0.03 * math.sin(rank)) / rate
-        return base * 1.4 if rank == STRAGGLER else base
-
-    def peak(rank: int) -> float:
-        return 0.88 if rank == NEAR_OOM else 0.62 + 0.12 * (rank % 7) / 7
-
-    def device(rank: int, t: float, step: int) -> DeviceSample:
-        reserved = int(peak(rank) * 80 * GIB) - GIB
-        return DeviceSample(time=t, step=step, kind="cuda", index=rank % 8, capacity_bytes=80 * GIB,
-                            allocated_bytes=reserved - 2 * GIB, reserved_bytes=reserved,
-                            peak_reserved_bytes=reserved, peak_allocated_bytes=reserved - GIB,
-                            nvml_used_bytes=reserved + GIB, nvml_total_bytes=80 * GIB)  # fmt: skip
-
-    def host(rank: int, t: float) -> HostSample:
-        return HostSample(time=t, ram_total_bytes=2048 * GIB, ram_available_bytes=1200 * GIB,
-                          ram_used_bytes=848 * GIB, main_rss_bytes=(6 + rank % 3) * GIB,
-                          workers=6, workers_rss_bytes=5 * GIB)  # fmt: skip
-
-    history: list[deque[StepRecord]] = [deque(maxlen=2048) for _ in range(ranks)]
-    steps = [0] * ranks
-    seqs = [0] * ranks
-    next_sample = [started] * ranks
-    next_host = [started] * ranks
-    next_flush = [time.monotonic() + FLUSH_S * (r / ranks) for r in range(ranks)]
-    last_flush = [time.time()] * ranks
-    decoder = Decoder()
-
-    def snapshot(rank: int, want: int) -> Snapshot:
-        now = time.time()
-        info = RunInfo(run=run, pid=pid, host="bench-node", started=started, rank=rank,
-                       world_size=ranks, device=f"cuda:{rank % 8} (simulated)", device_kind="cuda",
-                       capacity_bytes=80 * GIB)  # fmt: skip
-        recent = list(history[rank])[-min(want, 2048) :] if want else []
-        return Snapshot(info=info, control=control, ranks=listed, step=steps[rank], seq=seqs[rank],
-                        steps=recent, device=[device(rank, now, steps[rank])],
-                        host=[host(rank, now)])  # fmt: skip
+    def run_info(rank: int) -> RunInfo:
+        stream = replayers[rank].stream
+        base = stream.snapshot.info if stream.snapshot is not None else RunInfo("", 0, "", 0.0)
+        return msgspec.structs.replace(base, run=run, pid=pid, host="bench-node", started=started,
+                                       rank=rank, local_rank=rank % 8, world_size=ranks)  # fmt: skip
 
     stop = False
 
@@ -155,54 +286,42 @@ def publish(ranks: int, rate: float, seconds: float, stats_path: str, late: int 
     poller = zmq.Poller()
     for router in routers:
         poller.register(router, zmq.POLLIN)
+    decoder = Decoder()
     begin = time.monotonic()
+    # each rank's clock starts a fraction of a flush period after the previous one's
+    starts = [begin + FLUSH_S * rank / ranks for rank in range(ranks)]
+    heap = [(starts[r] + replayers[r].due() / speed, r) for r in range(ranks)]
+    heapq.heapify(heap)
     try:
         while not stop and time.monotonic() - begin < seconds:
             if len(listed) < ranks and time.monotonic() - begin > 2.0:
                 listed = infos
                 register()
-            for sock, _event in poller.poll(2):
+            wait_ms = max(0, min(50, int((heap[0][0] - time.monotonic()) * 1000)))
+            for sock, _event in poller.poll(wait_ms):
                 rank = routers.index(sock)
                 frames = sock.recv_multipart()
                 request = decoder.decode(frames[-1])
                 if isinstance(request, Hello):
-                    sock.send_multipart([*frames[:-1], encode(snapshot(rank, request.history))])
-            mono = time.monotonic()
-            for rank in range(ranks):
-                if mono < next_flush[rank]:
-                    continue
-                next_flush[rank] += FLUSH_S
-                now = time.time()
-                dt = step_time(rank)
-                count = int((now - started) / dt) - steps[rank]
-                wait = dt * (0.05 + 0.02 * math.cos(rank))
-                first = steps[rank] + 1
-                records = [StepRecord(s, last_flush[rank] + (s - first + 1) * dt, dt, wait, 32, 4)
-                           for s in range(first, first + count)]  # fmt: skip
-                steps[rank] += count
-                history[rank].extend(records)
-                samples = []
-                while next_sample[rank] <= now:
-                    samples.append(device(rank, next_sample[rank], steps[rank]))
-                    next_sample[rank] += SAMPLE_S
-                sample = None
-                if next_host[rank] <= now:
-                    sample = host(rank, now)
-                    next_host[rank] += 1.0
-                seqs[rank] += 1
-                message = Telemetry(run=run, rank=rank, seq=seqs[rank], time=now, step=steps[rank],
-                                    steps=records, device=samples, host=sample)  # fmt: skip
+                    answer = replayers[rank].snapshot(run_info(rank), listed, request.history)
+                    sock.send_multipart([*frames[:-1], encode(answer)])
+            now = time.monotonic()
+            while heap[0][0] <= now:
+                _due, rank = heapq.heappop(heap)
+                replayer = replayers[rank]
+                frame = encode(replayer.next_frame(ranks))
                 try:
-                    pubs[rank].send(encode(message), zmq.NOBLOCK)
+                    pubs[rank].send(frame, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
-                last_flush[rank] = now
+                heapq.heappush(heap, (starts[rank] + replayer.due() / speed, rank))
     finally:
-        elapsed = time.time() - started
+        elapsed = time.monotonic() - begin
         Path(stats_path).write_text(json.dumps({
-            "steps_per_s_per_rank": sum(steps) / ranks / elapsed,
-            "straggler_steps_per_s": steps[STRAGGLER % ranks] / elapsed,
-            "frames_per_s": sum(seqs) / elapsed,
+            "steps_per_s_per_rank": sum(r.steps_sent for r in replayers) / ranks / elapsed,
+            "frames_per_s": sum(r.seq for r in replayers) / elapsed,
+            "streams": sorted({s.name for s in streams}),
+            "recorded_steps_per_s": [round(s.steps_per_s, 1) for s in streams],
         }))  # fmt: skip
         for sock in pubs + routers:
             sock.close(0)
@@ -231,8 +350,8 @@ def headless_viewer(run: str, seconds: float, warmup: float, width: int, height:
     return 0
 
 
-def measure(args: argparse.Namespace, size: str) -> dict[str, object]:
-    """Start the publisher and the viewer at ``size``, measure, clean up."""
+def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict[str, object]:
+    """Start the publisher (replaying ``recordings``) and the viewer at ``size``, measure."""
     env = dict(os.environ)
     base = Path(tempfile.mkdtemp(prefix="mtr", dir="/tmp"))
     env["MEMTUI_RUNTIME_DIR"] = str(base / "rt")
@@ -240,8 +359,9 @@ def measure(args: argparse.Namespace, size: str) -> dict[str, object]:
     stats = base / "publisher.json"
     total = args.warmup + args.seconds + 20
     publisher = subprocess.Popen(
-        [sys.executable, __file__, "--publish", "--ranks", str(args.ranks), "--rate",
-         str(args.rate), "--for", str(total), "--stats", str(stats)],
+        [sys.executable, __file__, "--publish", "--ranks", str(args.ranks), "--speed",
+         str(args.speed), "--for", str(total), "--stats", str(stats),
+         *(a for path in recordings for a in ("--recording", str(path)))],
         stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     width, height = (int(v) for v in size.split("x"))
@@ -262,8 +382,8 @@ def measure(args: argparse.Namespace, size: str) -> dict[str, object]:
                  "--warmup", str(args.warmup), "--size", size],
                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=total + 30,
             )  # fmt: skip
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            cpu_s, wall_s = result["cpu_s"], result["wall_s"]
+            viewed = json.loads(out.stdout.strip().splitlines()[-1])
+            cpu_s, wall_s = viewed["cpu_s"], viewed["wall_s"]
         else:
             tmux = ["tmux", "-L", server]
             subprocess.run(
@@ -297,6 +417,9 @@ def measure(args: argparse.Namespace, size: str) -> dict[str, object]:
         "ranks": args.ranks,
         "steps_per_s_per_rank": round(published.get("steps_per_s_per_rank", 0.0), 1),
         "frames_per_s": round(published.get("frames_per_s", 0.0), 1),
+        "streams": published.get("streams", []),
+        "recorded_steps_per_s": published.get("recorded_steps_per_s", []),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "mode": mode,
         "size": size,
         "seconds": round(wall_s, 1),
@@ -313,7 +436,22 @@ def main() -> int:
     """Parse the command line; run the publisher, the viewer, or the whole measurement."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=1000.0, help="steps per second per rank")
+    parser.add_argument(
+        "--rate", type=float, default=1000.0, help="steps per second of the hook loop recorded"
+    )
+    parser.add_argument(
+        "--record-seconds", type=float, default=10.0, help="how long the hook loop is recorded"
+    )
+    parser.add_argument(
+        "--recording",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="replay this recording (repeatable) instead of recording the hook loop",
+    )
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="replay speed (1: as recorded, full rate)"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
     parser.add_argument("--warmup", type=float, default=6.0)
     parser.add_argument("--size", action="append", help="terminal WIDTHxHEIGHT (repeatable)")
@@ -327,12 +465,15 @@ def main() -> int:
     args = parser.parse_args()
     sizes = args.size or ["120x40", "60x50"]
     if args.publish:
-        return publish(args.ranks, args.rate, args.duration, args.stats, args.late)
+        paths = args.recording or [DEFAULT_PUBLISH_RECORDING]
+        return publish(args.ranks, paths, args.duration, args.stats, args.late, args.speed)
     if args.viewer:
         width, height = (int(v) for v in sizes[0].split("x"))
         return headless_viewer(args.viewer, args.seconds, args.warmup, width, height)
-    for size in sizes:
-        print(json.dumps(measure(args, size)), flush=True)
+    with tempfile.TemporaryDirectory(prefix="mtrec", dir="/tmp") as scratch:
+        recordings = args.recording or [record_hook(args.rate, args.record_seconds, Path(scratch))]
+        for size in sizes:
+            print(json.dumps(measure(args, size, recordings)), flush=True)
     return 0
 
 
