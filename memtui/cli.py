@@ -228,6 +228,7 @@ def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) ->
                 "memory_delta_bytes": r.memory_delta_bytes,
                 "host_delta_bytes": r.host_delta_bytes,
                 "speed_delta": r.speed_delta,
+                "speed_note": r.speed_note,
                 "predicted_peak_bytes": r.predicted_peak_bytes,
                 "effective_batch": r.effective_batch,
             }
@@ -379,7 +380,10 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
             f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"
         )
     for index, option in enumerate(data["recommendations"][:3], 1):
-        speed = f", {option['speed_delta']:+.0%} samples/s" if option["speed_delta"] else ""
+        delta = option["speed_delta"]
+        speed = (
+            f", {delta:+.0%} samples/s" if delta is not None else ", speed unknown until measured"
+        )
         lines.append(f"option {index}: {option['title']}{speed}  ({option['why']})")
     for rejected in list(control.rejected)[-3:]:
         lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")

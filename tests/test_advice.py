@@ -495,3 +495,57 @@ def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
     assert smaller.title.startswith("smaller micro-batch: batch_size 16 -> ")
     assert "edge band (largest under 75%: 15)" in smaller.why
     assert not advise(near, None, None, None, None, verdict).recommendations
+
+
+def test_a_micro_batch_option_estimates_its_speed_from_two_timed_sizes() -> None:
+    from memtui.wire import AppliedChange, Effect, KnobDiff
+
+    # one micro-batch costs 20 ms + 1 ms per sample; the effective batch is 128, no data wait
+    def step_s(batch: int) -> float:
+        return 128 // batch * (0.020 + 0.001 * batch)
+
+    base = dict(
+        config=Knobs(batch_size=16, grad_accum=8, num_workers=2, pin_memory=False),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20,
+            step_time_s=step_s(16),
+            data_wait_s=0.0,
+            samples_per_s=128 / step_s(16),
+            steps_per_s=1 / step_s(16),
+        ),
+        samples_per_step=128,
+        model=_model(16, 0.45),
+        device_kind="cuda",
+    )
+    once = recommend(Inputs(**base))[0]  # type: ignore[arg-type]
+    assert once.title == "bigger micro-batch: batch_size 16 -> 32, grad_accum 8 -> 4"
+    assert once.speed_delta is None
+    assert once.speed_note.startswith("speed unknown until measured: only micro-batch 16 has")
+
+    doubled = AppliedChange(
+        ids=[1],
+        step=100,
+        time=0.0,
+        changes={"batch_size": KnobDiff(8, 16), "grad_accum": KnobDiff(16, 8)},
+        effect=Effect(
+            steps_before=20,
+            steps_after=20,
+            samples_per_s_before=128 / step_s(8),
+            samples_per_s_after=128 / step_s(16),
+            step_time_s_before=step_s(8),
+            step_time_s_after=step_s(16),
+            data_wait_s_before=0.0,
+            data_wait_s_after=0.0,
+        ),
+    )
+    timed = recommend(Inputs(**base, applied=(doubled,)))[0]  # type: ignore[arg-type]
+    assert timed.speed_delta == pytest.approx(step_s(16) / step_s(32) - 1)  # +38%
+    assert "micro-batches 8, 16: 20.0 ms per micro-batch + 1.00 ms per sample" in timed.speed_note
+    # a loader that starves with its workers bounds the step: a bigger micro-batch gains nothing
+    starving = StepStats(
+        steps=20, step_time_s=0.5, data_wait_s=0.5 - step_s(16), samples_per_s=256, steps_per_s=2
+    )
+    near = {**base, "steps": starving, "model": _model(16, 0.88), "applied": (doubled,)}
+    smaller = next(o for o in recommend(Inputs(**near)) if o.title.startswith("smaller"))  # type: ignore[arg-type]
+    assert smaller.speed_delta == pytest.approx(0.0)

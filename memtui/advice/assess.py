@@ -88,6 +88,7 @@ def advise(
             underused_memory_fraction=limits.underused_memory_fraction,
             memory_edge_fraction=limits.memory_edge_fraction,
             memory_danger_fraction=limits.memory_danger_fraction,
+            applied=tuple(control.applied),
         )
     )
     return Advice(

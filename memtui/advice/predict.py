@@ -82,14 +82,19 @@ def _least_squares(points: Sequence[ModelPoint]) -> tuple[float, float, float]:
     """(intercept, slope, RMS relative error) of peak against batch size."""
     xs = [float(p.batch_size) for p in points]
     ys = [float(p.peak_bytes) for p in points]
+    intercept, slope = line_fit(xs, ys)
+    residuals = [(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
+    error = math.sqrt(sum(r * r for r in residuals) / len(residuals)) if residuals else 0.0
+    return intercept, slope, error
+
+
+def line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through two or more distinct ``xs``."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     var = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
-    intercept = mean_y - slope * mean_x
-    residuals = [(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
-    error = math.sqrt(sum(r * r for r in residuals) / len(residuals)) if residuals else 0.0
-    return intercept, slope, error
+    return mean_y - slope * mean_x, slope
 
 
 def predict_allocated(model: MemoryModel, batch_size: int) -> int:

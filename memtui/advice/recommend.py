@@ -10,6 +10,14 @@ The data-loader estimate assumes loading is waiting (storage, network, decoding 
 workers overlap: with ``W`` workers a micro-batch of ``n`` samples is ready after
 ``n * d / W`` seconds, where ``d`` is the measured per-sample load time. A step then takes
 ``max(compute, load)``. Loading that burns the CPU scales no further than the free cores.
+
+The micro-batch estimate needs the compute time at two micro-batch sizes at least: the compute
+of one micro-batch is taken as a line, a fixed cost (the optimizer step, kernel launches, Python)
+plus a cost per sample, through the sizes the run has been timed at (now, and before and after
+every measured change of the micro-batch). With one size timed the two parts cannot be told
+apart, and the option says so instead of giving a number. The data wait per sample is kept as it
+is (a loader that starves with workers stays as slow per sample: the step is then the longer of
+compute and loading).
 """
 
 from __future__ import annotations
@@ -18,10 +26,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from memtui.advice.predict import DANGER, EDGE, max_batch, predict_peak
+from memtui.advice.predict import DANGER, EDGE, line_fit, max_batch, predict_peak
 from memtui.knobs import accumulation_for, effective_batch, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
-from memtui.wire import HostSample, Knobs, KnobValue, MemoryModel
+from memtui.wire import AppliedChange, Effect, HostSample, Knobs, KnobValue, MemoryModel
 
 UNDERUSED = 0.60
 """Peak memory under this share of capacity, not starved: room for a bigger micro-batch."""
@@ -57,6 +65,8 @@ class Inputs:
     """The verdict's OOM edge in force: bigger batches stay under it, smaller ones get back."""
     memory_danger_fraction: float = DANGER
     """The verdict's danger band in force (named in the reasons)."""
+    applied: tuple[AppliedChange, ...] = ()
+    """The run's applied changes, oldest first: their measured effects time other micro-batches."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,8 @@ class Recommendation:
     """Expected change of host memory."""
     speed_delta: float | None = None
     """Expected relative change of samples/s (+0.4 = 40% faster; None: unknown)."""
+    speed_note: str = ""
+    """How ``speed_delta`` was estimated, or why it is unknown."""
     predicted_peak_bytes: int | None = None
     effective_batch: int | None = None
     needs_restart: bool = False
@@ -264,6 +276,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
             new_accum, _ = accumulation_for(target, bigger)
             changes["grad_accum"] = new_accum
         peak = predict_peak(model, bigger)
+        speed, speed_note = _batch_speed(inputs, bigger, new_accum)
         out.append(
             Recommendation(
                 title=f"bigger micro-batch: batch_size {batch} -> {bigger}"
@@ -276,7 +289,8 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {safe})",
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
-                speed_delta=None,
+                speed_delta=speed,
+                speed_note=speed_note,
                 effective_batch=_effective(config, inputs.world_size, bigger, new_accum),
                 score=2.0 + (underused - frac_now),
             )
@@ -291,6 +305,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
             new_accum, _ = accumulation_for(target, smaller)
             changes["grad_accum"] = new_accum
         peak = predict_peak(model, smaller)
+        speed, speed_note = _batch_speed(inputs, smaller, new_accum)
         out.append(
             Recommendation(
                 title=f"smaller micro-batch: batch_size {batch} -> {smaller}"
@@ -300,12 +315,93 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 + (f" (largest under {edge:.0%}: {safe})" if safe is not None else ""),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
-                speed_delta=None,
+                speed_delta=speed,
+                speed_note=speed_note,
                 effective_batch=_effective(config, inputs.world_size, smaller, new_accum),
                 score=4.0 + frac_now,
             )
         )
     return out
+
+
+def _compute_per_sample(effect: Effect, after: bool) -> float | None:
+    """Compute seconds per sample on one side of a measured effect (samples per step is
+    samples/s x step time: both are totals over the same steps)."""
+    step = effect.step_time_s_after if after else effect.step_time_s_before
+    wait = effect.data_wait_s_after if after else effect.data_wait_s_before
+    rate = effect.samples_per_s_after if after else effect.samples_per_s_before
+    if step <= 0 or rate <= 0:
+        return None
+    return max(0.0, step - wait) / (rate * step)
+
+
+def _timed_micro_batches(inputs: Inputs) -> dict[int, float]:
+    """Compute seconds of one micro-batch, by micro-batch size, as the run has measured them."""
+    points: dict[int, float] = {}
+    for applied in inputs.applied:
+        diff = applied.changes.get("batch_size")
+        if applied.rollback or applied.effect is None or diff is None:
+            continue
+        for size, after in ((diff.old, False), (diff.new, True)):
+            per_sample = _compute_per_sample(applied.effect, after)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0 and per_sample:
+                points[size] = per_sample * size
+    steps, batch = inputs.steps, inputs.config.batch_size
+    if steps is not None and inputs.samples_per_step and batch:
+        points[batch] = steps.compute_s / inputs.samples_per_step * batch  # now: the latest
+    return points
+
+
+def _compute_line(points: dict[int, float]) -> tuple[float, float] | None:
+    """(fixed seconds, seconds per sample) of one micro-batch: a least-squares line through the
+    timed sizes (None: fewer than two sizes, or times that do not grow with the size)."""
+    if len(points) < 2:
+        return None
+    xs, ys = [float(x) for x in points], list(points.values())
+    fixed, slope = line_fit(xs, ys)
+    if fixed < 0:  # no negative fixed cost: a line through the origin
+        fixed, slope = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if slope <= 0:
+        return None
+    return fixed, slope
+
+
+def _batch_speed(inputs: Inputs, batch: int, accum: int | None) -> tuple[float | None, str]:
+    """The expected change of samples/s at micro-batch ``batch`` x ``accum``, and how it was
+    estimated (or why it is unknown)."""
+    steps, now = inputs.steps, inputs.config.batch_size
+    if steps is None or not inputs.samples_per_step or not now or steps.step_time_s <= 0:
+        return None, "speed unknown until measured: no timed steps yet"
+    points = _timed_micro_batches(inputs)
+    line = _compute_line(points)
+    if line is None:
+        sizes = ", ".join(map(str, sorted(points)))
+        why = (
+            f"only micro-batch {sizes} has been timed, and one size cannot tell a micro-batch's "
+            "fixed cost from its cost per sample"
+            if len(points) < 2
+            else f"the compute timed at micro-batches {sizes} does not grow with the size (noise)"
+        )
+        return None, f"speed unknown until measured: {why}"
+    fixed, per_sample = line
+    accum_now = inputs.config.grad_accum or 1
+    new_accum = accum or 1
+    growth = batch * new_accum / (now * accum_now)  # samples per step, new over now
+    modelled_now = accum_now * (fixed + per_sample * now)
+    compute = steps.compute_s * new_accum * (fixed + per_sample * batch) / modelled_now
+    wait = steps.data_wait_s * growth
+    starved = steps.data_wait_fraction >= inputs.starved_wait_fraction
+    if (inputs.config.num_workers or 0) > 0 and starved:  # the workers' loading bounds the step
+        step = max(compute, steps.step_time_s * growth)
+    else:
+        step = compute + wait
+    speed = growth * steps.step_time_s / step - 1 if step > 0 else None
+    sizes = ", ".join(map(str, sorted(points)))
+    return speed, (
+        f"speed estimated from the compute timed at micro-batches {sizes}: "
+        f"{fixed * 1000:.1f} ms per micro-batch + {per_sample * 1000:.2f} ms per sample; "
+        "data wait per sample as now"
+    )
 
 
 def _friendly(batch: int, target: int | None) -> int:
