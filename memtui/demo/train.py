@@ -264,9 +264,9 @@ class MemoryBudget:
     capacity, so seed 004 (a bigger micro-batch that no longer fits) can be re-created on a CPU.
 
     Right after the loss's backward (where this model's memory peaks) it reads the process's peak
-    resident memory (``VmHWM``, reset every 200 ms by memtui's sampler, an instant earlier at
-    most): a peak over the budget raises ``MemoryError`` with the numbers, like CUDA's
-    out-of-memory error.
+    resident memory (``VmHWM``, reset at each of memtui's device samples, so it covers a second
+    at most, and by this check when it fires): a peak over the budget raises ``MemoryError`` with
+    the numbers, like CUDA's out-of-memory error.
     """
 
     def __init__(self, limit_bytes: int | None) -> None:
