@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from rich.console import Console
 from textual.app import App
 from textual.pilot import Pilot
 
-from memtui.recording import ReplayEnd, ReplaySource, read_recording
+from memtui.recording import RecordedFrame, Recording, ReplayEnd, ReplaySource, read_recording
 from memtui.tui.app import MemtuiApp
-from memtui.wire import Telemetry
+from memtui.wire import Decoder, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, wait_for
 
 DATA = ROOT / "tests" / "data"
@@ -33,6 +34,31 @@ ADVICE = DATA / "demo_advice.mtrec"
 applied (measured effect, prediction error), batch 22 forced over the limit, OOM, rollback."""
 RANKS_8 = DATA / "ranks_8.mtrec"
 """Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
+
+
+def one_rank(path: Path) -> Recording:
+    """The recording's control rank alone, as the run of one rank it would be (its frames
+    decoded, the world size set to 1, encoded again): the single-GPU view of a CUDA stream."""
+    recording = read_recording(path)
+    decoder = Decoder()
+    frames = []
+    for frame in recording.frames:
+        message = decoder.decode(frame.frame)
+        if isinstance(message, Snapshot) and message.info.rank == 0:
+            message = msgspec.structs.replace(
+                message,
+                info=msgspec.structs.replace(message.info, world_size=1),
+                control=msgspec.structs.replace(message.control, world_size=1),
+                ranks=message.ranks[:1],
+            )
+        elif isinstance(message, Telemetry) and message.rank == 0:
+            if message.control is not None:
+                control = msgspec.structs.replace(message.control, world_size=1)
+                message = msgspec.structs.replace(message, control=control)
+        else:
+            continue
+        frames.append(RecordedFrame(frame.offset_s, frame.rank, encode(message)))
+    return Recording(recording.header, frames)
 
 
 def pending_offset() -> float:
@@ -57,7 +83,11 @@ def forced_pending_offset() -> float:
 
 
 def replay_app(
-    path: Path, *, until_s: float | None = None, at_end: ReplayEnd = "hold", **options: Any
+    path: Path | Recording,
+    *,
+    until_s: float | None = None,
+    at_end: ReplayEnd = "hold",
+    **options: Any,
 ) -> MemtuiApp:
     """The viewer on a recording replayed at once (deterministic)."""
     return MemtuiApp(ReplaySource(path, speed=None, until_s=until_s, at_end=at_end), **options)

@@ -71,9 +71,11 @@ def test_oom_risk_shows_where_the_memory_goes() -> None:
         verdict = text_of(pilot, "#verdict")
         assert "OOM RISK" in verdict and "peak memory 88% (21.1 GiB of 24.0 GiB)" in verdict
         memory = text_of(pilot, "#memory")
-        for needle in ("█", "■ alloc. 17.1 GiB", "■ frag. 2.9 GiB", "■ beyond 1.1 GiB",
-                       "peak in use", "21.1 GiB", "python[31337]", "retries / OOMs"):  # fmt: skip
+        for needle in ("█", "■ alloc.", "■ frag. 2.9 GiB", "■ beyond 1.1 GiB",
+                       "capacity  24.0 GiB", "peak res. 20.0 GiB  83%", "pk alloc. 17.1 GiB  71%",
+                       "python[31337]", "retry/OOM    3 / 0"):  # fmt: skip
             assert needle in memory, needle
+        assert "peak in use" not in memory, "the verdict says it, beside the per-rank table"
         config = text_of(pilot, "#config")
         assert "effective batch 128 = 32 x 2 x 2 ranks → 144" in config
         assert "2 ranks" in text_of(pilot, "#header")

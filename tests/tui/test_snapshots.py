@@ -19,6 +19,7 @@ from tests.tui.conftest import (
     RANKS_8,
     STARVING,
     forced_pending_offset,
+    one_rank,
     pending_offset,
     replay_app,
     settle,
@@ -35,6 +36,11 @@ def starving() -> MemtuiApp:
 def oom_risk() -> MemtuiApp:
     """Two CUDA ranks at 88% of 24 GiB, a change pending (synthetic: no GPU here)."""
     return replay_app(OOM)
+
+
+def one_gpu() -> MemtuiApp:
+    """The same CUDA stream as one rank alone: every memory number beside the bar."""
+    return replay_app(one_rank(OOM))
 
 
 def ranks_8() -> MemtuiApp:
@@ -61,7 +67,7 @@ def disconnected() -> MemtuiApp:
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
 @pytest.mark.parametrize(
     "make",
-    [starving, oom_risk, ranks_8, disconnected, advice_pending, advice_rollback],
+    [starving, oom_risk, one_gpu, ranks_8, disconnected, advice_pending, advice_rollback],
     ids=lambda f: f.__name__,
 )
 def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable
 
 from rich.console import RenderableType
@@ -10,6 +11,20 @@ from memtui.stats import format_duration
 from memtui.tui.palette import STATUS_STYLES, chips, counted, rate
 from memtui.tui.state import RunState, Status, ViewOptions
 from memtui.tui.widgets.base import StateView
+
+
+def devices(state: RunState) -> str:
+    """The run's devices: the control rank's with one rank; with several, each device name the
+    ranks report with how many (``8× NVIDIA H100 80GB HBM3``; ``2× cpu``)."""
+    info = state.info
+    named: Counter[str] = Counter()
+    for series in state.series.values():
+        if series.device:
+            sample = series.device[-1]
+            named[sample.name if sample.name and sample.name != "cpu" else sample.kind] += 1
+    if len(state.series) <= 1 or not named:
+        return info.device if info is not None else ""
+    return ", ".join(f"{count}× {name}" for name, count in named.most_common())
 
 
 class RunHeader(StateView):
@@ -41,7 +56,7 @@ class RunHeader(StateView):
             identity += [
                 (info.run, "bold cyan"),
                 (info.host, ""),
-                (info.device, ""),
+                (devices(state), ""),
                 (f"{ranks} rank" + ("s" if ranks != 1 else ""), ""),
             ]
         else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import NamedTuple
 
 from rich.console import RenderableType
@@ -14,10 +14,11 @@ from memtui.stats import MemoryStats, format_bytes, ram_fraction
 from memtui.tui.palette import SEVERITY_STYLES, chips
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
+from memtui.wire import HostSample
 
 
 class Row(NamedTuple):
-    """One line of the panel."""
+    """One number of the panel."""
 
     label: str
     value: str
@@ -28,16 +29,24 @@ class Row(NamedTuple):
     style: str = ""
     secondary: bool = False
     """A whole line dropped when narrow."""
-    detail: bool = False
-    """A whole line dropped on a multi-rank run (to make room for the per-rank table)."""
-    compact: bool = False
-    """A whole line dropped on a multi-rank run in the narrow layout."""
+    short: str = ""
+    """The label in a narrow grid cell (at most ``SHORT_LABEL`` columns; "" when it fits)."""
+    tight: bool = False
+    """Kept in the narrowest view (a side pane beside the per-rank table), where the bar's
+    legend and the verdict give the rest."""
+    in_verdict: bool = False
+    """The verdict's reasons show it too: dropped when the numbers are a grid."""
     in_bar: bool = False
-    """A whole line dropped when the breakdown bar (which shows the same) is drawn."""
-    in_bar_compact: bool = False
-    """The same on a multi-rank run (room for the per-rank table)."""
-    in_bar_tight: bool = False
-    """The same on a multi-rank run in the narrow layout (the verdict says it too)."""
+    """The breakdown bar's legend shows it too: dropped from a grid under the bar."""
+
+
+SHORT_LABEL = 10
+"""The narrowest label of a grid cell."""
+VALUE_WIDTH = 8
+"""``20.0 GiB``, ``1023 MiB``."""
+SHARE_WIDTH = 5
+"""`` 100%``."""
+CELL_GAP = 2
 
 
 def _share(value: int, capacity: int) -> str:
@@ -108,14 +117,34 @@ def breakdown_lines(
     title: str = "",
     compact: bool = False,
     steady_known: bool = True,
+    named_only: Collection[str] = (),
+    spare: Collection[str] = (),
 ) -> list[Text]:
     """The stacked bar (free memory dotted) and its legend with the numbers, wrapped to fit
     (``compact``: short names, no shares). Without the exact parts and a model
-    (``steady_known`` False) the "activations" part is all that was allocated, and says so."""
+    (``steady_known`` False) the "activations" part is all that was allocated, and says so. The
+    parts in ``named_only`` are named without their numbers (shown beside the bar), and so are
+    those in ``spare`` when that saves a line."""
     width = max(10, width)
     bar = Text(no_wrap=True, overflow="crop")
     for name, cells in bar_cells(breakdown, width):
         bar.append(("░" if name == "free" else "█") * cells, PART_STYLES.get(name, "white"))
+    legend = _legend(breakdown, width, title, compact, steady_known, named_only)
+    if spare:
+        shorter = _legend(breakdown, width, title, compact, steady_known, {*named_only, *spare})
+        legend = shorter if len(shorter) < len(legend) else legend
+    return [bar, *legend]
+
+
+def _legend(
+    breakdown: Breakdown,
+    width: int,
+    title: str,
+    compact: bool,
+    steady_known: bool,
+    named_only: Collection[str],
+) -> list[Text]:
+    """The bar's legend, wrapped to ``width`` (see ``breakdown_lines``)."""
     parts = []
     if title:
         parts.append((title, "dim"))
@@ -123,122 +152,170 @@ def breakdown_lines(
         if part.bytes <= 0 and part.name != "free":
             continue
         style = PART_STYLES.get(part.name, "")
-        if part.name == "activations" and not steady_known:
-            parts.append(
-                (f"■ {'alloc.' if compact else 'allocated'} {format_bytes(part.bytes)}", style)
-            )
-            continue
-        if compact:
+        unknown = part.name == "activations" and not steady_known
+        if part.name in named_only:
+            label = "alloc." if unknown else SHORT_LABELS.get(part.name, part.name)
+            parts.append((f"■ {label}", style))
+        elif unknown:
+            label = "alloc." if compact else "allocated"
+            parts.append((f"■ {label} {format_bytes(part.bytes)}", style))
+        elif compact:
             label = SHORT_LABELS.get(part.name, part.name)
             parts.append((f"■ {label} {format_bytes(part.bytes)}", style))
-            continue
-        label = PART_LABELS.get(part.name, part.name)
-        share = part.bytes / breakdown.capacity_bytes if breakdown.capacity_bytes else 0.0
-        parts.append((f"■ {label} {format_bytes(part.bytes)} {share:.0%}", style))
-    legend = chips(parts, separator="  ", width=width)
-    return [bar, *legend.split("\n")]
+        else:
+            label = PART_LABELS.get(part.name, part.name)
+            share = part.bytes / breakdown.capacity_bytes if breakdown.capacity_bytes else 0.0
+            parts.append((f"■ {label} {format_bytes(part.bytes)} {share:.0%}", style))
+    return list(chips(parts, separator="  ", width=width).split("\n"))
 
 
-def cuda_rows(state: RunState, memory: MemoryStats) -> list[Row]:
+class Rows(NamedTuple):
+    """The panel's numbers: the key ones (a grid when room is short) and the other lines."""
+
+    numbers: list[Row]
+    lines: list[Row]
+
+
+def cuda_rows(state: RunState, memory: MemoryStats) -> Rows:
     """The device's memory, from capacity down to what torch does not see."""
     capacity = memory.capacity_bytes
-    unallocated = max(0, memory.reserved_bytes - memory.current_bytes)
+    unallocated = max(0, memory.peak_bytes - memory.peak_allocated_bytes)  # the bar's part
     beyond = memory.beyond_torch_bytes
     series = state.series.get(state.summary().focus_rank)
     newest = series.device[-1] if series and series.device else None
-    device = state.info.device if state.info else ""
-    if newest is not None and newest.name and len(state.series) > 1:  # the rank shown's device
-        device = f"{newest.kind}:{newest.index} {newest.name}"
-    rows = [
-        Row(
-            "capacity",
-            format_bytes(capacity),
-            "",
-            device,
-            compact=True,  # the verdict's reason says "of <capacity>"
-            in_bar_compact=True,
-        ),
+    device = f"{newest.kind}:{newest.index}" if newest is not None else ""
+    numbers = [
+        Row("capacity", format_bytes(capacity), "", device),
         Row(
             "peak in use",
             format_bytes(memory.peak_used_bytes),
             _share(memory.peak_used_bytes, capacity),
-            "peak reserved + beyond torch",
+            "reserved+beyond",
             _band_style(memory.peak_used_fraction, state.thresholds.thresholds),
-            in_bar_tight=True,
+            short="peak used",
+            in_verdict=True,
         ),
         Row(
             "peak reserved",
             format_bytes(memory.peak_bytes),
             _share(memory.peak_bytes, capacity),
-            detail=True,
-            in_bar=True,
+            "torch's cache",
+            short="peak res.",
+            tight=True,
         ),
         Row(
             "peak allocated",
             format_bytes(memory.peak_allocated_bytes),
             _share(memory.peak_allocated_bytes, capacity),
-            detail=True,
-            in_bar=True,
+            "tensors",
+            short="pk alloc.",
+            tight=True,
         ),
         Row(
-            "reserved unalloc.",
+            "unallocated",
             format_bytes(unallocated),
             _share(unallocated, capacity),
-            f"fragmentation (split blocks {format_bytes(memory.fragmentation_bytes)})",
+            "fragmentation",
             "yellow" if capacity and unallocated > 0.1 * capacity else "",
-            in_bar_compact=True,
+            short="unalloc.",
+            in_bar=True,
         ),
         Row(
             "beyond torch",
             format_bytes(beyond) if beyond is not None else "no NVML",
             _share(beyond, capacity) if beyond is not None else "",
-            "CUDA context, NCCL, other processes",
-            in_bar_compact=True,
+            "context, NCCL",
+            short="beyond",
+            in_bar=True,
         ),
     ]
-    others = newest.other_processes if newest is not None else []
-    if others:
-        names = ", ".join(f"{p.name}[{p.pid}] {format_bytes(p.used_bytes)}" for p in others[:3])
-        total = sum(p.used_bytes for p in others)
-        rows.append(Row("other processes", format_bytes(total), str(len(others)), names, "", True))
     if memory.alloc_retries or memory.ooms:
-        rows.append(
+        numbers.append(
             Row(
                 "retries / OOMs",
                 f"{memory.alloc_retries} / {memory.ooms}",
                 "",
-                "the allocator freed its cache to retry",
+                "cache flushes",
                 "bold red" if memory.ooms else "yellow",
+                short="retry/OOM",
+                tight=True,
             )
         )
-    return rows + host_rows(state, secondary=True)
+    lines = []
+    others = newest.other_processes if newest is not None else []
+    if others:
+        names = ", ".join(f"{p.name}[{p.pid}] {format_bytes(p.used_bytes)}" for p in others[:3])
+        total = sum(p.used_bytes for p in others)
+        lines.append(Row("other processes", format_bytes(total), str(len(others)), names, "", True))
+    return Rows(numbers, lines + host_rows(state, secondary=True))
 
 
-def cpu_rows(state: RunState, memory: MemoryStats) -> list[Row]:
-    """On CPU runs the host is the device: main RSS plus the workers' own memory against the limit."""
+def workers_measure(memory: MemoryStats, host: HostSample) -> str:
+    """``USS`` or ``RSS``: which of the loader workers' numbers the device's memory counts
+    (the hook counts their USS once measured; an older hook, or one before the first
+    measurement, their RSS), told from what the tree holds beyond the main process."""
+    uss = host.workers_uss_bytes
+    if uss is None:
+        return "RSS"
+    workers = memory.reserved_bytes - host.main_rss_bytes
+    return "USS" if abs(workers - uss) <= abs(workers - host.workers_rss_bytes) else "RSS"
+
+
+def cpu_rows(state: RunState, memory: MemoryStats) -> Rows:
+    """On CPU runs the host is the device: the main process's RSS plus the loader workers' own
+    memory (USS; their RSS until it is measured) against the limit."""
     capacity = memory.capacity_bytes
-    rows = [
-        Row("limit", format_bytes(capacity), "", "cgroup limit, else total RAM", in_bar=True),
-        Row(
-            "peak RSS",
-            format_bytes(memory.peak_bytes),
-            _share(memory.peak_bytes, capacity),
-            "main process + loader workers",
-            _band_style(memory.peak_used_fraction, state.thresholds.thresholds),
-        ),
-    ]
     series = state.series.get(state.summary().focus_rank)
     host = series.host if series is not None and series.host else state.summary().host
-    note = f"main {format_bytes(host.main_rss_bytes)} + {host.workers} workers" if host else ""
-    rows.append(
+    workers = host.workers if host is not None else 0
+    measure = workers_measure(memory, host) if host is not None and workers else "USS"
+    with_workers = f"+workers {measure}" if workers else ""
+    numbers = [
+        Row("limit", format_bytes(capacity), "", "cgroup or RAM"),
         Row(
-            "RSS now",
+            "peak",
+            format_bytes(memory.peak_bytes),
+            _share(memory.peak_bytes, capacity),
+            f"RSS{with_workers}" if workers else "main RSS",
+            _band_style(memory.peak_used_fraction, state.thresholds.thresholds),
+            tight=True,
+        ),
+        Row(
+            "in use now",
             format_bytes(memory.current_bytes),
             _share(memory.current_bytes, capacity),
-            note,
+            "RSS-malloc free",
+        ),
+    ]
+    if host is not None:
+        numbers.append(
+            Row(
+                "main RSS",
+                format_bytes(host.main_rss_bytes),
+                _share(host.main_rss_bytes, capacity),
+                "the trainer",
+            )
         )
-    )
-    return rows + host_rows(state, secondary=True)
+    if host is not None and workers:
+        uss = host.workers_uss_bytes
+        if measure == "USS":  # their RSS counts the pages they share with the main process
+            own, note = uss or 0, f"{workers} workers' own"
+        else:
+            own = host.workers_rss_bytes
+            note = (
+                f"{workers}, USS {format_bytes(uss)}" if uss is not None else f"{workers}, no USS"
+            )
+        numbers.append(
+            Row(
+                f"workers {measure}",
+                format_bytes(own),
+                _share(own, capacity),
+                note,
+                short=f"wkrs {measure}",
+                tight=True,
+            )
+        )
+    return Rows(numbers, host_rows(state, secondary=True))
 
 
 def host_rows(state: RunState, secondary: bool) -> list[Row]:
@@ -298,38 +375,64 @@ class MemoryPanel(StateView):
         return summary.memory, summary.host, summary.focus_rank, tuple(others), model
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
-        """Aligned lines; the note column and secondary lines are dropped when narrow."""
+        """The breakdown bar, then the numbers: one a line with what it means when wide and
+        there is one rank, else two a line (in a side pane without what the verdict says, and
+        beside the per-rank table only the peaks); host lines are dropped when narrow."""
         memory = state.summary().memory
         if memory is None:
             return Text("no memory samples yet", style="dim")
         wide = not self.narrow
         multirank = self.multirank
         rows = cpu_rows(state, memory) if memory.kind == "cpu" else cuda_rows(state, memory)
-        lines: list[Text] = []
         split = focus_breakdown(state)
         bar = split is not None and split.capacity_bytes > 0
+        in_grid = multirank or not wide
+        numbers = rows.numbers
+        if in_grid:  # short of room: what the verdict or the bar's legend says is left out
+            numbers = [r for r in numbers if not (r.in_verdict or (r.in_bar and bar))]
+            if multirank and not wide:
+                numbers = [r for r in numbers if r.tight]
+        lines: list[Text] = []
         if split is not None and bar:
             control = state.control
             known = control is not None and (
                 control.static is not None or control.model is not None
             )
+            beside = {row.label for row in numbers} if in_grid else set()
+            # all that was allocated is the peak beside; free is capacity less the peak in use
+            named_only = {"activations"} if not known and "peak allocated" in beside else set()
+            spare = {"free"} if beside & {"capacity", "limit"} else set()
             lines += breakdown_lines(
-                split, width, compact=multirank or not wide, steady_known=known
-            )
-        for row in rows:
-            if (row.secondary and not wide) or (row.detail and multirank):
-                continue
-            if bar and (
-                row.in_bar
-                or (row.in_bar_compact and multirank)
-                or (row.in_bar_tight and multirank and not wide)
-            ):
-                continue
-            if row.compact and multirank and not wide:
-                continue
-            line = Text(f"{row.label:<17} ", style="dim")
-            line.append(f"{row.value:>9} {row.share:>4}", style=row.style)
-            if wide and row.note:
-                line.append(f" {row.note}", style="dim")
-            lines.append(line)
+                split, width, compact=in_grid, steady_known=known, named_only=named_only,
+                spare=spare,
+            )  # fmt: skip
+        lines += grid(numbers, width) if in_grid else [_line(row, True) for row in numbers]
+        lines += [_line(row, notes=wide) for row in rows.lines if wide or not row.secondary]
         return Text("\n").join(lines)
+
+
+def _line(row: Row, notes: bool) -> Text:
+    """One number a line: label, value, share and (``notes``) what it means."""
+    line = Text(f"{row.label:<17} ", style="dim")
+    line.append(f"{row.value:>9} {row.share:>4}", style=row.style)
+    if notes and row.note:
+        line.append(f" {row.note}", style="dim")
+    return line
+
+
+def grid(rows: list[Row], width: int) -> list[Text]:
+    """Two numbers a line, aligned: label, value and share in each cell (the short label when
+    the long one does not fit)."""
+    cell = max(SHORT_LABEL + VALUE_WIDTH + SHARE_WIDTH, (width - CELL_GAP) // 2)
+    label_width = cell - VALUE_WIDTH - SHARE_WIDTH
+    lines = []
+    for first in range(0, len(rows), 2):
+        line = Text()
+        for index, row in enumerate(rows[first : first + 2]):
+            if index:
+                line.append(" " * CELL_GAP)
+            label = row.label if len(row.label) < label_width or not row.short else row.short
+            line.append(f"{label:<{label_width}}", style="dim")
+            line.append(f"{row.value:>{VALUE_WIDTH}}{row.share:>{SHARE_WIDTH}}", style=row.style)
+        lines.append(line)
+    return lines

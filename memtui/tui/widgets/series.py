@@ -92,6 +92,26 @@ def _memory_layers(bucket: MemoryBucket, cpu: bool, capacity: float) -> list[Lay
     return layers
 
 
+def _memory_title(cpu: bool, beyond: bool, capacity: float | None, short: bool = False) -> Text:
+    """The memory chart's title: its legend, then the bands (or, zoomed in, the capacity)."""
+    items: list[tuple[str, Style | str]] = [("now" if cpu else "alloc", palette.ALLOCATED)]
+    if not cpu:
+        items.append(("reserved", palette.RESERVED))
+    items.append(("peak", palette.PEAK))
+    if beyond:
+        items.append(("beyond" if short else "beyond torch", palette.BEYOND_TORCH))
+    title = Text("memory ", style="bold")
+    title.append_text(legend(*items))
+    if capacity is None:
+        title.append("  ")
+        title.append("85%", style=palette.EDGE_BAND)
+        title.append(" ")
+        title.append("90%", style=palette.DANGER_BAND)
+    else:
+        title.append(f"  {'limit' if cpu else 'capacity'} {format_bytes(capacity)}", "dim")
+    return title
+
+
 class SeriesChart(StateView):
     """Step time (compute and data wait), device memory with its bands, host RAM and swap."""
 
@@ -156,21 +176,10 @@ class SeriesChart(StateView):
         top = capacity
         if not capacity or highest < 0.5 * capacity:  # far from the limit: zoom in
             top = nice_ceiling(max(highest, 1.0) * 1.25 / MIB) * MIB
-        items: list[tuple[str, Style | str]] = [("now" if cpu else "alloc", palette.ALLOCATED)]
-        if not cpu:
-            items.append(("reserved", palette.RESERVED))
-        items.append(("peak", palette.PEAK))
-        if any(layers and len(layers) > 3 for layers in bars):
-            items.append(("beyond torch", palette.BEYOND_TORCH))
-        title = Text("RSS " if cpu else "memory ", style="bold")
-        title.append_text(legend(*items))
-        if top == capacity:
-            title.append("  ")
-            title.append("85%", style=palette.EDGE_BAND)
-            title.append(" ")
-            title.append("90%", style=palette.DANGER_BAND)
-        else:
-            title.append(f"  {'limit' if cpu else 'capacity'} {format_bytes(capacity)}", "dim")
+        beyond = any(layers and len(layers) > 3 for layers in bars)
+        title = _memory_title(cpu, beyond, capacity if top != capacity else None)
+        if title.cell_len > width + AXIS:  # a side pane: shorter names, the bands kept whole
+            title = _memory_title(cpu, beyond, capacity if top != capacity else None, short=True)
         tint = _band_tint(capacity) if top == capacity else None
         rows = stacked_rows(bars, height, top, tint)
         return [title, *_axis(rows, format_bytes(top))]
