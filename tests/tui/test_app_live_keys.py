@@ -1,0 +1,183 @@
+"""The app's keys against a real hook in a subprocess (real zmq): cancel, pause, a run that goes
+quiet and comes back, the command palette, and how soon the history shows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from textual.command import CommandPalette
+from textual.pilot import Pilot
+
+from memtui.tui.screens.cancel import CancelScreen
+from memtui.tui.screens.edit import EditKnobScreen
+from memtui.tui.state import Status
+from tests.conftest import memtui_cli
+from tests.tui.conftest import HookLoop, run, screen_text, until
+from tests.tui.test_app_live import live_app
+from tests.tui.test_app_replay import WIDE, text_of
+
+NEVER = 10**9
+"""A checkpoint interval the run never reaches: a queued change stays pending."""
+
+
+async def status(run_id: str) -> dict[str, Any]:
+    """``memtui status --json``: the run's own answer over its control socket."""
+    result = await asyncio.to_thread(memtui_cli, "status", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    answer: dict[str, Any] = json.loads(result.stdout)
+    return answer
+
+
+def shown_step(pilot: Pilot[Any]) -> int:
+    """The step the header shows."""
+    match = re.search(r"step ([\d,]+)", text_of(pilot, "#header"))
+    assert match, screen_text(pilot.app)
+    return int(match.group(1).replace(",", ""))
+
+
+def test_cancel_a_pending_change_with_keys(start_hook_loop: Callable[..., HookLoop]) -> None:
+    loop = start_hook_loop(rate=100, seconds=120, checkpoint_every=NEVER)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.control is not None and state.step > 0, 20, "the run")
+        await pilot.press("b")
+        assert isinstance(app.screen, EditKnobScreen)
+        await pilot.press("6", "4", "enter")
+        await until(pilot, lambda: state.pending_values() == {"batch_size": 64}, 10, "pending")
+        pending = (await status(loop.run_id))["pending"]
+        assert [p["changes"] for p in pending] == [{"batch_size": 64}]
+
+        await pilot.press("c")
+        assert isinstance(app.screen, CancelScreen)
+        assert f"#{pending[0]['id']} batch_size=64" in screen_text(app)
+        await pilot.press("enter")
+        assert not isinstance(app.screen, CancelScreen)
+        await until(pilot, lambda: not state.pending_values(), 10, "the change to be cancelled")
+        answer = await status(loop.run_id)
+        assert answer["pending"] == [] and answer["applied"] == []
+        assert answer["config"]["batch_size"] == 32, "the run kept its batch size"
+        app.refresh_view()
+        await pilot.pause()
+        changes = text_of(pilot, "#changes")
+        assert f"cancelled #{pending[0]['id']}" in changes and "pending" not in changes
+
+    run(app, check, WIDE)
+
+
+def test_pause_freezes_the_view_while_data_arrives(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    loop = start_hook_loop(rate=100, seconds=120)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.step > 20, 20, "steps")
+        await pilot.press("space")
+        await pilot.pause()
+        frozen_step, frozen_charts = shown_step(pilot), text_of(pilot, "#charts")
+        assert "PAUSED" in text_of(pilot, "#header")
+        await until(pilot, lambda: state.step > frozen_step + 100, 20, "data while paused")
+        await pilot.pause(0.6)  # a few of the refresh timer's ticks
+        assert shown_step(pilot) == frozen_step, "the view stays as it was"
+        assert text_of(pilot, "#charts") == frozen_charts
+        await pilot.press("space")
+        await pilot.pause()
+        assert "PAUSED" not in text_of(pilot, "#header")
+        assert shown_step(pilot) >= frozen_step + 100, "resumed: caught up at once"
+
+    run(app, check, WIDE)
+
+
+def test_a_run_that_goes_quiet_and_comes_back(start_hook_loop: Callable[..., HookLoop]) -> None:
+    loop = start_hook_loop(rate=100, seconds=300)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.connection.status is Status.LIVE and state.step > 0, 20,
+                    "live")  # fmt: skip
+        os.kill(loop.proc.pid, signal.SIGSTOP)
+        try:
+            silent = (Status.QUIET, Status.DISCONNECTED)
+            await until(pilot, lambda: state.connection.status in silent, 20, "quiet")
+            app.refresh_view()
+            await pilot.pause()
+            header = text_of(pilot, "#header")
+            assert "● quiet: no data for" in header or "● disconnected" in header, header
+            stopped_at = state.step
+        finally:
+            os.kill(loop.proc.pid, signal.SIGCONT)
+        await until(pilot, lambda: state.connection.status is Status.LIVE, 20, "live again")
+        await until(pilot, lambda: state.step > stopped_at + 20, 20, "steps again")
+        app.refresh_view()
+        await pilot.pause()
+        assert "● live" in text_of(pilot, "#header")
+
+    run(app, check, WIDE)
+
+
+def test_the_command_palette_runs_a_command(start_hook_loop: Callable[..., HookLoop]) -> None:
+    loop = start_hook_loop(rate=100, seconds=120, checkpoint_every=NEVER)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.control is not None, 20, "the run's config")
+        await pilot.press("ctrl+p")
+        assert isinstance(app.screen, CommandPalette)
+        await pilot.press(*"keep-effective")
+        await until(pilot, lambda: "Toggle keep-effective-batch" in screen_text(app), 5,
+                    "the command to be listed")  # fmt: skip
+        await pilot.press("enter")
+        await until(pilot, lambda: not isinstance(app.screen, CommandPalette), 5, "closed")
+        assert app.keep_effective_batch
+        assert "keep effective batch on" in text_of(pilot, "#config")
+
+        await pilot.press("ctrl+p", *"set num_workers")
+        await until(pilot, lambda: "Set num_workers" in screen_text(app), 5, "listed")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, EditKnobScreen), 5, "the editor")
+        await pilot.press("3", "enter")
+        await until(pilot, lambda: state.pending_values() == {"num_workers": 3}, 10, "pending")
+        pending = (await status(loop.run_id))["pending"]
+        assert [p["changes"] for p in pending] == [{"num_workers": 3}]
+
+    run(app, check, WIDE)
+
+
+def test_attach_shows_the_history_within_two_seconds(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    loop = start_hook_loop(rate=100, seconds=120)
+    time.sleep(3.0)  # three seconds of history before the viewer comes
+    app = live_app(loop.run_id)
+    attached = time.time()
+
+    async def check(pilot: Pilot[Any]) -> None:
+        started = time.monotonic()
+        state = app.state
+
+        def history_shown() -> bool:
+            series = state.series.get(0)
+            if series is None or not series.step_buckets.buckets:
+                return False
+            first = series.step_buckets.buckets[0].start
+            bars = text_of(pilot, "#charts").split("memory")[0].count("█")
+            return first <= attached - 2.0 and bars >= 2
+
+        await until(pilot, history_shown, 20, "the history")
+        took = time.monotonic() - started
+        print(f"the history showed {took:.2f} s after the viewer started")
+        assert took < 2.0, f"the history took {took:.2f} s to show"
+
+    run(app, check, WIDE)
