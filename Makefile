@@ -58,7 +58,8 @@ bench-instructions: $(STAMP)
 	$(PY) benchmarks/hook_instructions.py
 
 bench-tui: $(STAMP)
-	$(PY) benchmarks/tui_cpu.py
+	$(PY) benchmarks/tui_cpu.py --size 120x40
+	$(PY) benchmarks/tui_cpu.py --size 60x50
 	$(PY) benchmarks/tui_ranks.py
 
 screenshots: $(STAMP)
