@@ -13,7 +13,8 @@ A publisher process then stands for a ``--ranks``-rank job (64 by default: this 
 neither 64 GPUs nor 64 cores to run 64 hooks). ONE PUB SOCKET PER SIMULATED RANK replays one
 stream (the streams are dealt out to the ranks in turn) at its recorded pace (``--speed 1``,
 full rate: every frame when the hook published it), in a loop, each rank starting at another
-point of its stream, so that their steps and memory differ. A frame goes out as recorded except
+point of its stream, so that their memory and timings differ (their step numbers are kept in
+step, as the ranks of a data-parallel job are). A frame goes out as recorded except
 for what makes it this rank's, now: the run id and rank number, its seq, and every time and step
 number moved on by the loop (and a recorded end of the run is not passed on). Each rank's
 control socket answers hello with a snapshot built from the recording's and the steps it has
@@ -150,6 +151,9 @@ class Replayer:
         self.loop = 0
         self.origin = stream.frames[start_index][0]
         """The stream offset this rank started at (its time zero)."""
+        self.step_origin = stream.frames[start_index][1].step - stream.frames[0][1].step
+        """Steps taken off, so that every rank counts from the stream's start (in step, as the
+        ranks of a data-parallel job are)."""
         self.seq = 0
         self.step = 0
         self.control_seq = 0
@@ -175,7 +179,7 @@ class Replayer:
         recorded = self.stream.frames[self.index][1]
         now = time.time()
         dt = now - recorded.time
-        ds = self.loop * self.stream.step_span
+        ds = self.loop * self.stream.step_span - self.step_origin
         steps = [StepRecord(r.step + ds, r.end_time + dt, r.step_time_s, r.data_wait_s,
                             r.samples, r.micro_batches, r.flags)
                  for r in recorded.steps]  # fmt: skip
@@ -370,6 +374,7 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
         mode = "tmux" if shutil.which("tmux") else "headless"
     server = f"memtui-ranks-{os.getpid()}"
     pane = ""
+    publisher_pct = None
     try:
         assert publisher.stdout is not None
         line = publisher.stdout.readline()
@@ -397,12 +402,14 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
                 subprocess.run([*tmux, "list-panes", "-t", "bench", "-F", "#{pane_pid}"],
                                capture_output=True, text=True, check=True).stdout.split()[0]
             )  # fmt: skip
-            viewer = psutil.Process(pane_pid)
+            viewer, replay = psutil.Process(pane_pid), psutil.Process(publisher.pid)
             time.sleep(args.warmup)
+            pub0 = sum(replay.cpu_times()[:2])
             cpu0, wall0 = sum(viewer.cpu_times()[:2]), time.monotonic()
             time.sleep(args.seconds)
             cpu1, wall1 = sum(viewer.cpu_times()[:2]), time.monotonic()
             cpu_s, wall_s = cpu1 - cpu0, wall1 - wall0
+            publisher_pct = round(100 * (sum(replay.cpu_times()[:2]) - pub0) / wall_s, 1)
             pane = subprocess.run([*tmux, "capture-pane", "-p", "-t", "bench"],
                                   capture_output=True, text=True).stdout  # fmt: skip
     finally:
@@ -419,6 +426,7 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
         "frames_per_s": round(published.get("frames_per_s", 0.0), 1),
         "streams": published.get("streams", []),
         "recorded_steps_per_s": published.get("recorded_steps_per_s", []),
+        "publisher_cpu_pct_of_core": publisher_pct,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "mode": mode,
         "size": size,
