@@ -1,7 +1,8 @@
 """Write the README's screenshots: the viewer on replayed streams, as SVG, into screenshots/.
 
-Three recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
-fix ``num_workers=4`` queued), a synthetic two-rank CUDA run at 88% of its memory, and a
+Recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
+fix ``num_workers=4`` queued), a synthetic two-rank CUDA run at 88% of its memory (and its rank 0
+alone, as a single-GPU run), and a
 synthetic eight-rank CUDA run with a straggler and a rank near OOM (this machine has no GPU;
 see tests/data/make_oom_stream.py and make_ranks_stream.py), and a real CPU demo under a 900 MiB
 limit with a forced micro-batch predicted over it, pending (make_advice_stream.py), and the same
@@ -18,6 +19,7 @@ from pathlib import Path
 from memtui.recording import ReplaySource, read_recording
 from memtui.tui.app import MemtuiApp
 from memtui.wire import Telemetry
+from tests.tui.conftest import one_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "screenshots"
@@ -45,17 +47,19 @@ async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
         while not app.caught_up:
             await pilot.pause(0.05)
         app.refresh_view()
-        await pilot.pause()
+        for _ in range(3):  # let the layout settle (a scrollbar that is no longer needed goes)
+            await pilot.pause(0.1)
         return Path(app.save_screenshot(f"{name}.svg", str(OUT)))
 
 
 def main() -> int:
-    """Write the ten screenshots and list them."""
+    """Write the twelve screenshots and list them."""
     starving = DATA / "demo_starving.mtrec"
     advice = DATA / "demo_advice.mtrec"
     scenes = {
         "starving": lambda: ReplaySource(starving, speed=None, until_s=pending_offset(starving)),
         "oom-risk": lambda: ReplaySource(DATA / "oom_risk.mtrec", speed=None),
+        "one-gpu": lambda: ReplaySource(one_rank(DATA / "oom_risk.mtrec"), speed=None),
         "ranks": lambda: ReplaySource(DATA / "ranks_8.mtrec", speed=None),
         "advice": lambda: ReplaySource(
             advice, speed=None, until_s=pending_offset(advice, forced=True)
