@@ -1,7 +1,8 @@
 """A plain Accelerate loop with memtui (``hooks.install(accelerator, ...)``), on CPU.
 
 Each rank records the samples it trained on (by index), the accumulation of every optimizer
-step and the learning rate; waits at step ``--wait-at`` for ``--go`` (the test queues a change
+step, the learning rate and the loader (its workers and pinning, and the worker processes alive);
+waits at step ``--wait-at`` for ``--go`` (the test queues a change
 meanwhile) and writes ``--report``.<rank>.json at the end.
 """
 
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
@@ -29,6 +33,8 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--save-every", type=int, default=4)
 parser.add_argument("--batch_size", type=int, default=4)
 parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
+parser.add_argument("--epochs", type=int, default=0, help="run epochs, not --steps")
+parser.add_argument("--onecycle", action="store_true", help="a OneCycleLR sized from the steps")
 args = parser.parse_args()
 
 
@@ -51,9 +57,16 @@ accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / args.steps)
+scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / args.steps)
 model, optimizer = accelerator.prepare(model, optimizer)  # the schedule: one step per update
 dataset = Indexed(args.samples)
+if args.onecycle:  # sized from the steps the epochs make, prepared: the usual Accelerate script
+    per_epoch = math.ceil(
+        math.ceil(args.samples / args.batch_size) / args.gradient_accumulation_steps
+    )
+    total_steps = args.epochs * per_epoch
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+    scheduler = accelerator.prepare(one_cycle)
 
 tuner = hooks.install(accelerator, config=args, model=model, optimizer=optimizer)  # the one line
 loader = tuner.loader(
@@ -72,15 +85,21 @@ if accelerator.is_main_process:
 seen: list[int] = []
 accum_per_step: list[int] = []
 lrs: list[float] = []
+loaders: list[list[Any]] = []
+"""Per optimizer step: the loader's num_workers and pin_memory, and the worker processes alive."""
 micro = 0
 done = False
+epochs = 0
 while not done:
+    if args.epochs and epochs == args.epochs:
+        break
+    epochs += 1
     for index, x, y in loader:
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients or args.onecycle:  # a prepared one knows when
                 scheduler.step()
             optimizer.zero_grad()
         seen.extend(index.tolist())
@@ -90,6 +109,8 @@ while not done:
         accum_per_step.append(micro)
         micro = 0
         lrs.append(scheduler.get_last_lr()[0])
+        workers = len(psutil.Process().children())
+        loaders.append([loader.num_workers, loader.dataloader.pin_memory, workers])
         step = tuner.step_count  # counted by the optimizer's post-step hook
         if args.go and step == args.wait_at:
             print(f"waiting at step {step}", flush=True)
@@ -99,7 +120,7 @@ while not done:
             accelerator.wait_for_everyone()
         if step % args.save_every == 0:
             accelerator.save_state(os.path.join(args.out, f"step{step}"))  # the boundary
-        if step >= args.steps:
+        if step >= args.steps and not args.epochs:
             done = True
             break
 
@@ -108,6 +129,8 @@ report = {
     "steps": tuner.step_count,
     "accum_per_step": accum_per_step,
     "lrs": lrs,
+    "epochs": epochs,
+    "loaders": loaders,
     "seen": seen,
     "batch_size": args.batch_size,
     "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,

@@ -3,7 +3,9 @@
 Records the samples trained on, the micro-batches of every optimizer step and the learning
 rate; waits at step ``--wait-at`` for ``--go``; writes ``--report`` as JSON. ``--devices 2`` runs
 ``strategy="ddp"`` on two CPU processes (Lightning's launcher, or torchrun when it started this);
-each rank writes ``--report`` with ``.rank<r>`` appended.
+each rank writes ``--report`` with ``.rank<r>`` appended. ``--max-epochs N`` bounds the run by
+epochs instead of 12 steps; ``--onecycle`` sizes a OneCycleLR from
+``trainer.estimated_stepping_batches`` (the usual way) instead of a linear decay sized so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ parser.add_argument("--wait-at", type=int, default=2)
 parser.add_argument("--samples", type=int, default=96)
 parser.add_argument("--package", default="lightning.pytorch")
 parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--max-epochs", type=int, default=0)
+parser.add_argument("--onecycle", action="store_true")
 cli = parser.parse_args()
 if cli.package == "pytorch_lightning":
     import pytorch_lightning as pl
@@ -66,6 +70,7 @@ class Tiny(pl.LightningModule):
         self.lrs: list[float] = []
         self.epoch_starts: list[int] = []
         self.coordinated: list[bool] = []
+        self.total = 0
 
     def on_train_epoch_start(self) -> None:
         self.epoch_starts.append(len(self.seen))
@@ -84,7 +89,12 @@ class Tiny(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / STEPS)
+        self.total = total = int(self.trainer.estimated_stepping_batches)  # 12 with max_steps 12
+        scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total)
+        if cli.onecycle:
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=0.1, total_steps=total
+            )
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
@@ -105,7 +115,8 @@ class WaitForGo(pl.Callback):
 torch.manual_seed(0)
 checkpoints = pl.callbacks.ModelCheckpoint(dirpath=cli.out, every_n_train_steps=4, save_top_k=-1)
 trainer = pl.Trainer(
-    max_steps=STEPS,
+    max_steps=-1 if cli.max_epochs else STEPS,
+    max_epochs=cli.max_epochs or None,
     accumulate_grad_batches=2,
     accelerator="cpu",
     devices=cli.devices,
@@ -137,6 +148,8 @@ report = {
     "run": tuner.run_id,
     "coordinated": model.coordinated,
     "epoch_starts": model.epoch_starts,
+    "epochs": trainer.current_epoch,
+    "total_steps": model.total,
     "applied": [[a.step, sorted(a.changes)] for a in tuner.control.applied],
 }
 suffix = f".rank{trainer.global_rank}" if trainer.world_size > 1 else ""

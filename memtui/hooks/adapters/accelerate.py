@@ -14,15 +14,25 @@ An Accelerate script owns its loop, so the change lands inside it, at the step a
   ``accelerator.device``;
 * optimizer steps are counted from the optimizer's post-step hook, which Accelerate only reaches
   when gradients are synchronised (``tuner.step()`` by hand works too).
+
+How long the loop runs is the script's. A change of batch size or accumulation changes the
+optimizer steps an epoch takes: a loop that runs a number of epochs then makes more or fewer
+steps than an LR schedule sized from them expects (a OneCycleLR raises past its ``total_steps``;
+prepared by the accelerator it stops stepping there, and the rest of the run keeps its last LR).
+memtui warns at such a change; a loop bounded by optimizer steps (``tuner.step_count``) keeps
+its schedule whole.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from memtui.hooks.tuner import Tuner
+
+log = logging.getLogger("memtui")
 
 
 class AccelerateAdapter:
@@ -79,13 +89,31 @@ class AccelerateAdapter:
     def boundary(self) -> None:
         """Apply the pending changes; the accumulation goes to the accelerator now."""
         applied = self.tuner.checkpoint()
-        if applied is None or "grad_accum" not in applied.changes:
+        if applied is None:
+            return
+        if "grad_accum" in applied.changes or "batch_size" in applied.changes:
+            self._warn_steps_per_epoch()
+        if "grad_accum" not in applied.changes:
             return
         try:
             self.accelerator.gradient_accumulation_steps = int(applied.changes["grad_accum"][1])
             self.accelerator.step = 0  # the next micro-batch starts a whole accumulation group
         except Exception as exc:
             self.tuner._report(exc, "accelerate grad_accum")
+
+    def _warn_steps_per_epoch(self) -> None:
+        """Say that an epoch's optimizer steps changed, and what that does to a sized schedule."""
+        sized = [
+            f"{type(s.scheduler).__name__} total_steps={s.scheduler.total_steps}"
+            for s in getattr(self.accelerator, "_schedulers", None) or []
+            if hasattr(getattr(s, "scheduler", None), "total_steps")
+        ]
+        log.warning(
+            "memtui: the optimizer steps per epoch changed: a loop that runs a number of epochs "
+            "now makes more or fewer steps than an LR schedule sized from them expects%s; bound "
+            "the loop by optimizer steps (tuner.step_count) to keep the schedule whole",
+            f" ({', '.join(sized)})" if sized else "",
+        )
 
 
 def install(

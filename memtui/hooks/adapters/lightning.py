@@ -13,6 +13,18 @@ The change lands inside the running ``fit``, right after the checkpoint:
 * steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
   the loader (or, for a loader memtui does not own, the gap between batches).
 
+Lightning counts an epoch's batches when it starts (``num_training_batches``): after a
+batch-size change every epoch ends when memtui's loader does (a smaller batch would otherwise be
+cut off at the old count), its last short accumulation group steps there, and the default
+validation at the epoch's end stays there.
+
+A change of batch size or accumulation changes the number of optimizer steps an epoch takes. A
+run bounded by epochs with a step-interval LR scheduler (typically sized from
+``trainer.estimated_stepping_batches``, as a OneCycleLR) keeps the step count Lightning estimated
+at the start: the run ends at that step, however many epochs it takes (more steps would make a
+OneCycleLR raise, fewer would end the run inside its schedule). Without a step-interval scheduler
+the run keeps its epochs.
+
 Several processes (``strategy="ddp"``, Lightning's own launcher or torchrun): install on every
 rank before ``fit``, as usual. The rank and world size come from the Trainer (Lightning's
 launcher sets no ``RANK``); Lightning starts ``torch.distributed`` inside ``fit``, so the ranks
@@ -25,10 +37,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import math
 import time
 from typing import Any
 
 from memtui.hooks.tuner import Tuner
+
+log = logging.getLogger("memtui")
 
 
 class LightningAdapter:
@@ -36,6 +52,7 @@ class LightningAdapter:
 
     def __init__(self, trainer: Any, package: str, tuner_kwargs: dict[str, Any]) -> None:
         self.trainer = trainer
+        self.package = package
         self.staged = {"gradient_accumulation_steps": int(trainer.accumulate_grad_batches)}
         self.tuner = Tuner(self.staged, placement=_placement(trainer), **tuner_kwargs)
         self.tuner.adapter = self
@@ -47,6 +64,8 @@ class LightningAdapter:
         """Batches of the epoch before the last accumulation change (groups count from it)."""
         self.last_step = 0
         self.batch_end: float | None = None
+        self.planned: float | None = None
+        """The optimizer steps Lightning estimated at the start (``estimated_stepping_batches``)."""
         callback_base = importlib.import_module(f"{package}.callbacks").Callback
         trainer.callbacks.append(_make_callback(callback_base, self))
         self._wrap_save()
@@ -69,22 +88,99 @@ class LightningAdapter:
     def boundary(self) -> None:
         """Apply the pending changes; a new accumulation counts its groups from here."""
         applied = self.tuner.checkpoint()
-        if applied is None or "grad_accum" not in applied.changes:
+        if applied is None:
             return
+        changes = applied.changes
+        if "grad_accum" in changes:
+            try:
+                self._accumulate(int(changes["grad_accum"][1]))
+            except Exception as exc:
+                self.tuner._report(exc, "lightning grad_accum")
+        if "batch_size" in changes:
+            try:
+                self._epoch_ends_with_the_loader()
+            except Exception as exc:
+                self.tuner._report(exc, "lightning batch_size")
+        if "grad_accum" in changes or "batch_size" in changes:
+            try:
+                self._keep_step_count()
+            except Exception as exc:
+                self.tuner._report(exc, "lightning step count")
+
+    def _accumulate(self, accum: int) -> None:
+        """Accumulate ``accum`` batches from the next one on, in whole groups."""
+        loop = self.trainer.fit_loop.epoch_loop
+        self.offset = int(loop.batch_progress.current.ready)
+        self.trainer.accumulate_grad_batches = accum
+        if "_accumulated_batches_reached" not in vars(loop):
+            trainer, adapter = self.trainer, self
+
+            def accumulated_batches_reached() -> bool:
+                ready = loop.batch_progress.current.ready - adapter.offset
+                return bool(ready % trainer.accumulate_grad_batches == 0)
+
+            loop._accumulated_batches_reached = accumulated_batches_reached
+
+    def _epoch_ends_with_the_loader(self) -> None:
+        """After a batch-size change every epoch ends when the loader does, not at the old count.
+
+        Lightning counts an epoch's batches when it starts (``num_training_batches``, and the
+        data fetcher's length, which marks the last batch): with a smaller batch that count
+        would cut the epoch short. memtui drops the count, as for a loader with no length: the
+        fetcher looks one batch ahead to tell the last one, where the epoch's last (short)
+        accumulation group steps and the whole-epoch validation runs. A ``limit_train_batches``
+        stays a count of batches.
+        """
+        trainer = self.trainer
+        if not self.tuner._loaders or trainer.limit_train_batches != 1.0:
+            return
+        loop = trainer.fit_loop
+        loop.max_batches = math.inf
+        interval = trainer.val_check_interval
+        if isinstance(interval, float) and interval == 1.0 and trainer.val_check_batch is not None:
+            trainer.val_check_batch = math.inf
+        fetcher = getattr(loop, "_data_fetcher", None)
+        if fetcher is None or not hasattr(fetcher, "batches") or "reset" in vars(fetcher):
+            return  # not the look-ahead fetcher (training_step takes the iterator), or done
+        reset = fetcher.reset
+
+        def reset_without_length() -> None:
+            reset()
+            fetcher.length = None  # every epoch: its end is the loader's
+
+        fetcher.reset = reset_without_length
+        if fetcher.length is None or fetcher.done or fetcher.iterator is None or fetcher.batches:
+            return
+        fetcher.length = None  # this epoch: look one batch ahead from now on
+        fetch = importlib.import_module(f"{self.package}.loops.fetchers")._DataFetcher.__next__
         try:
-            loop = self.trainer.fit_loop.epoch_loop
-            self.offset = int(loop.batch_progress.current.ready)
-            self.trainer.accumulate_grad_batches = int(applied.changes["grad_accum"][1])
-            if "_accumulated_batches_reached" not in vars(loop):
-                trainer, adapter = self.trainer, self
+            fetcher.batches.append(fetch(fetcher))
+        except StopIteration:
+            fetcher.done = True
 
-                def accumulated_batches_reached() -> bool:
-                    ready = loop.batch_progress.current.ready - adapter.offset
-                    return bool(ready % trainer.accumulate_grad_batches == 0)
-
-                loop._accumulated_batches_reached = accumulated_batches_reached
-        except Exception as exc:
-            self.tuner._report(exc, "lightning grad_accum")
+    def _keep_step_count(self) -> None:
+        """An epoch-bounded run with a step-interval LR scheduler ends at its estimated step."""
+        trainer = self.trainer
+        planned = self.planned
+        if planned is None or not math.isfinite(planned):
+            return
+        configs = getattr(trainer, "lr_scheduler_configs", None) or []
+        if not any(getattr(config, "interval", "") == "step" for config in configs):
+            return
+        loop = trainer.fit_loop
+        if loop.epoch_loop.max_steps == planned and loop.max_epochs == -1:
+            return
+        epochs = loop.max_epochs
+        loop.epoch_loop.max_steps = int(planned)
+        loop.max_epochs = -1
+        log.warning(
+            "memtui: the steps per epoch changed; the LR schedule steps per optimizer step and "
+            "Lightning estimated %d steps at the start: the run ends at step %d (max_epochs %s "
+            "lifted)",
+            planned,
+            planned,
+            epochs,
+        )
 
     # ------------------------------------------------------------------ callback events
 
@@ -103,6 +199,11 @@ class LightningAdapter:
         self.tuner.model = module
         optimizers = getattr(trainer, "optimizers", None) or []
         self.tuner.optimizer = optimizers[0] if optimizers else None
+        if self.planned is None:
+            try:
+                self.planned = float(trainer.estimated_stepping_batches)
+            except Exception as exc:
+                self.tuner._report(exc, "lightning estimated steps")
 
     def batch_start(self) -> None:
         """For a loader memtui does not own: the wait is the gap since the last batch ended."""
