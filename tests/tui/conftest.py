@@ -118,11 +118,17 @@ async def until(
 
 
 async def settle(pilot: Pilot[Any]) -> None:
-    """Wait until a replay has been delivered, folded and drawn."""
+    """Wait until a replay has been delivered, folded and drawn, and the layout has settled (a
+    scrollbar shown while the data came in goes once the view fits, within a second)."""
     app = pilot.app
     assert isinstance(app, MemtuiApp)
     await until(pilot, lambda: app.caught_up, 20, "the replay to be folded")
     app.refresh_view()
+    await pilot.pause()
+    screen = app.screen
+    deadline = time.monotonic() + 1.0
+    while (screen.show_vertical_scrollbar or screen.max_scroll_y) and time.monotonic() < deadline:
+        await pilot.pause(0.05)
     await pilot.pause()
 
 
