@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.style import Style
 from rich.text import Text
 
@@ -66,7 +68,9 @@ def counted(count: int, noun: str) -> str:
 
 
 def rate(value: float) -> str:
-    """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024``."""
+    """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024`` (``-`` for infinity or NaN)."""
+    if not math.isfinite(value):
+        return "-"
     if value < 1:
         return f"{value:.2f}"
     if value < 100:

@@ -19,6 +19,7 @@ from memtui.recording import LiveSource
 from memtui.stats import format_bytes, format_duration
 from memtui.tui.app import MemtuiApp
 from memtui.tui.messages import ReceiverUpdate
+from memtui.tui.palette import rate
 from memtui.tui.state import ReceivedBatch, RunState, Status
 from memtui.wire import (
     AppliedChange,
@@ -50,6 +51,7 @@ def test_formatting_takes_any_number() -> None:
     assert format_duration(-5.0) == "-5.0 s"
     assert format_duration(3 * 86400 + 4 * 3600) == "3d04h"
     assert len(format_duration(1e300)) < 12 and len(format_bytes(1e300)) < 16
+    assert rate(INF) == rate(NAN) == "-" and rate(1024.0) == "1,024"
 
 
 def test_impossible_records_are_dropped_and_counted_and_the_series_goes_on() -> None:
