@@ -132,8 +132,9 @@ class LightningAdapter:
         stays a count of batches.
         """
         trainer = self.trainer
-        if not self.tuner._loaders or trainer.limit_train_batches != 1.0:
-            return
+        limit = trainer.limit_train_batches
+        if not self.tuner._loaders or not (isinstance(limit, float) and limit == 1.0):
+            return  # no loader of memtui's, or a limit (an int is a count, even 1)
         loop = trainer.fit_loop
         loop.max_batches = math.inf
         interval = trainer.val_check_interval
