@@ -87,7 +87,8 @@ class Options:
         default_factory=lambda: float(os.environ.get("MEMTUI_BOUNDARY_TIMEOUT", "1800"))
     )
     """How long a rank waits at a checkpoint boundary for the others before changes are
-    switched off (long enough for the slowest checkpoint save)."""
+    switched off (long enough for the slowest checkpoint save); capped at half the process
+    group's own timeout, so the job's collectives never time out first."""
     boundary_warn_s: float = 60.0
     """How often a rank waiting at a boundary names the ranks it waits for."""
     tcp: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_TCP") or None)
