@@ -1,7 +1,8 @@
 """Write the README's screenshots: the viewer on replayed streams, as SVG, into screenshots/.
 
 Recordings from tests/data: a real demo run starving for data (``--workers 0``, with the
-fix ``num_workers=4`` queued), a synthetic two-rank CUDA run at 88% of its memory (and its rank 0
+fix ``num_workers=4`` queued; and at its end, balanced, the loader workers' own memory counted),
+a synthetic two-rank CUDA run at 88% of its memory (and its rank 0
 alone, as a single-GPU run), and a
 synthetic eight-rank CUDA run with a straggler and a rank near OOM (this machine has no GPU;
 see tests/data/make_oom_stream.py and make_ranks_stream.py), and a real CPU demo under a 900 MiB
@@ -53,11 +54,12 @@ async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
 
 
 def main() -> int:
-    """Write the twelve screenshots and list them."""
+    """Write the fourteen screenshots and list them."""
     starving = DATA / "demo_starving.mtrec"
     advice = DATA / "demo_advice.mtrec"
     scenes = {
         "starving": lambda: ReplaySource(starving, speed=None, until_s=pending_offset(starving)),
+        "balanced": lambda: ReplaySource(starving, speed=None),
         "oom-risk": lambda: ReplaySource(DATA / "oom_risk.mtrec", speed=None),
         "one-gpu": lambda: ReplaySource(one_rank(DATA / "oom_risk.mtrec"), speed=None),
         "ranks": lambda: ReplaySource(DATA / "ranks_8.mtrec", speed=None),

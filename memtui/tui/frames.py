@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from memtui.tui.plausible import MAX_RANKS
 from memtui.wire import WIRE_VERSION, Message, StepRecord, Telemetry
 
 STEP_BUDGET = 4_000.0
@@ -70,6 +71,9 @@ class FrameDecoder:
         """Step records left undecoded (the run sends more than the budget)."""
         self.favoured: int | None = None
         """The rank whose records are all decoded (set by the app: the rank the charts show)."""
+        self.rank_limit = MAX_RANKS
+        """Ranks numbered under this are the run's (set by the receiver from its world size):
+        another rank's records are not decoded, and it gets no share of the budget."""
         self._tokens: dict[int, tuple[float, float]] = {}
 
     def _bad(self, error: str) -> None:
@@ -92,6 +96,8 @@ class FrameDecoder:
         count = array_length(raw)
         steps: list[StepRecord] = []
         rank = message.rank
+        if not 0 <= rank < self.rank_limit:
+            count = 0  # not a rank of the run: the receiver drops the batch
         if count and (rank == self.favoured or self._within_budget(rank, message.time, count)):
             try:
                 steps = self._steps.decode(raw)
@@ -102,6 +108,13 @@ class FrameDecoder:
             self.sampled_out += count
         message.steps = steps  # type: ignore[assignment]
         return message
+
+    def limit_ranks(self, limit: int) -> None:
+        """Decode the records of ranks under ``limit`` only (the run's world size), and forget
+        the budget of the others."""
+        self.rank_limit = limit
+        for rank in [r for r in self._tokens if r >= limit]:
+            del self._tokens[rank]
 
     def _within_budget(self, rank: int, time: float, count: int) -> bool:
         """Take ``count`` records from the rank's share (a token bucket a second deep)."""

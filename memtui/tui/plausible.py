@@ -43,6 +43,10 @@ MAX_RANK = 1 << 20
 """The largest rank believed."""
 MAX_SEQ = 1 << 40
 """The largest batch counter believed (3,000 years at ten batches a second)."""
+MAX_RANKS = 4096
+"""The most ranks the viewer follows (numbers 0 to 4095): every rank it hears from gets its
+series, so a peer that sends any rank number must not make it keep one per number. Within a
+run the bound is the run's world size (see :func:`rank_limit`)."""
 
 T = TypeVar("T")
 
@@ -210,6 +214,15 @@ class Checked:
         return self.keep(records, step_ok)
 
 
+def rank_limit(world_size: int | None) -> int:
+    """Ranks numbered under this are believed: the run's world size when known (its snapshot
+    or control state), at most ``MAX_RANKS``; a batch or snapshot of a rank past it is dropped
+    and counted as a bad value."""
+    if world_size is None or world_size < 1:
+        return MAX_RANKS
+    return min(world_size, MAX_RANKS)
+
+
 def check_telemetry(batch: Telemetry) -> tuple[Telemetry | None, int]:
     """The batch with its impossible records and samples dropped (None: its own step, seq, rank
     or time is impossible), and how many values were dropped."""
@@ -246,10 +259,14 @@ def check_telemetry(batch: Telemetry) -> tuple[Telemetry | None, int]:
 
 def check_snapshot(snapshot: Snapshot) -> tuple[Snapshot | None, int]:
     """The snapshot with its impossible records, samples and numbers dropped (an impossible
-    step or start time is taken as unknown; None: its config is impossible), and how many
-    values were dropped."""
+    step or start time is taken as unknown, ranks listed past its world size are dropped; None:
+    its config is impossible, or its own rank is past its world size), and how many values
+    were dropped."""
     if not control_ok(snapshot.control):
         return None, 1
+    limit = rank_limit(max(snapshot.info.world_size, snapshot.control.world_size))
+    if snapshot.info.rank >= limit:
+        return None, 1  # a rank the run does not have (or past the ranks followed)
     checked = Checked()
     steps = checked.steps(snapshot.steps)
     device = checked.keep(snapshot.device, device_ok)
@@ -267,6 +284,7 @@ def check_snapshot(snapshot: Snapshot) -> tuple[Snapshot | None, int]:
         info, checked.dropped = msgspec.structs.replace(info, rank=0), checked.dropped + 1
     if control.model is not None and not model_ok(control.model):
         control, checked.dropped = msgspec.structs.replace(control, model=None), checked.dropped + 1
+    ranks = checked.keep(snapshot.ranks, lambda r: 0 <= r.rank < limit)
     if not checked.dropped:
         return snapshot, 0
     kept = msgspec.structs.replace(
@@ -280,5 +298,6 @@ def check_snapshot(snapshot: Snapshot) -> tuple[Snapshot | None, int]:
         device=device,
         host=host,
         checkpoints=checkpoints,
+        ranks=ranks,
     )
     return kept, checked.dropped

@@ -18,10 +18,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
 from memtui.client import client_name
 from memtui.knobs import format_changes
 from memtui.recording import Source, SourceUnavailable
 from memtui.tui.frames import FrameDecoder
+from memtui.tui.plausible import MAX_RANKS, rank_limit
 from memtui.tui.state import MANY_RANKS, ConnectionEvent, Event, Notice, ReceivedBatch, Status
 from memtui.wire import (
     CancelReply,
@@ -38,6 +41,12 @@ Request = SetRequest | CancelRequest
 
 HISTORY = 2048
 """Step records asked for in a hello (the hook keeps 2048)."""
+MAX_CONTROL_JUMP = 64
+"""The most changes of the control state believed between two batches of the control rank (the
+hook counts each queued, applied, cancelled or rejected change: a few per checkpoint). A batch
+whose ``control_seq`` jumps further, or goes back (after the snapshot: the batches already on
+their way when it was taken may go back), is not believed: its control state is dropped and
+counted as a bad value, and the run is asked for a snapshot, whose count is the run's own."""
 
 
 class Inbox:
@@ -91,6 +100,7 @@ class Receiver:
         heartbeat_s: float = 1.0,
         gather_s: float = 0.1,
         many_ranks_gather_s: float = 0.25,
+        refresh_s: float = 1.0,
     ) -> None:
         self.source = source
         self.inbox = inbox
@@ -110,13 +120,22 @@ class Receiver:
         frames of many ranks are taken in one wake-up each (64 ranks send 640 a second)."""
         self.many_ranks_gather_s = many_ranks_gather_s
         """The same (and the least time between two batches posted) above ``MANY_RANKS`` ranks."""
+        self.refresh_s = refresh_s
+        """The least time between two snapshots asked for because of what the stream said (a
+        missed change, another run, an implausible count): a peer cannot make it ask more."""
         self._ranks_seen: set[int] = set()
+        """Ranks heard from: at most the run's world size (``plausible.rank_limit``)."""
         self.decoder = FrameDecoder()
         self.client = client_name("tui")
         self.errors = 0
         """Exceptions the receiver caught (and survived)."""
         self.batches_posted = 0
         """Batches handed to the app."""
+        self.bad_values = 0
+        """Messages (or their control states) dropped for values the run cannot have sent: a
+        rank past its world size, a control seq that jumps or goes back."""
+        self.snapshots_asked = 0
+        """Snapshots asked for because of what the stream said (not counting the connection's)."""
         self.caught_up = threading.Event()
         """Set once a finished source (the end of a replay) has been fully reported."""
         self._stop = threading.Event()
@@ -130,12 +149,18 @@ class Receiver:
         self._ended_runs: set[str] = set()
         self._control_seq = 0
         self._control_rank = 0
+        self._snapshot_seq = 0
+        """The control rank's telemetry seq when the snapshot was taken: batches up to it were
+        on their way before it, and their control seq may be older."""
+        self._world_size: int | None = None
         self._snapshot_wanted = False
+        self._next_refresh = 0.0
         self._last_frame_clock = 0.0
         self._next_retry = 0.0
         self._next_probe = 0.0
         self._last_post = 0.0
         self._posted_bad = 0
+        self._posted_values = 0
         self._posted_clock = 0.0
 
     # ------------------------------------------------------------------ app side (any thread)
@@ -188,7 +213,7 @@ class Receiver:
         frames = self.source.poll(self.poll_s)
         for _rank, frame in frames:
             self._handle(frame)
-        if self._snapshot_wanted and self._connected:
+        if self._snapshot_wanted and self._connected and time.monotonic() >= self._next_refresh:
             self._refresh_snapshot()
         self._check_silence()
         self._serve_requests()
@@ -216,17 +241,20 @@ class Receiver:
         now = time.monotonic()
         bad = self.decoder.bad_frames
         clock = self.source.now()
-        news = bool(self._events) or bad != self._posted_bad
+        news = (
+            bool(self._events) or bad != self._posted_bad or self.bad_values != self._posted_values
+        )
         heartbeat = clock != self._posted_clock and now - self._last_post >= self.heartbeat_s
         if not (news or heartbeat):
             return
         if not self._urgent and now - self._last_post < max(self.post_interval_s, self._gather()):
             return
-        batch = ReceivedBatch(self._events, clock, bad, self.decoder.last_error)
+        batch = ReceivedBatch(self._events, clock, bad, self.decoder.last_error, self.bad_values)
         self._events = []
         self._urgent = False
         self._last_post = now
         self._posted_bad = bad
+        self._posted_values = self.bad_values
         self._posted_clock = clock
         self.inbox.put(batch)
         self.batches_posted += 1
@@ -262,14 +290,30 @@ class Receiver:
         self._set_status(status, detail)
 
     def _take_snapshot(self, snapshot: Snapshot) -> None:
+        """The run's own word: its identity, world size and control seq (even a lower one)."""
         self._run = snapshot.info.run
         self._control_rank = snapshot.info.rank
         self._control_seq = snapshot.control_seq
+        self._snapshot_seq = snapshot.seq
+        self._set_world_size(max(snapshot.info.world_size, snapshot.control.world_size))
         self._snapshot_wanted = False
         self._emit(snapshot, urgent=True)
 
+    def _set_world_size(self, world_size: int) -> None:
+        """Follow ranks under ``world_size`` only (and tell the decoder: no budget for others)."""
+        self._world_size = world_size
+        self.decoder.limit_ranks(rank_limit(world_size))
+        self._ranks_seen = {r for r in self._ranks_seen if r < self.decoder.rank_limit}
+
+    def _want_snapshot(self) -> None:
+        """Ask the run for a snapshot at the next cycle (not sooner than ``refresh_s`` after the
+        previous one asked so): a source that cannot be asked (a replay) is not."""
+        self._snapshot_wanted = self.source.serves_requests
+
     def _refresh_snapshot(self) -> None:
         self._snapshot_wanted = False
+        self._next_refresh = time.monotonic() + self.refresh_s
+        self.snapshots_asked += 1
         try:
             snapshot = self.source.request(Hello(client=self.client, history=HISTORY), Snapshot)
         except SourceUnavailable as exc:
@@ -282,29 +326,54 @@ class Receiver:
         if isinstance(message, Snapshot):  # another rank's, or a recording's snapshot
             info = message.info
             if self._run and info.run == self._run and info.rank != self._control_rank:
+                if not 0 <= info.rank < self.decoder.rank_limit:
+                    self.bad_values += 1  # a rank the run does not have
+                    return
                 self._emit(message)  # that rank's history and config only
                 return
             self._take_snapshot(message)
             return
         if not isinstance(message, Telemetry):
             return  # None (counted by the decoder) or a stray reply: nothing to show
+        ours = not self._run or message.run == self._run
+        if not 0 <= message.rank < (self.decoder.rank_limit if ours else MAX_RANKS):
+            self.bad_values += 1  # a rank the run does not have: no entry kept for it
+            return
         self._last_frame_clock = self.source.now()
         self._ranks_seen.add(message.rank)
         if self._status is not None and self._status.status is Status.QUIET:
             self._set_status(Status.LIVE)
-        if self._run and message.run != self._run:
+        if not ours:
             # another run publishes here now (restarted on the same endpoint): ask who it is
-            self._snapshot_wanted = self.source.serves_requests
-        elif message.rank != self._control_rank:
-            pass  # other ranks count their own control seq; rank 0's is the one that matters
-        elif message.control is not None:
-            self._control_seq = max(self._control_seq, message.control_seq)
-        elif message.control_seq > self._control_seq:
-            self._snapshot_wanted = self.source.serves_requests  # we missed a change
+            self._want_snapshot()
+        elif message.rank == self._control_rank:  # other ranks count their own control seq
+            message = self._check_control_seq(message)
         self._emit(message)
         if message.ended and message.rank == 0 and message.run == self._run:
             self._ended_runs.add(message.run)
             self._drop(Status.ENDED, f"run ended at step {message.step}")
+
+    def _check_control_seq(self, message: Telemetry) -> Telemetry:
+        """Follow the control rank's count of changes: a change missed (the count went up, no
+        control state came) asks for a snapshot; an implausible count (see ``MAX_CONTROL_JUMP``)
+        is not believed: the batch goes on without its control state (counted as a bad value),
+        and a snapshot is asked for. Returns the batch as the state should fold it."""
+        seq, known = message.control_seq, self._control_seq
+        if seq == known or (seq < known and message.seq <= self._snapshot_seq):
+            return message  # on its way before the snapshot (the state keeps the newer control)
+        if known < seq <= known + MAX_CONTROL_JUMP:
+            if message.control is None:
+                self._want_snapshot()  # we missed a change
+                return message
+            self._control_seq = seq
+            if message.control.world_size > (self._world_size or 0):  # ranks joined
+                self._set_world_size(message.control.world_size)
+            return message
+        self._want_snapshot()
+        if message.control is None:
+            return message
+        self.bad_values += 1
+        return msgspec.structs.replace(message, control=None, control_seq=known)
 
     def _check_silence(self) -> None:
         if not self._connected:

@@ -45,7 +45,7 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
-from memtui.tui.plausible import check_snapshot, check_telemetry, is_time
+from memtui.tui.plausible import check_snapshot, check_telemetry, is_time, rank_limit
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,
@@ -136,6 +136,9 @@ class ReceivedBatch:
     bad_frames: int = 0
     """Frames the receiver could not decode, since it started."""
     last_bad_frame: str = ""
+    bad_values: int = 0
+    """Messages the receiver dropped for impossible values (a rank past the run's world size, an
+    implausible control seq), since it started."""
 
 
 @dataclass(frozen=True)
@@ -567,6 +570,8 @@ class RunState:
     bad_values: int = 0
     """Records, samples and numbers dropped for impossible values (``memtui.tui.plausible``):
     infinite, NaN, negative or absurd, in otherwise well-formed messages."""
+    receiver_bad_values: int = 0
+    """Of ``bad_values``, those the receiver dropped before they came here (its count)."""
     viewer_errors: int = 0
     """Exceptions the viewer caught while folding or drawing a batch (and survived)."""
     last_viewer_error: str = ""
@@ -605,6 +610,9 @@ class RunState:
             self.bad_frames = batch.bad_frames
             self.last_bad_frame = batch.last_bad_frame
             self.connection_version += 1
+        if batch.bad_values > self.receiver_bad_values:
+            self._count_bad_values(batch.bad_values - self.receiver_bad_values)
+            self.receiver_bad_values = batch.bad_values
         for event in batch.events:
             if isinstance(event, Telemetry):
                 self.apply_telemetry(event)
@@ -669,6 +677,9 @@ class RunState:
         snapshot = checked
         info = self.info
         if info is not None and snapshot.info.run == info.run and snapshot.info.rank != info.rank:
+            if snapshot.info.rank >= self.rank_limit:  # a rank the run does not have
+                self._count_bad_values(1)
+                return
             self._apply_rank_snapshot(snapshot)
             return
         new_run = info is None or snapshot.info.run != info.run
@@ -676,10 +687,11 @@ class RunState:
             self._reset_run()
         self.info = snapshot.info
         self.list_ranks(snapshot.ranks)
-        if new_run or snapshot.control_seq >= self.control_seq:
-            self.control = snapshot.control
-            self.control_seq = snapshot.control_seq
-            self.control_version += 1
+        # the run's own word, even a lower count than a batch claimed (the receiver asks for a
+        # snapshot when a count is not believable: this is how the view gets back to the run's)
+        self.control = snapshot.control
+        self.control_seq = snapshot.control_seq
+        self.control_version += 1
         if snapshot.counters is not None:
             self.counters = snapshot.counters
         self.step = max(self.step, snapshot.step)
@@ -730,6 +742,9 @@ class RunState:
         batch = checked
         if self.info is None or batch.run != self.info.run:
             self.ignored_batches += 1
+            return
+        if batch.rank >= self.rank_limit:  # a rank the run does not have: no series for it
+            self._count_bad_values(1)
             return
         series = self._heard_from(batch.rank)
         series.note_seq(batch.seq)
@@ -783,6 +798,14 @@ class RunState:
                 self.checkpoints.append(record)
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def rank_limit(self) -> int:
+        """Ranks numbered under this are the run's: its world size (the snapshot's or the
+        control state's, the larger), at most ``MAX_RANKS`` (``plausible.rank_limit``)."""
+        sizes = [self.info.world_size if self.info else 0]
+        sizes.append(self.control.world_size if self.control else 0)
+        return rank_limit(max(sizes) or None)
 
     @property
     def world_size(self) -> int:

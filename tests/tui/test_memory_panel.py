@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from textual.pilot import Pilot
 
 from memtui.tui.state import RunState
@@ -90,7 +91,11 @@ def test_the_header_names_the_ranks_devices() -> None:
 
 def test_distinct_devices_are_each_counted() -> None:
     state = RunState()
-    fold(state, snapshot())
+    three = snapshot()  # a run of three ranks (a rank past the world size would be dropped)
+    fold(
+        state,
+        msgspec.structs.replace(three, info=msgspec.structs.replace(three.info, world_size=3)),
+    )
     assert devices(state) == "cpu", "one rank: the run's own device name"
 
     def sample(name: str) -> DeviceSample:
@@ -133,14 +138,15 @@ def test_cpu_workers_are_shown_as_the_hook_counts_them() -> None:
         assert rows["peak"].note == "RSS+workers RSS"
 
 
-def test_an_older_recording_counts_the_workers_rss_and_says_so() -> None:
-    """The starving demo was recorded by a hook that counted the workers' RSS: after
-    num_workers=4 lands, the panel says RSS, and gives their USS beside it."""
+def test_the_demo_counts_its_loader_workers_uss() -> None:
+    """The starving demo (recorded by the current hook): after num_workers=4 lands, the panel
+    counts the four workers' own memory (USS), not their RSS (shared pages counted again)."""
 
     async def check(pilot: Pilot[Any]) -> None:
         await settle(pilot)
         memory = text_of(pilot, "#memory")
-        assert "workers RSS         1.1 GiB   5% 4, USS 31 MiB" in memory
-        assert "peak                1.5 GiB   6% RSS+workers RSS" in memory
+        assert "workers USS          33 MiB   0% 4 workers' own" in memory
+        assert "peak                408 MiB   2% RSS+workers USS" in memory
+        assert "workers RSS" not in memory
 
     run(replay_app(STARVING), check, WIDE)

@@ -33,6 +33,13 @@ def starving() -> MemtuiApp:
     return replay_app(STARVING, until_s=pending_offset())
 
 
+def starving_fixed() -> MemtuiApp:
+    """The same demo at its end: num_workers=4 applied and measured, BALANCED, the loader
+    workers counted by their own memory (USS); no memory limit, so the max safe batch is a
+    floor (8x the largest micro-batch seen)."""
+    return replay_app(STARVING)
+
+
 def oom_risk() -> MemtuiApp:
     """Two CUDA ranks at 88% of 24 GiB, a change pending (synthetic: no GPU here)."""
     return replay_app(OOM)
@@ -67,7 +74,16 @@ def disconnected() -> MemtuiApp:
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
 @pytest.mark.parametrize(
     "make",
-    [starving, oom_risk, one_gpu, ranks_8, disconnected, advice_pending, advice_rollback],
+    [
+        starving,
+        starving_fixed,
+        oom_risk,
+        one_gpu,
+        ranks_8,
+        disconnected,
+        advice_pending,
+        advice_rollback,
+    ],
     ids=lambda f: f.__name__,
 )
 def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:

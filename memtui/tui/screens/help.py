@@ -61,7 +61,8 @@ def help_text(readonly: bool, thresholds: ThresholdConfig | None = None) -> Text
         "  are validated here, queued by the run and applied at its next checkpoint boundary;\n"
         "  the change log shows them pending, then applied with their step (or rejected, why).\n"
         "  A batch_size change shows its predicted peak first (the run's memory model); one\n"
-        "  predicted over 90% takes a second Enter and is sent forced. After it lands, the log\n"
+        f"  predicted over {config.thresholds.memory_danger_fraction:.0%} takes a second Enter "
+        "and is sent forced. After it lands, the log\n"
         "  shows the measured effect and predicted vs observed peak, and the running accuracy.\n"
     )
     if readonly:

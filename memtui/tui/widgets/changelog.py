@@ -11,7 +11,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.effect import speedup
-from memtui.advice.predict import DANGER, EDGE, confidence
+from memtui.advice.predict import confidence
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_value
 from memtui.stats import format_bytes
 from memtui.tui.state import RunState, ViewOptions
@@ -39,16 +40,21 @@ def accuracy(applied: Sequence[AppliedChange]) -> tuple[float, int] | None:
     return sum(errors) / len(errors), len(errors)
 
 
-def _band_style(fraction: float) -> str:
-    if fraction > DANGER:
+def _band_style(fraction: float, thresholds: Thresholds) -> str:
+    """Red over the danger band (where the hook refuses a change unless forced), yellow in the
+    edge band, green under it: the bands in force (the config file's, else 85% and 90%)."""
+    if fraction > thresholds.memory_danger_fraction:
         return "bold red"
-    if fraction >= EDGE:
+    if fraction >= thresholds.memory_edge_fraction:
         return "bold yellow"
     return "green"
 
 
-def prediction_text(change: PendingChange, control: ControlState) -> Text:
-    """``peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (low: one micro-batch seen)``."""
+def prediction_text(
+    change: PendingChange, control: ControlState, thresholds: Thresholds = THRESHOLDS
+) -> Text:
+    """``peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (low: one micro-batch seen)``, the
+    share coloured by the memory bands in ``thresholds``."""
     text = Text()
     peak = change.predicted_peak_bytes
     model = control.model
@@ -58,7 +64,7 @@ def prediction_text(change: PendingChange, control: ControlState) -> Text:
     capacity = model.capacity_bytes
     fraction = peak / capacity
     text.append("predicted peak ", "dim")
-    text.append(f"{format_bytes(peak)} = {fraction:.0%}", _band_style(fraction))
+    text.append(f"{format_bytes(peak)} = {fraction:.0%}", _band_style(fraction, thresholds))
     text.append(f" of {format_bytes(capacity)}, ", "dim")
     headroom = capacity - peak
     if headroom >= 0:
@@ -135,6 +141,7 @@ def change_lines(
     rollbacks, OOMs and rejected changes, newest first."""
     control = state.control
     lines: list[Text] = []
+    bands = state.thresholds.thresholds
     if control is not None:
         for change in control.pending:
             line = Text()
@@ -147,7 +154,7 @@ def change_lines(
                 line.append("  c: cancel", "dim")
             lines.append(line)
             if change.predicted_peak_bytes is not None:
-                lines.append(Text(INDENT).append_text(prediction_text(change, control)))
+                lines.append(Text(INDENT).append_text(prediction_text(change, control, bands)))
         found = accuracy(control.applied)
         if found is not None:
             mean, count = found

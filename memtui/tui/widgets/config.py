@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from rich.cells import cell_len
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.predict import EDGE, confidence, max_batch
+from memtui.advice.predict import confidence, max_batch
 from memtui.knobs import KNOBS, format_value
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
+from memtui.wire import MemoryModel
 
 KNOB_KEYS: dict[str, str] = {
     "batch_size": "b",
@@ -19,11 +21,70 @@ KNOB_KEYS: dict[str, str] = {
     "pin_memory": "p",
 }
 """The key that edits each knob (the app's bindings use the same)."""
+TRUSTED_REACH = 8
+"""A max safe batch more than this many times the largest micro-batch seen is shown as that
+floor (``> 128, 8x the 16 seen``): the memory model is a line through the batches seen (one,
+at first), and far past them it says little (a CPU run with no memory limit would extrapolate
+one micro-batch to the host's whole RAM)."""
+LABEL = "max safe batch  "
+"""Aligned with ``effective batch ``."""
+Segments = list[tuple[str, str]]
+
+
+def _confidences(model: MemoryModel) -> list[str]:
+    """How sure the memory model is, in words from the longest to the shortest."""
+    points = len(model.points)
+    if points < 2 or model.fit_error is None:
+        return ["low confidence: one micro-batch seen", confidence(model), "low confidence"]
+    if points == 2:  # a line through two points fits them exactly: its error says nothing
+        return [f"{points} micro-batches seen", f"{points} sizes seen"]
+    fit = f"fit error {model.fit_error:.1%}"
+    return [f"{points} micro-batches seen, {fit}", f"{points} sizes seen, {fit}", fit]
+
+
+def _safe_batch_layouts(model: MemoryModel, edge: float) -> list[list[Segments]]:
+    """The max safe batch line(s), from the most to the least spelt out: the figure (or, past
+    ``TRUSTED_REACH`` x the largest micro-batch seen, that floor), the band and the confidence
+    (the confidence's words before the band's: the last layout is the shortest)."""
+    safe = max_batch(model, edge)
+    largest = max([model.batch_size, *(p.batch_size for p in model.points)])
+    band = f"< {edge:.0%}"
+    layouts: list[list[Segments]] = []
+    if safe is not None and largest > 0 and safe > TRUSTED_REACH * largest:
+        floor: Segments = [(LABEL, "dim"), (f"> {TRUSTED_REACH * largest}", "bold cyan")]
+        head = [*floor, (f", {TRUSTED_REACH}x the largest seen ({largest})", "dim")]
+        short = [*floor, (f", {TRUSTED_REACH}x the {largest} seen", "dim")]
+        for conf in _confidences(model):
+            layouts.append([[*head, (f"; predicted {band}, {conf}", "dim")]])
+            layouts.append([head, [(f"  predicted {band}; {conf}", "dim")]])
+            layouts.append([[*short, (f" ({conf})", "dim")]])
+        return layouts
+    figure: Segments = [(LABEL, "dim"), ("unbounded" if safe is None else str(safe), "bold cyan")]
+    for conf in _confidences(model):
+        layouts.append([[*figure, (f" (predicted {band}) {conf}", "dim")]])
+        layouts.append([[*figure, (f" (predicted {band})", "dim")], [(f"  {conf}", "dim")]])
+        layouts.append([[*figure, (f" ({band}; {conf})", "dim")]])
+    return layouts
+
+
+def safe_batch_lines(model: MemoryModel, edge: float, width: int, max_lines: int) -> list[Text]:
+    """The largest micro-batch predicted under ``edge`` x capacity with how sure that is, in the
+    most words that fit ``width`` columns in at most ``max_lines`` lines (else the fewest, cut)."""
+    layouts = _safe_batch_layouts(model, edge)
+    fitting = [
+        layout
+        for layout in layouts
+        if len(layout) <= max_lines
+        and all(sum(cell_len(t) for t, _ in line) <= width for line in layout)
+    ]
+    chosen = fitting[0] if fitting else layouts[-1]
+    return [Text.assemble(*line, no_wrap=True, overflow="ellipsis") for line in chosen]
 
 
 class ConfigPanel(StateView):
     """Knob, now, pending, and the key that edits it; effective batch now and after; the
-    largest micro-batch the memory model predicts under 85% of capacity."""
+    largest micro-batch the memory model predicts under the edge band in force (85% of capacity
+    unless the config file says otherwise), and how sure it is."""
 
     DEFAULT_CSS = "ConfigPanel { height: auto; }"
 
@@ -65,14 +126,8 @@ class ConfigPanel(StateView):
             keep.append(" (k)", "dim")
         model = control.model
         if model is not None and "batch_size" in control.tunable:
-            safe = max_batch(model, EDGE)
-            line = Text("max safe batch  ", "dim") if not self.narrow else keep
-            if self.narrow:  # one line less in a side pane
-                line.append(" · max safe batch ", "dim")
-            line.append("unbounded" if safe is None else str(safe), "bold cyan")
-            line.append(f" (< {EDGE:.0%})" if self.narrow else f" (predicted < {EDGE:.0%})", "dim")
-            if not self.narrow:
-                line.append(f" {confidence(model)}", "dim")
-                lines.append(line)
+            edge = state.thresholds.thresholds.memory_edge_fraction
+            # a side pane is taller than wide: one line there, two in the wide layout's column
+            lines += safe_batch_lines(model, edge, width, 1 if self.narrow else 2)
         lines.append(keep)
         return Text("\n").join(lines)

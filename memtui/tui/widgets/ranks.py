@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.verdict import THRESHOLDS
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.stats import format_bytes, format_duration
 from memtui.tui.palette import SEVERITY_STYLES, chips
 from memtui.tui.state import RankSummary, RunState, Summary, ViewOptions
@@ -30,23 +30,23 @@ STRAGGLER_STYLE = "bold dark_orange"
 SILENT_STYLE = "bold red"
 
 
-def band_style(fraction: float) -> str:
-    """A peak memory fraction's style: plain, edge band, danger."""
-    if fraction >= THRESHOLDS.memory_danger_fraction:
+def band_style(fraction: float, thresholds: Thresholds = THRESHOLDS) -> str:
+    """A peak memory fraction's style: plain, edge band, danger (the bands in ``thresholds``)."""
+    if fraction >= thresholds.memory_danger_fraction:
         return SEVERITY_STYLES[2]
-    if fraction >= THRESHOLDS.memory_edge_fraction:
+    if fraction >= thresholds.memory_edge_fraction:
         return SEVERITY_STYLES[1]
     return ""
 
 
-def rank_flag(rank: RankSummary) -> tuple[str, str]:
+def rank_flag(rank: RankSummary, thresholds: Thresholds = THRESHOLDS) -> tuple[str, str]:
     """The most important thing to say about one rank, and its style ("" when nothing)."""
     if rank.silent:
         age = f"no data {format_duration(rank.age_s)}" if rank.reported else "no data yet"
         return age, SILENT_STYLE
     peak = rank.memory.peak_used_fraction if rank.memory is not None else 0.0
-    if rank.nearest_oom and peak >= THRESHOLDS.memory_edge_fraction:
-        return "nearest OOM", band_style(peak)
+    if rank.nearest_oom and peak >= thresholds.memory_edge_fraction:
+        return "nearest OOM", band_style(peak, thresholds)
     if rank.straggler:
         return rank.straggler, STRAGGLER_STYLE
     if rank.config_differs:
@@ -65,8 +65,8 @@ def heading() -> Text:
     )
 
 
-def rank_row(rank: RankSummary, focus: int) -> Text:
-    """One rank's row: the cells that make it an outlier are coloured."""
+def rank_row(rank: RankSummary, focus: int, thresholds: Thresholds = THRESHOLDS) -> Text:
+    """One rank's row: the cells that make it an outlier are coloured (by ``thresholds``)."""
     row = Text(no_wrap=True, overflow="crop", style="dim" if rank.silent else "")
     row.append(f"{rank.rank:>4} ", "bold reverse" if rank.rank == focus else "bold")
     behind = rank.straggler.endswith("behind")
@@ -78,20 +78,22 @@ def rank_row(rank: RankSummary, focus: int) -> Text:
     row.append(f" {step_time:>9}", STRAGGLER_STYLE if slow else "")
     wait = steps.data_wait_fraction if steps else None
     waits = rank.straggler.endswith("data") or (
-        wait is not None and wait >= THRESHOLDS.starved_wait_fraction
+        wait is not None and wait >= thresholds.starved_wait_fraction
     )
     row.append(
         f" {f'{wait:.0%}' if wait is not None else '-':>4}", STRAGGLER_STYLE if waits else ""
     )
     peak = rank.memory.peak_used_fraction if rank.memory is not None else None
-    row.append(f" {f'{peak:.0%}' if peak is not None else '-':>4}", band_style(peak or 0.0))
+    row.append(
+        f" {f'{peak:.0%}' if peak is not None else '-':>4}", band_style(peak or 0.0, thresholds)
+    )
     row.append(f" {format_bytes(rank.host_rss_bytes) if rank.host_rss_bytes else '-':>8} ")
-    flag, style = rank_flag(rank)
+    flag, style = rank_flag(rank, thresholds)
     row.append(f"{flag:<{FLAG_WIDTH}}"[:FLAG_WIDTH], style)
     return row
 
 
-def aggregate_line(summary: Summary, width: int) -> Text:
+def aggregate_line(summary: Summary, width: int, thresholds: Thresholds = THRESHOLDS) -> Text:
     """All ranks in one line: how many, the medians, the range of peaks."""
     ranks = summary.ranks
     parts: list[tuple[str, str]] = [(f"{len(ranks)} ranks", "bold")]
@@ -104,13 +106,15 @@ def aggregate_line(summary: Summary, width: int) -> Text:
         low, high = min(peaks), max(peaks)
         low_pct, high_pct = f"{100 * low:.0f}", f"{100 * high:.0f}"
         text = f"peak {high_pct}%" if low_pct == high_pct else f"peak {low_pct}-{high_pct}%"
-        parts.append((text, band_style(high)))
+        parts.append((text, band_style(high, thresholds)))
     return chips(parts, separator=" · ", width=width)  # silent ranks: the header counts them
 
 
-def rest_line(hidden: Sequence[RankSummary], median_step_s: float | None) -> Text:
+def rest_line(
+    hidden: Sequence[RankSummary], median_step_s: float | None, thresholds: Thresholds = THRESHOLDS
+) -> Text:
     """The ranks that did not fit, summed up: how far their numbers spread."""
-    flagged = sum(1 for r in hidden if rank_flag(r)[0])
+    flagged = sum(1 for r in hidden if rank_flag(r, thresholds)[0])
     text = Text(f"+{len(hidden)} more", style="bold")
     if flagged:
         text.append(f" ({flagged} flagged)", "bold yellow")
@@ -130,15 +134,16 @@ def rest_line(hidden: Sequence[RankSummary], median_step_s: float | None) -> Tex
     return text
 
 
-def rank_table(summary: Summary, width: int) -> Text:
-    """The aggregate line, then the rows (in columns when ``width`` allows), then the rest."""
+def rank_table(summary: Summary, width: int, thresholds: Thresholds = THRESHOLDS) -> Text:
+    """The aggregate line, then the rows (in columns when ``width`` allows), then the rest; the
+    memory bands and the starved share coloured by ``thresholds`` (the config file's)."""
     ranks = summary.worst_first
     columns = max(1, min(2, (width + COLUMN_GAP) // (ROW_WIDTH + COLUMN_GAP)))
     capacity = columns * ROWS_PER_COLUMN
     shown = ranks if len(ranks) <= capacity else ranks[:capacity]
     rows = -(-len(shown) // columns)
     columns = -(-len(shown) // rows) if rows else 1
-    lines = [aggregate_line(summary, width)]
+    lines = [aggregate_line(summary, width, thresholds)]
     gap = " " * COLUMN_GAP
     header = Text(gap).join([heading()] * columns)
     header.rstrip()
@@ -146,12 +151,12 @@ def rank_table(summary: Summary, width: int) -> Text:
     for index in range(rows):
         cells = [shown[c * rows + index] for c in range(columns) if c * rows + index < len(shown)]
         line = Text(gap, no_wrap=True, overflow="crop").join(
-            rank_row(r, summary.focus_rank) for r in cells
+            rank_row(r, summary.focus_rank, thresholds) for r in cells
         )
         line.rstrip()
         lines.append(line)
     if len(ranks) > len(shown):
-        lines.append(rest_line(ranks[len(shown) :], summary.median_step_s))
+        lines.append(rest_line(ranks[len(shown) :], summary.median_step_s, thresholds))
     return Text("\n").join(lines)
 
 
@@ -166,4 +171,4 @@ class RanksPanel(StateView):
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """The table for ``width`` columns."""
-        return rank_table(state.summary(), width)
+        return rank_table(state.summary(), width, state.thresholds.thresholds)

@@ -12,7 +12,7 @@ from rich.console import RenderableType
 from rich.style import Style
 from rich.text import Text
 
-from memtui.advice.verdict import THRESHOLDS
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.stats import format_bytes, format_duration
 from memtui.tui import palette
 from memtui.tui.charts import Layer, legend, nice_ceiling, sparkline, stacked_rows, to_columns
@@ -59,10 +59,16 @@ def _axis(rows: list[Text], top_label: str, bottom_label: str = "0") -> list[Tex
     return out
 
 
-def _band_tint(capacity: float) -> Callable[[float, float], Style]:
-    """Tints the blank cells of the rows in the 85-90% edge band and over 90%."""
-    edge = THRESHOLDS.memory_edge_fraction * capacity
-    danger = THRESHOLDS.memory_danger_fraction * capacity
+def band_label(fraction: float) -> str:
+    """A band's share as the chart's title names it: ``85%``, ``87.5%``."""
+    return f"{round(fraction * 100, 1):g}%"
+
+
+def _band_tint(capacity: float, thresholds: Thresholds) -> Callable[[float, float], Style]:
+    """Tints the blank cells of the rows in the edge band and over the danger band (85-90% and
+    over 90% unless the config file says otherwise)."""
+    edge = thresholds.memory_edge_fraction * capacity
+    danger = thresholds.memory_danger_fraction * capacity
 
     def tint(low: float, high: float) -> Style:
         if (low + high) / 2 >= danger:
@@ -74,14 +80,16 @@ def _band_tint(capacity: float) -> Callable[[float, float], Style]:
     return tint
 
 
-def _memory_layers(bucket: MemoryBucket, cpu: bool, capacity: float) -> list[Layer]:
+def _memory_layers(
+    bucket: MemoryBucket, cpu: bool, capacity: float, thresholds: Thresholds = THRESHOLDS
+) -> list[Layer]:
     """allocated < reserved < peak reserved < + beyond torch; the peak coloured by its band."""
     peak = float(max(bucket.peak_reserved_bytes, bucket.reserved_bytes))
     used = peak + bucket.beyond_torch_bytes
     band = palette.PEAK
-    if capacity and used >= THRESHOLDS.memory_danger_fraction * capacity:
+    if capacity and used >= thresholds.memory_danger_fraction * capacity:
         band = Style(color="red")
-    elif capacity and used >= THRESHOLDS.memory_edge_fraction * capacity:
+    elif capacity and used >= thresholds.memory_edge_fraction * capacity:
         band = Style(color="yellow")
     layers: list[Layer] = [(float(bucket.allocated_bytes), palette.ALLOCATED)]
     if not cpu:
@@ -92,8 +100,15 @@ def _memory_layers(bucket: MemoryBucket, cpu: bool, capacity: float) -> list[Lay
     return layers
 
 
-def _memory_title(cpu: bool, beyond: bool, capacity: float | None, short: bool = False) -> Text:
-    """The memory chart's title: its legend, then the bands (or, zoomed in, the capacity)."""
+def _memory_title(
+    cpu: bool,
+    beyond: bool,
+    capacity: float | None,
+    short: bool = False,
+    thresholds: Thresholds = THRESHOLDS,
+) -> Text:
+    """The memory chart's title: its legend, then the bands in force (or, zoomed in, the
+    capacity)."""
     items: list[tuple[str, Style | str]] = [("now" if cpu else "alloc", palette.ALLOCATED)]
     if not cpu:
         items.append(("reserved", palette.RESERVED))
@@ -104,9 +119,9 @@ def _memory_title(cpu: bool, beyond: bool, capacity: float | None, short: bool =
     title.append_text(legend(*items))
     if capacity is None:
         title.append("  ")
-        title.append("85%", style=palette.EDGE_BAND)
+        title.append(band_label(thresholds.memory_edge_fraction), style=palette.EDGE_BAND)
         title.append(" ")
-        title.append("90%", style=palette.DANGER_BAND)
+        title.append(band_label(thresholds.memory_danger_fraction), style=palette.DANGER_BAND)
     else:
         title.append(f"  {'limit' if cpu else 'capacity'} {format_bytes(capacity)}", "dim")
     return title
@@ -171,16 +186,18 @@ class SeriesChart(StateView):
         columns = to_columns(buckets, lambda b: b.start, _merge_memory, width, end)
         capacity = float(buckets[-1].capacity_bytes) if buckets else 0.0
         cpu = bool(series.device) and series.device[-1].kind == "cpu"
-        bars = [_memory_layers(b, cpu, capacity) if b else None for b in columns.values]
+        bands = state.thresholds.thresholds
+        bars = [_memory_layers(b, cpu, capacity, bands) if b else None for b in columns.values]
         highest = max((layers[-1][0] for layers in bars if layers), default=0.0)
         top = capacity
         if not capacity or highest < 0.5 * capacity:  # far from the limit: zoom in
             top = nice_ceiling(max(highest, 1.0) * 1.25 / MIB) * MIB
         beyond = any(layers and len(layers) > 3 for layers in bars)
-        title = _memory_title(cpu, beyond, capacity if top != capacity else None)
+        shown = capacity if top != capacity else None
+        title = _memory_title(cpu, beyond, shown, thresholds=bands)
         if title.cell_len > width + AXIS:  # a side pane: shorter names, the bands kept whole
-            title = _memory_title(cpu, beyond, capacity if top != capacity else None, short=True)
-        tint = _band_tint(capacity) if top == capacity else None
+            title = _memory_title(cpu, beyond, shown, short=True, thresholds=bands)
+        tint = _band_tint(capacity, bands) if top == capacity else None
         rows = stacked_rows(bars, height, top, tint)
         return [title, *_axis(rows, format_bytes(top))]
 
