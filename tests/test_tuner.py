@@ -192,7 +192,11 @@ def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> N
             tuner.step()
             if i % 20_000 == 0:
                 tuner.checkpoint()
-        wait_for(lambda: not (tuner._outbox or agent._unsent), 10, what="the agent to send all")
+        wait_for(
+            lambda: not tuner._outbox and len(agent._unsent) <= HISTORY_STEPS,
+            10,
+            what="the agent to drain all (unwatched, it keeps only the history's records)",
+        )
         gc.collect()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
@@ -334,7 +338,8 @@ def test_the_threads_wake_often_only_while_watched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each wake-up takes the GIL from training: the agent flushes and the sampler samples once a
-    second unwatched; with a viewer subscribed, ten and five times a second.
+    second unwatched; with a viewer subscribed, at their watched rates (here ten and five a
+    second).
 
     (A poll timeout truncated to 0 ms once made the agent spin: 880 wake-ups a second.)
     """
@@ -363,7 +368,10 @@ def test_the_threads_wake_often_only_while_watched(
 
     monkeypatch.setattr(Agent, "_poller", counted_poller)
     monkeypatch.setattr(Sampler, "_wait", counted_wait)
-    tuner = install(SimpleNamespace(batch_size=8), state_dir=tmp_path, name="wakeups")
+    options = Options(flush_period_s=0.1, device_period_s=0.2)  # idle: 1 s for both
+    tuner = install(
+        SimpleNamespace(batch_size=8), state_dir=tmp_path, name="wakeups", options=options
+    )
     sub = zmq.Context.instance().socket(zmq.SUB)
     try:
         time.sleep(0.5)

@@ -1,14 +1,15 @@
 """The agent thread: owns the ZeroMQ sockets, publishes telemetry in batches, serves the control socket.
 
-Every ``flush_period_s`` (100 ms) while a viewer is subscribed or a recording is written, else
+Every ``flush_period_s`` (250 ms) while a viewer is subscribed or a recording is written, else
 every ``idle_flush_s`` (1 s), it drains the training thread's outbox of step records, adds the
 sampler's latest samples and any change of the control state, and sends one Telemetry frame with
 ``NOBLOCK`` on the PUB socket (a full queue drops the frame and counts it; the history ring keeps
 the records for the next viewer's snapshot). The PUB socket is an XPUB that reports every
 subscribe and unsubscribe, so the agent knows whether anyone listens: each wake-up takes the GIL
-from the training thread, and an unwatched run needs one a second, not ten. Between flushes it answers hello/set/cancel
-on the ROUTER control socket (rank 0). Every two seconds it checks the run's registry file and
-recreates the runtime directory and sockets if someone removed them.
+from the training thread, so an unwatched run gets one a second, and its step records stay as
+the training thread wrote them (bounded) until a viewer asks. Between flushes it answers
+hello/set/cancel on the ROUTER control socket (rank 0). Every two seconds it checks the run's
+registry file and recreates the runtime directory and sockets if someone removed them.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from memtui.wire import (
 )
 
 if TYPE_CHECKING:
-    from memtui.hooks.tuner import Tuner
+    from collections.abc import Iterable
+
+    from memtui.hooks.tuner import RawStep, Tuner
 
 log = logging.getLogger("memtui")
 
@@ -85,13 +88,17 @@ class Agent(threading.Thread):
         """The flush period while nobody is subscribed and nothing is recorded."""
         self._subscribers: dict[int, int] = {}
         """Live subscriptions on each PUB socket (by the socket's id), from the XPUB's reports."""
-        self._unsent: deque[StepRecord] = deque(maxlen=UNSENT_RECORDS)
-        """Records drained (by a flush or a snapshot) and not yet published."""
+        self._unsent: deque[RawStep] = deque(maxlen=UNSENT_RECORDS)
+        """Records drained (by a flush or a snapshot) and not yet published: nobody watching,
+        they wait (bounded) for a viewer and are never converted to wire records."""
         self._unsent_device: list[DeviceSample] = []
         """Device samples drained from the sampler and not yet published (its deque's bound)."""
         self._unsent_host: HostSample | None = None
         """The newest host sample drained and not yet published."""
-        self.steps: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
+        self._unsent_checkpoints: list[CheckpointRecord] = []
+        """Checkpoint boundaries drained and not yet published."""
+        self.steps: deque[RawStep] = deque(maxlen=HISTORY_STEPS)
+        """The last steps as the training thread recorded them (``records`` converts them)."""
         self.device: deque[DeviceSample] = deque(maxlen=600)
         self.host: deque[HostSample] = deque(maxlen=120)
         self.checkpoints: deque[CheckpointRecord] = deque(maxlen=128)
@@ -335,7 +342,7 @@ class Agent(threading.Thread):
     # ------------------------------------------------------------------ telemetry
 
     def _drain(self) -> None:
-        """Move new step records and samples into the history, and into what the next flush sends.
+        """Move new steps, samples and checkpoints into the history and what the next flush sends.
 
         A snapshot drains too (a viewer asking between flushes sees the newest state), so what
         it took waits in the unsent buffers for the next flush.
@@ -352,8 +359,13 @@ class Agent(threading.Thread):
             while host:
                 self._unsent_host = host.popleft()
                 self.host.append(self._unsent_host)
+        boxed = self.tuner._checkpoint_box
+        while boxed:
+            checkpoint = boxed.popleft()
+            self.checkpoints.append(checkpoint)
+            self._unsent_checkpoints.append(checkpoint)
+        del self._unsent_checkpoints[: -(boxed.maxlen or 256)]
         outbox = self.tuner._outbox
-        offset = self.tuner._wall_offset
         popleft = outbox.popleft
         taken = [popleft() for _ in range(len(outbox))]  # the training thread only appends
         if not taken:
@@ -363,25 +375,36 @@ class Agent(threading.Thread):
         if last and taken[0][0] > last + 1:
             self.counters.records_dropped += taken[0][0] - last - 1
         self._last_step = taken[-1][0]
-        records = [
+        self.steps.extend(taken)
+        self._unsent.extend(taken)
+
+    def records(self, raw: Iterable[RawStep]) -> list[StepRecord]:
+        """Wire records of the training thread's raw ones (their clock made wall-clock time).
+
+        Done only for what is sent or asked for: building a record costs ~0.3 µs, and an
+        unwatched run at thousands of steps a second would pay it for nobody.
+        """
+        offset = self.tuner._wall_offset
+        return [
             StepRecord(step, end + offset, dt, wait, samples, micro, flags)
-            for step, end, dt, wait, samples, micro, flags in taken
+            for step, end, dt, wait, samples, micro, flags in raw
         ]
-        self.steps.extend(records)
-        self._unsent.extend(records)
 
     def flush(self, ended: bool = False) -> None:
         """Send one batch with everything new since the previous one (or a heartbeat)."""
         tuner = self.tuner
         self._drain()
-        records = list(self._unsent)  # a snapshot in between drained some: they go out too
-        self._unsent.clear()
+        records: list[StepRecord] = []
+        if self.watched or ended:  # a snapshot in between drained some: they go out too
+            records = self.records(self._unsent)
+            self._unsent.clear()
+        elif len(self._unsent) > HISTORY_STEPS:
+            # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
+            # subscription is reported after its snapshot was taken
+            self._unsent = deque(list(self._unsent)[-HISTORY_STEPS:], maxlen=UNSENT_RECORDS)
         device, self._unsent_device = self._unsent_device, []
         host, self._unsent_host = self._unsent_host, None
-        checkpoints: list[CheckpointRecord] = []
-        while tuner._checkpoint_box:
-            checkpoints.append(tuner._checkpoint_box.popleft())
-        self.checkpoints.extend(checkpoints)
+        checkpoints, self._unsent_checkpoints = self._unsent_checkpoints, []
         control = None
         control_seq = tuner.control.seq if tuner.control is not None else 0
         if tuner.control is not None and control_seq != self._sent_control_seq:
@@ -481,7 +504,7 @@ class Agent(threading.Thread):
         tuner = self.tuner
         control = tuner.control
         history = max(0, min(history, HISTORY_STEPS))
-        steps = list(self.steps)[-history:] if history else []
+        steps = self.records(list(self.steps)[-history:]) if history else []
         return Snapshot(
             info=tuner.current_info(),
             control=control.state(),
@@ -556,12 +579,14 @@ class Agent(threading.Thread):
         for applied in waiting:
             start = applied.step + SETTLE_STEPS
             end = min(start + EFFECT_STEPS, later.get(id(applied), start + EFFECT_STEPS))
-            after = [r for r in steps if start < r.step <= end]
+            after = self.records(r for r in steps if start < r[0] <= end)
             if len(after) < min(EFFECT_STEPS, end - start) and not final:
                 continue
             if len(after) < 3:
                 continue
-            before = [r for r in steps if applied.step - EFFECT_STEPS < r.step <= applied.step]
+            before = self.records(
+                r for r in steps if applied.step - EFFECT_STEPS < r[0] <= applied.step
+            )
             # a sample carries the step count when it was taken: samples counted ``step`` ran
             # during the step after it, so the last one before the change is ``step - 1``
             peak_before = self._peak_between(applied.step - EFFECT_STEPS - 1, applied.step - 1)

@@ -61,17 +61,21 @@ OUTBOX_RECORDS = 16384
 
 _live_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
 
+RawStep = tuple[int, float, float, float, int, int, int]
+"""One step as the training thread records it: a ``StepRecord``'s fields, the end time on the
+``perf_counter`` clock (the agent makes it wall-clock time when it sends the record)."""
+
 
 @dataclass
 class Options:
     """Rates and switches of the hook's background work."""
 
-    flush_period_s: float = 0.1
-    """How often telemetry is sent while a viewer is subscribed or a recording is written (at
-    most ~10 batches a second, whatever the step rate)."""
+    flush_period_s: float = 0.25
+    """How often telemetry is sent while a viewer is subscribed or a recording is written (four
+    batches a second, whatever the step rate: the viewer redraws at 4 Hz)."""
     idle_flush_s: float = 1.0
     """How often telemetry is sent while nobody is subscribed (each send wakes a thread)."""
-    device_period_s: float = 0.2
+    device_period_s: float = 0.5
     """How often device memory is sampled while a viewer is subscribed or a recording is
     written (allocator peaks in between are kept)."""
     idle_device_period_s: float = 1.0
@@ -200,9 +204,7 @@ class Tuner:
         self._segment_start = 0
         """The step at which the current micro-batch size began (the memory model's window)."""
         self._static_at_install: StaticMemory | None = None
-        self._outbox: deque[tuple[int, float, float, float, int, int, int]] = deque(
-            maxlen=OUTBOX_RECORDS
-        )
+        self._outbox: deque[RawStep] = deque(maxlen=OUTBOX_RECORDS)
         self._checkpoint_box: deque[CheckpointRecord] = deque(maxlen=256)
         self._wall_offset = time.time() - time.perf_counter()
         self._loader_generation = 0
