@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.style import Style
 from rich.text import Text
@@ -60,6 +62,73 @@ def chips(parts: list[tuple[str, str]], separator: str = "  ", width: int = 0) -
         text.append(part, style)
         column += len(part)
     return text
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One part of an entry: kept whole on a line (broken between words only when it is too long
+    for a line of its own)."""
+
+    text: Text
+    before: str = "  "
+    """What separates it from the chip before it on the same line (nothing at a line's start)."""
+    optional: bool = False
+    """Narrow: left out when it does not fit on the line where it would go (a parenthetical)."""
+
+
+def _words(text: Text, first: int, rest: int) -> list[Text]:
+    """``text`` broken between words: the first piece at most ``first`` cells (empty when not
+    even a word fits), the others at most ``rest`` (a word longer than that broken after it)."""
+    plain = text.plain
+    offsets: list[int] = []
+    start, room = 0, first
+    while len(plain) - start > room:
+        cut = plain.rfind(" ", start, start + room + 1)
+        if cut <= start:  # no word fits: an empty first piece, else a word broken
+            cut = 0 if not offsets and first < rest else start + room
+        offsets.append(cut)
+        start = cut + (plain[cut : cut + 1] == " ")
+        room = rest
+    pieces = text.divide(offsets)
+    return [piece[1:] if i and piece.plain.startswith(" ") else piece
+            for i, piece in enumerate(pieces)]  # fmt: skip
+
+
+def flow(head: Text, chips: Sequence[Chip], width: int = 0, indent: str = "") -> list[Text]:
+    """An entry: ``head`` then its chips, on one line when ``width`` is 0, else on lines of at
+    most ``width`` cells broken between chips (never inside one, except between the words of a
+    chip too long for a line of its own), the lines after the first starting with ``indent``; an
+    optional chip that does not fit where it would go is left out."""
+    line = Text().append_text(head)  # its style on its own text only, not on the chips
+    lines: list[Text] = []
+    fresh = True  # nothing on the line yet but its head or indent
+    room = max(1, width - len(indent))
+    for chip in chips:
+        gap = "" if fresh else chip.before
+        left = width - line.cell_len - len(gap)
+        if not width or chip.text.cell_len <= left:
+            line.append(gap)
+            line.append_text(chip.text)
+            fresh = False
+            continue
+        if chip.optional:
+            continue
+        if chip.text.cell_len <= room:  # on a line of its own
+            lines.append(line)
+            line = Text(indent).append_text(chip.text)
+            fresh = False
+            continue
+        pieces = _words(chip.text, max(0, left), room)  # too long for a line: by its words
+        if pieces[0].plain:  # its first words where it would go
+            line.append(gap)
+            line.append_text(pieces[0])
+        for piece in pieces[1:]:
+            if line.plain.strip():
+                lines.append(line)
+            line = Text(indent).append_text(piece)
+        fresh = False
+    lines.append(line)
+    return lines
 
 
 def counted(count: int, noun: str) -> str:

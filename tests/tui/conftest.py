@@ -119,7 +119,8 @@ async def until(
 
 async def settle(pilot: Pilot[Any]) -> None:
     """Wait until a replay has been delivered, folded and drawn, and the layout has settled (a
-    scrollbar shown while the data came in goes once the view fits, within a second)."""
+    scrollbar shown while the data came in goes once the view fits, within a second; in a side
+    pane, the charts have the lines left to them)."""
     app = pilot.app
     assert isinstance(app, MemtuiApp)
     await until(pilot, lambda: app.caught_up, 20, "the replay to be folded")
@@ -127,7 +128,9 @@ async def settle(pilot: Pilot[Any]) -> None:
     await pilot.pause()
     screen = app.screen
     deadline = time.monotonic() + 1.0
-    while (screen.show_vertical_scrollbar or screen.max_scroll_y) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if not (screen.show_vertical_scrollbar or screen.max_scroll_y or app.main.fit_charts()):
+            break
         await pilot.pause(0.05)
     await pilot.pause()
 

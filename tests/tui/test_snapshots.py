@@ -7,10 +7,14 @@ look with ``pytest tests/tui/test_snapshots.py --snapshot-update`` and review th
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.pilot import Pilot
 
 from memtui.tui.app import MemtuiApp
 from tests.tui.conftest import (
@@ -22,10 +26,12 @@ from tests.tui.conftest import (
     one_rank,
     pending_offset,
     replay_app,
+    run,
     settle,
 )
 
 SIZES = {"wide": (120, 40), "narrow": (60, 50)}
+SNAPSHOTS = Path(__file__).parent / "__snapshots__" / "test_snapshots"
 
 
 def starving() -> MemtuiApp:
@@ -88,3 +94,40 @@ def disconnected() -> MemtuiApp:
 )
 def test_snapshot(snap_compare: Any, make: Callable[[], MemtuiApp], size: str) -> None:
     assert snap_compare(make(), terminal_size=SIZES[size], run_before=settle)
+
+
+def svg_lines(svg: str) -> list[str]:
+    """The text of a screenshot's SVG, line by line (each run of text put at its column)."""
+    runs = re.findall(
+        r'<text class="[^"]*" x="([\d.]+)" y="[\d.]+" textLength="([\d.]+)" '
+        r'clip-path="url\(#[\w-]+-line-(\d+)\)">([^<]*)</text>',
+        svg,
+    )
+    cell = min(float(length) / len(html.unescape(text)) for _x, length, _n, text in runs if text)
+    rows: dict[int, list[str]] = {}
+    for x, _length, number, escaped in runs:
+        text = html.unescape(escaped).replace("\xa0", " ")
+        row = rows.setdefault(int(number), [])
+        column = round(float(x) / cell)
+        row.extend(" " * (column + len(text) - len(row)))
+        row[column : column + len(text)] = text
+    return ["".join(rows[n]).rstrip() for n in sorted(rows)]
+
+
+def test_the_side_pane_snapshot_shows_the_change_landing() -> None:
+    """At 60x50, the demo's num_workers change applied at step 300 and measured: its line and its
+    effect are in the SVG the snapshot test compares (made the same way: settled, then saved)
+    beside the verdict, the config and the memory numbers; nothing is scrolled off."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        assert pilot.app.screen.max_scroll_y == 0
+        text = "\n".join(svg_lines(pilot.app.export_screenshot()))
+        assert "BALANCED" in text and "num_workers       4" in text and "main RSS" in text
+        stored = SNAPSHOTS / "test_snapshot[starving_fixed-narrow].svg"
+        saved = "\n".join(svg_lines(stored.read_text(encoding="utf-8")))
+        for svg in (text, saved):  # the stored one too (--snapshot-update writes it at the end)
+            assert "applied  step 300  num_workers 0 → 4" in svg, svg
+            assert re.search(r"\+\d+% samples/s, peak \d+ MiB → \d+ MiB", svg), svg
+
+    run(starving_fixed(), check, SIZES["narrow"])

@@ -1,11 +1,12 @@
 """The main screen: header, verdict, the ranks, charts, memory, config, recommendations and
-change log."""
+change log (arranged for a wide terminal or a side pane)."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Footer
 
 from memtui.tui.state import RunState, ViewOptions
@@ -19,10 +20,27 @@ from memtui.tui.widgets.ranks import RanksPanel
 from memtui.tui.widgets.series import SeriesChart
 from memtui.tui.widgets.verdict import VerdictGauge
 
+TITLES = {
+    "verdict": "verdict",
+    "ranks": "ranks, worst first",
+    "config": "config",
+    "memory": "memory",
+    "charts": "history",
+    "advice": "recommendations, best first",
+    "changes": "changes",
+}
+"""The panels' titles, on their borders."""
+
 
 class MainScreen(Screen[None]):
     """Everything at once; the ``narrow`` class (under 80 columns) stacks the panels, and the
-    ``multirank`` class (a run of several ranks) shows the per-rank table."""
+    ``multirank`` class (a run of several ranks) shows the per-rank table.
+
+    Wide: the config and memory panels beside the charts and recommendations, the change log
+    under them all. Narrow (a side pane): the change log right under the config panel (it is
+    the feedback for a config change: the step it landed at, old → new, the measured effect),
+    then the memory panel, the recommendations, and the charts in the lines left above the
+    footer (``fit_charts``)."""
 
     HORIZONTAL_BREAKPOINTS = [(0, "narrow"), (80, "wide")]  # noqa: RUF012 (Textual's attribute)
 
@@ -32,7 +50,8 @@ class MainScreen(Screen[None]):
         self._focus_title = ""
 
     def compose(self) -> ComposeResult:
-        """Header, verdict, ranks, then the side panels and the charts, then the change log."""
+        """Header, verdict, ranks, then the side panels and the charts, then the change log (as
+        wide: ``on_resize`` arranges them for a side pane)."""
         yield RunHeader(id="header")
         yield VerdictGauge(id="verdict", classes="panel")
         yield RanksPanel(id="ranks", classes="panel")
@@ -48,22 +67,43 @@ class MainScreen(Screen[None]):
 
     def on_mount(self) -> None:
         """Titles on the panels' borders."""
-        titles = {
-            "verdict": "verdict",
-            "ranks": "ranks, worst first",
-            "config": "config",
-            "memory": "memory",
-            "charts": "history",
-            "advice": "recommendations, best first",
-            "changes": "changes",
-        }
-        for widget_id, title in titles.items():
+        for widget_id, title in TITLES.items():
             self.query_one(f"#{widget_id}").border_title = title
         self._views = list(self.query(StateView))
 
-    def on_resize(self) -> None:
-        """No palette key in the footer when narrow (ctrl+p still works; the help lists it)."""
-        self.query_one(Footer).show_command_palette = not self.has_class("narrow")
+    async def on_resize(self) -> None:
+        """Arrange the panels for the width; no palette key in the footer when narrow (ctrl+p
+        still works; the help lists it)."""
+        narrow = self.has_class("narrow")
+        self.query_one(Footer).show_command_palette = not narrow
+        await self._arrange(narrow)
+        if narrow:
+            self.call_after_refresh(self.fit_charts)
+
+    async def _arrange(self, narrow: bool) -> None:
+        """Narrow: the change log under the config panel, the recommendations over the charts;
+        wide: the change log under everything, the charts over the recommendations."""
+        column = self.query_one("#main-col")
+        charts, advice = self.query_one(SeriesChart), self.query_one(AdvicePanel)
+        if narrow and column.children[0] is charts:
+            column.move_child(advice, before=charts)
+        elif not narrow and column.children[0] is advice:
+            column.move_child(charts, before=advice)
+        old = self.query_one(ChangeLog)
+        side = self.query_one("#side")
+        if (old.parent is side) == narrow:
+            return
+        # a widget cannot change parents: a new change log, showing what the old one showed
+        await old.remove()
+        changes = ChangeLog(id="changes", classes="panel")
+        changes.border_title = TITLES["changes"]
+        if narrow:
+            await side.mount(changes, after=self.query_one(ConfigPanel))
+        else:
+            await self.mount(changes, before=self.query_one(Footer))
+        self._views = list(self.query(StateView))
+        if old.state is not None:
+            changes.show(old.state, old.view)
 
     def update_view(self, state: RunState, view: ViewOptions, charts: bool = True) -> int:
         """Show the state; the charts only when ``charts``. Returns how many widgets repainted."""
@@ -83,3 +123,29 @@ class MainScreen(Screen[None]):
             except Exception as error:  # one panel that cannot be drawn leaves the others
                 state.note_viewer_error(f"drawing the {widget.id}", error)
         return repainted
+
+    def on_state_view_resized(self) -> None:
+        """A panel has a new size: narrow, the lines left to the charts may have changed."""
+        if self.has_class("narrow"):
+            self.call_after_refresh(self.fit_charts)
+
+    def fit_charts(self) -> bool:
+        """Narrow: give the charts the lines left between the panels above them (as laid out)
+        and the footer (after a layout: a panel resized, the screen too); True if that changed
+        them."""
+        if not self.has_class("narrow") or not self.is_mounted:
+            return False
+        charts = self.query_one(SeriesChart)
+        above: list[Widget] = [self.query_one("#side")]
+        above += [self.query_one(w) for w in (RunHeader, VerdictGauge, RanksPanel, AdvicePanel)]
+        used = sum(w.outer_size.height for w in above if w.display)
+        left = self.size.height - self.query_one(Footer).outer_size.height - used - 2  # border
+        if left == charts.rows_left:
+            return False
+        charts.rows_left = left
+        if charts.state is not None:
+            try:
+                charts.show(charts.state, charts.view)
+            except Exception as error:  # as in update_view
+                charts.state.note_viewer_error("drawing the charts", error)
+        return True

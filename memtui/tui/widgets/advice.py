@@ -4,6 +4,7 @@ resulting effective batch; ``o`` queues the top one that memtui can apply, ``O``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 
 from rich.console import RenderableType
@@ -11,7 +12,7 @@ from rich.text import Text
 
 from memtui.advice.recommend import Recommendation
 from memtui.stats import format_bytes
-from memtui.tui.palette import chips
+from memtui.tui.palette import Chip, chips, flow
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
@@ -54,6 +55,18 @@ def expected(option: Recommendation) -> list[tuple[str, str]]:
     return parts
 
 
+def title_chips(title: str, width: int, style: str = "") -> list[Chip]:
+    """The title in parts, to be broken only after a comma or a colon or before a parenthesis
+    (``bigger micro-batch:`` ``batch_size 16 -> 32,`` ``grad_accum 2 -> 1``); longer than
+    ``width``, a knob option goes without its name when that makes it fit (its changes say it:
+    ``batch_size 16 -> 32, grad_accum 2 -> 1``)."""
+    _name, colon, changes = title.partition(": ")
+    if colon and len(title) > width >= len(changes) and "->" in changes:
+        title = changes
+    parts = re.split(r"(?<=[,:]) | (?=\()", title)
+    return [Chip(Text(part, style), " ") for part in parts if part]
+
+
 def top_applicable(
     options: list[Recommendation], state: RunState | None = None
 ) -> Recommendation | None:
@@ -79,23 +92,33 @@ def advice_lines(
     lines: list[Text] = []
     shown = 1 if narrow or multirank else SHOWN
     for rank, option in enumerate(options[:shown], start=1):
-        line = Text(f"{rank}. ", "bold")
-        line.append(option.title, "bold" if option.applicable else "")
+        tag: tuple[str, str] | None = None
         if option.needs_restart:
-            line.append("  advice only: restart or code change", "dim")
+            tag = ("advice only: restart or code change", "dim")
         elif not option.applicable:
-            line.append("  advice only", "dim")
+            tag = ("advice only", "dim")
         elif is_pending(option, state):
-            line.append("  pending", "bold yellow")
+            tag = ("pending", "bold yellow")
         elif option is top and not view.readonly:
-            line.append("  o: queue it", "bold cyan")
-        if multirank:  # one line beside the per-rank table (O lists them in full)
-            for text, style in expected(option):
-                line.append(" · ", "dim")
-                line.append(text, style)
+            tag = ("o: queue it", "bold cyan")
+        if narrow and not multirank:  # a side pane: wrapped between parts, never cut
+            room = width - 3 - (len(tag[0]) + 2 if tag else 0)
+            parts = title_chips(option.title, room, "bold" if option.applicable else "")
+            if tag is not None:
+                parts.append(Chip(Text(*tag)))
+            lines += flow(Text(f"{rank}. ", "bold"), parts, width, "   ")
+        else:
+            line = Text(f"{rank}. ", "bold")
+            line.append(option.title, "bold" if option.applicable else "")
+            if tag is not None:
+                line.append(f"  {tag[0]}", tag[1])
+            if multirank:  # one line beside the per-rank table (O lists them in full)
+                for text, style in expected(option):
+                    line.append(" · ", "dim")
+                    line.append(text, style)
+                lines.append(line)
+                continue
             lines.append(line)
-            continue
-        lines.append(line)
         effects = chips(expected(option), separator=" · ", width=max(10, width - 3))
         for part in effects.split("\n"):
             lines.append(Text("   ").append_text(part))

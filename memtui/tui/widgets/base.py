@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 from rich.text import Text
 from textual.geometry import Size
+from textual.message import Message
 from textual.widget import Widget
 
 from memtui.tui.state import RunState, ViewOptions
@@ -14,6 +15,9 @@ from memtui.tui.state import RunState, ViewOptions
 
 class StateView(Widget):
     """A widget drawn from a RunState; ``show`` repaints it only when its ``key`` changed."""
+
+    class Resized(Message):
+        """A panel has a new size (laid out anew): the screen may fit the others around it."""
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -40,6 +44,10 @@ class StateView(Widget):
             return self.screen.has_class("multirank")
         except Exception:  # not mounted on a screen yet
             return False
+
+    def on_resize(self) -> None:
+        """Tell the screen (the message bubbles up to it)."""
+        self.post_message(self.Resized())
 
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
         """What the widget's content depends on; a new key means a repaint."""

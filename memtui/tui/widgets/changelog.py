@@ -15,6 +15,7 @@ from memtui.advice.predict import confidence
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_value
 from memtui.stats import format_bytes
+from memtui.tui.palette import Chip, flow
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import AppliedChange, ControlState, Effect, OomEvent, PendingChange
@@ -23,6 +24,15 @@ INDENT = " " * 9
 """The second line of an entry starts under the first line's text."""
 ACCURACY_TARGET = 0.10
 """The prediction error memtui aims to stay within (issue 5: within 10% of observed)."""
+NARROW_LINES = 6
+"""Lines of the change log in the narrow layout (newest first): the latest change landing, its
+step, old → new and measured effect, with the pending ones above it."""
+
+
+def entry_lines(head: Text, chips: Sequence[Chip], width: int = 0) -> list[Text]:
+    """An entry on lines of ``width`` (0: one line), the lines after the first under the first
+    line's text."""
+    return flow(head, chips, width, INDENT)
 
 
 def prediction_error(applied: AppliedChange) -> float | None:
@@ -50,111 +60,122 @@ def _band_style(fraction: float, thresholds: Thresholds) -> str:
     return "green"
 
 
-def prediction_text(
+def prediction_chips(
     change: PendingChange, control: ControlState, thresholds: Thresholds = THRESHOLDS
-) -> Text:
-    """``peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (low: one micro-batch seen)``, the
-    share coloured by the memory bands in ``thresholds``."""
-    text = Text()
+) -> list[Chip]:
+    """``predicted peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (low: one micro-batch seen)``,
+    the share coloured by the memory bands in ``thresholds``."""
     peak = change.predicted_peak_bytes
     model = control.model
     if peak is None or model is None or not model.capacity_bytes:
-        text.append("no prediction yet (the memory model needs a few steps)", "dim")
-        return text
+        return [Chip(Text("no prediction yet (the memory model needs a few steps)", "dim"))]
     capacity = model.capacity_bytes
     fraction = peak / capacity
-    text.append("predicted peak ", "dim")
-    text.append(f"{format_bytes(peak)} = {fraction:.0%}", _band_style(fraction, thresholds))
-    text.append(f" of {format_bytes(capacity)}, ", "dim")
+    share = Text("predicted peak ", "dim")
+    share.append(f"{format_bytes(peak)} = {fraction:.0%}", _band_style(fraction, thresholds))
+    share.append(f" of {format_bytes(capacity)},", "dim")
     headroom = capacity - peak
     if headroom >= 0:
-        text.append(f"headroom {format_bytes(headroom)}", "dim")
+        room = Text(f"headroom {format_bytes(headroom)}", "dim")
     else:
-        text.append(f"over by {format_bytes(-headroom)}", "bold red")
-    text.append(f" ({confidence(model)})", "dim")
+        room = Text(f"over by {format_bytes(-headroom)}", "bold red")
+    chips = [Chip(share), Chip(room, " "), Chip(Text(f"({confidence(model)})", "dim"), " ")]
     if change.forced:
-        text.append("  forced", "bold red")
-    return text
+        chips.append(Chip(Text("forced", "bold red")))
+    return chips
+
+
+def prediction_text(
+    change: PendingChange, control: ControlState, thresholds: Thresholds = THRESHOLDS
+) -> Text:
+    """The predicted peak of a pending change, on one line (see ``prediction_chips``)."""
+    return flow(Text(), prediction_chips(change, control, thresholds))[0]
 
 
 MEASURED_WITHIN = 40
 """Steps after a change within which its effect is expected (the hook compares 20 after 2)."""
 
 
-def effect_text(applied: AppliedChange, step: int) -> Text | None:
+def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
     """``+41% samples/s, peak 9.6 GiB -> 15.2 GiB · predicted 15.0 GiB (-1%)`` (None: nothing
     measured nor predicted, and no longer expected: a hook that does not measure)."""
-    text = Text()
     effect: Effect | None = applied.effect
     if effect is None and applied.predicted_peak_bytes is None:
         if step - applied.step > MEASURED_WITHIN:
             return None
-        text.append("measuring the effect…", "dim")
-        return text
+        return [Chip(Text("measuring the effect…", "dim"))]
+    chips: list[Chip] = []
     if effect is None:
-        text.append("measuring the effect…", "dim")
+        chips.append(Chip(Text("measuring the effect…", "dim")))
     else:
         gain = speedup(effect)
-        text.append(f"{gain:+.0%} samples/s", "bold green" if gain > 0.02 else "bold")
+        chips.append(Chip(Text(f"{gain:+.0%} samples/s", "bold green" if gain > 0.02 else "bold")))
         if effect.peak_bytes_before is not None and effect.peak_bytes_after is not None:
-            text.append(
-                f", peak {format_bytes(effect.peak_bytes_before)} → "
-                f"{format_bytes(effect.peak_bytes_after)}"
-            )
+            peak = f"peak {format_bytes(effect.peak_bytes_before)} → "
+            chips.append(Chip(Text(peak + format_bytes(effect.peak_bytes_after)), ", "))
     error = prediction_error(applied)
-    if error is not None and applied.predicted_peak_bytes is not None:
-        text.append(f" · predicted {format_bytes(applied.predicted_peak_bytes)} ", "dim")
-        text.append(f"({error:+.0%})", "bold yellow" if abs(error) > ACCURACY_TARGET else "dim")
-    elif applied.predicted_peak_bytes is not None:
-        text.append(f" · predicted {format_bytes(applied.predicted_peak_bytes)}", "dim")
-    return text
+    if applied.predicted_peak_bytes is not None:
+        predicted = Text(f"predicted {format_bytes(applied.predicted_peak_bytes)}", "dim")
+        if error is not None:
+            predicted.append(" ")
+            style = "bold yellow" if abs(error) > ACCURACY_TARGET else "dim"
+            predicted.append(f"({error:+.0%})", style)
+        chips.append(Chip(predicted, " · "))
+    return chips
 
 
-def oom_lines(oom: OomEvent) -> list[Text]:
-    """An out-of-memory error: where, how much, what was done, and the failing batch's fate."""
-    head = Text()
-    head.append("OOM      ", "bold white on red3")
-    head.append(f"step {oom.step}  ", "bold")
-    config = ", ".join(
-        f"{k} {format_value(v)}"
-        for k, v in (("batch_size", oom.config.batch_size),)
-        if v is not None
-    )
-    head.append(config + ": " if config else "")
+def effect_text(applied: AppliedChange, step: int) -> Text | None:
+    """The measured effect of an applied change on one line (see ``effect_chips``)."""
+    chips = effect_chips(applied, step)
+    return None if chips is None else flow(Text(), chips)[0]
+
+
+def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
+    """An out-of-memory error: where, how much, what was done, and the failing batch's fate
+    (on lines of ``width``, 0: as long as they are)."""
+    chips = [Chip(Text(f"step {oom.step}", "bold"))]
+    what = Text()
+    if oom.config.batch_size is not None:
+        what.append(f"batch_size {format_value(oom.config.batch_size)}: ")
     if oom.tried_bytes:
-        head.append(f"tried {format_bytes(oom.tried_bytes)}")
+        what.append(f"tried {format_bytes(oom.tried_bytes)}")
         if oom.free_bytes is not None:
-            head.append(f" with {format_bytes(oom.free_bytes)} free")
-        head.append("; ")
-    head.append("rolled back" if oom.rolled_back else "not rolled back", "bold")
+            what.append(f" with {format_bytes(oom.free_bytes)} free")
+        what.append("; ")
+    what.append("rolled back" if oom.rolled_back else "not rolled back", "bold")
+    chips.append(Chip(what))
     if oom.safe_config is not None and oom.safe_config.batch_size is not None:
-        head.append(f" (restart with batch_size {oom.safe_config.batch_size})", "dim")
-    detail = Text(INDENT)
-    detail.append(oom.batch or "the failing batch: not reported", "yellow")
-    return [head, detail]
+        restart = f"(restart with batch_size {oom.safe_config.batch_size})"
+        chips.append(Chip(Text(restart, "dim"), " "))
+    batch = Text(oom.batch or "the failing batch: not reported", "yellow")
+    head = entry_lines(Text("OOM      ", "bold white on red3"), chips, width)
+    return head + entry_lines(Text(INDENT), [Chip(batch)], width)
 
 
 def change_lines(
-    state: RunState, view: ViewOptions, limit: int, narrow: bool = False
+    state: RunState, view: ViewOptions, limit: int, narrow: bool = False, width: int = 0
 ) -> list[Text]:
     """Pending first (oldest first), then the prediction accuracy, then applied changes,
-    rollbacks, OOMs and rejected changes, newest first."""
+    rollbacks, OOMs and rejected changes, newest first; each entry on lines of ``width`` (0: one
+    line, as long as it is) with, when narrow, its notes left out where they do not fit."""
     control = state.control
     lines: list[Text] = []
     bands = state.thresholds.thresholds
+    pending_lines = 0
     if control is not None:
         for change in control.pending:
-            line = Text()
-            line.append("pending  ", "bold yellow")
-            line.append(f"#{change.id} {format_changes(change.changes)}")
-            line.append(f"  queued at step {change.queued_step}", "dim")
+            chips = [
+                Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
+                Chip(Text(f"queued at step {change.queued_step}", "dim")),
+            ]
             if change.note and not change.forced:  # a forced change's note is the warning
-                line.append(f"  ({change.note})", "dim")
-            if not view.readonly:
-                line.append("  c: cancel", "dim")
-            lines.append(line)
+                chips.append(Chip(Text(f"({change.note})", "dim"), optional=narrow))
+            if not view.readonly:  # narrow: the footer says it too
+                chips.append(Chip(Text("c: cancel", "dim"), optional=narrow))
+            lines += entry_lines(Text("pending  ", "bold yellow"), chips, width)
             if change.predicted_peak_bytes is not None:
-                lines.append(Text(INDENT).append_text(prediction_text(change, control, bands)))
+                lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
+        pending_lines = len(lines)
         found = accuracy(control.applied)
         if found is not None:
             mean, count = found
@@ -172,26 +193,25 @@ def change_lines(
             lines.append(line)
         history: list[tuple[float, list[Text]]] = []
         for applied in control.applied:
-            line = Text()
             if applied.rollback:
-                line.append("rollback ", "bold magenta")
+                head = Text("rollback ", "bold magenta")
             else:
-                line.append("applied  ", "bold green")
-            line.append(f"step {applied.step}  ", "bold")
+                head = Text("applied  ", "bold green")
+            chips = [Chip(Text(f"step {applied.step}", "bold"))]
             landed, known = state.applied_on(applied)
             if known > 1:  # every rank applies the same change set at the same step
-                line.append(
-                    f"on {landed}/{known} ranks  ", "" if landed == known else "bold yellow"
-                )
+                ranks = Text(f"on {landed}/{known} ranks", "" if landed == known else "bold yellow")
+                chips.append(Chip(ranks))
             diffs = ", ".join(
                 f"{k} {format_value(d.old)} → {format_value(d.new)}"
                 for k, d in applied.changes.items()
             )
-            line.append(diffs or "no effective change")
-            line.append("  " + " ".join(f"#{i}" for i in applied.ids), "dim")
+            chips.append(Chip(Text(diffs or "no effective change")))
+            ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
+            chips.append(Chip(ids, optional=narrow))
             if applied.note:
-                line.append(f"  ({applied.note})", "dim")
-            entry = [line]
+                chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
+            entry = entry_lines(head, chips, width)
             reverted = next(
                 (
                     later
@@ -201,38 +221,35 @@ def change_lines(
                 None,
             )
             if reverted is not None and applied.effect is None:
-                line2 = Text(INDENT)
-                line2.append(f"reverted at step {reverted.step} (out of memory)", "bold magenta")
+                undone = [
+                    Chip(Text(f"reverted at step {reverted.step} (out of memory)", "bold magenta"))
+                ]
                 if applied.predicted_peak_bytes is not None:
-                    line2.append(
-                        f" · predicted {format_bytes(applied.predicted_peak_bytes)}", "dim"
-                    )
-                entry.append(line2)
+                    predicted = f"predicted {format_bytes(applied.predicted_peak_bytes)}"
+                    undone.append(Chip(Text(predicted, "dim"), " · "))
+                entry += entry_lines(Text(INDENT), undone, width)
             elif not applied.rollback:
-                measured = effect_text(applied, state.step)
+                measured = effect_chips(applied, state.step)
                 if measured is not None:
-                    entry.append(Text(INDENT).append_text(measured))
+                    entry += entry_lines(Text(INDENT), measured, width)
             history.append((applied.time, entry))
         for oom in control.ooms:
-            history.append((oom.time, oom_lines(oom)))
+            history.append((oom.time, oom_lines(oom, width)))
         for rejected in control.rejected:
-            line = Text()
-            line.append("rejected ", "bold red")
-            line.append(f"step {rejected.step}  ", "bold")
-            line.append(f"{format_changes(rejected.requested)}: ")
-            line.append(rejected.reason, "red")
-            history.append((rejected.time, [line]))
+            chips = [Chip(Text(f"step {rejected.step}", "bold"))]
+            reason = Text(f"{format_changes(rejected.requested)}: ")
+            reason.append(rejected.reason, "red")
+            chips.append(Chip(reason))
+            history.append(
+                (rejected.time, entry_lines(Text("rejected ", "bold red"), chips, width))
+            )
         history.sort(key=lambda item: item[0], reverse=True)
         lines += [line for _time, entry in history for line in entry]
     if state.notices:
         last = state.notices[-1]
-        line = Text()
-        line.append("you      ", "bold cyan")
-        line.append(last.text, "" if last.ok else "red")
-        pending_lines = sum(
-            1 + (c.predicted_peak_bytes is not None) for c in (control.pending if control else [])
-        )
-        lines.insert(pending_lines, line)
+        said = Text(last.text, "" if last.ok else "red")
+        you = entry_lines(Text("you      ", "bold cyan"), [Chip(said)], width)
+        lines[pending_lines:pending_lines] = you
     if not lines:
         hint = "no changes yet" if view.readonly else "no changes yet: b, a, w or p to queue one"
         lines.append(Text(hint, "dim"))
@@ -241,14 +258,19 @@ def change_lines(
 
 class ChangeLog(StateView):
     """Pending (predicted peak), applied (step, old → new, measured effect, prediction error),
-    rollbacks, OOMs and rejected (reason) changes."""
+    rollbacks, OOMs and rejected (reason) changes. Wide: as many lines as fit under the other
+    panels; narrow (under the config panel, whose changes it shows landing): the newest
+    ``NARROW_LINES``, each entry wrapped between its parts rather than cut."""
 
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
-        """Repaint when the change log or the viewer's switches change."""
-        return state.control_version, view.readonly, self.content_size.height
+        """Repaint when the change log or the viewer's switches change (wide: or the height)."""
+        height = None if self.narrow else self.content_size.height
+        return state.control_version, view.readonly, height
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
-        """As many lines as fit."""
-        limit = max(1, self.content_size.height)
+        """As many lines as fit (narrow: the newest ``NARROW_LINES``, wrapped to ``width``)."""
         separator = Text("\n", no_wrap=True, overflow="ellipsis")
-        return separator.join(change_lines(state, view, limit, self.narrow))
+        if self.narrow:
+            return separator.join(change_lines(state, view, NARROW_LINES, True, width))
+        limit = max(1, self.content_size.height)
+        return separator.join(change_lines(state, view, limit))

@@ -1,7 +1,8 @@
 """The time series: step time split into compute and data wait, device memory, host RAM and swap.
 
 All three charts are text in one widget (see ``memtui.tui.charts``): one repaint per update, and
-the app updates it at a lower rate than the numbers.
+the app updates it at a lower rate than the numbers. Narrow (a side pane), the charts take the
+lines the panels above leave, the host chart only under host pressure or in a tall pane.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from rich.console import RenderableType
 from rich.style import Style
 from rich.text import Text
 
-from memtui.advice.verdict import THRESHOLDS, Thresholds
+from memtui.advice.verdict import THRESHOLDS, State, Thresholds
 from memtui.stats import format_bytes, format_duration
 from memtui.tui import palette
 from memtui.tui.charts import Layer, legend, nice_ceiling, sparkline, stacked_rows, to_columns
@@ -22,6 +23,12 @@ from memtui.tui.widgets.base import StateView
 AXIS = 10
 """Columns of the value axis at the left of each chart."""
 MIB = 1 << 20
+HOST_NEAR = 0.10
+"""Narrow: the host chart is shown from this far under the host RAM threshold (90% - 10 points)."""
+NARROW_MAX_ROWS = (6, 8)
+"""Narrow: the most rows of the step time and memory charts (a tall side pane)."""
+NARROW_LINES = 7
+"""Narrow: the charts' lines until the lines left to them are known."""
 
 
 def _merge_steps(group: list[StepBucket]) -> tuple[float, float]:
@@ -127,14 +134,41 @@ def _memory_title(
     return title
 
 
+def host_pressed(state: RunState) -> bool:
+    """The verdict says HOST PRESSURE, or host RAM is near its threshold."""
+    if state.summary().verdict.state is State.HOST_PRESSURE:
+        return True
+    buckets = state.host_buckets.buckets
+    if not buckets or not buckets[-1].ram_total_bytes:
+        return False
+    share = buckets[-1].ram_used_bytes / buckets[-1].ram_total_bytes
+    return share >= state.thresholds.thresholds.host_ram_fraction - HOST_NEAR
+
+
+def narrow_rows(height: int, host: bool) -> tuple[int, int, bool]:
+    """The rows of the step time and memory charts in ``height`` lines (at least one each, the
+    memory chart the odd one), and whether the host chart (3 lines) is shown: when ``host`` (host
+    pressure) with two rows left to each chart, or when both charts have their most rows."""
+    host = height >= 2 + sum(NARROW_MAX_ROWS) + 3 or (host and height >= 3 + 2 + 4)
+    rows = height - 2 - (3 if host else 0)
+    memory = min(NARROW_MAX_ROWS[1], max(1, (rows + 1) // 2))
+    steps = min(NARROW_MAX_ROWS[0], max(1, rows - memory))
+    return steps, memory, host
+
+
 class SeriesChart(StateView):
     """Step time (compute and data wait), device memory with its bands, host RAM and swap."""
 
     DEFAULT_CSS = "SeriesChart { height: auto; }"
 
+    rows_left: int | None = None
+    """Narrow: the lines left to the charts above the footer (``MainScreen.fit_charts``)."""
+
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
-        """Repaint when data arrives, and every second (the time axis moves)."""
-        return state.data_version, int(state.clock), state.summary().focus_rank
+        """Repaint when data arrives, and every second (the time axis moves); narrow, when the
+        lines left to the charts change too."""
+        left = self.rows_left if self.narrow else None
+        return state.data_version, int(state.clock), state.summary().focus_rank, left
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """The three charts, stacked."""
@@ -144,14 +178,17 @@ class SeriesChart(StateView):
         chart_width = max(10, width - AXIS)
         end = state.clock or (state.info.started if state.info else 0.0)
         lines: list[Text] = []
-        # several ranks: shorter charts, and no host chart in a side pane (room for the ranks)
-        step_rows, memory_rows = (3, 4) if narrow else (4, 5) if multirank else (5, 6)
+        if narrow:  # the lines left under the other panels; the host chart under pressure
+            left = NARROW_LINES if self.rows_left is None else self.rows_left
+            step_rows, memory_rows, host = narrow_rows(left, host_pressed(state))
+        else:  # several ranks: shorter charts (room for the per-rank table)
+            step_rows, memory_rows, host = (4, 5, True) if multirank else (5, 6, True)
         if series is not None:
             lines += self._steps(state, series, chart_width, end, step_rows)
             lines += self._memory(state, series, chart_width, end, memory_rows)
         else:
             lines.append(Text("waiting for data", style="dim"))
-        if not (narrow and multirank):
+        if host:
             lines += self._host(state, chart_width, end)
         return Text("\n", no_wrap=True, overflow="ellipsis").join(lines)
 

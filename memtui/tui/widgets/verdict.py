@@ -9,7 +9,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, UNDERUSED_END, State, Thresholds, Verdict
-from memtui.tui.palette import SEVERITY_STYLES, STATE_STYLES, chips
+from memtui.tui.palette import SEVERITY_STYLES, STATE_STYLES, Chip, chips, flow
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
@@ -105,10 +105,16 @@ class VerdictGauge(StateView):
         """Gauge, state and headline, and the reasons (naming the rank on a multi-rank run)."""
         verdict = state.summary().verdict
         text = gauge(verdict, width, state.thresholds.thresholds)
-        text.append("\n")
-        text.append(f" {verdict.state.value} ", STATE_STYLES[verdict.state])
-        text.append(" ")
-        text.append(verdict.headline, "bold" if verdict.severity else "")
+        badge = Text().append(f" {verdict.state.value} ", STATE_STYLES[verdict.state])
+        badge.append(" ")
+        style = "bold" if verdict.severity else ""
+        # broken between words, a parenthesis (``(no memory limit known)``) kept whole
+        first, *asides = verdict.headline.split(" (")
+        parts = [Chip(Text(word, style), " ") for word in first.split(" ")]
+        parts += [Chip(Text(f"({aside}", style), " ") for aside in asides]
+        for line in flow(badge, parts, width):
+            text.append("\n")
+            text.append_text(line)
         if verdict.reasons:
             text.append("\n")
             text.append_text(

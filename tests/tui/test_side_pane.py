@@ -1,0 +1,169 @@
+"""The viewer in a side pane (60x50, the narrow layout): the change log right under the config
+panel, a change landing (its step, old → new, measured effect) seen without scrolling beside the
+verdict, config and memory numbers; every entry wrapped between its parts, never cut."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from rich.text import Text
+from textual.geometry import Region
+from textual.pilot import Pilot
+
+from memtui.tui.app import MemtuiApp
+from memtui.tui.palette import Chip, flow
+from memtui.tui.widgets.advice import title_chips
+from memtui.tui.widgets.changelog import ChangeLog
+from memtui.tui.widgets.series import NARROW_MAX_ROWS, SeriesChart, narrow_rows
+from tests.tui.conftest import STARVING, replay_app, run, screen_text, settle
+from tests.tui.test_app_replay import NARROW, WIDE, text_of
+from tests.tui.test_snapshots import (
+    advice_pending,
+    advice_rollback,
+    one_gpu,
+    oom_risk,
+    ranks_8,
+    starving,
+    starving_fixed,
+)
+
+APPLIED = "applied  step 300  num_workers 0 → 4"
+"""The change landing in demo_starving.mtrec."""
+EFFECT = re.compile(r"\+\d+% samples/s, peak \d+ MiB → \d+ MiB")
+"""Its measured effect."""
+
+
+def in_view(pilot: Pilot[Any], selector: str) -> bool:
+    """The widget is wholly on the screen, above the footer, with nothing scrolled."""
+    screen = pilot.app.screen
+    width, height = pilot.app.size
+    shown = Region(0, 0, width, height - 1)
+    region = screen.query_one(selector).region
+    return screen.scroll_y == 0 and bool(region) and shown.contains_region(region)
+
+
+def test_the_change_landing_is_seen_without_scrolling() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        screen = pilot.app.screen
+        assert screen.max_scroll_y == 0, screen_text(pilot.app)
+        for selector in ("#verdict", "#config", "#changes", "#memory", "#advice", "#charts"):
+            assert in_view(pilot, selector), f"{selector} scrolled off\n{screen_text(pilot.app)}"
+        changes = screen.query_one("#changes")
+        assert changes.region.y == screen.query_one("#config").region.bottom  # right under it
+        log = text_of(pilot, "#changes")
+        assert APPLIED in log and EFFECT.search(log), log
+        shown = screen_text(pilot.app)  # and on the terminal, whole
+        assert APPLIED in shown and EFFECT.search(shown), shown
+
+    run(replay_app(STARVING), check, NARROW)
+
+
+def test_the_change_log_moves_with_the_width() -> None:
+    """Wide, under everything; narrow, under the config panel; wide again, back at the bottom:
+    the same entries each time, the panel's title kept."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        screen = pilot.app.screen
+        side = screen.query_one("#side")
+        for size, parent in ((NARROW, side), (WIDE, screen), (NARROW, side)):
+            await pilot.resize_terminal(*size)
+            await settle(pilot)
+            assert len(screen.query(ChangeLog)) == 1
+            changes = screen.query_one(ChangeLog)
+            assert changes.parent is parent
+            assert changes.border_title == "changes"
+            assert in_view(pilot, "#changes"), screen_text(pilot.app)
+            log = text_of(pilot, "#changes")
+            assert APPLIED in log and EFFECT.search(log), log
+        advice, charts = screen.query_one("#main-col").children
+        assert advice.id == "advice" and charts.id == "charts"  # the charts fill what is left
+
+    run(replay_app(STARVING), check, WIDE)
+
+
+SCENES = [starving, starving_fixed, oom_risk, one_gpu, ranks_8, advice_pending, advice_rollback]
+"""Every recorded stream, at the points the snapshots show."""
+
+
+@pytest.mark.parametrize("make", SCENES, ids=lambda f: f.__name__)
+def test_a_side_pane_fits_and_cuts_nothing(make: Callable[[], MemtuiApp]) -> None:
+    """Every panel on the screen at once, no line cut short with an ellipsis."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        text = screen_text(pilot.app)
+        assert pilot.app.screen.max_scroll_y == 0, text
+        assert in_view(pilot, "#changes") and in_view(pilot, "#charts"), text
+        assert not [line for line in text.splitlines() if "…│" in line], text
+        charts = pilot.app.screen.query_one(SeriesChart)
+        # the charts fill the lines left: the last panel ends on the footer
+        assert charts.region.bottom == pilot.app.size[1] - 1, text
+
+    run(make(), check, NARROW)
+
+
+def lines(head: str, chips: list[Chip], width: int, indent: str = "  ") -> list[str]:
+    return [line.plain for line in flow(Text(head), chips, width, indent)]
+
+
+def test_flow_breaks_between_chips_and_leaves_out_what_is_optional() -> None:
+    chips = [
+        Chip(Text("step 300")),
+        Chip(Text("num_workers 0 → 4")),
+        Chip(Text("#1"), optional=True),
+        Chip(Text("(the data loader is rebuilt at the next batch)"), optional=True),
+        Chip(Text("+252% samples/s")),
+    ]
+    assert lines("applied  ", chips, 0) == [
+        "applied  step 300  num_workers 0 → 4  #1  (the data loader is rebuilt at the next batch)"
+        "  +252% samples/s"
+    ]
+    assert lines("applied  ", chips, 40) == [
+        "applied  step 300  num_workers 0 → 4  #1",
+        "  +252% samples/s",
+    ]
+    assert lines("applied  ", chips, 28) == [
+        "applied  step 300",
+        "  num_workers 0 → 4  #1",
+        "  +252% samples/s",
+    ]
+
+
+def test_flow_breaks_a_chip_too_long_for_a_line_between_its_words() -> None:
+    reason = Chip(Text("grad_accum=0: grad_accum must be between 1 and 65536, got 0"))
+    out = lines("rejected ", [Chip(Text("step 162")), reason], 30, " " * 9)
+    assert out == [
+        "rejected step 162",
+        "         grad_accum=0:",
+        "         grad_accum must be",
+        "         between 1 and 65536,",
+        "         got 0",
+    ]
+    assert " ".join(line.strip() for line in out) == (
+        "rejected step 162 grad_accum=0: grad_accum must be between 1 and 65536, got 0"
+    )
+
+
+def test_a_long_recommendation_keeps_its_changes_whole() -> None:
+    title = "bigger micro-batch: batch_size 16 -> 32, grad_accum 2 -> 1"
+    short = [chip.text.plain for chip in title_chips(title, 45)]
+    assert short == ["batch_size 16 -> 32,", "grad_accum 2 -> 1"]  # the changes say it
+    whole = [chip.text.plain for chip in title_chips(title, 80)]
+    assert whole == ["bigger micro-batch:", "batch_size 16 -> 32,", "grad_accum 2 -> 1"]
+    grows = "bigger micro-batch: batch_size 4 -> 8 (the effective batch grows)"
+    parts = [chip.text.plain for chip in title_chips(grows, 30)]  # too long either way
+    assert parts == ["bigger micro-batch:", "batch_size 4 -> 8", "(the effective batch grows)"]
+
+
+def test_the_charts_share_the_lines_left() -> None:
+    assert narrow_rows(7, host=False) == (2, 3, False)
+    assert narrow_rows(7, host=True) == (2, 3, False)  # no room for the host chart
+    assert narrow_rows(12, host=True) == (3, 4, True)
+    assert narrow_rows(0, host=False) == (1, 1, False)  # the least: a row each
+    most = narrow_rows(100, host=False)
+    assert most == (*NARROW_MAX_ROWS, True)  # a tall pane: room for the host chart too
