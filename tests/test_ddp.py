@@ -234,8 +234,10 @@ def run_mismatch(tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
     assert "rank 0 accum 1 disabled" in output and "rank 1 accum 1 disabled" in output, (
         "nothing applied anywhere\n" + output
     )
-    assert "changes are OFF for this run" in output
-    assert "rejected changes are off for this run: rank(s) 1 did not reach checkpoint #1" in output
+    assert "changes are OFF for this run" in output, output
+    assert (
+        "rejected changes are off for this run: rank(s) 1 did not reach checkpoint #1" in output
+    ), output
     # said while waiting, not only at the end: the missing rank by number
     assert (
         "memtui: rank 0 has waited" in output

@@ -396,3 +396,42 @@ def test_the_threads_wake_often_only_while_watched(
     finally:
         sub.close()
         tuner.close()
+
+
+def test_a_queued_change_reaches_the_viewer_at_once_not_at_the_next_flush(tmp_path: Path) -> None:
+    """A set request is news: the agent sends the control state right after answering it.
+
+    The watched flush period here is 5 s, so the pending change arriving well within it can only
+    be that prompt send (a run checkpointing often may apply a change before the next flush).
+    """
+    import zmq
+
+    from memtui import registry
+    from memtui.wire import Decoder, Telemetry
+
+    options = Options(flush_period_s=5.0, idle_flush_s=5.0)
+    tuner = install(
+        SimpleNamespace(batch_size=8), state_dir=tmp_path, name="prompt", options=options
+    )
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        run = registry.find_run(tuner.run_id)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(run.ranks[0].pub)
+        assert sub.poll(3000), "a new viewer gets a batch at once"
+        sub.recv()
+        started = time.monotonic()
+        assert ControlClient(run.control).set({"batch_size": 16}).ok
+        decoder = Decoder()
+        while sub.poll(3000):
+            message = decoder.decode(sub.recv())
+            if isinstance(message, Telemetry) and message.control is not None:
+                break
+        else:
+            pytest.fail("no control state within 3 s")
+        assert time.monotonic() - started < 1.0
+        assert [c.changes for c in message.control.pending] == [{"batch_size": 16}]
+    finally:
+        sub.close()
+        tuner.close()

@@ -8,7 +8,8 @@ the records for the next viewer's snapshot). The PUB socket is an XPUB that repo
 subscribe and unsubscribe, so the agent knows whether anyone listens: each wake-up takes the GIL
 from the training thread, so an unwatched run gets one a second, and its step records stay as
 the training thread wrote them (bounded) until a viewer asks. Between flushes it answers
-hello/set/cancel on the ROUTER control socket (rank 0). Every two seconds it checks the run's
+hello/set/cancel on the ROUTER control socket (rank 0); a change queued or cancelled goes out
+at once, not at the next flush. Every two seconds it checks the run's
 registry file and recreates the runtime directory and sockets if someone removed them.
 """
 
@@ -75,7 +76,7 @@ class Agent(threading.Thread):
         tuner: Tuner,
         run_dir: registry.RunDir,
         *,
-        flush_period_s: float = 0.1,
+        flush_period_s: float = 0.25,
         heartbeat_s: float = 1.0,
         idle_flush_s: float = 1.0,
     ) -> None:
@@ -170,6 +171,8 @@ class Agent(threading.Thread):
                                 sampler.wake.set()  # and sample at the viewer's rate now
                     else:
                         self._serve(sock)
+                        if self._control_changed():
+                            next_flush = time.monotonic()  # a queued change is news: send it now
                 now = time.monotonic()
                 if now >= next_flush:
                     next_flush = max(next_flush + self.flush_period(), now)
@@ -196,6 +199,11 @@ class Agent(threading.Thread):
                 self._recording.close()
         if self.tuner.rank == 0:
             self.run_dir.remove()
+
+    def _control_changed(self) -> bool:
+        """Whether the control state moved since it was last sent (a change queued or cancelled)."""
+        control = self.tuner.control
+        return control is not None and control.seq != self._sent_control_seq
 
     def _poller(self) -> zmq.Poller:
         """The poller over the sockets served now, rebuilt only when they change (a rebind)."""

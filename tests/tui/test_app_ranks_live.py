@@ -21,8 +21,12 @@ from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from tests.conftest import DemoRun
 from tests.tui.conftest import run, screen_text, until
 
-EVERY = 30
-"""Checkpoint every 30 steps (about 2 s here): time to see the change pending."""
+EVERY = 60
+"""Checkpoint every 60 steps (1.2 s at the 50 steps/s an idle machine gives, more under load).
+
+The change is pending from the keys to the next boundary: the agent sends it at once, and the
+test has to see it in that window.
+"""
 
 
 def text_of(app: MemtuiApp, selector: str) -> str:

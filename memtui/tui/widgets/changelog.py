@@ -85,13 +85,6 @@ def prediction_chips(
     return chips
 
 
-def prediction_text(
-    change: PendingChange, control: ControlState, thresholds: Thresholds = THRESHOLDS
-) -> Text:
-    """The predicted peak of a pending change, on one line (see ``prediction_chips``)."""
-    return flow(Text(), prediction_chips(change, control, thresholds))[0]
-
-
 MEASURED_WITHIN = 40
 """Steps after a change within which its effect is expected (the hook compares 20 after 2)."""
 
@@ -122,12 +115,6 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
             predicted.append(f"({error:+.0%})", style)
         chips.append(Chip(predicted, " · "))
     return chips
-
-
-def effect_text(applied: AppliedChange, step: int) -> Text | None:
-    """The measured effect of an applied change on one line (see ``effect_chips``)."""
-    chips = effect_chips(applied, step)
-    return None if chips is None else flow(Text(), chips)[0]
 
 
 def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
