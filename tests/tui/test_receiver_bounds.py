@@ -202,9 +202,20 @@ def test_a_control_seq_that_goes_back_asks_for_the_run_s_own() -> None:
     is not believed either, and the snapshot brings the run's count back."""
     with StandInRun() as run, attached(run, refresh_s=0.2) as (receiver, batches):
         fake = ControlState(config=Knobs(batch_size=7), tunable=TUNABLE)
-        run.send(run.telemetry(control_seq=1 + MAX_CONTROL_JUMP, control=fake))
-        wait_for(lambda: receiver._control_seq == 1 + MAX_CONTROL_JUMP, 10, what="the jump")
         asked = run.hellos
+        run.send(run.telemetry(control_seq=1 + MAX_CONTROL_JUMP, control=fake))
+
+        def jump_believed() -> bool:
+            return any(
+                isinstance(e, Telemetry)
+                and e.control_seq == 1 + MAX_CONTROL_JUMP
+                and e.control is not None
+                for e in events(batches)
+            )
+
+        # The receiver's count is at the jump only until the next heartbeat: what the view was
+        # given says it was believed, and that does not pass.
+        wait_for(jump_believed, 10, what="the jump believed (its control state in the view)")
         wait_for(lambda: run.hellos > asked, 10, what="a snapshot asked: the count went back")
         wait_for(lambda: receiver._control_seq == 1, 10, what="the run's own count")
         run.change(grad_accum=4)
