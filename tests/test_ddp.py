@@ -80,7 +80,14 @@ def run_trials(demo: DemoRun, trials: int, seed: int) -> None:
 
 def check_one_decision(demo: DemoRun) -> list[Any]:
     """Every rank applied the same changes at the same steps, and ran them."""
-    ranks = snapshots(demo.run_id)
+
+    def caught_up() -> list[Snapshot] | None:
+        # rank 0 posts the decision and trains on; rank 1 reads it within milliseconds
+        answers = snapshots(demo.run_id)
+        counts = {len(s.control.applied) for s in answers}
+        return answers if len(counts) == 1 else None
+
+    ranks: list[Snapshot] = wait_for(caught_up, 10, 0.1, "rank 1 to take the last decision")  # type: ignore[assignment]
     assert [s.info.rank for s in ranks] == [0, 1]
     applied = [[(a.ids, a.step, a.changes) for a in s.control.applied] for s in ranks]
     assert applied[0] == applied[1], "0 mismatched steps"

@@ -1,27 +1,32 @@
-"""Agreement across ranks: one run id and every rank's endpoints at install, one decision per boundary.
+"""Agreement across ranks through the job's c10d store: no collective, so no rank can hang another.
 
-At install (every rank calls ``install`` at the same point, as it calls ``init_process_group``)
-memtui makes a small gloo side group (so its own traffic never touches the device or the user's
-collectives), broadcasts rank 0's run id and all-gathers where each rank publishes.
+Every exchange goes through the key-value store that ``init_process_group`` set up (the
+launcher's TCPStore), under a prefix of memtui's own. memtui makes no collective call at all:
+a collective made by some ranks and not others (one rank's memtui failed, or a collective that
+needs a dependency one environment lacks, as ``all_gather_object`` needs numpy) blocks the
+others until the job's timeout, while a store operation never waits for another rank.
+
+At install (``join``) each rank proposes a run id with ``compare_set``: the first to arrive
+sets it and every rank reads the same one, without waiting for anyone. Each rank posts its
+endpoints; rank 0 waits a few seconds for the others' and picks up latecomers at its first
+boundary. A rank whose memtui fails at install or at a boundary posts the reason at once
+(``fail``), so the others learn in milliseconds, not at a timeout, and changes switch off on
+every rank, loudly.
 
 At the k-th checkpoint boundary of every rank, before anything is applied:
 
-1. each rank posts its arrival (with its step) in the job's c10d store, under the run's prefix;
+1. each rank posts its arrival (with its step);
 2. rank 0 waits until every rank has arrived (polling; a warning names the missing ranks every
-   ``warn_every_s``, at least three times before it gives up), checks that they are all at the
-   same step, and posts the decision
-   ``go`` or ``abort: <reason>`` with ``compare_set``, so that a rank that gives up waiting
-   (after ``timeout_s``) and rank 0 cannot post different decisions;
-3. on ``go``, every rank is known to be at the boundary, so rank 0's change set is broadcast
-   with ``torch.distributed.broadcast_object_list`` over the side group without any risk of a
-   hang, and every rank applies exactly that set at that step;
+   ``warn_every_s``, at least three times before it gives up; a rank that posted a failure, or
+   that never installed memtui and has not arrived after a short grace, ends the wait at
+   once), checks that they are all at the same step, and posts the decision with
+   ``compare_set``: ``go`` with rank 0's change set, or ``abort: <reason>``, so that a rank
+   that gives up waiting (after ``timeout_s``) and rank 0 cannot post different decisions;
+3. on ``go`` every rank applies exactly that change set at that step;
 4. on ``abort`` nothing is applied anywhere, every rank logs the reason loudly, and changes are
    switched off for the rest of the run (the boundaries are no longer aligned): queued changes
    are rejected with the reason. The user must call ``checkpoint()`` on every rank at the same
    step, as their own checkpointing already does.
-
-A collective alone could not do this: a rank that never calls it leaves the others blocked
-until the process-group timeout (30 minutes by default) and then kills the job.
 
 The wait must also end before the *job's own* next collective times out: a rank that skipped
 the boundary is already blocked in it (the gradient all-reduce) while rank 0 waits here. So a
@@ -34,10 +39,14 @@ back to training.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from datetime import timedelta
 from typing import Any
+
+import msgspec
+
+from memtui.wire import PendingChange, RankInfo
 
 log = logging.getLogger("memtui")
 
@@ -48,6 +57,19 @@ ASSUMED_GROUP_TIMEOUT_S = 600.0
 """The group timeout assumed when torch does not tell it: NCCL's default, the shortest."""
 WARNINGS = 3
 """A waiting rank names the missing ranks at least this many times before it gives up."""
+JOIN_WAIT_S = 5.0
+"""How long rank 0 waits at install for the other ranks' endpoints (the rest join later)."""
+ABSENT_GRACE_S = 10.0
+"""How long rank 0 waits at a boundary for a rank that never posted its install entry."""
+REASON_CHARS = 300
+"""A failure reason posted for the other ranks is cut to this length."""
+
+_ordinal = itertools.count(1)
+"""The k-th coordinator of this process: every rank makes the same ones in the same order."""
+
+
+class CoordinationError(RuntimeError):
+    """The ranks cannot coordinate (no store, or a failure another rank posted)."""
 
 
 def group_timeout_s(dist: Any) -> float | None:
@@ -64,11 +86,25 @@ def group_timeout_s(dist: Any) -> float | None:
     return min(timeouts) if timeouts else None
 
 
-class Coordinator:
-    """memtui's side channel between the ranks of one job."""
+def job_store(ordinal: int) -> Any:
+    """The job's c10d store under memtui's prefix for the ``ordinal``-th coordinator."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import _get_default_store
 
-    def __init__(self, dist: Any, *, timeout_s: float = 1800.0, warn_every_s: float = 60.0) -> None:
-        self.dist = dist
+    return PrefixStore(f"memtui/c{ordinal}/", _get_default_store())
+
+
+class Coordinator:
+    """memtui's side channel between the ranks of one job: the c10d store, never a collective."""
+
+    def __init__(
+        self,
+        dist: Any,
+        *,
+        timeout_s: float = 1800.0,
+        warn_every_s: float = 60.0,
+        store: Any = None,
+    ) -> None:
         self.rank = int(dist.get_rank())
         self.world_size = int(dist.get_world_size())
         self.group_timeout_s = group_timeout_s(dist)
@@ -79,97 +115,117 @@ class Coordinator:
         self.limited = timeout_s > limit
         """The timeout asked for was cut to fit the group's."""
         self.warn_every_s = min(warn_every_s, self.timeout_s / WARNINGS)
-        self.group = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=max(self.timeout_s, 60.0))
-        )
-        self.store: Any = None
+        self.store: Any = store if store is not None else job_store(next(_ordinal))
         self.boundaries = 0
         """Boundaries this rank has reached (the k of the protocol)."""
         self.broken = ""
         """Why changes are off for the rest of the run (empty while they are on)."""
         self.poll_s = 0.02
+        """How often a waiting rank looks at the store (a check is one round trip)."""
+        self._endpoints: dict[int, RankInfo] = {}
+        """Every rank's endpoints read from the store so far."""
 
     # ------------------------------------------------------------------ install
 
-    def agree(self, proposal: Any) -> Any:
-        """Rank 0's ``proposal`` on every rank (a broadcast on the side group)."""
-        box = [proposal if self.rank == 0 else None]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+    def join(self, run_id: str) -> str:
+        """The job's run id: the first rank to ask sets it (``compare_set``), every rank gets it."""
+        return _text(self.store.compare_set("run_id", "", run_id))
 
-    def gather(self, item: Any) -> list[Any]:
-        """Every rank's ``item``, in rank order."""
-        out: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(out, item, group=self.group)
-        return out
+    def post_endpoints(self, mine: RankInfo) -> None:
+        """Publish where this rank publishes and answers (also: this rank has installed)."""
+        self._endpoints[self.rank] = mine
+        self.store.set(f"rank/{self.rank}", msgspec.json.encode(mine))
 
-    def attach_store(self, run_id: str) -> None:
-        """Use the job's c10d store, under this run's prefix, for the boundary protocol."""
-        try:
-            from torch.distributed import PrefixStore
-            from torch.distributed.distributed_c10d import _get_default_store
+    def endpoints(self, wait_s: float = 0.0) -> list[RankInfo]:
+        """Every rank's endpoints, waiting up to ``wait_s`` for them (a rank not there yet is
+        listed with no endpoints, and read again at the next call)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r in range(self.world_size):
+                if r not in self._endpoints and self.store.check([f"rank/{r}"]):
+                    self._endpoints[r] = msgspec.json.decode(
+                        self.store.get(f"rank/{r}"), type=RankInfo
+                    )
+            if len(self._endpoints) == self.world_size or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_s)
+        return [
+            self._endpoints.get(r) or RankInfo(rank=r, pub="", control="")
+            for r in range(self.world_size)
+        ]
 
-            self.store = PrefixStore(f"memtui/{run_id}/", _get_default_store())
-        except Exception as exc:  # no store: boundaries fall back to the broadcast alone
-            log.warning("memtui: no c10d store (%s); boundary checks are off", exc)
-            self.store = None
+    @property
+    def complete(self) -> bool:
+        """Whether every rank's endpoints have been read."""
+        return len(self._endpoints) == self.world_size
+
+    def fail(self, reason: str) -> None:
+        """Tell the other ranks at once that memtui failed here (best effort; never raises)."""
+        self.broken = self.broken or reason
+        post_failure(self.store, self.rank, reason)
 
     # ------------------------------------------------------------------ boundary
 
-    def boundary(self, step: int, pending: Any) -> tuple[Any, str]:
+    def boundary(self, step: int, pending: list[PendingChange]) -> tuple[Any, str]:
         """Agree on this boundary: (rank 0's pending changes, "") or (None, reason to abort)."""
         if self.broken:
             return None, self.broken
         self.boundaries += 1
         k = self.boundaries
-        if self.store is not None:
-            decision = self._decide(k, step)
-            if decision != GO:
-                self.broken = decision.removeprefix("abort: ")
-                log.error(
-                    "memtui: changes are OFF for this run (rank %d, checkpoint #%d at step %d): %s. "
-                    "Call tuner.checkpoint() on every rank at the same step.",
-                    self.rank,
-                    k,
-                    step,
-                    self.broken,
-                )
-                return None, self.broken
-        box = [pending if self.rank == 0 else None]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0], ""
+        try:
+            decision = self._decide(k, step, pending)
+            if decision == GO or decision.startswith(GO + " "):
+                payload = decision[len(GO) :].strip() or "[]"
+                return msgspec.json.decode(payload, type=list[PendingChange]), ""
+            self.broken = decision.removeprefix("abort: ")
+        except Exception as exc:  # say so to the others at once: they must not wait for us
+            reason = f"rank {self.rank} failed at checkpoint #{k} ({type(exc).__name__}: {exc})"
+            self.fail(reason)
+        log.error(
+            "memtui: changes are OFF for this run (rank %d, checkpoint #%d at step %d): %s. "
+            "Call tuner.checkpoint() on every rank at the same step.",
+            self.rank,
+            k,
+            step,
+            self.broken,
+        )
+        return None, self.broken
 
-    def _decide(self, k: int, step: int) -> str:
+    def _decide(self, k: int, step: int, pending: list[PendingChange]) -> str:
         store = self.store
         store.set(f"b{k}/r{self.rank}", str(step))
         decision_key = f"b{k}/decision"
         if self.rank == 0:
             keys = [f"b{k}/r{r}" for r in range(self.world_size)]
-            missing = self._wait(keys, step, k)
-            if missing:
+            missing, why = self._wait(keys, step, k)
+            if why:
+                verdict = f"abort: {why}"
+            elif missing:
                 verdict = (
                     f"abort: rank(s) {', '.join(map(str, missing))} did not reach checkpoint #{k} "
                     f"(rank 0 at step {step}) within {self._within()}"
                 )
             else:
-                steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
+                steps = {r: int(_text(store.get(key))) for r, key in enumerate(keys)}
                 if len(set(steps.values())) > 1:
                     shown = ", ".join(f"rank {r} at step {s}" for r, s in steps.items())
                     verdict = f"abort: checkpoint #{k} was called at different steps ({shown})"
                 else:
-                    verdict = GO
+                    encoded = msgspec.json.encode(pending).decode()
+                    verdict = f"{GO} {encoded}"
             final = _text(store.compare_set(decision_key, "", verdict))
-            if final == GO and k > 1:
+            if final.startswith(GO) and k > 1:
                 for r in range(self.world_size):  # everyone has passed boundary k-1: tidy it
                     store.delete_key(f"b{k - 1}/r{r}")
                 store.delete_key(f"b{k - 1}/decision")
             return final
-        if self._wait([decision_key], step, k):
-            give_up = (
-                f"abort: rank {self.rank} waited {self._within()} at checkpoint #{k} "
-                f"(step {step}) for rank 0"
+        missing, why = self._wait([decision_key], step, k)
+        if missing or why:
+            give_up = why or (
+                f"rank {self.rank} waited {self._within()} at checkpoint #{k} (step {step}) "
+                "for rank 0"
             )
-            return _text(store.compare_set(decision_key, "", give_up))
+            return _text(store.compare_set(decision_key, "", f"abort: {give_up}"))
         return _text(store.get(decision_key))
 
     def _within(self) -> str:
@@ -180,17 +236,46 @@ class Coordinator:
         basis = f"the job's {group:g} s" if group else f"an assumed {ASSUMED_GROUP_TIMEOUT_S:g} s"
         return f"{self.timeout_s:g} s, half {basis} collective timeout"
 
-    def _wait(self, keys: list[str], step: int, k: int) -> list[int]:
-        """Poll until every key exists; return the ranks still missing at the timeout."""
+    def failures(self) -> str:
+        """What the ranks that failed posted ("" while none has)."""
+        if int(self.store.add("failed", 0)) == 0:
+            return ""
+        reasons = [
+            _text(self.store.get(f"fail/{r}"))
+            for r in range(self.world_size)
+            if self.store.check([f"fail/{r}"])
+        ]
+        return "; ".join(reasons) or "another rank's memtui failed"
+
+    def _absent(self, ranks: list[int]) -> list[int]:
+        """Which of ``ranks`` never posted their install entry (memtui is not installed there)."""
+        return [r for r in ranks if not self.store.check([f"rank/{r}"])]
+
+    def _wait(self, keys: list[str], step: int, k: int) -> tuple[list[int], str]:
+        """Poll until every key exists: ([], "") or the ranks still missing at the timeout, or a
+        reason to stop waiting at once (a rank posted a failure, or never installed memtui)."""
         start = time.monotonic()
         next_warning = start + self.warn_every_s
+        grace_checked = False
         while True:
             missing = [key for key in keys if not self.store.check([key])]
             if not missing:
-                return []
+                return [], ""
+            failed = self.failures()
+            if failed:
+                return [], failed
             now = time.monotonic()
+            if self.rank == 0 and not grace_checked and now - start >= ABSENT_GRACE_S:
+                grace_checked = True
+                absent = self._absent([_rank_of(key) for key in missing])
+                if absent:
+                    who = ", ".join(map(str, absent))
+                    return [], (
+                        f"rank(s) {who} never installed memtui (hooks.install must run on every "
+                        f"rank) and did not reach checkpoint #{k} within {ABSENT_GRACE_S:g} s"
+                    )
             if now - start >= self.timeout_s:
-                return [_rank_of(key) for key in missing]
+                return [_rank_of(key) for key in missing], ""
             if now >= next_warning:
                 next_warning = now + self.warn_every_s
                 who = ", ".join(str(_rank_of(key)) for key in missing)
@@ -206,6 +291,15 @@ class Coordinator:
                     self._within(),
                 )
             time.sleep(self.poll_s)
+
+
+def post_failure(store: Any, rank: int, reason: str) -> None:
+    """Post that memtui failed on ``rank`` (the others stop waiting for it); never raises."""
+    try:
+        store.set(f"fail/{rank}", reason[:REASON_CHARS])
+        store.add("failed", 1)
+    except Exception as exc:
+        log.warning("memtui: could not tell the other ranks that rank %d failed (%s)", rank, exc)
 
 
 def _rank_of(key: str) -> int:

@@ -30,7 +30,7 @@ from memtui import registry
 from memtui.advice.predict import predict_peak
 from memtui.hooks.binding import ConfigBinding
 from memtui.hooks.control import Control
-from memtui.hooks.coordinate import Coordinator
+from memtui.hooks.coordinate import JOIN_WAIT_S, Coordinator
 from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
 from memtui.hooks.memory import static_memory
 from memtui.hooks.oom import Guard, install_excepthook
@@ -236,22 +236,11 @@ class Tuner:
         self.ranks: list[RankInfo] = []
         """Where every rank of the run publishes (filled at install)."""
         self.run_id = registry.new_run_id(name)
-        coordination_error = ""
+        self.coordination_error = ""
+        """Why this rank could not coordinate with the others ("" when it did, or runs alone)."""
         dist = _dist()
-        if dist is not None:
-            # one collective step at install: a side group, rank 0's run id, every rank's endpoints
-            try:
-                self.coordinator = Coordinator(
-                    dist,
-                    timeout_s=self.options.boundary_timeout_s,
-                    warn_every_s=self.options.boundary_warn_s,
-                )
-                self.run_id = str(self.coordinator.agree(self.run_id))
-                self.coordinator.attach_store(self.run_id)
-            except Exception as exc:  # never apply uncoordinated: changes stay off
-                self._report(exc, "coordination")
-                coordination_error = f"ranks could not coordinate ({exc})"
-                self.coordinator = None
+        joining, self.run_id = self._join(dist) if dist is not None else (None, self.run_id)
+        self.coordinator = joining
         self._state_dir_given = bool(state_dir)
         self.state_dir = Path(state_dir) if state_dir else registry.state_home() / self.run_id
         self.tuned_paths = [self.state_dir / TUNED_FILE]
@@ -291,67 +280,98 @@ class Tuner:
         disabled = os.environ.get("MEMTUI_DISABLE", "") in ("1", "true", "yes")
         if self.options.publish and not disabled:
             self._start_threads()
-        # every rank's endpoints, exchanged once (a collective: every rank gets here)
         self.ranks = [self._my_endpoints()]
-        if self.coordinator is not None:
-            try:
-                self.ranks = self.coordinator.gather(self.ranks[0])
-            except Exception as exc:
-                self._report(exc, "coordination")
-                coordination_error = f"ranks could not exchange endpoints ({exc})"
-        if coordination_error:
-            self.control.disabled = coordination_error
-        if self._agent is not None and self._agent.failed is None:
-            try:
-                self._agent.register()
-            except Exception as exc:
-                self._report(exc, "register")
+        self._exchange(joining)
 
     def coordinate(self) -> bool:
         """Start coordinating with the other ranks once ``torch.distributed`` is initialised.
 
         ``install`` does this itself when the process group already exists; an adapter whose
-        framework starts it later (Lightning, inside ``fit``) calls this on every rank at the same
-        point (it is a collective). Every rank then takes rank 0's run id and the ranks exchange
-        their endpoints, as at install. Returns whether changes are coordinated.
+        framework starts it later (Lightning, inside ``fit``) calls this on every rank. Every rank
+        then takes the job's run id and posts its endpoints, as at install (through the job's
+        store: nothing here waits for another rank). Returns whether changes are coordinated.
         """
         if self.coordinator is not None:
             return True
         dist = _dist()
         if dist is None:
             return False
+        coordinator, run_id = self._join(dist)
+        if coordinator is None:
+            return False
+        if run_id != self.run_id:
+            self._adopt_run_id(run_id)
+        if coordinator.rank != self.rank:
+            log.warning(
+                "memtui: this process is rank %d, not %d as it seemed at install",
+                coordinator.rank,
+                self.rank,
+            )
+        self.rank, self.world_size = coordinator.rank, coordinator.world_size
+        self.control.world_size = self.world_size
+        self.info.rank, self.info.world_size = self.rank, self.world_size
+        self._exchange(coordinator)
+        if self.coordinator is not None:
+            log.info(
+                "memtui: rank %d of %d coordinated in run %s", self.rank, self.world_size, run_id
+            )
+        return self.coordinator is not None
+
+    def _join(self, dist: Any) -> tuple[Coordinator | None, str]:
+        """Open the side channel and take the job's run id (no coordinator: changes stay off,
+        said why, and this rank's own run id)."""
+        coordinator: Coordinator | None = None
         try:
             coordinator = Coordinator(
                 dist,
                 timeout_s=self.options.boundary_timeout_s,
                 warn_every_s=self.options.boundary_warn_s,
             )
-            run_id = str(coordinator.agree(self.run_id))
-            coordinator.attach_store(run_id)
-            if coordinator.rank != self.rank:
-                log.warning(
-                    "memtui: this process is rank %d, not %d as it seemed at install",
-                    coordinator.rank,
-                    self.rank,
-                )
-            self.rank, self.world_size = coordinator.rank, coordinator.world_size
-            self.control.world_size = self.world_size
-            self.info.rank, self.info.world_size = self.rank, self.world_size
-            if run_id != self.run_id:
-                self._adopt_run_id(run_id)
-            self.ranks = coordinator.gather(self._my_endpoints())
-        except Exception as exc:  # never apply uncoordinated: changes stay off
-            self._report(exc, "coordination")
-            self.control.disabled = f"ranks could not coordinate ({exc})"
-            return False
-        self.coordinator = coordinator
+            run_id = coordinator.join(self.run_id)
+        except Exception as exc:  # never apply uncoordinated: changes stay off, on every rank
+            self._coordination_failed(coordinator, exc)
+            return None, self.run_id
+        return coordinator, run_id
+
+    def _exchange(self, coordinator: Coordinator | None) -> None:
+        """Post this rank's endpoints, read the others' (rank 0 waits a little) and register."""
+        if coordinator is not None:
+            try:
+                coordinator.post_endpoints(self._my_endpoints())
+                wait = JOIN_WAIT_S if coordinator.rank == 0 else 0.0
+                self.ranks = coordinator.endpoints(wait)
+                self.coordinator = coordinator
+            except Exception as exc:
+                self._coordination_failed(coordinator, exc)
+        if self.coordination_error:
+            self.control.disabled = self.coordination_error
         if self._agent is not None and self._agent.failed is None:
             try:
                 self._agent.register()
             except Exception as exc:
                 self._report(exc, "register")
-        log.info("memtui: rank %d of %d coordinated in run %s", self.rank, self.world_size, run_id)
-        return True
+
+    def _refresh_ranks(self, coordinator: Coordinator) -> None:
+        """Read the endpoints of ranks that joined after install, and register them (rank 0)."""
+        try:
+            self.ranks = coordinator.endpoints()
+            if self._agent is not None and self._agent.failed is None:
+                self._agent.register()
+        except Exception as exc:
+            self._report(exc, "coordination")
+
+    def _coordination_failed(self, coordinator: Coordinator | None, exc: BaseException) -> None:
+        """Switch changes off here, loudly, and tell the other ranks at once (they stop too)."""
+        self._report(exc, "coordination")
+        self.coordination_error = (
+            f"rank {self.rank} could not coordinate ({type(exc).__name__}: {exc})"[:300]
+        )
+        self.coordinator = None
+        log.error("memtui: changes are OFF for this run: %s", self.coordination_error)
+        if coordinator is not None:
+            coordinator.fail(self.coordination_error)
+        if getattr(self, "control", None) is not None:
+            self.control.disabled = self.coordination_error
 
     def _adopt_run_id(self, run_id: str) -> None:
         """Join rank 0's run (this rank's sockets stay where they were bound)."""
@@ -643,6 +663,8 @@ class Tuner:
                 self.control.disabled = abort
                 return None
             pending = agreed or []
+            if not self.coordinator.complete:
+                self._refresh_ranks(self.coordinator)
         if not pending:
             return None
         merged: dict[str, KnobValue] = {}
