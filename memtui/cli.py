@@ -34,6 +34,7 @@ from memtui.knobs import (
     parse_assignments,
     parse_changes,
 )
+from memtui.security import exposure, tcp_endpoints
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
 from memtui.wire import AppliedChange, HostSample, Knobs, SetReply, Snapshot, to_builtins
 
@@ -92,6 +93,7 @@ def ls_command(as_json: bool) -> None:
                 "control": r.control,
                 "endpoints": [to_builtins(k) for k in r.ranks],
                 "state_dir": r.state_dir,
+                "security": r.security,
             }
             for r in runs
         ]
@@ -105,6 +107,9 @@ def ls_command(as_json: bool) -> None:
         started = time.strftime("%H:%M:%S", time.localtime(r.started))
         command = " ".join(r.command[1:] if len(r.command) > 1 else r.command)
         click.echo(f"{r.run:<24} {r.pid:>7} {r.world_size:>5}  {started:<8}  {command[:80]}")
+        warning = exposure(r.security, tcp_endpoints(r.ranks))
+        if warning:
+            click.echo(f"  {warning}")
 
 
 # ---------------------------------------------------------------------------- status
@@ -305,6 +310,7 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     lines.append(
         f"run {info.run}  pid {info.pid}  host {info.host}  ranks {info.world_size}  up {age}"
     )
+    lines += [w for w in [exposure(info.security, tcp_endpoints(snapshot.ranks))] if w]
     verdict = data["verdict"]
     lines.append(f"verdict: {verdict['state']}: {verdict['headline']}")
     metrics = data["metrics"]
@@ -593,11 +599,25 @@ class _DemoCommand(click.Command):
     help="Also publish over TCP on ADDRESS (CURVE keys from `memtui keygen` required).",
 )
 @click.option(
-    "--insecure", is_flag=True, help="With --tcp: plain TCP, no keys (loopback addresses only)."
+    "--insecure",
+    is_flag=True,
+    help="With --tcp: plain TCP, no keys (loopback only): ANY local user can read the "
+    "telemetry; changes are not served over it.",
+)
+@click.option(
+    "--insecure-control",
+    is_flag=True,
+    help="With --insecure: plain TCP serves changes too (ANY local user can queue them).",
 )
 @click.pass_context
 def demo_command(
-    ctx: click.Context, no_tui: bool, ranks: int, dry_run: bool, tcp: str | None, insecure: bool
+    ctx: click.Context,
+    no_tui: bool,
+    ranks: int,
+    dry_run: bool,
+    tcp: str | None,
+    insecure: bool,
+    insecure_control: bool,
 ) -> None:
     """Run the bundled demo training (slow data: it starves until you add workers).
 
@@ -611,7 +631,7 @@ def demo_command(
     if ranks < 1:
         _fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
-    tcp_env = _tcp_env(tcp, insecure)
+    tcp_env = _tcp_env(tcp, insecure, insecure_control)
     os.environ.update(tcp_env)  # the training (in this process or a child) reads them
     if dry_run:
         click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
@@ -625,20 +645,23 @@ def demo_command(
     _demo_with_tui(command, args.out)
 
 
-def _tcp_env(tcp: str | None, insecure: bool) -> dict[str, str]:
+def _tcp_env(tcp: str | None, insecure: bool, insecure_control: bool = False) -> dict[str, str]:
     """The environment that makes the training publish over TCP; refuse (exit 2) what the run
     would refuse: TCP without keys, or ``--insecure`` on an address other than loopback."""
     from memtui.security import SecurityError, plan_tcp
 
+    if insecure_control and not insecure:
+        _fail("--insecure-control goes with --insecure (control over plain TCP is asked twice)", 2)
     if insecure and not tcp:
         _fail("--insecure goes with --tcp ADDRESS (a loopback address)", 2)
     if not tcp:
         return {}
     try:
-        plan_tcp(tcp, insecure)
+        plan_tcp(tcp, insecure, insecure_control)
     except SecurityError as exc:
         _fail(str(exc), 2)
-    return {"MEMTUI_TCP": tcp, **({"MEMTUI_INSECURE": "1"} if insecure else {})}
+    env = {"MEMTUI_TCP": tcp, **({"MEMTUI_INSECURE": "1"} if insecure else {})}
+    return {**env, **({"MEMTUI_INSECURE_CONTROL": "1"} if insecure_control else {})}
 
 
 def _run_forwarding_signals(command: list[str]) -> int:
@@ -867,7 +890,10 @@ def estimate_command(**kwargs: Any) -> None:
 @click.argument("run", required=False)
 @click.option("--readonly", is_flag=True, help="Show everything, send nothing (for shared panes).")
 @click.option(
-    "--insecure", is_flag=True, help="Reach plain (keyless) TCP endpoints, on loopback only."
+    "--insecure",
+    is_flag=True,
+    help="Reach plain (keyless) TCP endpoints, on loopback only (read-only unless the run "
+    "was started with --insecure-control).",
 )
 def attach_command(run: str | None, readonly: bool, insecure: bool) -> None:
     """Open the viewer on a run (RUN: id, prefix, pid or endpoint; default: the newest)."""

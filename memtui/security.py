@@ -6,7 +6,10 @@ sockets are CURVE servers with the user's server key, and a ZAP handler in the h
 thread admits only clients whose public key is in ``<keys>/authorized/``. Viewers connect with
 the user's client key. ``memtui keygen`` makes both key pairs (files 0600 in a 0700 directory)
 and authorises its own client key; copy the directory to the other nodes (or share the home
-directory) like an SSH key. Plain TCP is refused, except with ``insecure`` on a loopback address.
+directory) like an SSH key. Plain TCP is refused, except with ``insecure`` on a loopback address,
+where any local user can connect: it then publishes telemetry and answers hello with a reduced,
+read-only snapshot (no command line, cwd or paths; set and cancel refused), unless control is
+asked for a second time (``MEMTUI_INSECURE_CONTROL=1``, ``memtui demo --insecure-control``).
 """
 
 from __future__ import annotations
@@ -15,16 +18,34 @@ import ipaddress
 import os
 import shutil
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from memtui.wire import RankInfo, RunInfo
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = "memtui"
+
+IPC = "ipc"
+"""Security mode: private ipc sockets only (the run's user alone)."""
+CURVE = "curve"
+"""Security mode: ipc, and TCP for holders of an authorised CURVE client key."""
+PLAIN = "plain-tcp"
+"""Security mode: ipc, and plain loopback TCP that any local user reads (telemetry, no control)."""
+PLAIN_CONTROL = "plain-tcp+control"
+"""Security mode: plain loopback TCP with the control socket too (any local user queues changes)."""
+READONLY_REASON = (
+    "read-only: this plain TCP socket takes no changes "
+    "(the run was not started with --insecure-control / MEMTUI_INSECURE_CONTROL=1)"
+)
+"""The error a set or cancel gets on a plain TCP socket without the control opt-in."""
 
 
 class SecurityError(RuntimeError):
@@ -113,12 +134,26 @@ def insecure_requested() -> bool:
     return os.environ.get("MEMTUI_INSECURE", "") in ("1", "true", "yes")
 
 
+def insecure_control_requested() -> bool:
+    """``MEMTUI_INSECURE_CONTROL=1``: plain TCP also serves changes (asked for a second time)."""
+    return os.environ.get("MEMTUI_INSECURE_CONTROL", "") in ("1", "true", "yes")
+
+
 @dataclass(frozen=True)
 class TcpPlan:
-    """How a rank binds TCP: the address, and CURVE keys (None: insecure loopback)."""
+    """How a rank binds TCP: the address, CURVE keys (None: insecure loopback), and control."""
 
     address: str
     keys: Keys | None
+    control: bool = True
+    """Whether the TCP control socket takes set/cancel and gives the full snapshot."""
+
+    @property
+    def mode(self) -> str:
+        """The security mode: ``curve``, ``plain-tcp`` or ``plain-tcp+control``."""
+        if self.keys is not None:
+            return CURVE
+        return PLAIN_CONTROL if self.control else PLAIN
 
     def advertised(self, port: int) -> str:
         """The endpoint other nodes use to reach a socket bound on ``port``."""
@@ -128,20 +163,51 @@ class TcpPlan:
         return f"tcp://{host}:{port}"
 
 
-def plan_tcp(address: str | None, insecure: bool = False) -> TcpPlan | None:
-    """Decide how to bind TCP for ``address`` (None: no TCP); raise SecurityError to refuse."""
+def plan_tcp(
+    address: str | None, insecure: bool = False, control: bool | None = None
+) -> TcpPlan | None:
+    """Decide how to bind TCP for ``address`` (None: no TCP), plain TCP serving changes only
+    with ``control`` (None: ``MEMTUI_INSECURE_CONTROL``); raise SecurityError to refuse."""
     if not address:
         return None
     keys = load_keys()
     if keys is not None and not insecure:
         return TcpPlan(address, keys)
     if insecure and is_loopback(address):
-        return TcpPlan(address, None)
+        return TcpPlan(address, None, insecure_control_requested() if control is None else control)
     if insecure:
         raise SecurityError(
             f"refusing plain TCP on {address}: --insecure is for loopback addresses only"
         )
     raise SecurityError(f"refusing TCP on {address} without keys: run `memtui keygen` first")
+
+
+def exposure(mode: str, endpoints: Iterable[str]) -> str:
+    """The loud one-line warning for a run on plain TCP at ``endpoints`` ("" for ipc and CURVE)."""
+    if mode not in (PLAIN, PLAIN_CONTROL):
+        return ""
+    where = ", ".join(e for e in endpoints if e) or "loopback TCP"
+    if mode == PLAIN_CONTROL:
+        return (
+            f"INSECURE: plain TCP on {where}: any local user can read the telemetry, "
+            "the command line and cwd, and queue or cancel changes"
+        )
+    return (
+        f"INSECURE: plain TCP on {where}: any local user can read the telemetry "
+        "(read-only: no changes, no command line or cwd over TCP)"
+    )
+
+
+def tcp_endpoints(ranks: Iterable[RankInfo]) -> list[str]:
+    """Every TCP endpoint the ranks bound (telemetry and control), for ``exposure``."""
+    return [e for rank in ranks for e in (rank.pub_tcp, rank.control_tcp) if e]
+
+
+def public_info(info: RunInfo) -> RunInfo:
+    """The RunInfo a read-only plain TCP socket gives: no command line, cwd or paths."""
+    return msgspec.structs.replace(
+        info, command=[], cwd="", state_dir="", tuned_path="", audit_path="", readonly=True
+    )
 
 
 def make_server(sock: zmq.Socket, keys: Keys | None) -> None:

@@ -359,6 +359,12 @@ class RunInfo(Struct, omit_defaults=True):
     state_dir: str = ""
     tuned_path: str = ""
     audit_path: str = ""
+    security: str = ""
+    """How the run can be reached: ``ipc``, ``curve``, ``plain-tcp`` or ``plain-tcp+control``
+    (``memtui.security``; "" from a hook that does not say)."""
+    readonly: bool = False
+    """True in a snapshot from a plain TCP socket without the control opt-in: it takes no set or
+    cancel, and leaves out the command line, cwd and paths."""
 
 
 # --------------------------------------------------------------------------- messages
@@ -493,6 +499,8 @@ class RunRecord(Struct, omit_defaults=True):
     world_size: int = 1
     state_dir: str = ""
     v: int = WIRE_VERSION
+    security: str = ""
+    """The run's security mode, as in RunInfo ("" from a hook that does not say)."""
 
 
 # --------------------------------------------------------------------------- encode / decode

@@ -31,7 +31,7 @@ from memtui import registry
 from memtui.advice.effect import SETTLE_STEPS, describe, measure
 from memtui.advice.predict import Observation, fit, predict_peak
 from memtui.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
-from memtui.security import ZapHandler, make_server
+from memtui.security import IPC, READONLY_REASON, ZapHandler, exposure, make_server, public_info
 from memtui.wire import (
     CancelRequest,
     CheckpointRecord,
@@ -118,6 +118,8 @@ class Agent(threading.Thread):
         self.tcp_pub = ""
         """This rank's TCP telemetry endpoint as other nodes reach it ("" without TCP)."""
         self.tcp_control = ""
+        self.tcp_readonly = False
+        """The TCP control socket answers hello only (plain TCP without the control opt-in)."""
         self.registered = False
         self._recording: RecordingWriter | None = None
         self._recorded_bytes = 0
@@ -269,9 +271,12 @@ class Agent(threading.Thread):
         _private(control_endpoint)
 
     def _bind_tcp(self) -> None:
-        """Bind TCP twins of both sockets when asked (CURVE unless insecure on loopback)."""
+        """Bind TCP twins of both sockets when asked (CURVE unless insecure on loopback; plain
+        TCP without the control opt-in answers hello only, reduced), note the security mode and
+        warn loudly about plain TCP."""
         plan = self.tuner.tcp_plan
         if plan is None:
+            self.tuner.info.security = IPC
             return
         assert self._context is not None
         if plan.keys is not None:
@@ -284,6 +289,21 @@ class Agent(threading.Thread):
         self._pub_tcp, self._router_tcp = pub, router
         self.tcp_pub = plan.advertised(_port(pub))
         self.tcp_control = plan.advertised(_port(router))
+        self.tcp_readonly = not plan.control
+        self.tuner.info.security = plan.mode
+        warning = exposure(plan.mode, [self.tcp_pub, self.tcp_control])
+        if warning:
+            log.warning("memtui: %s", warning)
+
+    def _answer_readonly(self, request: Message | None) -> Message:
+        """The answer on a plain TCP socket without the control opt-in: hello gets a snapshot
+        without the command line, cwd and paths; anything else is refused."""
+        if not isinstance(request, Hello):
+            return ErrorReply(reason=READONLY_REASON)
+        reply = self._answer(request)
+        if isinstance(reply, Snapshot):
+            reply.info = public_info(reply.info)
+        return reply
 
     def register(self) -> None:
         """Write the run's registry record (rank 0), once every rank's endpoints are known."""
@@ -341,6 +361,7 @@ class Agent(threading.Thread):
             cwd=info.cwd,
             world_size=info.world_size,
             state_dir=info.state_dir,
+            security=info.security,
         )
 
     def ranks(self) -> list[RankInfo]:
@@ -482,7 +503,8 @@ class Agent(threading.Thread):
                 continue
             envelope, payload = frames[:-1], frames[-1]
             request = self.decoder.decode(payload)
-            reply = self._answer(request)
+            readonly = self.tcp_readonly and router is self._router_tcp
+            reply = self._answer_readonly(request) if readonly else self._answer(request)
             try:
                 router.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError:

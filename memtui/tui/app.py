@@ -165,6 +165,11 @@ class MemtuiApp(App[int]):
             for event in batch.events:
                 if isinstance(event, Notice):
                     self.notify(event.text, severity="information" if event.ok else "error")
+        info = self.state.info
+        if info is not None and info.readonly and not self.readonly:
+            # attached over plain TCP without the run's control opt-in: nothing can be sent
+            self.readonly = self.receiver.readonly = True
+            self.refresh_bindings()
 
     def _tick(self) -> None:
         self._ticks += 1

@@ -59,6 +59,8 @@ class RunHeader(StateView):
                 (devices(state), ""),
                 (f"{ranks} rank" + ("s" if ranks != 1 else ""), ""),
             ]
+            if info.security.startswith("plain-tcp"):  # any local user can read it: say so
+                identity.append(("INSECURE", "bold white on red3"))
         else:
             identity.append((label or "no run yet", "bold cyan"))
         status = f"● {connection.status.value}"
