@@ -222,3 +222,9 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (try 2GiB, 1500MB or a number of bytes)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` on one line (whitespace runs made one space), cut to ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -37,7 +37,7 @@ from memtui.hooks.oom import Guard, install_excepthook
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
 from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
-from memtui.stats import parse_bytes
+from memtui.stats import one_line, parse_bytes
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,
@@ -539,12 +539,13 @@ class Tuner:
         """Count a failure inside memtui, log it (rate-limited) and publish it; never raise."""
         try:
             self._errors += 1
-            self._last_error = f"{where}: {type(exc).__name__}: {exc}"[:300]
+            text = one_line(exc)
+            self._last_error = one_line(f"{where}: {type(exc).__name__}: {text}")
             count = self._error_counts.get(where, 0) + 1
             self._error_counts[where] = count
             if count <= 3 or count % 1000 == 0:
                 log.warning(
-                    "memtui: %s failed (%s: %s); training goes on", where, type(exc).__name__, exc
+                    "memtui: %s failed (%s: %s); training goes on", where, type(exc).__name__, text
                 )
         except Exception:
             pass

@@ -1,0 +1,389 @@
+"""The fault matrix: what a peer, a typo or a failing disk does to a live training run.
+
+One real demo training (a subprocess, CPU) is the victim of every fast case in turn. After each
+fault the same four things are asserted (``survived``):
+
+1. the run trained on: its step advances;
+2. nothing was lost: a change queued after the fault lands, the tuned YAML on disk parses and
+   holds it, and every line of the audit log parses;
+3. the error, if any, is one clear line: the run printed no traceback;
+4. memory stayed bounded: the training process's RSS grew less than ``RSS_CAP``.
+
+Cases that need a run of their own (a kill -9, a restart) start one. The README's section "What
+memtui guarantees under faults" is the table of these cases; the cases proven elsewhere (two
+ranks, the viewer's side) name their test there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import psutil
+import pytest
+import yaml
+import zmq
+
+from memtui import registry
+from memtui.cli import demo_command_line
+from memtui.client import ControlClient
+from memtui.hooks import Options, Tuner
+from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
+from tests.conftest import ROOT, wait_for
+
+RSS_CAP = 64 << 20
+"""How much the training process may grow while a fault is dealt with (bytes)."""
+
+
+@dataclass
+class Victim:
+    """The demo training every fast case hits."""
+
+    proc: subprocess.Popen[str]
+    log: Path
+    out: Path
+    env: dict[str, str]
+    run_id: str = ""
+    control: str = ""
+    pub: str = ""
+    accum: list[int] = field(default_factory=lambda: [2])
+
+    def client(self, timeout_s: float = 10.0) -> ControlClient:
+        """A control client of the run."""
+        return ControlClient(self.control, timeout_s=timeout_s)
+
+    def output(self) -> str:
+        """Everything the run printed."""
+        return self.log.read_text(errors="replace")
+
+    def rss(self) -> int:
+        """The training process's resident memory."""
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    def cli(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """The ``memtui`` command line, in the run's runtime directory."""
+        return subprocess.run(
+            [sys.executable, "-m", "memtui.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=self.env,
+        )
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
+    """The demo training, checkpointing every 5 steps, with a runtime directory of its own."""
+    base = Path(tempfile_dir())
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        MEMTUI_RUNTIME_DIR=str(base / "rt"),
+        XDG_STATE_HOME=str(base / "state"),
+    )
+    out = tmp_path_factory.mktemp("victim")
+    log = out / "stdout.log"
+    args = ["--out", str(out), "--steps", "1000000", "--checkpoint-every", "5"]
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            demo_command_line([*args, "--slow-data-ms", "0", "--progress-every", "1"]),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+    run = Victim(proc, log, out, env)
+    try:
+
+        def started() -> str | None:
+            for line in run.output().splitlines():
+                if line.startswith("run "):
+                    return line.split()[1]
+            if proc.poll() is not None:
+                pytest.fail(f"the demo exited early:\n{run.output()}")
+            return None
+
+        run.run_id = str(wait_for(started, 60, what="the victim's run id"))
+        record = json.loads((base / "rt" / run.run_id / "run.json").read_text())
+        run.control, run.pub = record["control"], record["ranks"][0]["pub"]
+        yield run
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def tempfile_dir() -> str:
+    """A short private directory (ipc socket paths must stay short)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="mtf", dir="/tmp")
+
+
+@dataclass
+class Before:
+    """What a case saw before its fault."""
+
+    rss: int
+    log_chars: int
+
+
+def before(run: Victim) -> Before:
+    """Note the run's memory and output before a fault."""
+    assert run.proc.poll() is None, run.output()
+    return Before(run.rss(), len(run.output()))
+
+
+def survived(run: Victim, seen: Before, rss_cap: int = RSS_CAP) -> None:
+    """The four promises, after a fault (see the module's docstring)."""
+    client = run.client()
+    start = client.hello(history=0).step
+    wait_for(lambda: client.hello(history=0).step >= start + 3, 30, 0.1, "steps to go on")
+
+    # nothing lost: a change lands and is on disk, the audit log parses
+    run.accum.append(3 if run.accum[-1] != 3 else 1)
+    applied = len(client.hello(history=0).control.applied)
+    reply = client.set({"grad_accum": run.accum[-1]})
+    assert reply.ok, reply.reason
+    wait_for(lambda: len(client.hello(history=0).control.applied) > applied, 30, 0.1, "the change")
+    info = client.hello(history=0).info
+
+    def on_disk() -> bool:
+        tuned = yaml.safe_load(Path(info.tuned_path).read_text())
+        return bool(tuned["config"]["grad_accum"] == run.accum[-1])
+
+    wait_for(on_disk, 10, 0.1, "the tuned YAML to hold the change")
+    lines = Path(info.audit_path).read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert events and events[-1]["event"] in ("applied", "measured"), events[-1]
+
+    # one clear line: no traceback; memory bounded
+    new_output = run.output()[seen.log_chars :]
+    assert "Traceback" not in new_output, new_output
+    grown = run.rss() - seen.rss
+    assert grown < rss_cap, f"RSS grew {grown >> 20} MiB (cap {rss_cap >> 20} MiB)"
+
+
+def req(endpoint: str) -> zmq.Socket:
+    """A REQ socket connected to ``endpoint`` that never lingers."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+# ---------------------------------------------------------------------------- held already
+
+
+def test_junk_frames_on_the_control_socket(victim: Victim) -> None:
+    seen = before(victim)
+    decoder = Decoder()
+    for payload in (b"", b"\x00\xff junk", b'{"type": "set"}', os.urandom(4096)):
+        sock = req(victim.control)
+        sock.send(payload)
+        assert sock.poll(5000), "the hook answers"
+        assert isinstance(decoder.decode(sock.recv()), ErrorReply)
+        sock.close()
+    path = registry.endpoint_path(victim.control)
+    assert path is not None
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not even ZeroMQ
+    raw.connect(str(path))
+    raw.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + os.urandom(300))
+    raw.close()
+    survived(victim, seen)
+
+
+def test_a_wrong_wire_version_is_refused_in_one_line(victim: Victim) -> None:
+    seen = before(victim)
+    frame = msgspec.msgpack.encode({"type": "hello", "v": WIRE_VERSION + 1, "history": 0})
+    sock = req(victim.control)
+    sock.send(frame)
+    assert sock.poll(5000)
+    reply = Decoder().decode(sock.recv())
+    assert isinstance(reply, ErrorReply) and "wire version" in reply.reason, reply
+    sock.close()
+    survived(victim, seen)
+
+
+def test_a_100_mib_frame_is_dropped_by_zeromq(victim: Victim) -> None:
+    seen = before(victim)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(victim.control)
+    dealer.send_multipart([b"", b"x" * (100 << 20)])
+    time.sleep(0.5)
+    dealer.close()
+    survived(victim, seen)
+
+
+def test_absurd_values_are_refused(victim: Victim) -> None:
+    seen = before(victim)
+    client = victim.client()
+    for changes in (
+        {"batch_size": 10**18},
+        {"batch_size": -1},
+        {"grad_accum": 0},
+        {"num_workers": 1 << 40},
+        {"batch_size": "NaN"},
+        {"pin_memory": "maybe"},
+    ):
+        reply = client.set(changes)  # type: ignore[arg-type]
+        assert not reply.ok and reply.reason and "\n" not in reply.reason, (changes, reply)
+    survived(victim, seen)
+
+
+def test_a_viewer_stopped_or_killed_mid_stream(victim: Victim) -> None:
+    seen = before(victim)
+    viewer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, zmq\n"
+            "s = zmq.Context().socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b'')\n"
+            "s.setsockopt(zmq.RCVHWM, 1); s.connect(sys.argv[1]); s.recv()\n"
+            "print('frame', flush=True)\n"
+            "while True: s.recv()\n",
+            victim.pub,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert viewer.stdout is not None and viewer.stdout.readline().strip() == "frame"
+    viewer.send_signal(signal.SIGSTOP)  # a stopped viewer: its queue fills, the run never waits
+    time.sleep(2.0)
+    survived(victim, seen)
+    viewer.send_signal(signal.SIGKILL)
+    viewer.wait()
+    survived(victim, seen)
+
+
+def test_the_runtime_directory_deleted(victim: Victim) -> None:
+    seen = before(victim)
+    run_dir = Path(victim.env["MEMTUI_RUNTIME_DIR"]) / victim.run_id
+    shutil.rmtree(run_dir)
+    wait_for(lambda: (run_dir / "run.json").exists(), 15, 0.2, "the run to re-register")
+    survived(victim, seen)
+
+
+# ---------------------------------------------------------------------------- corrupt YAML
+
+CORRUPT_TUNED = {
+    "empty": "",
+    "not yaml": "config: [unclosed",
+    "a list": "- 1\n- 2\n",
+    "a scalar": "42\n",
+    "config a list": "config: [1, 2]\n",
+    "config a string": "config: batch_size\n",
+    "no config": "run: x\nstep: 3\n",
+    "negative batch": "config: {batch_size: -4}\n",
+    "zero accum": "config: {grad_accum: 0}\n",
+    "float batch": "config: {batch_size: 1.0e99}\n",
+    "huge int": f"config: {{batch_size: {10**40}}}\n",
+    "string batch": "config: {batch_size: lots}\n",
+    "nested value": "config: {batch_size: {a: [1, 2, {b: 3}]}}\n",
+    "tabs": "config:\n\tbatch_size: 8\n",
+    "duplicate keys": "config: {batch_size: 8, batch_size: 9, batch_size: [1]}\n",
+    "binary": "\x00\x01\x02\xff\xfe config: {",
+    "markup in a key": "config: {'[/x]': 1, batch_size: '[bold]8'}\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(CORRUPT_TUNED))
+def test_a_corrupt_tuned_yaml_at_resume_is_one_warning(
+    shape: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "memtui-tuned.yaml").write_text(CORRUPT_TUNED[shape], errors="surrogateescape")
+    config = SimpleNamespace(batch_size=4, grad_accum=1)
+    started = time.monotonic()
+    tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False))
+    try:
+        assert time.monotonic() - started < 2.0
+        assert (config.batch_size, config.grad_accum) == (4, 1), "the script's config stands"
+        for _ in range(3):
+            tuner.step()
+        assert tuner.control.queue(SetRequest(changes={"grad_accum": 2})).ok
+        assert tuner.checkpoint() is not None and config.grad_accum == 2
+        messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]
+        assert all("\n" not in m and len(m) < 600 for m in messages), messages
+    finally:
+        tuner.close()
+
+
+# ---------------------------------------------------------------------------- kill -9
+
+
+def test_kill_9_at_a_boundary_leaves_a_readable_state(tmp_path: Path) -> None:
+    """A run killed in the middle of its boundaries resumes from what it wrote."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = tmp_path / "run"
+    args = [
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "2",
+        "--slow-data-ms",
+        "0",
+    ]
+    with open(tmp_path / "log", "w") as handle:
+        proc = subprocess.Popen(
+            demo_command_line([*args, "--progress-every", "1"]),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+    try:
+        run_id = wait_for(
+            lambda: next(
+                (
+                    line.split()[1]
+                    for line in (tmp_path / "log").read_text().splitlines()
+                    if line.startswith("run ")
+                ),
+                None,
+            ),
+            60,
+        )
+        client = ControlClient(registry.find_run(str(run_id)).control, timeout_s=10)
+        for accum in (3, 1, 3, 1, 3):
+            assert client.set({"grad_accum": accum}).ok
+            time.sleep(0.05)
+        wait_for(lambda: len(client.hello(history=0).control.applied) >= 2, 30)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    info_dir = out
+    tuned = yaml.safe_load(next(info_dir.rglob("memtui-tuned.yaml")).read_text())
+    assert tuned["config"]["grad_accum"] in (1, 3)
+    for line in next(info_dir.rglob("memtui-audit.jsonl")).read_text().splitlines():
+        json.loads(line)
+    assert not list(info_dir.rglob("*.tmp")), "no temp file left behind"
+
+
+def test_a_hello_is_cheap_to_refuse_when_it_is_junk(victim: Victim) -> None:
+    seen = before(victim)
+    sock = req(victim.control)
+    sock.send(encode(Hello(history=10**9)))
+    assert sock.poll(5000)
+    sock.recv()
+    sock.close()
+    survived(victim, seen)
