@@ -225,6 +225,16 @@ class Source(Protocol):
         """Drop the subscriptions (``connect`` may be called again)."""
         ...
 
+    def resubscribe(self, ranks: list[int] | None = None) -> int:
+        """Connect anew to the telemetry of ``ranks`` (None: every rank); returns how many
+        endpoints were (a source without subscriptions: 0)."""
+        ...
+
+    def probe(self, rank: int) -> None:
+        """Ask ``rank`` (not the control rank) for a snapshot again: it comes back through
+        ``poll`` if the rank is alive."""
+        ...
+
     def close(self) -> None:
         """Release everything."""
         ...
@@ -281,6 +291,9 @@ class LiveSource:
         telemetry endpoint of every rank of its domain (fair-queued)."""
         self._subs: dict[str, int] = {}
         """The endpoints subscribed to, and their ranks."""
+        self.refused: dict[str, str] = {}
+        """Endpoints a snapshot listed that could not be subscribed to, and why (until the next
+        connection)."""
         self._poller = zmq.Poller()
         self._wanted: list[RankInfo] = []
         self._wanted_lock = threading.Lock()
@@ -290,6 +303,8 @@ class LiveSource:
         """The rank whose control socket answered the last hello (None: not yet)."""
         self._asked: set[int] = set()
         """Ranks sent their hello in this connection."""
+        self._probed: set[int] = set()
+        """Ranks to send one more hello at the next poll, the control rank too (``probe``)."""
         self._hellos: dict[zmq.Socket, tuple[int, float]] = {}
         """Hellos awaiting an answer: socket -> (rank, give up at)."""
         self._next_refresh = 0.0
@@ -338,7 +353,7 @@ class LiveSource:
         if target.record is not None:
             self._state_dir = target.record.state_dir or self._state_dir
         self.subscribe(*target.ranks)
-        self._apply_wanted()
+        self._apply_wanted(strict=True)
         self._next_refresh = time.monotonic() + self.ranks_refresh_s
 
     def subscribe(self, *ranks: RankInfo) -> None:
@@ -346,17 +361,23 @@ class LiveSource:
         with self._wanted_lock:
             self._wanted.extend(ranks)
 
-    def _apply_wanted(self) -> None:
+    def _apply_wanted(self, strict: bool = False) -> None:
+        """Subscribe to the ranks wanted; an endpoint that cannot be subscribed to is skipped
+        and not tried again in this connection (``strict``, when connecting: raise)."""
         with self._wanted_lock:
             wanted, self._wanted = self._wanted, []
         for rank in wanted:
             endpoint = registry.rank_pub(rank)  # ipc on this host, else authenticated TCP
-            if not endpoint or endpoint in self._subs:
+            if not endpoint or endpoint in self._subs or endpoint in self.refused:
                 continue
             try:
                 self._sub_socket(endpoint).connect(endpoint)
             except (zmq.ZMQError, SecurityError) as exc:
-                raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
+                if strict:
+                    raise SourceUnavailable(f"cannot subscribe to {endpoint}: {exc}")
+                # a snapshot's word (a peer's): one bad endpoint leaves the other ranks
+                self.refused[endpoint] = str(exc)
+                continue
             self._subs[endpoint] = rank.rank
             if self._ranks.get(rank.rank, rank) != rank:
                 self._asked.discard(rank.rank)  # new endpoints: ask it again
@@ -395,14 +416,17 @@ class LiveSource:
             self.subscribe(*(r for r in target.ranks if self._ranks.get(r.rank) != r))
 
     def _ask_ranks(self) -> None:
-        """Send one hello to every known rank not asked yet (the control rank aside)."""
+        """Send one hello to every known rank not asked yet (the control rank aside, unless
+        probed)."""
         if self._control_rank is None:
             return
         frame = b""
         for number, info in self._ranks.items():
-            if number == self._control_rank or number in self._asked:
+            probed = number in self._probed
+            if (number == self._control_rank and not probed) or number in self._asked:
                 continue
             self._asked.add(number)
+            self._probed.discard(number)
             endpoint = registry.rank_control(info)
             if not endpoint:
                 continue
@@ -425,6 +449,36 @@ class LiveSource:
         with contextlib.suppress(KeyError):
             self._poller.unregister(sock)
         sock.close(0)
+
+    def resubscribe(self, ranks: list[int] | None = None) -> int:
+        """Connect anew to the telemetry endpoints of ``ranks`` (None: every rank), leaving the
+        other ranks sharing their sockets alone; returns how many endpoints were."""
+        # libzmq drops a SUB connection for good on a frame over MAXMSGSIZE (no reconnect):
+        # disconnecting that endpoint and connecting it again brings its frames back
+        count = 0
+        for endpoint, rank in list(self._subs.items()):
+            if ranks is not None and rank not in ranks:
+                continue
+            try:
+                sock = self._sockets[client_domain(endpoint)]
+            except (KeyError, SecurityError):
+                continue
+            with contextlib.suppress(zmq.ZMQError):  # gone already: only connect
+                sock.disconnect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                del self._subs[endpoint]
+                self.refused[endpoint] = str(exc)
+                continue
+            count += 1
+        return count
+
+    def probe(self, rank: int) -> None:
+        """Send ``rank`` one more hello at the next poll, without waiting for its answer (its
+        snapshot comes through ``poll`` if it is alive)."""
+        self._asked.discard(rank)
+        self._probed.add(rank)
 
     def poll(self, timeout_s: float) -> list[RawFrame]:
         """Frames from every subscribed rank (and the other ranks' snapshots, as control frames),
@@ -485,10 +539,12 @@ class LiveSource:
             sock.close(0)
         self._sockets.clear()
         self._subs.clear()
+        self.refused.clear()
         for sock in list(self._hellos):
             self._close_hello(sock)
         self._ranks.clear()
         self._asked.clear()
+        self._probed.clear()
         self._control_rank = None
         self._control = ""
 
@@ -626,6 +682,13 @@ class ReplaySource:
     def request(self, message: Message, expect: type[T]) -> T:
         """A recording answers no request."""
         raise SourceUnavailable("a recording takes no requests")
+
+    def resubscribe(self, ranks: list[int] | None = None) -> int:
+        """A recording has no subscription to make anew."""
+        return 0
+
+    def probe(self, rank: int) -> None:
+        """A recording takes no hello."""
 
     def disconnect(self) -> None:
         """Nothing to release."""

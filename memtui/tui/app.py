@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.notifications import SeverityLevel
 from textual.reactive import var
 from textual.screen import Screen
 from textual.worker import get_current_worker
@@ -31,6 +32,7 @@ from memtui.knobs import KNOBS
 from memtui.recording import LiveSource, ReplaySource, Source, SourceUnavailable
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.receiver import Inbox, Receiver
+from memtui.tui.safe import clean
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen, EditResult
@@ -46,6 +48,8 @@ EDIT_ACTIONS = frozenset(
     {"edit", "toggle_keep", "cancel_change", "apply_recommendation", "pick_recommendation"}
 )
 """Actions that change the run: disabled (and hidden) in a read-only view."""
+NOTICE_LIMIT = 500
+"""The most characters a notification shows (a run's reason may be any length)."""
 
 
 class MemtuiApp(App[int]):
@@ -137,7 +141,7 @@ class MemtuiApp(App[int]):
         """Start the receiver and the refresh timer."""
         self._receive()
         for problem in self.state.thresholds.problems:  # the config file: say what was ignored
-            self.notify(problem, severity="warning", timeout=10)
+            self.say(problem, severity="warning", timeout=10)
         self.set_interval(1 / self.refresh_hz, self._tick, name="refresh")
         self.call_after_refresh(self.refresh_view)
 
@@ -164,7 +168,7 @@ class MemtuiApp(App[int]):
             self.batches_folded += 1
             for event in batch.events:
                 if isinstance(event, Notice):
-                    self.notify(event.text, severity="information" if event.ok else "error")
+                    self.say(event.text, severity="information" if event.ok else "error")
         info = self.state.info
         if info is not None and info.readonly and not self.readonly:
             # attached over plain TCP without the run's control opt-in: nothing can be sent
@@ -197,12 +201,18 @@ class MemtuiApp(App[int]):
         except Exception as error:  # the last line of defence: count it, show it, go on
             self.state.note_viewer_error("drawing", error)
 
+    def say(
+        self, message: str, *, severity: SeverityLevel = "information", timeout: float | None = None
+    ) -> None:
+        """Notify the operator of ``message`` as text (never markup, control characters shown)."""
+        self.notify(clean(message, NOTICE_LIMIT), severity=severity, timeout=timeout, markup=False)
+
     def _tell_error(self) -> None:
         """Say once what went wrong when the viewer survives a new kind of error."""
         error = self.state.last_viewer_error
         if error and error != self._error_told:
             self._error_told = error
-            self.notify(f"viewer error (survived): {error}", severity="error", timeout=10)
+            self.say(f"viewer error (survived): {error}", severity="error", timeout=10)
 
     @property
     def caught_up(self) -> bool:
@@ -231,10 +241,10 @@ class MemtuiApp(App[int]):
         """Open the editor for ``knob``; a valid value is sent as a change."""
         control = self.state.control
         if control is None:
-            self.notify("the run's config is not known yet", severity="warning")
+            self.say("the run's config is not known yet", severity="warning")
             return
         if knob not in control.tunable:
-            self.notify(f"{knob} is not tunable in this run", severity="warning")
+            self.say(f"{knob} is not tunable in this run", severity="warning")
             return
 
         def send(result: EditResult | None) -> None:
@@ -262,7 +272,7 @@ class MemtuiApp(App[int]):
         if option is None:
             return
         if not option.applicable:
-            self.notify(f"{option.title}: memtui cannot apply this one", severity="warning")
+            self.say(f"{option.title}: memtui cannot apply this one", severity="warning")
             return
         self.receiver.submit(SetRequest(changes=dict(option.changes), client=self.receiver.client))
 
@@ -270,7 +280,7 @@ class MemtuiApp(App[int]):
         """Queue the top recommendation that memtui can apply."""
         top = top_applicable(self._recommendations(), self.state)
         if top is None:
-            self.notify(
+            self.say(
                 "no recommendation memtui can apply now (or it is pending)", severity="warning"
             )
             return
@@ -280,7 +290,7 @@ class MemtuiApp(App[int]):
         """Pick a recommendation to queue."""
         options = self._recommendations()
         if not options:
-            self.notify("nothing to recommend now", severity="warning")
+            self.say("nothing to recommend now", severity="warning")
             return
         self.push_screen(AdviceScreen(options), self.queue_recommendation)
 
@@ -292,7 +302,7 @@ class MemtuiApp(App[int]):
         """Pick a pending change to cancel."""
         pending = self.state.control.pending if self.state.control else []
         if not pending:
-            self.notify("no change is pending", severity="warning")
+            self.say("no change is pending", severity="warning")
             return
 
         def cancel(change_id: int | None) -> None:
@@ -315,7 +325,7 @@ class MemtuiApp(App[int]):
             return
         speed = min(256.0, max(1 / 16, (source.speed or 1.0) * factor))
         source.set_speed(speed)
-        self.notify(f"replay at {speed:g}x", timeout=2)
+        self.say(f"replay at {speed:g}x", timeout=2)
 
     def action_help(self) -> None:
         """Show the keys and the thresholds."""

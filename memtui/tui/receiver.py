@@ -47,6 +47,11 @@ hook counts each queued, applied, cancelled or rejected change: a few per checkp
 whose ``control_seq`` jumps further, or goes back (after the snapshot: the batches already on
 their way when it was taken may go back), is not believed: its control state is dropped and
 counted as a bad value, and the run is asked for a snapshot, whose count is the run's own."""
+RESUBSCRIBE_MAX_S = 30.0
+"""The longest wait between two subscriptions made anew to a rank that stays silent while it
+answers (the first comes after ``quiet_after_s``, each next one waits twice as long)."""
+ALL_RANKS = -1
+"""The key of the whole run in the receiver's resubscription times."""
 
 
 class Inbox:
@@ -136,6 +141,14 @@ class Receiver:
         rank past its world size, a control seq that jumps or goes back."""
         self.snapshots_asked = 0
         """Snapshots asked for because of what the stream said (not counting the connection's)."""
+        self.reconnects = 0
+        """Times telemetry was subscribed to anew: the run (or a rank) answered a hello but sent
+        nothing for ``quiet_after_s`` (libzmq drops a connection for good on an oversized frame)."""
+        self._heard: dict[int, float] = {}
+        """Each rank's last telemetry, on the source's clock (in this connection)."""
+        self._retry: dict[int, tuple[float, float]] = {}
+        """Silent ranks (``ALL_RANKS``: the run): when to ask (and resubscribe) again, and the
+        wait after that (doubling to ``RESUBSCRIBE_MAX_S``)."""
         self.caught_up = threading.Event()
         """Set once a finished source (the end of a replay) has been fully reported."""
         self._stop = threading.Event()
@@ -161,6 +174,7 @@ class Receiver:
         self._last_post = 0.0
         self._posted_bad = 0
         self._posted_values = 0
+        self._posted_reconnects = 0
         self._posted_clock = 0.0
 
     # ------------------------------------------------------------------ app side (any thread)
@@ -242,19 +256,25 @@ class Receiver:
         bad = self.decoder.bad_frames
         clock = self.source.now()
         news = (
-            bool(self._events) or bad != self._posted_bad or self.bad_values != self._posted_values
+            bool(self._events)
+            or bad != self._posted_bad
+            or self.bad_values != self._posted_values
+            or self.reconnects != self._posted_reconnects
         )
         heartbeat = clock != self._posted_clock and now - self._last_post >= self.heartbeat_s
         if not (news or heartbeat):
             return
         if not self._urgent and now - self._last_post < max(self.post_interval_s, self._gather()):
             return
-        batch = ReceivedBatch(self._events, clock, bad, self.decoder.last_error, self.bad_values)
+        batch = ReceivedBatch(
+            self._events, clock, bad, self.decoder.last_error, self.bad_values, self.reconnects
+        )
         self._events = []
         self._urgent = False
         self._last_post = now
         self._posted_bad = bad
         self._posted_values = self.bad_values
+        self._posted_reconnects = self.reconnects
         self._posted_clock = clock
         self.inbox.put(batch)
         self.batches_posted += 1
@@ -279,6 +299,8 @@ class Receiver:
             return
         self._connected = True
         self._last_frame_clock = self.source.now()
+        self._heard.clear()
+        self._retry.clear()
         self._set_status(Status.LIVE)
 
     def _drop(self, status: Status, detail: str) -> None:
@@ -330,8 +352,10 @@ class Receiver:
                     self.bad_values += 1  # a rank the run does not have
                     return
                 self._emit(message)  # that rank's history and config only
-                return
-            self._take_snapshot(message)
+            else:
+                self._take_snapshot(message)
+            if self._is_silent(info.rank):  # it answers (probed), but its telemetry stopped
+                self._resubscribe([info.rank])
             return
         if not isinstance(message, Telemetry):
             return  # None (counted by the decoder) or a stray reply: nothing to show
@@ -340,6 +364,11 @@ class Receiver:
             self.bad_values += 1  # a rank the run does not have: no entry kept for it
             return
         self._last_frame_clock = self.source.now()
+        if ours:
+            self._heard[message.rank] = self._last_frame_clock
+            if self._retry:  # heard again: a later silence starts the waits afresh
+                self._retry.pop(message.rank, None)
+                self._retry.pop(ALL_RANKS, None)
         self._ranks_seen.add(message.rank)
         if self._status is not None and self._status.status is Status.QUIET:
             self._set_status(Status.LIVE)
@@ -380,6 +409,7 @@ class Receiver:
             return
         silence = self.source.now() - self._last_frame_clock
         if silence < self.quiet_after_s:
+            self._check_ranks()
             return
         quiet = f"no data for {silence:.0f} s"
         if not self.source.serves_requests:
@@ -400,6 +430,38 @@ class Receiver:
             return
         self._take_snapshot(snapshot)
         self._set_status(Status.QUIET, f"{quiet}; the run answers")
+        if self._due(ALL_RANKS):  # alive, yet nothing comes: the subscription may be lost
+            self._resubscribe(None)
+
+    def _is_silent(self, rank: int) -> bool:
+        """``rank`` sent telemetry in this connection, but none for ``quiet_after_s``."""
+        heard = self._heard.get(rank)
+        return heard is not None and self.source.now() - heard >= self.quiet_after_s
+
+    def _due(self, key: int) -> bool:
+        """Whether a silent rank (``ALL_RANKS``: the run) may be asked again now; if so, the
+        next time is set (twice as far off as the last)."""
+        now = time.monotonic()
+        due, wait = self._retry.get(key, (0.0, self.quiet_after_s))
+        if now < due:
+            return False
+        self._retry[key] = (now + wait, min(2 * wait, RESUBSCRIBE_MAX_S))
+        return True
+
+    def _check_ranks(self) -> None:
+        """The run reports, but a rank heard from before has gone silent: ask it whether it is
+        alive (a hello, not waited for); its answer, through ``poll``, subscribes anew."""
+        if not self.source.serves_requests:
+            return
+        for rank in [r for r in self._heard if self._is_silent(r)]:
+            if self._due(rank):
+                self.source.probe(rank)
+
+    def _resubscribe(self, ranks: list[int] | None) -> None:
+        """Subscribe anew to the telemetry of ``ranks`` (None: the whole run), which answered
+        but sent nothing, and count it."""
+        if self.source.resubscribe(ranks):
+            self.reconnects += 1
 
     # ------------------------------------------------------------------ requests
 

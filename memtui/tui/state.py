@@ -139,6 +139,8 @@ class ReceivedBatch:
     bad_values: int = 0
     """Messages the receiver dropped for impossible values (a rank past the run's world size, an
     implausible control seq), since it started."""
+    reconnects: int = 0
+    """Times the receiver subscribed anew to telemetry that stopped while the run answered."""
 
 
 @dataclass(frozen=True)
@@ -575,6 +577,9 @@ class RunState:
     viewer_errors: int = 0
     """Exceptions the viewer caught while folding or drawing a batch (and survived)."""
     last_viewer_error: str = ""
+    reconnects: int = 0
+    """Times the receiver subscribed anew to a run that answered but whose telemetry stopped (a
+    frame over the size limit makes ZeroMQ drop the connection for good)."""
     ignored_batches: int = 0
     """Telemetry from another run (or before any snapshot), dropped."""
     connection: ConnectionEvent = field(default_factory=_initial_connection)
@@ -609,6 +614,9 @@ class RunState:
         if batch.bad_frames != self.bad_frames:
             self.bad_frames = batch.bad_frames
             self.last_bad_frame = batch.last_bad_frame
+            self.connection_version += 1
+        if batch.reconnects != self.reconnects:
+            self.reconnects = batch.reconnects
             self.connection_version += 1
         if batch.bad_values > self.receiver_bad_values:
             self._count_bad_values(batch.bad_values - self.receiver_bad_values)

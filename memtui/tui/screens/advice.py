@@ -13,7 +13,11 @@ from textual.widgets import Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from memtui.advice.recommend import Recommendation
+from memtui.tui.safe import as_text
 from memtui.tui.widgets.advice import expected
+
+ADVICE_ONLY = "\n   (advice only: a restart or a code change)"
+"""Under an option memtui cannot apply."""
 
 
 class AdviceScreen(ModalScreen[Recommendation | None]):
@@ -29,10 +33,12 @@ class AdviceScreen(ModalScreen[Recommendation | None]):
         """Every option, best first; those memtui cannot apply are listed but disabled."""
         items = [
             Option(
-                f"{rank}. {option.title}\n   "
-                + " · ".join(text for text, _style in expected(option))
-                + (f"\n   {option.why}" if option.why else "")
-                + ("" if option.applicable else "\n   (advice only: a restart or a code change)"),
+                as_text(
+                    f"{rank}. {option.title}\n   "
+                    + " · ".join(text for text, _style in expected(option))
+                    + (f"\n   {option.why}" if option.why else "")
+                    + ("" if option.applicable else ADVICE_ONLY)
+                ),
                 id=str(rank - 1),
                 disabled=not option.applicable,
             )

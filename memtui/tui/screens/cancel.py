@@ -13,6 +13,7 @@ from textual.widgets import Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from memtui.knobs import format_changes
+from memtui.tui.safe import as_text
 from memtui.wire import PendingChange
 
 
@@ -28,14 +29,14 @@ class CancelScreen(ModalScreen[int | None]):
     def compose(self) -> ComposeResult:
         """The pending changes, newest first, and 'all'."""
         options = [
-            Option(
-                f"#{c.id} {format_changes(c.changes)} (queued at step {c.queued_step})",
+            Option(  # the run's knob names: text, never markup
+                as_text(f"#{c.id} {format_changes(c.changes)} (queued at step {c.queued_step})"),
                 id=str(c.id),
             )
             for c in reversed(self.pending)
         ]
         if len(self.pending) > 1:
-            options.append(Option(f"all {len(self.pending)} pending changes", id="0"))
+            options.append(Option(as_text(f"all {len(self.pending)} pending changes"), id="0"))
         with Vertical(id="dialog"):
             yield Label("Cancel a pending change", id="dialog-title")
             yield OptionList(*options, id="pending")

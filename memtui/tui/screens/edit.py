@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -26,6 +27,7 @@ from memtui.knobs import (
     resolve,
 )
 from memtui.stats import format_bytes
+from memtui.tui.safe import as_text
 from memtui.tui.state import RunState
 from memtui.wire import Knobs, KnobValue
 
@@ -167,8 +169,8 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
         if self.knob == "batch_size" and self.keep_effective_batch:
             about += "; keep-effective-batch is on: grad_accum follows"
         with Vertical(id="dialog"):
-            yield Label(f"Set {self.knob}", id="dialog-title")
-            yield Static(about, id="dialog-about")
+            yield Label(f"Set {self.knob}", id="dialog-title", markup=False)
+            yield Static(as_text(about), id="dialog-about")
             yield Input(
                 value=start,
                 placeholder=format_value(current),
@@ -190,26 +192,28 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
             return False
         try:
             _value, resolved = check_change(self.knob, text, self.state, self.keep_effective_batch)
-        except KnobError as exc:
-            preview.update(f"[red]{exc}[/]")
+        except KnobError as exc:  # it quotes what was typed: text, not markup
+            preview.update(as_text(exc, "red"))
             return False
-        note = f"\n{resolved.note}" if resolved.note else ""
+        shown = Text.assemble("will queue ", as_text(format_changes(resolved.changes), "bold"))
+        if resolved.note:
+            shown.append("\n").append_text(as_text(resolved.note))
         prediction = predict_change(resolved, self.state)
-        shown = f"will queue [bold]{format_changes(resolved.changes)}[/]{note}"
         if prediction is not None:
             style = "bold red" if prediction.over_danger else "green"
             if not prediction.over_danger and prediction.fraction >= prediction.edge:
                 style = "bold yellow"
-            shown += f"\n[{style}]{prediction.describe()}[/]"
+            shown.append("\n").append_text(as_text(prediction.describe(), style))
             if prediction.over_danger:
                 safe = prediction.max_safe_batch_size
-                shown += f"\n[bold red]over the {prediction.danger:.0%} danger band[/]"
+                shown.append(f"\nover the {prediction.danger:.0%} danger band", "bold red")
                 if safe:
-                    shown += f" (largest under {prediction.edge:.0%}: {safe})"
+                    shown.append(f" (largest under {prediction.edge:.0%}: {safe})")
                 if self.confirming == text_key(text):
-                    shown += "\n[bold reverse red] enter again: queue it anyway (forced) [/]"
+                    shown.append("\n")
+                    shown.append(" enter again: queue it anyway (forced) ", "bold reverse red")
                 else:
-                    shown += "\nenter asks for a confirmation"
+                    shown.append("\nenter asks for a confirmation")
         preview.update(shown)
         return True
 

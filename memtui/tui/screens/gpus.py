@@ -19,6 +19,7 @@ from textual.widgets import Label, Static
 
 from memtui.gpus import GpuInfo, NoDriver, format_gpus, host_gpus
 from memtui.stats import format_bytes
+from memtui.tui.safe import as_text
 
 REFRESH_S = 2.0
 """Seconds between NVML reads while the screen is open."""
@@ -40,8 +41,8 @@ class GpusScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         """Title, the table and the keys."""
         with Vertical(id="dialog"):
-            yield Label(f"GPUs on {socket.gethostname()}", id="dialog-title")
-            yield Static(self.body_text, id="gpus-table")
+            yield Label(as_text(f"GPUs on {socket.gethostname()}"), id="dialog-title")
+            yield Static(as_text(self.body_text), id="gpus-table")
             yield Static(
                 "freest first · the viewer's host (a run on another node is not shown) · "
                 "r: refresh · esc: back",
@@ -71,7 +72,8 @@ class GpusScreen(ModalScreen[None]):
     def _show(self, text: str) -> None:
         self.body_text = text
         if self.is_attached:
-            self.query_one("#gpus-table", Static).update(text)
+            # names and command lines are other users' words: text, never markup
+            self.query_one("#gpus-table", Static).update(as_text(text))
 
     def action_dismiss_screen(self) -> None:
         """Close the screen."""

@@ -13,6 +13,7 @@ from textual.widgets import Static
 
 from memtui.advice.verdict import THRESHOLDS, ThresholdConfig, describe_thresholds
 from memtui.stats import STRAGGLER_LAG_S, STRAGGLER_STEP_FACTOR, STRAGGLER_WAIT_SHARE
+from memtui.tui.safe import as_text
 from memtui.tui.state import NEAREST_OOM_FROM, SILENT_AFTER_S
 
 KEYS: tuple[tuple[str, str], ...] = (
@@ -68,11 +69,11 @@ def help_text(readonly: bool, thresholds: ThresholdConfig | None = None) -> Text
     if readonly:
         text.append("  This view is read-only: it sends nothing.\n", "bold yellow")
     text.append("\nVerdict ", "bold")
-    text.append(f"(thresholds from {config.source})\n", "dim")
+    text.append_text(as_text(f"(thresholds from {config.source})\n", "dim"))
     for line in describe_thresholds(config.thresholds):
         text.append(f"  {line}\n")
     for problem in config.problems:
-        text.append(f"  ignored: {problem}\n", "yellow")
+        text.append_text(as_text(f"  ignored: {problem}\n", "yellow"))
     text.append(
         "  set them in $MEMTUI_CONFIG or ~/.config/memtui/config.yaml (XDG_CONFIG_HOME), under\n"
         "  verdict: (starved_wait_fraction, underused_memory_fraction, memory_edge_fraction,\n"
@@ -104,4 +105,4 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         """The help text in a scrollable dialog."""
         with VerticalScroll(id="dialog"):
-            yield Static(help_text(self.readonly, self.thresholds), id="help-text")
+            yield Static(help_text(self.readonly, self.thresholds), id="help-text", markup=False)

@@ -10,6 +10,7 @@ from textual.geometry import Size
 from textual.message import Message
 from textual.widget import Widget
 
+from memtui.tui.safe import sanitize
 from memtui.tui.state import RunState, ViewOptions
 
 
@@ -95,5 +96,7 @@ class StateView(Widget):
         except Exception as error:  # the last line of defence: count it, show it, go on
             self.state.note_viewer_error(f"drawing the {self.id or 'panel'}", error)
             content = Text(f"cannot draw this: {type(error).__name__}", "bold red")
+        if isinstance(content, Text):  # what the run sent: no control character to the terminal
+            sanitize(content)
         self._cache = (self._key, shape, content)
         return content

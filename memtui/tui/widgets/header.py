@@ -89,6 +89,8 @@ class RunHeader(StateView):
             progress.append((f"{rate(samples)} samples/s{scope}", ""))
         if state.lost_batches:
             progress.append((f"lost {state.lost_batches} batches", "yellow"))
+        if state.reconnects:
+            progress.append((counted(state.reconnects, "reconnect"), "yellow"))
         if state.bad_frames:
             progress.append((f"{state.bad_frames} bad frames", "bold red"))
         if state.bad_values:
