@@ -99,8 +99,9 @@ NANOGPT = textwrap.dedent(
             if rank == 0 and it == checkpoint_every:
                 tuner.control.queue(SetRequest(changes={"batch_size": 6}))
     disabled = tuner.control.state().disabled if tuner is not None else "no memtui"
-    print(f"rank {rank} accum {gradient_accumulation_steps} batch {batch_size} "
-          f"disabled {disabled!r}", flush=True)
+    # one write: the ranks share the launcher's stdout, and print() writes the newline apart
+    os.write(1, f"rank {rank} accum {gradient_accumulation_steps} batch {batch_size} "
+                f"disabled {disabled!r}\\n".encode())
     if tuner is not None:
         tuner.close()
     dist.destroy_process_group()
@@ -131,8 +132,11 @@ def run_job(tmp_path: Path, python: str = sys.executable, fault: str = "") -> tu
 
 def finals(output: str) -> dict[int, tuple[int, int, str]]:
     """Each rank's last line: (grad_accum, batch_size, why changes are off)."""
-    found = re.findall(r"^rank (\d) accum (\d+) batch (\d+) disabled '(.*)'$", output, re.M)
-    return {int(r): (int(a), int(b), why) for r, a, b, why in found}
+    line = r"rank (\d) accum (\d+) batch (\d+) disabled ('[^'\n]*'|\"[^\"\n]*\")"
+    found = re.findall(line, output)
+    ranks = {int(r): (int(a), int(b), why[1:-1]) for r, a, b, why in found}
+    assert set(ranks) == {0, 1}, "every rank ends\n" + output
+    return ranks
 
 
 def runtime_python() -> str:
