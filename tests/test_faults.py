@@ -376,7 +376,6 @@ def test_kill_9_at_a_boundary_leaves_a_readable_state(tmp_path: Path) -> None:
     assert tuned["config"]["grad_accum"] in (1, 3)
     for line in next(info_dir.rglob("memtui-audit.jsonl")).read_text().splitlines():
         json.loads(line)
-    assert not list(info_dir.rglob("*.tmp")), "no temp file left behind"
 
 
 def test_a_hello_is_cheap_to_refuse_when_it_is_junk(victim: Victim) -> None:
