@@ -294,7 +294,12 @@ def status_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) 
         "checkpoints": [
             {"step": c.step, "time": c.time, "save_s": c.save_s} for c in snapshot.checkpoints[-5:]
         ],
-        "counters": to_builtins(snapshot.counters) if snapshot.counters else {},
+        "counters": {  # what peers were refused is always shown, zero included
+            "requests_refused": 0,
+            "requests_rate_limited": 0,
+            "auth_failures": 0,
+            **(to_builtins(snapshot.counters) if snapshot.counters else {}),
+        },
         "state_dir": info.state_dir,
         "tuned_path": info.tuned_path,
         "audit_path": info.audit_path,
@@ -411,6 +416,17 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
     counters = snapshot.counters
     if counters and counters.errors:
         lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
+    if counters and (
+        counters.requests_refused or counters.requests_rate_limited or counters.auth_failures
+    ):
+        line = (
+            f"peers: {counters.requests_refused} requests refused (out of bounds), "
+            f"{counters.requests_rate_limited} rate limited, "
+            f"{counters.auth_failures} failed authentications"
+        )
+        if counters.control_rests:
+            line += f"; the control socket paused {counters.control_rests} times to spare training"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -709,7 +725,14 @@ def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         run_id = _wait_for_run_id(log_path, proc)
-        code = run_app(run_id, demo_process=proc)
+        try:
+            code = run_app(run_id, demo_process=proc)
+            died = f"exit status {code}" if code else ""
+        except Exception as exc:  # the viewer's failure, not the training's: it goes on
+            code, died = 1, f"{type(exc).__name__}: {exc}"
+        if died and proc.poll() is None:  # only a normal quit (q) stops the demo's training
+            _viewer_died(died, run_id, log_path)
+            proc.wait()  # until the training ends; Ctrl-C stops it (below), as before
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -718,6 +741,19 @@ def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     sys.exit(code)
+
+
+def _viewer_died(why: str, run_id: str, log_path: Path) -> None:
+    """Tell the operator that the demo's viewer died and that its training goes on."""
+    from memtui.tui.safe import clean
+
+    print(f"memtui demo: the viewer died ({clean(why, 300)})", file=sys.stderr)
+    print(f"memtui demo: the training goes on; its output: {log_path}", file=sys.stderr)
+    print(
+        f"memtui demo: reattach with `memtui attach {run_id}`; Ctrl-C stops the training",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _wait_for_run_id(log_path: Any, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> str:

@@ -272,9 +272,9 @@ class ZapHandler:
         self.denied = 0
         """Peers refused (unknown key or wrong mechanism)."""
 
-    def handle(self) -> None:
-        """Answer every pending request."""
-        while True:
+    def handle(self, limit: int = 64) -> None:
+        """Answer the pending requests, at most ``limit`` (the caller comes back for more)."""
+        for _ in range(limit):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -319,6 +319,15 @@ class HookCounters(Struct, omit_defaults=True):
     last_error: str = ""
     recoveries: int = 0
     """Times the runtime directory had vanished and was recreated."""
+    requests_refused: int = 0
+    """Requests refused for their shape: undecodable, or over the bounds (too many knobs, a name
+    or value too long), and subscriptions other than the viewers' (their socket was reset)."""
+    requests_rate_limited: int = 0
+    """Requests answered "rate limited" unserved: their connection sent too many too fast."""
+    auth_failures: int = 0
+    """Peers that failed to authenticate on a TCP socket (refused keys, failed handshakes)."""
+    control_rests: int = 0
+    """Times the control plane spent its CPU budget and stopped reading requests for a while."""
 
 
 class RankInfo(Struct, omit_defaults=True):

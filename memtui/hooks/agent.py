@@ -11,6 +11,16 @@ the training thread wrote them (bounded) until a viewer asks. Between flushes it
 hello/set/cancel on the ROUTER control socket (rank 0); a change queued or cancelled goes out
 at once, not at the next flush. Every two seconds it checks the run's
 registry file and recreates the runtime directory and sockets if someone removed them.
+
+The training run comes first, so what peers can make the agent do is bounded
+(``memtui.hooks.limits``): every frame a socket takes is small (``MAX_CONTROL_FRAME``,
+``MAX_SUBSCRIPTION_FRAME``: ZeroMQ drops a peer that sends a bigger one); requests, refusals and
+authentications are paid from one CPU budget of a few percent of a core, and once it is spent
+the control and authentication sockets rest until it is refilled; each connection gets a few
+requests a second, then a cheap "rate limited"; and a telemetry socket that receives anything
+but a viewer's subscription (or a storm of them) is closed and reopened a second later, since
+ZeroMQ keeps every subscription it is sent until the socket closes. Refusals, rate-limited
+requests and failed authentications are counted in ``HookCounters`` (``memtui status``).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +41,7 @@ import zmq
 from memtui import registry
 from memtui.advice.effect import SETTLE_STEPS, describe, measure
 from memtui.advice.predict import Observation, fit, predict_peak
+from memtui.hooks.limits import Budget, PeerRates
 from memtui.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
 from memtui.security import IPC, READONLY_REASON, ZapHandler, exposure, make_server, public_info
 from memtui.wire import (
@@ -64,8 +76,25 @@ log = logging.getLogger("memtui")
 HISTORY_STEPS = 2048
 UNSENT_RECORDS = 16384
 """Drained records waiting for the next flush (as many as the training thread's outbox)."""
-MAX_CONTROL_FRAME = 1 << 20
-"""Bigger frames on the control socket are refused by ZeroMQ (a bad peer cannot bloat us)."""
+MAX_CONTROL_FRAME = 4096
+"""Bigger frames on the control socket are refused by ZeroMQ (a bad peer cannot bloat us): the
+largest request in bounds is ~1 KiB, and a CURVE handshake needs ~600 bytes."""
+MAX_SUBSCRIPTION_FRAME = 1024
+"""Bigger frames on a telemetry socket are refused by ZeroMQ: a viewer's subscription is one
+byte, and a CURVE handshake needs ~600 bytes."""
+SUBSCRIPTION_QUEUE = 32
+"""Subscription frames queued per peer before ZeroMQ stops reading it."""
+SUBSCRIPTION_REPORTS_PER_S = 100
+"""More subscribe and unsubscribe reports than this in a second is a storm: the socket is reset."""
+PUB_REST_S = 1.0
+"""How long a misused telemetry socket stays closed before it is bound again."""
+NEWS_GAP_S = 0.1
+"""A change of the control state goes out at once, but at most this often."""
+RATE_LIMITED = "rate limited: this connection sent too many requests; try again in a second"
+_RATE_LIMITED_FRAME = encode(ErrorReply(reason=RATE_LIMITED))
+HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+"""The monitor events of a TCP peer that failed to authenticate before ZAP was asked (a wrong
+server key, plain ZeroMQ on a CURVE socket, a connection dropped mid-handshake)."""
 
 
 class Agent(threading.Thread):
@@ -121,6 +150,7 @@ class Agent(threading.Thread):
         self.tcp_readonly = False
         """The TCP control socket answers hello only (plain TCP without the control opt-in)."""
         self.registered = False
+        self._warned_pub = False
         self._recording: RecordingWriter | None = None
         self._recorded_bytes = 0
         self._started_recording = 0.0
@@ -132,6 +162,17 @@ class Agent(threading.Thread):
         self._last_step = 0
         self._polled: tuple[zmq.Socket, ...] = ()
         self._poll = zmq.Poller()
+        self._budget = Budget()
+        """The CPU the control plane may take from the training (requests, authentications)."""
+        self._peers = PeerRates()
+        """Each control connection's request rate."""
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}
+        """Monitor sockets of the TCP sockets (monitor -> socket watched), read at every wake-up."""
+        self._handshake_failures = 0
+        self._reports: dict[int, tuple[float, int]] = {}
+        """Subscription reports of each PUB socket (by id) in the current second: (since, count)."""
+        self._closed_pubs: list[tuple[bool, str, float]] = []
+        """Telemetry sockets closed for misuse: (TCP or not, endpoint, when to bind it again)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,6 +188,7 @@ class Agent(threading.Thread):
             self._context = zmq.Context()
             self._bind()
             self._bind_tcp()
+            self._watch_handshakes(self._pub_tcp, self._router_tcp)
         except BaseException as exc:
             self.failed = exc
             self.tuner._report(exc, "agent start")
@@ -161,10 +203,14 @@ class Agent(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 # rounded up: a timeout truncated to 0 ms would spin until the flush is due
-                timeout_ms = max(0, math.ceil((next_flush - time.monotonic()) * 1000))
+                timeout_ms = max(0, math.ceil((self._wake(next_flush) - time.monotonic()) * 1000))
+                cpu, spent, served = time.thread_time(), self._budget.spent, False
                 for sock, _event in self._poller().poll(timeout_ms):
-                    if self._zap is not None and sock is self._zap.socket:
-                        self._zap.handle()
+                    if sock in self._monitors:
+                        self._read_monitor(sock)
+                    elif self._zap is not None and sock is self._zap.socket:
+                        self._authenticate()
+                        served = True
                     elif isinstance(sock, zmq.Socket) and sock in (self._pub, self._pub_tcp):
                         if self._read_subscriptions(sock):
                             next_flush = time.monotonic()  # a viewer arrived: send at once
@@ -173,8 +219,15 @@ class Agent(threading.Thread):
                                 sampler.wake.set()  # and sample at the viewer's rate now
                     else:
                         self._serve(sock)
-                        if self._control_changed():
-                            next_flush = time.monotonic()  # a queued change is news: send it now
+                        served = True
+                        if self._control_changed():  # a queued change is news: send it now
+                            soon = max(time.monotonic(), self._last_send + NEWS_GAP_S)
+                            next_flush = min(next_flush, soon)
+                if served:  # the wake-up is the peers' too: the poll and what _serve did not pay
+                    overhead = time.thread_time() - cpu - (self._budget.spent - spent)
+                    self._budget.spend(max(0.0, overhead))
+                if self._closed_pubs:
+                    self._reopen_pubs()
                 now = time.monotonic()
                 if now >= next_flush:
                     next_flush = max(next_flush + self.flush_period(), now)
@@ -207,16 +260,28 @@ class Agent(threading.Thread):
         control = self.tuner.control
         return control is not None and control.seq != self._sent_control_seq
 
+    def _wake(self, next_flush: float) -> float:
+        """When the next poll must end: the flush, the end of a rest, or a socket to reopen."""
+        wake = next_flush
+        if self._budget.resting():
+            wake = min(wake, self._budget.resting_until)
+        for _tcp, _endpoint, at in self._closed_pubs:
+            wake = min(wake, at)
+        return wake
+
     def _poller(self) -> zmq.Poller:
-        """The poller over the sockets served now, rebuilt only when they change (a rebind)."""
+        """The poller over the sockets served now, rebuilt only when they change (a rebind, or
+        the control plane resting: then the control and authentication sockets are not read)."""
+        resting = self._budget.resting()
         sockets = tuple(
             sock
             for sock in (
-                self._router,
-                self._router_tcp,
-                self._zap.socket if self._zap else None,
+                None if resting else self._router,
+                None if resting else self._router_tcp,
+                self._zap.socket if self._zap and not resting else None,
                 self._pub,
                 self._pub_tcp,
+                *self._monitors,
             )
             if sock is not None
         )
@@ -242,20 +307,114 @@ class Agent(threading.Thread):
         return self.flush_period_s if self.watched else self.idle_flush_s
 
     def _read_subscriptions(self, sock: zmq.Socket) -> bool:
-        """Count the XPUB's subscribe/unsubscribe reports; True when the first viewer arrived."""
+        """Count the XPUB's subscribe/unsubscribe reports (True when the first viewer arrived);
+        a topic other than the viewers' (everything) or a storm of reports resets the socket."""
         before = self.subscribers
         count = self._subscribers.get(id(sock), 0)
+        now = time.monotonic()
+        since, seen = self._reports.get(id(sock), (now, 0))
+        if now - since >= 1.0:
+            since, seen = now, 0
         while True:
             try:
                 report = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if report[:1] == b"\x01":
-                count += 1
-            elif report[:1] == b"\x00":
-                count = max(0, count - 1)
+            seen += 1
+            if report not in (b"\x01", b"\x00") or seen > SUBSCRIPTION_REPORTS_PER_S:
+                self._reset_pub(sock)
+                return False
+            count = count + 1 if report == b"\x01" else max(0, count - 1)
         self._subscribers[id(sock)] = count
+        self._reports[id(sock)] = (since, seen)
         return before == 0 and count > 0
+
+    def _reset_pub(self, sock: zmq.Socket) -> None:
+        """Close a telemetry socket a peer misused, freeing the topics ZeroMQ kept (byte by byte,
+        until closed), to bind it again ``PUB_REST_S`` later (viewers reconnect by themselves)."""
+        tcp = sock is self._pub_tcp
+        raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+        endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._unwatch(sock)
+        self._subscribers.pop(id(sock), None)
+        self._reports.pop(id(sock), None)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.close(0)
+        if tcp:
+            self._pub_tcp = None
+        else:
+            self._pub = None
+        self._closed_pubs.append((tcp, endpoint, time.monotonic() + PUB_REST_S))
+        self.counters.requests_refused += 1
+        if not self._warned_pub:  # once: a peer that keeps at it must not flood the log
+            self._warned_pub = True
+            log.warning(
+                "memtui: a peer sent the telemetry socket %s what no viewer sends; "
+                "reset it (counted in requests_refused)",
+                endpoint,
+            )
+
+    def _reopen_pubs(self) -> None:
+        """Bind again the telemetry sockets whose rest is over (retried later if that fails)."""
+        assert self._context is not None
+        now = time.monotonic()
+        for entry in list(self._closed_pubs):
+            tcp, endpoint, at = entry
+            if now < at:
+                continue
+            self._closed_pubs.remove(entry)
+            if (self._pub_tcp if tcp else self._pub) is not None:
+                continue  # bound again meanwhile (a rebind)
+            sock = _pub_socket(self._context)
+            try:
+                if tcp:
+                    plan = self.tuner.tcp_plan
+                    make_server(sock, plan.keys if plan is not None else None)
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                self.tuner._report(exc, "telemetry socket")
+                self._closed_pubs.append((tcp, endpoint, now + PUB_REST_S))
+                continue
+            if tcp:
+                self._pub_tcp = sock
+                self._watch_handshakes(sock)
+            else:
+                self._pub = sock
+                _private(endpoint)
+
+    def _watch_handshakes(self, *socks: zmq.Socket | None) -> None:
+        """Count the failed handshakes of TCP sockets through a monitor each, read at every
+        wake-up, never resting (~2000 unread events block ZeroMQ's I/O thread, every socket)."""
+        for sock in socks:
+            if sock is not None:
+                self._monitors[sock.get_monitor_socket(HANDSHAKE_FAILURES)] = sock
+
+    def _unwatch(self, sock: zmq.Socket) -> None:
+        """Stop monitoring ``sock`` and close its monitor socket."""
+        for monitor, watched in list(self._monitors.items()):
+            if watched is sock:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                monitor.close(0)
+                del self._monitors[monitor]
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        """Count the failed handshakes a monitor reports."""
+        for _ in range(1024):
+            try:
+                event = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event and int.from_bytes(event[0][:2], sys.byteorder) & HANDSHAKE_FAILURES:
+                self._handshake_failures += 1
+
+    def _authenticate(self) -> None:
+        """Answer the waiting authentication requests, paid from the control plane's budget."""
+        assert self._zap is not None
+        start = time.thread_time()
+        self._zap.handle(limit=64)
+        self._budget.spend(time.thread_time() - start)
 
     def _bind(self) -> None:
         """Bind this rank's ipc PUB and ROUTER sockets in the private runtime directory."""
@@ -312,6 +471,8 @@ class Agent(threading.Thread):
             self.registered = True
 
     def _close(self) -> None:
+        for watched in list(self._monitors.values()):
+            self._unwatch(watched)
         for sock in (self._pub, self._router, self._pub_tcp, self._router_tcp):
             if sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -334,6 +495,7 @@ class Agent(threading.Thread):
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close(0)
         self._pub = self._router = None
+        self._closed_pubs = [entry for entry in self._closed_pubs if entry[0]]  # TCP ones only
         self._bind()
         if self.registered:
             self.register()
@@ -481,6 +643,7 @@ class Agent(threading.Thread):
 
     def current_counters(self) -> HookCounters:
         """The hook's counters now."""
+        control = self.tuner.control
         return HookCounters(
             records_dropped=self.counters.records_dropped,
             messages_dropped=self.counters.messages_dropped,
@@ -488,27 +651,54 @@ class Agent(threading.Thread):
             errors=self.tuner._errors,
             last_error=self.tuner._last_error,
             recoveries=self.counters.recoveries,
+            requests_refused=self.counters.requests_refused + (control.refused if control else 0),
+            requests_rate_limited=self.counters.requests_rate_limited,
+            auth_failures=self._handshake_failures + (self._zap.denied if self._zap else 0),
+            control_rests=self._budget.rests,
         )
 
     # ------------------------------------------------------------------ control
 
     def _serve(self, router: zmq.Socket) -> None:
+        """Answer the requests waiting, each paid from the CPU budget: once it is spent, the
+        rest wait in ZeroMQ's queues, unread, until it is refilled."""
+        budget = self._budget
         for _ in range(64):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            if budget.resting():
                 return
-            if len(frames) < 2:
-                self.decoder.bad_frames += 1
-                continue
-            envelope, payload = frames[:-1], frames[-1]
-            request = self.decoder.decode(payload)
-            readonly = self.tcp_readonly and router is self._router_tcp
-            reply = self._answer_readonly(request) if readonly else self._answer(request)
+            start = time.thread_time()
             try:
-                router.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self.counters.messages_dropped += 1
+                if not self._serve_one(router):
+                    return
+            finally:
+                budget.spend(time.thread_time() - start)
+
+    def _serve_one(self, router: zmq.Socket) -> bool:
+        """Read and answer one request (False when none waits); a connection over its rate gets
+        "rate limited", its request not even decoded."""
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False
+        if len(frames) < 2:
+            self.decoder.bad_frames += 1
+            self.counters.requests_refused += 1
+            return True
+        envelope, payload = frames[:-1], frames[-1]
+        if self._peers.allow(frames[0]):
+            request = self.decoder.decode(payload)
+            if request is None:
+                self.counters.requests_refused += 1
+            readonly = self.tcp_readonly and router is self._router_tcp
+            reply = encode(self._answer_readonly(request) if readonly else self._answer(request))
+        else:
+            self.counters.requests_rate_limited += 1
+            reply = _RATE_LIMITED_FRAME
+        try:
+            router.send_multipart([*envelope, reply], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counters.messages_dropped += 1
+        return True
 
     def _answer(self, request: Message | None) -> Message:
         control = self.tuner.control
@@ -712,6 +902,8 @@ def _pub_socket(context: zmq.Context) -> zmq.Socket:
     sock.setsockopt(zmq.XPUB_VERBOSER, 1)
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.LINGER, 100)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_FRAME)
+    sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_QUEUE)
     return sock
 
 
@@ -720,6 +912,7 @@ def _router_socket(context: zmq.Context) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)
     sock.setsockopt(zmq.SNDHWM, 100)
+    sock.setsockopt(zmq.RCVHWM, 100)
     return sock
 
 

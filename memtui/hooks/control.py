@@ -10,12 +10,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from memtui.advice.predict import confidence, max_batch, predict_peak
 from memtui.advice.verdict import THRESHOLDS, Thresholds, load_thresholds
+from memtui.hooks.limits import PeerRates
 from memtui.hooks.persist import AuditLog
 from memtui.knobs import KNOBS, KnobError, format_changes, parse_changes, resolve
 from memtui.stats import format_bytes
@@ -33,6 +34,7 @@ from memtui.wire import (
     SetReply,
     SetRequest,
     StaticMemory,
+    to_builtins,
 )
 
 log = logging.getLogger("memtui")
@@ -40,6 +42,47 @@ log = logging.getLogger("memtui")
 HISTORY = 50
 """Applied and rejected changes kept in memory (the audit log keeps all)."""
 MAX_PENDING = 64
+MAX_CHANGES = 8
+"""Knobs one request may name (there are four, by any of their names)."""
+MAX_TEXT = 64
+"""Characters of a knob's name, of a value given as text, and of a client's name."""
+MAX_REASON = 400
+"""Characters of a rejection's reason as stored and echoed."""
+AUDIT_REJECTIONS_PER_S = 2.0
+"""Rejections written to the audit log a second, sustained (the rest are counted in the next)."""
+AUDIT_REJECTIONS_BURST = 50.0
+
+
+class RequestRefused(KnobError):
+    """A request out of bounds: refused before it is parsed, and neither stored nor logged."""
+
+
+def check_request(changes: Mapping[str, object], client: str) -> None:
+    """Refuse a request that names too many knobs, or a name, text value or client name that is
+    too long: nothing a peer sends is stored or echoed before this check."""
+    if len(changes) > MAX_CHANGES:
+        raise RequestRefused(f"{len(changes)} knobs in one request: at most {MAX_CHANGES}")
+    if len(client) > MAX_TEXT:
+        raise RequestRefused(f"a client name of {len(client)} characters: at most {MAX_TEXT}")
+    for name, value in changes.items():
+        if len(name) > MAX_TEXT:
+            raise RequestRefused(f"a knob name of {len(name)} characters: at most {MAX_TEXT}")
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            raise RequestRefused(f"a value of {len(value)} characters: at most {MAX_TEXT}")
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, with anything unprintable made ``?``."""
+    cut = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return cut + "..." if len(text) > limit else cut
+
+
+def _clipped(changes: Mapping[str, object]) -> dict[str, Any]:
+    """A safe copy of a request's changes to store: names and text values clipped."""
+    return {
+        clip(str(name)): clip(value) if isinstance(value, str) else value
+        for name, value in list(changes.items())[:MAX_CHANGES]
+    }
 
 
 def knobs_with(base: Knobs, changes: dict[str, KnobValue]) -> Knobs:
@@ -86,6 +129,11 @@ class Control:
         """When the last boundary took the pending set: changes queued later wait for the next."""
         self.seq = 1
         """Bumped on every change of the control state."""
+        self.refused = 0
+        """Requests refused out of bounds (``check_request``): counted, not stored."""
+        self._audit_rejections = PeerRates(AUDIT_REJECTIONS_PER_S, AUDIT_REJECTIONS_BURST, 1)
+        self._unaudited = 0
+        """Rejections left out of the audit log since the last one written."""
 
     # ------------------------------------------------------------- views
 
@@ -120,7 +168,13 @@ class Control:
 
     def queue(self, request: SetRequest) -> SetReply:
         """Validate and queue a change (or only resolve it, for a dry run)."""
+        try:
+            check_request(request.changes, request.client)
+        except RequestRefused as exc:
+            self.refused += 1
+            return SetReply(ok=False, reason=str(exc))
         step = self._step()
+        client = clip(request.client)
         try:
             parsed = parse_changes(request.changes)
             if self.disabled:
@@ -153,7 +207,7 @@ class Control:
                     queued_time=time.time(),
                     queued_step=step,
                     keep_effective_batch=request.keep_effective_batch,
-                    client=request.client,
+                    client=client,
                     note=_join(resolved.note, prediction.warning if request.force else ""),
                     predicted_peak_bytes=prediction.peak_bytes,
                     forced=bool(request.force and prediction.over_danger),
@@ -163,20 +217,21 @@ class Control:
                 self.seq += 1
         except KnobError as exc:
             prediction = self._predict(self.projected())
+            reason = clip(str(exc), MAX_REASON)
             rejected = RejectedChange(
                 id=0,
-                requested=dict(request.changes),
-                reason=str(exc),
+                requested=_clipped(request.changes),
+                reason=reason,
                 time=time.time(),
                 step=step,
-                client=request.client,
+                client=client,
             )
             with self._lock:
                 self.rejected.append(rejected)
                 self.seq += 1
-            self._audit("rejected", rejected)
+            self._audit_rejected(rejected)
             return prediction.reply(
-                ok=False, reason=str(exc), needs_force=isinstance(exc, OverDanger)
+                ok=False, reason=reason, needs_force=isinstance(exc, OverDanger)
             )
         self._audit("queued", change)
         return prediction.reply(ok=True, id=change.id, changes=change.changes, note=change.note)
@@ -190,6 +245,11 @@ class Control:
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
+        try:
+            check_request({}, request.client)
+        except RequestRefused as exc:
+            self.refused += 1
+            return CancelReply(ok=False, reason=str(exc))
         with self._lock:
             if request.id == 0:
                 gone = [c.id for c in self.pending]
@@ -204,7 +264,9 @@ class Control:
                 "no change is pending" if request.id == 0 else f"no pending change #{request.id}"
             )
             return CancelReply(ok=False, reason=known)
-        self._audit("cancelled", {"ids": gone, "client": request.client, "step": self._step()})
+        self._audit(
+            "cancelled", {"ids": gone, "client": clip(request.client), "step": self._step()}
+        )
         return CancelReply(ok=True, cancelled=gone)
 
     # ------------------------------------------------------------- boundary (training thread)
@@ -241,6 +303,18 @@ class Control:
                 self.rejected.append(rejected)
                 self.seq += 1
             self._audit("rejected", rejected)
+
+    def _audit_rejected(self, rejected: RejectedChange) -> None:
+        """Log a request's rejection, a few a second at most (those left out are counted in the
+        next line written, ``unaudited_before``)."""
+        if not self._audit_rejections.allow(b""):
+            self._unaudited += 1
+            return
+        payload: object = rejected
+        if self._unaudited:
+            payload = {**to_builtins(rejected), "unaudited_before": self._unaudited}
+            self._unaudited = 0
+        self._audit("rejected", payload)
 
     def _audit(self, event: str, payload: object) -> None:
         if self.audit is not None:

@@ -1,0 +1,114 @@
+"""``memtui demo`` when its viewer dies: the real command in a subprocess, the real demo training
+under it, and a viewer made to fail (``run_app`` replaced in that process). The training goes on
+(its steps keep advancing), the operator is told how to reattach, and Ctrl-C then stops it; a
+normal quit of the viewer still ends the demo's training."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from memtui import registry
+from tests.conftest import ROOT, wait_for
+
+VIEWER = """
+import sys, time
+import memtui.tui.app
+
+def run_app(run_id, **options):
+    time.sleep(1.0)  # attached for a while
+    if {ending!r} == "raise":
+        raise RuntimeError("the viewer broke [/x] \\x1b[31m")
+    return 1 if {ending!r} == "crash" else 0  # Textual's status after a crash, or q
+
+memtui.tui.app.run_app = run_app
+from memtui.cli import main
+sys.argv = ["memtui", "demo", "--out", {out!r}, "--steps", "100000", "--progress-every", "0.2"]
+main()
+"""
+"""``memtui demo`` with a stand-in viewer that, after a second, raises, ends as Textual ends an
+app that crashed (status 1), or quits normally (q)."""
+
+
+@pytest.fixture
+def demos() -> Iterator[list[subprocess.Popen[str]]]:
+    """``memtui demo`` processes started by a test, each in its own session (stopped after)."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def start_demo(out: Path, ending: str, demos: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    """``memtui demo`` in its own session, as a terminal runs it (Ctrl-C reaches the group)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VIEWER.format(ending=ending, out=str(out))],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    demos.append(proc)
+    return proc
+
+
+def steps(log: Path) -> int:
+    """The latest step the demo's progress lines report."""
+    found = re.findall(r"^step (\d+)/", log.read_text() if log.exists() else "", re.M)
+    return int(found[-1]) if found else 0
+
+
+def training_pid(out: Path) -> int:
+    """The demo training's pid, from its registry record."""
+    log = out / "demo.log"
+    run = wait_for(
+        lambda: log.exists() and re.search(r"^run (\S+)", log.read_text(), re.M), 60, what="run id"
+    )
+    assert isinstance(run, re.Match)
+    record = registry.find_run(run.group(1)).record
+    assert record is not None
+    return record.pid
+
+
+@pytest.mark.parametrize("ending", ["raise", "crash"])
+def test_a_viewer_that_dies_leaves_the_training_running(
+    ending: str, tmp_path: Path, demos: list[subprocess.Popen[str]]
+) -> None:
+    out = tmp_path / "demo"
+    proc = start_demo(out, ending, demos)
+    pid = training_pid(out)
+    assert proc.stderr is not None
+    told = [proc.stderr.readline() for _ in range(3)]
+    why = "RuntimeError: the viewer broke [/x] ␛[31m" if ending == "raise" else "exit status 1"
+    assert f"the viewer died ({why})" in told[0], told
+    assert "the training goes on" in told[1] and str(out / "demo.log") in told[1]
+    assert "memtui attach demo-" in told[2] and "Ctrl-C stops the training" in told[2]
+    after = steps(out / "demo.log")
+    wait_for(lambda: steps(out / "demo.log") > after + 20, 30, what="the training to advance")
+    assert proc.poll() is None and psutil.pid_exists(pid)
+
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the demo and its training
+    assert proc.wait(30) != 0
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 15)
+
+
+def test_a_normal_quit_still_ends_the_demo_s_training(
+    tmp_path: Path, demos: list[subprocess.Popen[str]]
+) -> None:
+    out = tmp_path / "demo"
+    proc = start_demo(out, "quit", demos)
+    pid = training_pid(out)
+    assert proc.wait(60) == 0
+    assert proc.stderr is not None and "viewer died" not in proc.stderr.read()
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 15)
