@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from memtui.stats import shown
 from memtui.wire import Knobs, KnobValue
 
 KNOBS: tuple[str, ...] = ("batch_size", "grad_accum", "num_workers", "pin_memory")
@@ -71,18 +72,18 @@ def parse_value(knob: str, raw: object) -> KnobValue:
             return bool(raw)
         if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
             return raw.strip().lower() in _TRUE
-        raise KnobError(f"pin_memory must be true or false, got {raw!r}")
+        raise KnobError(f"pin_memory must be true or false, got {shown(raw)}")
     if isinstance(raw, bool):
-        raise KnobError(f"{knob} must be an integer, got {raw!r}")
+        raise KnobError(f"{knob} must be an integer, got {shown(raw)}")
     if isinstance(raw, int):
         value = raw
     elif isinstance(raw, str):
         try:
             value = int(raw.strip())
         except ValueError:
-            raise KnobError(f"{knob} must be an integer, got {raw!r}")
+            raise KnobError(f"{knob} must be an integer, got {shown(raw)}")
     else:
-        raise KnobError(f"{knob} must be an integer, got {raw!r}")
+        raise KnobError(f"{knob} must be an integer, got {shown(raw)}")
     check_range(knob, value)
     return value
 

@@ -228,3 +228,12 @@ def one_line(text: object, limit: int = 300) -> str:
     """``text`` on one line (whitespace runs made one space), cut to ``limit`` characters."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """A value as a message may echo it: a container by its kind and size, a scalar cut short."""
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple, set)):
+        return f"a list of {len(value)} items"
+    return one_line(repr(value), limit)

@@ -284,7 +284,14 @@ def test_the_runtime_directory_deleted(victim: Victim) -> None:
 
 # ---------------------------------------------------------------------------- corrupt YAML
 
+ALIAS_BOMB = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n' + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
+"""Billion laughs in 9 lines: 9^9 strings once expanded (echoing it in a message never ends)."""
+
 CORRUPT_TUNED = {
+    "alias bomb": ALIAS_BOMB + "config: {batch_size: *i}\n",
     "empty": "",
     "not yaml": "config: [unclosed",
     "a list": "- 1\n- 2\n",
@@ -322,6 +329,32 @@ def test_a_corrupt_tuned_yaml_at_resume_is_one_warning(
         assert tuner.checkpoint() is not None and config.grad_accum == 2
         messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]
         assert all("\n" not in m and len(m) < 600 for m in messages), messages
+    finally:
+        tuner.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        ALIAS_BOMB + "verdict: {memory_edge_fraction: *i}\n",
+        "verdict: {'[/x]': 1, memory_edge_fraction: '[bold]x'}\n",
+        "verdict:\n  memory_edge_fraction: [1, 2, 3]\n" + "# padding\n" * 200_000,
+    ],
+    ids=["alias bomb", "markup", "over 1 MiB"],
+)
+def test_a_hostile_config_file_at_install_is_one_warning_in_no_time(
+    text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 13.9: a 412-byte alias bomb in ``$MEMTUI_CONFIG`` blocked install 87 s and 1.5 GB."""
+    (tmp_path / "config.yaml").write_text(text)
+    monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "config.yaml"))
+    started = time.monotonic()
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False))
+    try:
+        assert time.monotonic() - started < 2.0
+        messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]
+        assert messages and all("\n" not in m and len(m) < 600 for m in messages), messages
+        assert tuner.control.thresholds.memory_edge_fraction == 0.85, "the defaults stand"
     finally:
         tuner.close()
 

@@ -42,7 +42,8 @@ from typing import Any
 
 import yaml
 
-from memtui.stats import format_bytes, format_duration
+from memtui import safeyaml
+from memtui.stats import format_bytes, format_duration, one_line, shown
 
 
 class State(enum.Enum):
@@ -402,16 +403,16 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
 def _check_value(name: str, value: Any) -> float | int | str:
     """The value as the field's type, or a one-line reason it is not valid (a str)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"verdict.{name}: {value!r} is not a number"
+        return f"verdict.{name}: {shown(value)} is not a number"
     if not math.isfinite(value):
-        return f"verdict.{name}: {value!r} is not a finite number"
+        return f"verdict.{name}: {shown(value)} is not a finite number"
     if name in FRACTION_FIELDS and not 0 < value <= 1:
-        return f"verdict.{name}: {value!r} is not a share in (0, 1] (e.g. 0.85 for 85%)"
+        return f"verdict.{name}: {shown(value)} is not a share in (0, 1] (e.g. 0.85 for 85%)"
     if name == "hysteresis" and not 0 <= value < 0.5:
-        return f"verdict.hysteresis: {value!r} is not in [0, 0.5)"
+        return f"verdict.hysteresis: {shown(value)} is not in [0, 0.5)"
     if name == "swap_growth_bytes":
         if value < 0:
-            return f"verdict.swap_growth_bytes: {value!r} is negative"
+            return f"verdict.swap_growth_bytes: {shown(value)} is negative"
         return int(value)
     return float(value)
 
@@ -437,7 +438,7 @@ def parse_thresholds(data: Any, source: str = "") -> ThresholdConfig:
     for key, value in section.items():
         if key not in known:
             problems.append(
-                f"{source}: unknown key verdict.{key} ignored (known: {', '.join(sorted(known))})"
+                f"{source}: unknown key verdict.{one_line(key, 40)} ignored (known: {', '.join(sorted(known))})"
             )
             continue
         checked = _check_value(str(key), value)
@@ -477,7 +478,7 @@ def load_thresholds(
     defaults when there is none; never raises (a bad file is reported in ``problems``)."""
     file = Path(path) if path is not None else config_path(env)
     try:
-        text = file.read_text(encoding="utf-8")
+        data = safeyaml.read(file)
     except FileNotFoundError:
         explicit = path is not None or bool(
             (os.environ if env is None else env).get("MEMTUI_CONFIG")
@@ -488,10 +489,8 @@ def load_thresholds(
         return ThresholdConfig(
             THRESHOLDS, "built-in defaults", (f"{file}: cannot read ({exc}); defaults used",)
         )
-    try:
-        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = str(exc) or type(exc).__name__
         return ThresholdConfig(
             THRESHOLDS, "built-in defaults", (f"{file}: not valid YAML ({first}); defaults used",)
         )

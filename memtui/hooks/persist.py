@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from memtui import safeyaml
 from memtui.knobs import KNOBS, KnobError, parse_value
+from memtui.stats import one_line
 from memtui.wire import to_builtins
 
 AUDIT_FILE = "memtui-audit.jsonl"
@@ -72,9 +74,9 @@ def write_tuned(
 def read_tuned(path: Path) -> dict[str, Any]:
     """The knob values in a tuned-config file, validated; raise ValueError if it is not one."""
     try:
-        body = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read tuned config {path}: {exc}")
+        body = safeyaml.read(path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read tuned config {path}: {one_line(exc)}")
     config = body.get("config") if isinstance(body, dict) else None
     if not isinstance(config, dict):
         raise ValueError(f"{path} has no 'config' mapping")
