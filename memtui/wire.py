@@ -329,6 +329,8 @@ class HookCounters(Struct, omit_defaults=True):
     control_rests: int = 0
     """Times the control plane spent its CPU budget and stopped reading requests for a while."""
 
+    tuned_unsaved_step: int | None = None
+    """The step since which the tuned config could not be written (None: it is on disk)."""
 
 class RankInfo(Struct, omit_defaults=True):
     """Where one rank of a run publishes."""

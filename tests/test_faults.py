@@ -282,6 +282,26 @@ def test_the_runtime_directory_deleted(victim: Victim) -> None:
     survived(victim, seen)
 
 
+def test_an_unwritable_tuned_config_is_said_and_written_when_it_can_be(victim: Victim) -> None:
+    """Issue 13.8: the tuned YAML stayed stale, silently, and was not rewritten later."""
+    seen = before(victim)
+    client = victim.client()
+    tuned = Path(client.hello(history=0).info.tuned_path)
+    tuned.unlink()
+    tuned.mkdir()  # unwritable as a file, even for root
+    try:
+        applied = len(client.hello(history=0).control.applied)
+        victim.accum.append(3 if victim.accum[-1] != 3 else 1)
+        assert client.set({"grad_accum": victim.accum[-1]}).ok
+        wait_for(lambda: len(client.hello(history=0).control.applied) > applied, 30, 0.1)
+        status = victim.cli("status", victim.run_id)
+        assert "tuned config not saved since step" in status.stdout, status.stdout
+    finally:
+        tuned.rmdir()
+    survived(victim, seen)
+    assert "tuned config not saved" not in victim.cli("status", victim.run_id).stdout
+
+
 # ---------------------------------------------------------------------------- corrupt YAML
 
 ALIAS_BOMB = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n' + "".join(

@@ -655,6 +655,7 @@ class Agent(threading.Thread):
             requests_rate_limited=self.counters.requests_rate_limited,
             auth_failures=self._handshake_failures + (self._zap.denied if self._zap else 0),
             control_rests=self._budget.rests,
+            tuned_unsaved_step=self.tuner.tuned_unsaved_step,
         )
 
     # ------------------------------------------------------------------ control

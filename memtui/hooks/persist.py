@@ -7,6 +7,8 @@ user gives. ``install(resume=True)`` reads the tuned config back so a restarted 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import threading
@@ -26,33 +28,121 @@ TUNED_FILE = "memtui-tuned.yaml"
 
 
 class AuditLog:
-    """Appends one JSON line per event (queued, cancelled, rejected, applied); thread-safe."""
+    """Appends one JSON line per event (queued, cancelled, rejected, applied); thread-safe.
+
+    Each line is written with one ``write`` on an ``O_APPEND`` descriptor, so lines of several
+    writers never interleave; a line cut short by a full disk is ended before the next one, so
+    the next record is never glued onto it (the reader skips the torn one). A line is at most
+    ``MAX_LINE`` bytes (long strings inside are cut), and the file is rotated to ``.1`` at
+    ``MAX_BYTES``, so the log never grows without bound. Files are 0600, directories 0700.
+    """
 
     def __init__(self, path: Path, run: str) -> None:
         self.path = path
         self.run = run
         self._lock = threading.Lock()
+        self._torn = False
+        """The last write was cut short: the next starts on a new line."""
 
     def append(self, event: str, payload: Any) -> None:
-        """Append an event; ``payload`` is a Struct or a dict."""
+        """Append an event; ``payload`` is a Struct or a dict; raise OSError if it is not written."""
         line = {"time": time.time(), "run": self.run, "event": event, **to_builtins(payload)}
-        data = json.dumps(line, sort_keys=False) + "\n"
+        data = bounded_line(line)
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(data)
+            _private_dir(self.path.parent)
+            self._rotate()
+            if self._torn:
+                data = b"\n" + data
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                written = os.write(fd, data)
+            except OSError:
+                self._torn = True  # some bytes may have gone: end that line first next time
+                raise
+            finally:
+                os.close(fd)
+            self._torn = written < len(data)
+            if self._torn:
+                raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
+
+    def _rotate(self) -> None:
+        """Move a full log to ``.1`` (replacing the previous one)."""
+        try:
+            if self.path.stat().st_size >= MAX_BYTES:
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._torn = False
+        except FileNotFoundError:
+            pass
 
     def read(self) -> list[dict[str, Any]]:
-        """Every event written so far (for tests and post-mortems)."""
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        """Every event written so far, a torn line skipped (for tests and post-mortems)."""
+        return read_audit(self.path)
+
+
+MAX_LINE = 4096
+"""Bytes of one audit line at most."""
+MAX_BYTES = 16 << 20
+"""The audit log is rotated to ``.1`` at this size."""
+_STRING_CHARS = 256
+"""Characters of a string inside an audit line that is over ``MAX_LINE``."""
+
+
+def bounded_line(line: dict[str, Any]) -> bytes:
+    """One JSON line of at most ``MAX_LINE`` bytes: long strings cut, then only the scalars."""
+    data = json.dumps(line, sort_keys=False).encode() + b"\n"
+    if len(data) <= MAX_LINE:
+        return data
+    cut = _cut_strings(line)
+    cut["cut"] = len(data)
+    data = json.dumps(cut, sort_keys=False).encode() + b"\n"
+    if len(data) <= MAX_LINE:
+        return data
+    scalars: dict[str, Any] = {
+        k: v for k, v in cut.items() if isinstance(v, (int, float, bool)) or v is None
+    }
+    scalars.update(time=line["time"], run=str(line["run"])[:64], event=str(line["event"])[:64])
+    return json.dumps(scalars, sort_keys=False).encode() + b"\n"
+
+
+def _cut_strings(value: Any) -> Any:
+    """``value`` with every string over ``_STRING_CHARS`` cut (containers walked)."""
+    if isinstance(value, str):
+        return value if len(value) <= _STRING_CHARS else value[:_STRING_CHARS] + "…"
+    if isinstance(value, dict):
+        return {_cut_strings(str(k)): _cut_strings(v) for k, v in list(value.items())[:64]}
+    if isinstance(value, list):
+        return [_cut_strings(v) for v in value[:64]]
+    return value
+
+
+def read_audit(path: Path) -> list[dict[str, Any]]:
+    """The events of an audit log; a line that does not parse (cut by a full disk) is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def _private_dir(path: Path) -> None:
+    """Create a directory (and its parents) the way memtui keeps state: 0700."""
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def write_tuned(
     path: Path, run: str, step: int, config: dict[str, Any], extra: dict[str, Any] | None = None
 ) -> None:
-    """Write the tuned config atomically (temp file and rename); ``extra`` adds sections."""
+    """Write the tuned config atomically (a 0600 temp file and rename; the temp file is removed
+    if anything fails); ``extra`` adds sections; raise OSError if it is not written."""
     body = {
         "run": run,
         "step": step,
@@ -65,10 +155,21 @@ def write_tuned(
         "# A run started with hooks.install(..., resume=True) and this state_dir starts from it.\n"
         + yaml.safe_dump(body, sort_keys=False)
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            data = text.encode("utf-8")
+            while data:  # a short write is a full disk: os.write raises on the next one
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def read_tuned(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import getpass
 import logging
+import math
 import os
 import socket
 import sys
@@ -56,6 +57,8 @@ log = logging.getLogger("memtui")
 _perf_counter = time.perf_counter
 """The step clock, bound once: ``step()`` is on the hot path."""
 
+UNSAVED_WARN_S = 60.0
+"""While the tuned config is not saved, this is said again at most this often."""
 OUTBOX_RECORDS = 16384
 """Step records held for the agent; if it stalls, the oldest are dropped (and counted)."""
 
@@ -213,6 +216,11 @@ class Tuner:
         self._last_error = ""
         self._error_counts: dict[str, int] = {}
         self._closed = False
+        self.tuned_unsaved_step: int | None = None
+        """The step since which the tuned config could not be written (None: it is on disk)."""
+        self._tuned_retry: dict[str, Any] | None = None
+        """What the next boundary writes again into the tuned config (None: nothing to retry)."""
+        self._unsaved_warned = -math.inf
         self._pid = os.getpid()
         self._cuda_device: int | None = None
         self._loaders: list[weakref.ref[TunedLoader]] = []
@@ -632,6 +640,8 @@ class Tuner:
             self._refresh_device()
             self._refresh_static()
             result = self._boundary()
+            if self._tuned_retry is not None and self.rank == 0:
+                self._write_tuned(self._tuned_retry)
             taken = self.control.taken_time if self.rank == 0 else time.time()
             self._checkpoint_box.append(CheckpointRecord(self._step, taken, save_s))
         except Exception as exc:
@@ -730,13 +740,40 @@ class Tuner:
             self._loader_generation += 1
         return ""
 
-    def _write_tuned(self, extra: dict[str, Any] | None = None) -> None:
-        config = {k: v for k, v in self.values.items() if v is not None}
+    def _write_tuned(
+        self, extra: dict[str, Any] | None = None, values: Mapping[str, Any] | None = None
+    ) -> None:
+        """Write the tuned config (``values``, else the current ones) to every tuned path; one
+        that fails is written again at every boundary until it is, and said (once a minute)."""
+        config = {k: v for k, v in (values or self.values).items() if v is not None}
+        failed: OSError | None = None
         for path in self.tuned_paths:
             try:
                 write_tuned(path, self.run_id, self._step, config, extra)
             except OSError as exc:
+                failed = exc
                 self._report(exc, f"writing {path}")
+        if failed is None:
+            if self.tuned_unsaved_step is not None:
+                log.warning(
+                    "memtui: the tuned config is saved again at step %d (it was not since step %d)",
+                    self._step,
+                    self.tuned_unsaved_step,
+                )
+            self.tuned_unsaved_step, self._tuned_retry = None, None
+            return
+        self._tuned_retry = extra or {}
+        if self.tuned_unsaved_step is None:
+            self.tuned_unsaved_step = self._step
+        now = time.monotonic()
+        if now - self._unsaved_warned >= UNSAVED_WARN_S:
+            self._unsaved_warned = now
+            log.warning(
+                "memtui: the tuned config is not saved since step %d (%s); a restart would not "
+                "keep the changes since; retried at every checkpoint",
+                self.tuned_unsaved_step,
+                one_line(failed),
+            )
 
     # ------------------------------------------------------------------ memory
 
@@ -844,12 +881,7 @@ class Tuner:
             "rolled_back": event.rolled_back,
             "batch": event.batch,
         }
-        saved = dict(self.values)
-        self.values.update(values)
-        try:
-            self._write_tuned({"safe_config_reason": why, "oom": postmortem})
-        finally:
-            self.values.update(saved)
+        self._write_tuned({"safe_config_reason": why, "oom": postmortem}, {**self.values, **values})
 
     def _loader_rebuilt(self) -> None:
         """Tell the sampler to look for the new loader workers now."""
