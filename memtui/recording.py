@@ -23,11 +23,12 @@ Nothing here imports torch or Textual.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol, TypeVar
@@ -100,6 +101,21 @@ class Recording:
 
     header: RecordingHeader
     frames: list[RecordedFrame]
+    cut_at: int | None = None
+    """The byte where the whole frames end and a cut or damaged tail begins (None: whole)."""
+    size: int = 0
+    """The file's size in bytes."""
+
+    @property
+    def cut_note(self) -> str:
+        """Where the recording is cut, in one line ("" when it is whole)."""
+        if self.cut_at is None:
+            return ""
+        return (
+            f"the recording is cut at byte {self.cut_at} of {self.size} (a run killed while "
+            f"writing, or bytes appended): replaying its {len(self.frames)} whole frames, "
+            f"{self.duration_s:.1f} s"
+        )
 
     @property
     def duration_s(self) -> float:
@@ -118,6 +134,8 @@ class Recording:
 
 # --------------------------------------------------------------------------- file format
 
+FLUSH_S = 1.0
+"""The writer flushes at least this often (each frame is written; no fsync)."""
 _LENGTH = struct.Struct(">I")
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(RecordingHeader)
@@ -134,15 +152,22 @@ class RecordingWriter:
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 (closed by close())
         self._file.write(MAGIC)
         self._write(_encoder.encode(header))
+        self._file.flush()
+        self._flushed = time.monotonic()
 
     def _write(self, payload: bytes) -> None:
         self._file.write(_LENGTH.pack(len(payload)))
         self._file.write(payload)
 
     def write(self, offset_s: float, rank: int, frame: bytes) -> None:
-        """Append one frame ``offset_s`` seconds after the start."""
+        """Append one frame ``offset_s`` seconds after the start (flushed at least once a
+        second, so a killed run loses at most the last second)."""
         self._write(_encoder.encode(RecordedFrame(round(offset_s, 4), rank, bytes(frame))))
         self.frames += 1
+        now = time.monotonic()
+        if now - self._flushed >= FLUSH_S:
+            self._flushed = now
+            self._file.flush()
 
     def close(self) -> None:
         """Flush and close the file."""
@@ -155,39 +180,45 @@ class RecordingWriter:
         self.close()
 
 
-def _records(data: bytes) -> Iterator[bytes]:
+def _split(data: bytes) -> tuple[list[bytes], int | None]:
+    """The whole records of a recording, and the byte where it is cut (None: it is whole)."""
     if not data.startswith(MAGIC):
         raise RecordingError("not a memtui recording (bad magic)")
+    records: list[bytes] = []
     pos = len(MAGIC)
     while pos < len(data):
         if pos + 4 > len(data):
-            raise RecordingError(f"truncated length at byte {pos}")
+            return records, pos
         (length,) = _LENGTH.unpack_from(data, pos)
-        pos += 4
-        if length > MAX_RECORD or pos + length > len(data):
-            raise RecordingError(f"truncated or oversized record at byte {pos - 4}")
-        yield data[pos : pos + length]
-        pos += length
+        if length > MAX_RECORD or pos + 4 + length > len(data):
+            return records, pos
+        records.append(data[pos + 4 : pos + 4 + length])
+        pos += 4 + length
+    return records, None
 
 
 def read_recording(path: str | os.PathLike[str]) -> Recording:
-    """Read a whole recording; raise RecordingError if it is not one or is damaged."""
-    records = _records(Path(path).read_bytes())
-    try:
-        header = _header_decoder.decode(next(records))
-    except StopIteration:
+    """Read a recording: every whole frame, and where the file is cut if it is (a run killed
+    while writing, or bytes appended); raise RecordingError if it is not one at all."""
+    data = Path(path).read_bytes()
+    records, cut_at = _split(data)
+    if not records:
         raise RecordingError("empty recording: no header")
+    try:
+        header = _header_decoder.decode(records[0])
     except msgspec.DecodeError as exc:
         raise RecordingError(f"bad header: {exc}")
     if header.format != FORMAT_VERSION:
         raise RecordingError(f"recording format {header.format}, expected {FORMAT_VERSION}")
     frames: list[RecordedFrame] = []
-    for record in records:
+    offsets = itertools.accumulate([len(MAGIC), *(4 + len(r) for r in records)])
+    for record, start in zip(records[1:], list(offsets)[1:], strict=False):
         try:
             frames.append(_frame_decoder.decode(record))
-        except msgspec.DecodeError as exc:
-            raise RecordingError(f"bad frame record #{len(frames) + 1}: {exc}")
-    return Recording(header, frames)
+        except msgspec.DecodeError:
+            cut_at = start
+            break
+    return Recording(header, frames, cut_at, len(data))
 
 
 # --------------------------------------------------------------------------- sources

@@ -39,6 +39,7 @@ from memtui import registry
 from memtui.cli import demo_command_line
 from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
+from memtui.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
 from tests.conftest import ROOT, wait_for
 
@@ -439,3 +440,52 @@ def test_a_hello_is_cheap_to_refuse_when_it_is_junk(victim: Victim) -> None:
     sock.recv()
     sock.close()
     survived(victim, seen)
+
+
+# ---------------------------------------------------------------------------- recordings
+
+
+def test_a_recording_cut_anywhere_replays_what_is_whole(tmp_path: Path) -> None:
+    """Issue 13.6: a recording whose tail is cut (kill -9) or has bytes appended did not load."""
+    path = tmp_path / "whole.mtrec"
+    with RecordingWriter(path, RecordingHeader(started=0.0, run="r")) as writer:
+        for index in range(20):
+            writer.write(index * 0.1, 0, encode(Hello(history=index)))
+    whole = path.read_bytes()
+    assert read_recording(path).cut_at is None and len(read_recording(path).frames) == 20
+    for cut in (len(whole) - 1, len(whole) - 7, len(whole) // 2, 40):
+        path.write_bytes(whole[:cut])
+        recording = read_recording(path)
+        assert recording.cut_at is not None and recording.cut_at <= cut
+        assert len(recording.frames) < 20 and "cut at byte" in recording.cut_note
+    for junk in (b"\x00\x00\x00\x05abcde", os.urandom(3), b"\xff" * 64):
+        path.write_bytes(whole + junk)
+        recording = read_recording(path)
+        assert len(recording.frames) == 20 and recording.cut_at == len(whole), junk
+
+
+def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Path) -> None:
+    record = tmp_path / "run.mtrec"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MEMTUI_RECORD=str(record))
+    args = ["--out", str(tmp_path / "out"), "--steps", "100000", "--slow-data-ms", "0"]
+    log = tmp_path / "log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            demo_command_line(args), stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    try:
+        wait_for(lambda: "run " in log.read_text() or proc.poll() is not None, 60)
+        time.sleep(4.0)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    recording = read_recording(record)
+    # the run recorded for 4 s after its first line; a kill loses at most the last second
+    assert recording.duration_s >= 4.0 - 1.5, (recording.duration_s, recording.cut_note)
+    replay = subprocess.run(
+        [sys.executable, "-c", "import sys; from memtui.tui.app import run_replay; "
+         "from memtui.recording import ReplaySource; "
+         "print(len(ReplaySource(sys.argv[1], speed=None).recording.frames))", str(record)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert replay.returncode == 0 and int(replay.stdout) == len(recording.frames), replay.stderr

@@ -423,9 +423,14 @@ def run_replay(path: str, *, speed: float = 1.0) -> int:
     except (OSError, ValueError, SourceUnavailable) as exc:
         print(f"memtui: cannot replay {path}: {exc}", file=sys.stderr)
         return 1
+    note = source.recording.cut_note
+    if note:
+        print(f"memtui replay: {note}", file=sys.stderr)
     app = MemtuiApp(source, readonly=True, replay_controls=True)
     gc.set_threshold(20_000, 20, 20)
     result = app.run()
+    if note:  # said again: the viewer's screen covered the first one
+        print(f"memtui replay: {note}", file=sys.stderr)
     if isinstance(result, int):
         return result
     return app.return_code or 0
