@@ -332,6 +332,7 @@ class HookCounters(Struct, omit_defaults=True):
     tuned_unsaved_step: int | None = None
     """The step since which the tuned config could not be written (None: it is on disk)."""
 
+
 class RankInfo(Struct, omit_defaults=True):
     """Where one rank of a run publishes."""
 
