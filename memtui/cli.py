@@ -302,6 +302,7 @@ def status_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) 
         },
         "state_dir": info.state_dir,
         "tuned_path": info.tuned_path,
+        "requeue": info.requeue,
         "tuned_unsaved_step": snapshot.counters.tuned_unsaved_step if snapshot.counters else None,
         "audit_path": info.audit_path,
     }
@@ -415,6 +416,10 @@ def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None
                 f"{entry['rank']:>4}  {entry['host'][:12]:<12}  {entry['step']:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
             )
     counters = snapshot.counters
+    if info.requeue:
+        lines.append(
+            f"queued before the restart and never applied; to queue it again: {info.requeue}"
+        )
     if counters and counters.tuned_unsaved_step is not None:
         lines.append(
             f"tuned config not saved since step {counters.tuned_unsaved_step} "

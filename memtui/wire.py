@@ -377,6 +377,8 @@ class RunInfo(Struct, omit_defaults=True):
     readonly: bool = False
     """True in a snapshot from a plain TCP socket without the control opt-in: it takes no set or
     cancel, and leaves out the command line, cwd and paths."""
+    requeue: str = ""
+    """The command that queues again what the resumed run queued and never applied ("")."""
 
 
 # --------------------------------------------------------------------------- messages

@@ -41,7 +41,7 @@ from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
 from memtui.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, memtui_cli, wait_for
 
 RSS_CAP = 64 << 20
 """How much the training process may grow while a fault is dealt with (bytes)."""
@@ -489,3 +489,58 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert replay.returncode == 0 and int(replay.stdout) == len(recording.frames), replay.stderr
+
+
+# ---------------------------------------------------------------------------- restarts
+
+
+def test_a_change_pending_at_a_crash_is_named_at_resume_with_the_command_to_requeue_it(
+    tmp_path: Path,
+) -> None:
+    """Issue 13.10: a change queued but not applied when the run died vanished without a word."""
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--steps", "100000", "--slow-data-ms", "0"]
+
+    def start(*extra: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+        log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}"
+        with open(log, "w") as handle:
+            proc = subprocess.Popen(
+                demo_command_line([*args, "--checkpoint-every", "100000", *extra]),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                cwd=ROOT,
+            )
+        run_id = wait_for(
+            lambda: next(
+                (ln.split()[1] for ln in log.read_text().splitlines() if ln.startswith("run ")),
+                None,
+            ),
+            60,
+        )
+        return proc, log, str(run_id)
+
+    first, _log, run_id = start()
+    try:
+        client = ControlClient(registry.find_run(run_id).control, timeout_s=10)
+        assert client.set({"grad_accum": 3}).ok and client.set({"num_workers": 1}).ok
+        assert client.set({"grad_accum": 4}).ok
+        assert client.cancel(3).ok  # cancelled: not to be queued again
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    second, log, new_id = start("--resume")
+    try:
+        command = f"memtui set {new_id} grad_accum=3 num_workers=1"
+        wait_for(lambda: command in log.read_text(), 30, 0.1, "the warning at resume")
+        said = [ln for ln in log.read_text().splitlines() if "never applied" in ln]
+        assert len(said) == 1 and f"run {run_id} stopped" in said[0], said
+        status = memtui_cli("status", new_id)
+        assert f"to queue it again: {command}" in status.stdout, status.stdout
+        again = memtui_cli(*command.split()[1:])
+        assert again.returncode == 0, again.stderr
+        pending = ControlClient(registry.find_run(new_id).control).hello(history=0).control.pending
+        assert [p.changes for p in pending] == [{"grad_accum": 3, "num_workers": 1}]
+    finally:
+        second.kill()
+        second.wait()

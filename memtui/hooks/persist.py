@@ -132,6 +132,29 @@ def read_audit(path: Path) -> list[dict[str, Any]]:
     return events
 
 
+def unapplied(events: list[dict[str, Any]], current_run: str) -> tuple[str, dict[str, Any]]:
+    """The changes the last earlier run queued and never applied, cancelled or rejected (it
+    stopped first), merged oldest first: (that run's id, {knob: value}); ("", {}) if none."""
+    earlier = [e for e in events if e.get("run") != current_run]
+    if not earlier:
+        return "", {}
+    run = earlier[-1].get("run", "")
+    queued: dict[int, dict[str, Any]] = {}
+    for event in (e for e in earlier if e.get("run") == run):
+        kind = event.get("event")
+        if kind == "queued" and isinstance(event.get("changes"), dict):
+            queued[int(event.get("id", 0))] = event["changes"]
+        elif kind in ("applied", "cancelled"):
+            for done in event.get("ids", []) or []:
+                queued.pop(int(done), None)
+        elif kind == "rejected":
+            queued.pop(int(event.get("id", 0) or 0), None)
+    merged: dict[str, Any] = {}
+    for _id, changes in sorted(queued.items()):
+        merged.update({k: v for k, v in changes.items() if k in KNOBS})
+    return (str(run), merged) if merged else ("", {})
+
+
 def _private_dir(path: Path) -> None:
     """Create a directory (and its parents) the way memtui keeps state: 0700."""
     if not path.is_dir():

@@ -35,7 +35,15 @@ from memtui.hooks.coordinate import JOIN_WAIT_S, Coordinator
 from memtui.hooks.loader import LOADER_KNOBS, TunedLoader
 from memtui.hooks.memory import static_memory
 from memtui.hooks.oom import Guard, install_excepthook
-from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, AuditLog, read_tuned, write_tuned
+from memtui.hooks.persist import (
+    AUDIT_FILE,
+    TUNED_FILE,
+    AuditLog,
+    read_audit,
+    read_tuned,
+    unapplied,
+    write_tuned,
+)
 from memtui.knobs import KNOBS, KnobError, check_range, format_value, parse_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import one_line, parse_bytes
@@ -272,6 +280,8 @@ class Tuner:
             report=self._report,
         )
         self.info = self._make_info()
+        if resume and self.rank == 0:
+            self._say_unapplied()
         self.tcp_plan: TcpPlan | None = None
         try:
             self.tcp_plan = plan_tcp(self.options.tcp, self.options.insecure)
@@ -445,6 +455,25 @@ class Tuner:
                 f"{k} {format_value(o)} -> {format_value(n)}" for k, (o, n) in self.resumed.items()
             )
             log.warning("memtui: resumed the tuned config from %s: %s", path, parts)
+
+    def _say_unapplied(self) -> None:
+        """Name the changes the resumed run queued but never applied, and how to queue them."""
+        try:
+            run, changes = unapplied(read_audit(self.state_dir / AUDIT_FILE), self.run_id)
+        except Exception as exc:
+            self._report(exc, "reading the audit log")
+            return
+        if not changes:
+            return
+        words = " ".join(f"{k}={format_value(v)}" for k, v in changes.items())
+        self.info.requeue = f"memtui set {self.run_id} {words}"
+        log.warning(
+            "memtui: run %s stopped with changes queued and never applied (%s); to queue them "
+            "again: %s",
+            run,
+            words,
+            self.info.requeue,
+        )
 
     def _make_info(self) -> RunInfo:
         try:
