@@ -150,8 +150,9 @@ def hostile_run(text: str) -> Recording:
 
 def shown(text: str) -> str:
     """What of ``text`` must be on the screen: itself, control characters made visible (those
-    Rich drops, such as BEL, may be dropped), and of a very long one its start (the rest wraps)."""
-    return clean(strip_control_codes(text))[:40]
+    Rich drops, such as BEL, may be dropped), and of a very long one its start: the rest wraps,
+    and a message that echoes a value cuts it to 40 characters (``memtui.stats.shown``)."""
+    return clean(strip_control_codes(text))[:30]
 
 
 def check_screen(pilot: Pilot[Any], text: str, where: str, modal: bool = False) -> str:
