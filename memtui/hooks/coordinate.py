@@ -6,10 +6,10 @@ a collective made by some ranks and not others (one rank's memtui failed, or a c
 needs a dependency one environment lacks, as ``all_gather_object`` needs numpy) blocks the
 others until the job's timeout, while a store operation never waits for another rank.
 
-At install (``join``) each rank proposes a run id with ``compare_set``: the first to arrive
-sets it and every rank reads the same one, without waiting for anyone. Each rank posts its
-endpoints; rank 0 waits a few seconds for the others' and picks up latecomers at its first
-boundary. A rank whose memtui fails at install or at a boundary posts the reason at once
+At install (``join``) rank 0 posts its run id (a viewer may already follow it, when the
+process group starts after install) and the other ranks read it, waiting for rank 0 at most two
+minutes, or until a rank posts that it failed. Each rank posts its endpoints; rank 0 waits a
+few seconds for the others' and picks up latecomers at its first boundary. A rank whose memtui fails at install or at a boundary posts the reason at once
 (``fail``), so the others learn in milliseconds, not at a timeout, and changes switch off on
 every rank, loudly.
 
@@ -57,6 +57,8 @@ ASSUMED_GROUP_TIMEOUT_S = 600.0
 """The group timeout assumed when torch does not tell it: NCCL's default, the shortest."""
 WARNINGS = 3
 """A waiting rank names the missing ranks at least this many times before it gives up."""
+JOIN_TIMEOUT_S = 120.0
+"""How long a rank waits at install for rank 0's run id (a rank that failed ends it at once)."""
 JOIN_WAIT_S = 5.0
 """How long rank 0 waits at install for the other ranks' endpoints (the rest join later)."""
 ABSENT_GRACE_S = 10.0
@@ -128,8 +130,23 @@ class Coordinator:
     # ------------------------------------------------------------------ install
 
     def join(self, run_id: str) -> str:
-        """The job's run id: the first rank to ask sets it (``compare_set``), every rank gets it."""
-        return _text(self.store.compare_set("run_id", "", run_id))
+        """The job's run id: rank 0's (a viewer may already follow it); the other ranks read it,
+        waiting for rank 0 at most ``JOIN_TIMEOUT_S`` (raise CoordinationError after that, or at
+        once when a rank posts that it failed)."""
+        if self.rank == 0:
+            self.store.set("run_id", run_id)
+            return run_id
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not self.store.check(["run_id"]):
+            failed = self.failures()
+            if failed:
+                raise CoordinationError(failed)
+            if time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"rank 0 did not install memtui within {JOIN_TIMEOUT_S:g} s"
+                )
+            time.sleep(self.poll_s)
+        return _text(self.store.get("run_id"))
 
     def post_endpoints(self, mine: RankInfo) -> None:
         """Publish where this rank publishes and answers (also: this rank has installed)."""
