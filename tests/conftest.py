@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,21 +101,27 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         run = DemoRun(proc, out_dir, log)
         runs.append(run)
         if wait:
-
-            def run_id() -> str | None:
-                for line in run.output().splitlines():
-                    if line.startswith("run "):
-                        return line.split()[1]
-                if proc.poll() is not None:
-                    pytest.fail(f"demo exited early:\n{run.output()}")
-                return None
-
-            run.run_id = str(wait_for(run_id, 60, what="the demo's run id"))
+            run.run_id = demo_run_id(log, proc)
         return run
 
     yield start
     for run in runs:
         run.stop()
+
+
+def demo_run_id(log: Path, proc: subprocess.Popen[Any], timeout: float = 60.0) -> str:
+    """Wait for the ``run <id>`` line a demo prints to ``log``; fail the test if it exits first."""
+
+    def found() -> str | None:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for line in text.splitlines():
+            if line.startswith("run "):
+                return line.split()[1]
+        if proc.poll() is not None:
+            pytest.fail(f"the demo exited early:\n{text}")
+        return None
+
+    return str(wait_for(found, timeout, what="the demo's run id"))
 
 
 def memtui_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:

@@ -41,7 +41,7 @@ from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
 from memtui.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.conftest import ROOT, demo_run_id, memtui_cli, wait_for
 
 RSS_CAP = 64 << 20
 """How much the training process may grow while a fault is dealt with (bytes)."""
@@ -108,16 +108,7 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         )
     run = Victim(proc, log, out, env)
     try:
-
-        def started() -> str | None:
-            for line in run.output().splitlines():
-                if line.startswith("run "):
-                    return line.split()[1]
-            if proc.poll() is not None:
-                pytest.fail(f"the demo exited early:\n{run.output()}")
-            return None
-
-        run.run_id = str(wait_for(started, 60, what="the victim's run id"))
+        run.run_id = demo_run_id(log, proc)
         record = json.loads((base / "rt" / run.run_id / "run.json").read_text())
         run.control, run.pub = record["control"], record["ranks"][0]["pub"]
         yield run
@@ -406,18 +397,8 @@ def test_kill_9_at_a_boundary_leaves_a_readable_state(tmp_path: Path) -> None:
             cwd=ROOT,
         )
     try:
-        run_id = wait_for(
-            lambda: next(
-                (
-                    line.split()[1]
-                    for line in (tmp_path / "log").read_text().splitlines()
-                    if line.startswith("run ")
-                ),
-                None,
-            ),
-            60,
-        )
-        client = ControlClient(registry.find_run(str(run_id)).control, timeout_s=10)
+        run_id = demo_run_id(tmp_path / "log", proc)
+        client = ControlClient(registry.find_run(run_id).control, timeout_s=10)
         for accum in (3, 1, 3, 1, 3):
             assert client.set({"grad_accum": accum}).ok
             time.sleep(0.05)
@@ -511,13 +492,7 @@ def test_a_change_pending_at_a_crash_is_named_at_resume_with_the_command_to_requ
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
                 cwd=ROOT,
             )
-        run_id = wait_for(
-            lambda: next(
-                (ln.split()[1] for ln in log.read_text().splitlines() if ln.startswith("run ")),
-                None,
-            ),
-            60,
-        )
+        run_id = demo_run_id(log, proc)
         return proc, log, str(run_id)
 
     first, _log, run_id = start()
