@@ -9,6 +9,7 @@ no temp file is left; the log is bounded and rotated; the files are 0600.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from memtui.hooks import Options, Tuner
-from memtui.hooks.persist import MAX_BYTES, MAX_LINE, AuditLog, read_audit
+from memtui.hooks.persist import MAX_BYTES, MAX_LINE, UNWRITTEN, AuditLog, read_audit
 from memtui.wire import SetRequest
 
 
@@ -165,3 +166,92 @@ def test_the_state_files_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     for name in ("memtui-tuned.yaml", "memtui-audit.jsonl"):
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+
+
+class InjectedDisk:
+    """``os.write`` to files under ``root`` as on a full disk: half of it, then ENOSPC."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = str(root)
+        self.full = False
+        self._write = os.write
+        monkeypatch.setattr(os, "write", self.write)
+
+    def write(self, fd: int, data: bytes) -> int:
+        """The real write, cut when full and ``fd`` is a file under ``root``."""
+        if self.full and os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+            if len(data) <= 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self._write(fd, bytes(data)[: len(data) // 2])
+        return self._write(fd, data)
+
+
+def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "state"
+    disk = InjectedDisk(state, monkeypatch)
+    config = SimpleNamespace(batch_size=4, grad_accum=1)
+    tuner = Tuner(config, state_dir=state, options=Options(publish=False))
+    try:
+        change(tuner, config, 2)
+        disk.full = True
+        with caplog.at_level(logging.WARNING, "memtui"):
+            change(tuner, config, 3)  # queued and applied: neither line is written
+            said = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+            assert len(said) == 1 and "2 audit log lines" in said[0], said
+            assert "tuned config is not saved since step" in said[0]
+            disk.full = False
+            tuner.step()
+            assert tuner.checkpoint() is None
+        assert "saved again" in caplog.records[-1].getMessage()
+        audit = read_audit(state / "memtui-audit.jsonl")
+        events = [(e["event"], e.get("id"), e.get("ids")) for e in audit]
+        assert events == [
+            ("queued", 1, None),
+            ("applied", None, [1]),
+            ("queued", 2, None),
+            ("applied", None, [2]),
+        ], "the held lines, in order, once each; the torn ones skipped"
+        assert on_disk(state) == 3 and tuner.tuned_unsaved_step is None
+        assert not [p for p in state.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        tuner.close()
+
+
+def test_an_audit_log_that_cannot_be_written_is_said_at_every_boundary_not_three_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("memtui.hooks.tuner.UNSAVED_WARN_S", 0.0)  # every boundary, not a minute
+    (tmp_path / "memtui-audit.jsonl").mkdir()  # unwritable as a file, even for root
+    config = SimpleNamespace(batch_size=4, grad_accum=1)
+    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False))
+    try:
+        with caplog.at_level(logging.WARNING, "memtui"):
+            for accum in (2, 3, 2, 3, 2, 3):
+                change(tuner, config, accum)
+        said = [r.getMessage() for r in caplog.records if "audit log lines" in r.getMessage()]
+        assert len(said) == 6 and "12 audit log lines are not written" in said[-1], said
+        assert on_disk(tmp_path) == 3, "the tuned config is written all along"
+        (tmp_path / "memtui-audit.jsonl").rmdir()
+        tuner.step()
+        tuner.checkpoint()
+        applied = [
+            e for e in read_audit(tmp_path / "memtui-audit.jsonl") if e["event"] == "applied"
+        ]
+        assert [e["ids"] for e in applied] == [[i] for i in range(1, 7)]
+    finally:
+        tuner.close()
+
+
+def test_the_lines_held_back_are_bounded(tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.jsonl", "run")
+    audit.path.mkdir()
+    for i in range(UNWRITTEN + 10):
+        with pytest.raises(OSError):
+            audit.append("queued", {"id": i})
+    assert len(audit.unwritten) == UNWRITTEN and audit.dropped == 10
+    audit.path.rmdir()
+    audit.flush()
+    assert [e["id"] for e in read_audit(audit.path)] == list(range(10, UNWRITTEN + 10))
+    assert not audit.unwritten

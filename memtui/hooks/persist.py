@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,12 @@ TUNED_FILE = "memtui-tuned.yaml"
 class AuditLog:
     """Appends one JSON line per event (queued, cancelled, rejected, applied); thread-safe.
 
-    Each line is written with one ``write`` on an ``O_APPEND`` descriptor, so lines of several
-    writers never interleave; a line cut short by a full disk is ended before the next one, so
-    the next record is never glued onto it (the reader skips the torn one). A line is at most
-    ``MAX_LINE`` bytes (long strings inside are cut), and the file is rotated to ``.1`` at
-    ``MAX_BYTES``, so the log never grows without bound. Files are 0600, directories 0700.
+    Each append is one ``write`` on an ``O_APPEND`` descriptor, so lines of several writers
+    never interleave; a line cut short by a full disk is ended before the next one, so the next
+    record is never glued onto it (the reader skips the torn one). Lines that could not be
+    written are kept (``UNWRITTEN`` at most) and written first by the next append or ``flush``.
+    A line is at most ``MAX_LINE`` bytes (long strings inside are cut), and the file is rotated
+    to ``.1`` at ``MAX_BYTES``, so the log never grows without bound. Files are 0600, dirs 0700.
     """
 
     def __init__(self, path: Path, run: str) -> None:
@@ -43,27 +45,58 @@ class AuditLog:
         self._lock = threading.Lock()
         self._torn = False
         """The last write was cut short: the next starts on a new line."""
+        self.unwritten: deque[bytes] = deque(maxlen=UNWRITTEN)
+        """Lines not written yet (a full disk, an unwritable directory), oldest first."""
+        self.dropped = 0
+        """Lines lost for good: more failed than ``UNWRITTEN`` holds."""
+        self.error = ""
+        """Why the last write failed, in one line ("" once one succeeds)."""
 
     def append(self, event: str, payload: Any) -> None:
-        """Append an event; ``payload`` is a Struct or a dict; raise OSError if it is not written."""
+        """Append an event; ``payload`` is a Struct or a dict; raise OSError if it is not written
+        (it is kept and written again first by the next append or ``flush``)."""
         line = {"time": time.time(), "run": self.run, "event": event, **to_builtins(payload)}
         data = bounded_line(line)
         with self._lock:
-            _private_dir(self.path.parent)
-            self._rotate()
-            if self._torn:
-                data = b"\n" + data
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                written = os.write(fd, data)
-            except OSError:
-                self._torn = True  # some bytes may have gone: end that line first next time
-                raise
-            finally:
-                os.close(fd)
-            self._torn = written < len(data)
-            if self._torn:
-                raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
+            if len(self.unwritten) == UNWRITTEN:
+                self.dropped += 1
+            self.unwritten.append(data)
+            self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        """Write every unwritten line; keep and say why if they are not."""
+        try:
+            self._write_lines()
+            self.error = ""
+        except OSError as exc:
+            self.error = f"{self.path}: {one_line(exc)}"
+            raise
+
+    def flush(self) -> None:
+        """Write the lines an earlier append could not; raise OSError if they are still not."""
+        with self._lock:
+            if self.unwritten:
+                self._write_unwritten()
+
+    def _write_lines(self) -> None:
+        """Write every unwritten line in one ``write``; keep those it did not write whole."""
+        _private_dir(self.path.parent)
+        self._rotate()
+        data = (b"\n" if self._torn else b"") + b"".join(self.unwritten)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            written = os.write(fd, data)
+        except OSError:
+            self._torn = True  # some bytes may have gone: end that line first next time
+            raise
+        finally:
+            os.close(fd)
+        done = written - (1 if self._torn else 0)
+        while self.unwritten and done >= len(self.unwritten[0]):
+            done -= len(self.unwritten.popleft())
+        self._torn = written < len(data)
+        if self._torn:
+            raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
 
     def _rotate(self) -> None:
         """Move a full log to ``.1`` (replacing the previous one)."""
@@ -83,6 +116,8 @@ MAX_LINE = 4096
 """Bytes of one audit line at most."""
 MAX_BYTES = 16 << 20
 """The audit log is rotated to ``.1`` at this size."""
+UNWRITTEN = 1024
+"""Lines kept while they cannot be written (4 MiB at most); older ones are then dropped."""
 _STRING_CHARS = 256
 """Characters of a string inside an audit line that is over ``MAX_LINE``."""
 

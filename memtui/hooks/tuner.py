@@ -229,6 +229,8 @@ class Tuner:
         self._tuned_retry: dict[str, Any] | None = None
         """What the next boundary writes again into the tuned config (None: nothing to retry)."""
         self._unsaved_warned = -math.inf
+        self._unsaved_reason = ""
+        """Why the tuned config or audit lines could not be written, last time (one line)."""
         self._pid = os.getpid()
         self._cuda_device: int | None = None
         self._loaders: list[weakref.ref[TunedLoader]] = []
@@ -669,8 +671,8 @@ class Tuner:
             self._refresh_device()
             self._refresh_static()
             result = self._boundary()
-            if self._tuned_retry is not None and self.rank == 0:
-                self._write_tuned(self._tuned_retry)
+            if self.rank == 0 and result is None:  # an applied change has just tried
+                self._save_again()
             taken = self.control.taken_time if self.rank == 0 else time.time()
             self._checkpoint_box.append(CheckpointRecord(self._step, taken, save_s))
         except Exception as exc:
@@ -775,33 +777,61 @@ class Tuner:
         """Write the tuned config (``values``, else the current ones) to every tuned path; one
         that fails is written again at every boundary until it is, and said (once a minute)."""
         config = {k: v for k, v in (values or self.values).items() if v is not None}
-        failed: OSError | None = None
+        failed = False
         for path in self.tuned_paths:
             try:
                 write_tuned(path, self.run_id, self._step, config, extra)
             except OSError as exc:
-                failed = exc
+                failed = True
+                self._unsaved_reason = f"{path}: {one_line(exc)}"
                 self._report(exc, f"writing {path}")
-        if failed is None:
-            if self.tuned_unsaved_step is not None:
-                log.warning(
-                    "memtui: the tuned config is saved again at step %d (it was not since step %d)",
-                    self._step,
-                    self.tuned_unsaved_step,
-                )
-            self.tuned_unsaved_step, self._tuned_retry = None, None
-            return
-        self._tuned_retry = extra or {}
-        if self.tuned_unsaved_step is None:
-            self.tuned_unsaved_step = self._step
+        if failed:
+            self._tuned_retry = extra or {}
+            if self.tuned_unsaved_step is None:
+                self.tuned_unsaved_step = self._step
+        else:
+            self.tuned_unsaved_step, self._tuned_retry, self._unsaved_reason = None, None, ""
+        self._say_unsaved()
+
+    def _save_again(self) -> None:
+        """At a boundary: write again the tuned config and the audit lines not written yet, and
+        warn (once a minute) while they are not."""
+        audit = self.control.audit
+        if self._tuned_retry is not None:
+            self._write_tuned(self._tuned_retry)
+        if audit is not None and audit.unwritten:
+            try:
+                audit.flush()
+            except OSError as exc:
+                self._report(exc, "audit log")
+        self._say_unsaved()
+
+    def _say_unsaved(self) -> None:
+        """Warn once a minute while the tuned config or audit lines are not written, and once
+        when they are again."""
+        control = getattr(self, "control", None)
+        audit = control.audit if control is not None else None
+        lines = len(audit.unwritten) if audit is not None else 0
+        parts = []
+        if self.tuned_unsaved_step is not None:
+            parts.append(f"the tuned config is not saved since step {self.tuned_unsaved_step}")
+        if audit is not None and lines:
+            lost = f", {audit.dropped} more lost" if audit.dropped else ""
+            parts.append(f"{lines} audit log lines are not written{lost}")
         now = time.monotonic()
-        if now - self._unsaved_warned >= UNSAVED_WARN_S:
+        if not parts:
+            if self._unsaved_warned > -math.inf:
+                self._unsaved_warned = -math.inf
+                log.warning(
+                    "memtui: the tuned config and audit log are saved again at step %d", self._step
+                )
+        elif now - self._unsaved_warned >= UNSAVED_WARN_S:
             self._unsaved_warned = now
             log.warning(
-                "memtui: the tuned config is not saved since step %d (%s); a restart would not "
-                "keep the changes since; retried at every checkpoint",
-                self.tuned_unsaved_step,
-                one_line(failed),
+                "memtui: %s (%s); a restart would not keep the changes since; retried at every "
+                "checkpoint",
+                " and ".join(parts),
+                self._unsaved_reason or (audit.error if audit is not None else ""),
             )
 
     # ------------------------------------------------------------------ memory
