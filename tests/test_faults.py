@@ -111,6 +111,10 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         run.run_id = demo_run_id(log, proc)
         record = json.loads((base / "rt" / run.run_id / "run.json").read_text())
         run.control, run.pub = record["control"], record["ranks"][0]["pub"]
+        # warmed up before the first case: the first steps and checkpoints grow a fresh process
+        # by tens of MiB (allocator pools, the loader), which no fault should be charged with
+        client = run.client()
+        wait_for(lambda: client.hello(history=0).step >= 40, 60, 0.2, "the victim to warm up")
         yield run
     finally:
         if proc.poll() is None:
