@@ -124,12 +124,15 @@ def demo_run_id(log: Path, proc: subprocess.Popen[Any], timeout: float = 60.0) -
     return str(wait_for(found, timeout, what="the demo's run id"))
 
 
-def memtui_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run the ``memtui`` command line in a subprocess."""
+def memtui_cli(
+    *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``memtui`` command line in a subprocess (``env``: instead of this process's)."""
     return subprocess.run(
         [sys.executable, "-m", "memtui.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )

@@ -74,14 +74,7 @@ class Victim:
 
     def cli(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         """The ``memtui`` command line, in the run's runtime directory."""
-        return subprocess.run(
-            [sys.executable, "-m", "memtui.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env=self.env,
-        )
+        return memtui_cli(*args, timeout=timeout, env=self.env)
 
 
 @pytest.fixture(scope="module")
