@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from memtui.stats import shown
-from memtui.wire import Knobs, KnobValue
+from memtui.wire import KnobDiff, Knobs, KnobValue
 
 KNOBS: tuple[str, ...] = ("batch_size", "grad_accum", "num_workers", "pin_memory")
 """The canonical knob names, in display order."""
@@ -200,3 +200,38 @@ def format_value(value: object) -> str:
 def format_changes(changes: Mapping[str, object]) -> str:
     """Show a change set as ``key=value`` words."""
     return " ".join(f"{k}={format_value(v)}" for k, v in changes.items())
+
+
+def knobs_with(base: Knobs, changes: Mapping[str, KnobValue | None]) -> Knobs:
+    """A copy of ``base`` with ``changes`` applied."""
+    return Knobs(**{**as_dict(base, keep_none=True), **changes})  # type: ignore[arg-type]
+
+
+def as_dict(knobs: Knobs, *, keep_none: bool = False) -> dict[str, KnobValue | None]:
+    """The knobs as ``{name: value}`` in display order (the unset ones only with ``keep_none``)."""
+    values = {k: getattr(knobs, k) for k in KNOBS}
+    return values if keep_none else {k: v for k, v in values.items() if v is not None}
+
+
+def merge(changes: Iterable[Mapping[str, KnobValue]]) -> dict[str, KnobValue]:
+    """Change sets merged in order: a later value of a knob wins."""
+    merged: dict[str, KnobValue] = {}
+    for change in changes:
+        merged.update(change)
+    return merged
+
+
+def diff(current: Knobs, target: Mapping[str, KnobValue | None]) -> dict[str, KnobDiff]:
+    """What setting ``target`` changes in ``current``: ``{knob: KnobDiff(old, new)}``."""
+    return {
+        k: KnobDiff(getattr(current, k), v)
+        for k, v in target.items()
+        if v is not None and getattr(current, k) != v
+    }
+
+
+def format_diffs(diffs: Mapping[str, KnobDiff], arrow: str = "->") -> str:
+    """Show changes as ``knob old -> new`` parts, comma separated."""
+    return ", ".join(
+        f"{k} {format_value(d.old)} {arrow} {format_value(d.new)}" for k, d in diffs.items()
+    )

@@ -126,7 +126,7 @@ class CheckpointRecord(Struct, array_like=True, frozen=True):
 # --------------------------------------------------------------------------- config and changes
 
 
-class Knobs(Struct, omit_defaults=True):
+class Knobs(Struct, omit_defaults=True, frozen=True):
     """The four knobs memtui can change; None means the run does not expose that knob."""
 
     batch_size: int | None = None
@@ -556,6 +556,13 @@ class Decoder:
 def to_builtins(obj: Any) -> Any:
     """Convert a Struct (or anything containing them) to plain JSON-ready Python objects."""
     return msgspec.to_builtins(obj)
+
+
+def all_fields(struct: Struct) -> dict[str, Any]:
+    """A Struct's fields as plain objects, defaults included (a record a person reads)."""
+    return {
+        name: msgspec.to_builtins(value) for name, value in msgspec.structs.asdict(struct).items()
+    }
 
 
 def encode_run_record(record: RunRecord) -> bytes:

@@ -461,8 +461,8 @@ def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
     assert isinstance(model, MemoryModel) and round(predict_peak(model, 21) / GIB, 1) == 20.8
     config = Knobs(batch_size=16, grad_accum=4, num_workers=2, pin_memory=False)
     tunable = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
-    by_default = Control(config, tunable, thresholds=THRESHOLDS)
-    from_file = Control(config, tunable)  # the hook's: reads the config file like the viewer
+    by_default = Control(lambda: config, thresholds=THRESHOLDS)
+    from_file = Control(lambda: config)  # the hook's: reads the config file like the viewer
     assert from_file.thresholds == bands.thresholds
     by_default.model = from_file.model = model
     bigger = SetRequest(changes={"batch_size": 21})

@@ -65,7 +65,7 @@ class Clock:
 
 def test_requests_out_of_bounds_are_refused_and_not_stored(tmp_path: Path) -> None:
     audit = AuditLog(tmp_path / "audit.jsonl", "run")
-    control = Control(Knobs(batch_size=8), ["batch_size"], audit=audit)
+    control = Control(lambda: Knobs(batch_size=8), audit=audit)
     too_many = {f"k{i}": 1 for i in range(MAX_CHANGES + 1)}
     for request in (
         SetRequest(changes=too_many),  # type: ignore[arg-type]
@@ -85,7 +85,7 @@ def test_requests_out_of_bounds_are_refused_and_not_stored(tmp_path: Path) -> No
 
 def test_rejected_requests_are_stored_clipped_and_logged_a_few_a_second(tmp_path: Path) -> None:
     audit = AuditLog(tmp_path / "audit.jsonl", "run")
-    control = Control(Knobs(batch_size=8), ["batch_size"], audit=audit)
+    control = Control(lambda: Knobs(batch_size=8), audit=audit)
     names = {"\0" * (MAX_TEXT - 4) + f"{i:04d}": "\x1b[31m" * 12 for i in range(MAX_CHANGES)}
     for _ in range(500):  # the largest requests in bounds, each rejected
         reply = control.queue(SetRequest(changes=names, client="\0\x1b" * (MAX_TEXT // 2)))  # type: ignore[arg-type]
@@ -325,7 +325,7 @@ def test_failed_authentications_are_counted(
     keygen()
     tuner = Tuner(
         SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
-    )
+    ).start()
     context = zmq.Context.instance()
     socks = []
     try:

@@ -328,7 +328,7 @@ def test_a_corrupt_tuned_yaml_at_resume_is_one_warning(
     (tmp_path / "memtui-tuned.yaml").write_text(CORRUPT_TUNED[shape], errors="surrogateescape")
     config = SimpleNamespace(batch_size=4, grad_accum=1)
     started = time.monotonic()
-    tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False)).start()
     try:
         assert time.monotonic() - started < 2.0
         assert (config.batch_size, config.grad_accum) == (4, 1), "the script's config stands"
@@ -358,7 +358,7 @@ def test_a_hostile_config_file_at_install_is_one_warning_in_no_time(
     (tmp_path / "config.yaml").write_text(text)
     monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "config.yaml"))
     started = time.monotonic()
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False))
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)).start()
     try:
         assert time.monotonic() - started < 2.0
         messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]

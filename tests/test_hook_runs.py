@@ -174,7 +174,7 @@ def assert_post_mortem_without_rollback(run: Training) -> None:
     assert tuned["safe_config_reason"].startswith("the config before change #1"), tuned
     oom = tuned["oom"]
     assert oom["rolled_back"] is False and oom["kind"] == "cpu", oom
-    assert oom["config_at_oom"]["batch_size"] == 16
+    assert oom["config"]["batch_size"] == 16
     assert oom["batch"].startswith("lost with the run"), oom["batch"]
     ooms = [e for e in run.audit() if e["event"] == "oom"]
     assert len(ooms) == 1 and ooms[0]["safe_config"]["batch_size"] == 8

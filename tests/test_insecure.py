@@ -48,7 +48,7 @@ def make_tuner(no_keys: None, tmp_path: Path) -> Iterator[MakeTuner]:
             SimpleNamespace(batch_size=4),
             state_dir=tmp_path / f"state{len(tuners)}",
             options=Options(**options),  # type: ignore[arg-type]
-        )
+        ).start()
         tuners.append(tuner)
         for _ in range(3):
             tuner.step()
@@ -91,7 +91,7 @@ def test_ipc_and_curve_say_nothing(make_tuner: MakeTuner, caplog: pytest.LogCapt
         tuner = make_tuner()
     assert "INSECURE" not in caplog.text
     assert tuner.info.security == "ipc"
-    assert tuner._agent is not None and tuner._agent.record().security == "ipc"
+    assert tuner.agent is not None and tuner.agent.record().security == "ipc"
 
 
 def test_plain_tcp_control_socket_is_read_only(
@@ -116,7 +116,7 @@ def test_plain_tcp_control_socket_is_read_only(
     with pytest.raises(ClientError, match="read-only"):
         ControlClient(rank.control_tcp, timeout_s=5).set({"batch_size": 8})
     tuner.checkpoint()
-    assert tuner.values["batch_size"] == 4 and not tuner.control.pending
+    assert tuner.knobs().batch_size == 4 and not tuner.control.pending
 
     # the run's own user, over the private ipc socket, still sees and changes everything
     full = ControlClient(tuner.ranks[0].control, timeout_s=5).hello()
@@ -141,7 +141,7 @@ def test_plain_tcp_control_takes_a_second_opt_in(
     reply = ask(rank.control_tcp, SetRequest(changes={"batch_size": 8}, client="other user"))
     assert isinstance(reply, SetReply) and reply.ok, reply
     tuner.checkpoint()
-    assert tuner.values["batch_size"] == 8
+    assert tuner.knobs().batch_size == 8
 
 
 def test_the_control_opt_in_alone_opens_nothing(

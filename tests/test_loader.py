@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 
 from memtui.hooks import Options, Tuner
-from memtui.wire import SetRequest
+from memtui.wire import KnobDiff, Knobs, SetRequest
 
 
 class Indices(Dataset[int]):
@@ -38,7 +38,7 @@ class Stream(IterableDataset[int]):
 
 
 def make_tuner(**config: object) -> Tuner:
-    return Tuner(SimpleNamespace(**config), options=Options(publish=False))
+    return Tuner(SimpleNamespace(**config), options=Options(publish=False)).start()
 
 
 def queue(tuner: Tuner, **changes: object) -> None:
@@ -71,7 +71,7 @@ def test_rebuild_mid_epoch_keeps_exact_position_sequential(workers: int) -> None
         if i == 4:  # workers have prefetched batches 5.. by now: they must be replayed, not lost
             queue(tuner, batch_size=6, num_workers=1 if workers else 0)
             applied = tuner.checkpoint()
-            assert applied is not None and applied.changes["batch_size"] == (4, 6)
+            assert applied is not None and applied.changes["batch_size"] == KnobDiff(4, 6)
     assert seen == list(range(100))
     assert sizes[:5] == [4] * 5 and set(sizes[5:-1]) == {6}
     assert loader.generation == 1 and "exactly" in loader.last_rebuild
@@ -138,7 +138,7 @@ def test_data_wait_is_measured_per_step() -> None:
         next(it)
         time.sleep(0.01)  # "compute"
         tuner.step()
-    records = list(tuner._outbox)
+    records = tuner.ledger.drain_steps()
     assert [r[0] for r in records] == [1, 2, 3]
     for _step, _end, step_time, wait, samples, micro, _flags in records[1:]:
         assert micro == 2 and samples == 8
@@ -200,8 +200,7 @@ def test_factory_that_takes_no_knobs_still_gets_them() -> None:
     """memtui rebuilds the DataLoader itself, so a factory with no arguments works too."""
     tuner = make_tuner()
     loader = tuner.loader(lambda: DataLoader(Indices(40), batch_size=4, num_workers=0))
-    assert tuner.values["batch_size"] == 4 and tuner.values["num_workers"] == 0
-    assert tuner.values["pin_memory"] is False and tuner.values["grad_accum"] is None
+    assert tuner.knobs() == Knobs(batch_size=4, num_workers=0, pin_memory=False)
     queue(tuner, batch_size=10)
     tuner.checkpoint()
     assert [len(b) for b in loader] == [10, 10, 10, 10]
@@ -209,7 +208,7 @@ def test_factory_that_takes_no_knobs_still_gets_them() -> None:
 
 def test_not_in_worker_processes() -> None:
     """Forked workers disable the tuner: no sampling or publishing happens there."""
-    tuner = Tuner(SimpleNamespace(batch_size=2), options=Options())
+    tuner = Tuner(SimpleNamespace(batch_size=2), options=Options()).start()
     try:
         loader = tuner.loader(
             lambda batch_size: DataLoader(_ClosedProbe(), batch_size=batch_size, num_workers=1)
@@ -234,16 +233,16 @@ _parent_pid = os.getpid()
 
 
 def test_a_loop_that_never_calls_step_stays_bounded() -> None:
-    from memtui.hooks.loader import MAX_STEP_BATCHES
+    from memtui.hooks.ledger import MAX_STEP_BATCHES
 
     tuner = make_tuner(batch_size=2)
     try:
         loader = tuner.loader(lambda batch_size: DataLoader(Indices(20_000), batch_size=batch_size))
         for _ in loader:
             pass
-        assert len(tuner._step_batches) == MAX_STEP_BATCHES
-        requeued, skipped = tuner._requeue_step_batches()
+        assert len(tuner.ledger._batches) == MAX_STEP_BATCHES
+        requeued, skipped = tuner.ledger.requeue()
         assert requeued + skipped == 20_000  # none unaccounted for
-        assert not tuner._step_batches
+        assert not tuner.ledger._batches
     finally:
         tuner.close()

@@ -74,7 +74,7 @@ def on_disk(state: Path) -> int:
 def test_a_full_disk_then_space_again(small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
     state = small_disk / "state"
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=state, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=state, options=Options(publish=False)).start()
     try:
         change(tuner, config, 2)
         assert on_disk(state) == 2
@@ -111,7 +111,7 @@ def test_an_unwritable_tuned_path_is_retried_and_said(
 ) -> None:
     (tmp_path / "memtui-tuned.yaml").mkdir()  # unwritable as a file, even for root
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False)).start()
     try:
         with caplog.at_level(logging.WARNING, "memtui"):
             for _ in range(5):  # more failures than the error report's first three
@@ -157,7 +157,7 @@ def test_the_state_files_are_private(tmp_path: Path) -> None:
     state = tmp_path / "state"
     config = SimpleNamespace(batch_size=4, grad_accum=1)
     old = os.umask(0o022)
-    tuner = Tuner(config, state_dir=state, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=state, options=Options(publish=False)).start()
     try:
         change(tuner, config, 2)
     finally:
@@ -192,7 +192,7 @@ def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
     state = tmp_path / "state"
     disk = InjectedDisk(state, monkeypatch)
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=state, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=state, options=Options(publish=False)).start()
     try:
         change(tuner, config, 2)
         disk.full = True
@@ -222,10 +222,10 @@ def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
 def test_an_audit_log_that_cannot_be_written_is_said_at_every_boundary_not_three_times(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("memtui.hooks.tuner.UNSAVED_WARN_S", 0.0)  # every boundary, not a minute
+    monkeypatch.setattr("memtui.hooks.persist.UNSAVED_WARN_S", 0.0)  # every boundary, not a minute
     (tmp_path / "memtui-audit.jsonl").mkdir()  # unwritable as a file, even for root
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False))
+    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False)).start()
     try:
         with caplog.at_level(logging.WARNING, "memtui"):
             for accum in (2, 3, 2, 3, 2, 3):

@@ -154,7 +154,7 @@ def test_stale_entries_of_dead_runs_are_cleaned(
 
 
 def test_permissions(tmp_path: Path, private_runtime: Path) -> None:
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path)
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path).start()
     try:
         run_dir = private_runtime / tuner.run_id
         wait_for(lambda: (run_dir / "run.json").exists(), 10, what="the registry file")
@@ -182,19 +182,19 @@ def test_unwritable_runtime_dir_does_not_stop_training(
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(blocker / "rt"))
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options())
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options()).start()
     try:
         for _ in range(10):
             tuner.step()
         assert tuner.checkpoint() is None
-        assert tuner._agent is not None and tuner._agent.failed is not None
-        assert tuner._errors >= 1 and "agent start" in tuner._last_error
+        assert tuner.agent is not None and tuner.agent.failed is not None
+        assert tuner.errors.count >= 1 and "agent start" in tuner.errors.last
     finally:
         tuner.close()
 
 
 def test_last_batch_says_ended(tmp_path: Path) -> None:
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path)
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path).start()
     target = registry.find_run(tuner.run_id)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

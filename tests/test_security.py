@@ -41,7 +41,7 @@ def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def tcp_tuner(keys: Path, tmp_path: Path) -> Iterator[Tuner]:
     tuner = Tuner(
         SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
-    )
+    ).start()
     try:
         for _ in range(3):
             tuner.step()
@@ -116,7 +116,7 @@ def test_unauthenticated_peers_get_nothing(tcp_tuner: Tuner, tmp_path: Path) -> 
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(rank.pub_tcp)
-        zap = tcp_tuner._agent._zap if tcp_tuner._agent is not None else None
+        zap = tcp_tuner.agent._zap if tcp_tuner.agent is not None else None
         assert zap is not None
         wait_for(lambda: zap.denied >= 2, 30, what="the rogue peers turned away")
         time.sleep(1.5)  # several telemetry batches go out meanwhile
@@ -131,20 +131,20 @@ def test_tcp_without_keys_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
     tuner = Tuner(
         SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
-    )
+    ).start()
     try:
         assert tuner.tcp_plan is None and tuner.ranks[0].pub_tcp == ""
-        assert "without keys: run `memtui keygen` first" in tuner._last_error
+        assert "without keys: run `memtui keygen` first" in tuner.errors.last
     finally:
         tuner.close()
     insecure = Tuner(
         SimpleNamespace(batch_size=4),
         state_dir=tmp_path,
         options=Options(tcp="0.0.0.0", insecure=True),
-    )
+    ).start()
     try:
         assert insecure.tcp_plan is None
-        assert "loopback addresses only" in insecure._last_error
+        assert "loopback addresses only" in insecure.errors.last
     finally:
         insecure.close()
     with pytest.raises(ClientError, match="memtui keygen"):
@@ -156,7 +156,7 @@ def test_insecure_loopback_is_allowed(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("MEMTUI_INSECURE", "1")
     tuner = Tuner(
         SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(tcp="127.0.0.1")
-    )
+    ).start()
     try:
         assert tuner.tcp_plan is not None and tuner.tcp_plan.keys is None
         assert (
@@ -248,7 +248,7 @@ def test_one_viewer_hears_an_ipc_rank_and_a_curve_tcp_rank(
     """A plain ipc rank and a CURVE TCP rank, subscribed to in either order, both deliver."""
     local = Tuner(
         SimpleNamespace(batch_size=4), state_dir=tmp_path / "local", options=Options(tcp=None)
-    )
+    ).start()
     source = LiveSource(None)
     try:
         here = local.ranks[0]

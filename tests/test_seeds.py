@@ -102,7 +102,7 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     assert "rolled back the change" in demo.output()
     tuned = yaml.safe_load((demo.out / "memtui-tuned.yaml").read_text())
     assert tuned["config"]["batch_size"] == 8 and tuned["oom"]["rolled_back"] is True
-    assert tuned["oom"]["config_at_oom"]["batch_size"] == 16
+    assert tuned["oom"]["config"]["batch_size"] == 16
     events = [
         json.loads(line)["event"]
         for line in (demo.out / "memtui-audit.jsonl").read_text().splitlines()

@@ -17,9 +17,9 @@ import yaml
 
 from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner, install
-from memtui.hooks.agent import HISTORY_STEPS
+from memtui.hooks.publisher import HISTORY_STEPS
 from memtui.hooks.sampler import CudaDeviceProbe
-from memtui.wire import CancelRequest, SetRequest
+from memtui.wire import CancelRequest, KnobDiff, SetRequest
 from tests.conftest import wait_for
 
 
@@ -32,7 +32,7 @@ class Config:
 
 
 def quiet(config: Any, tmp_path: Path, **kwargs: Any) -> Tuner:
-    return Tuner(config, state_dir=tmp_path, options=Options(publish=False), **kwargs)
+    return Tuner(config, state_dir=tmp_path, options=Options(publish=False), **kwargs).start()
 
 
 def queue(tuner: Tuner, keep: bool = False, **changes: Any) -> int:
@@ -55,7 +55,7 @@ def test_changes_apply_only_at_the_boundary_and_merge(tmp_path: Path) -> None:
     applied = tuner.checkpoint()
     assert applied is not None
     assert applied.step == 4 and applied.ids == [first, second]
-    assert applied.changes == {"batch_size": (16, 32), "num_workers": (0, 2)}
+    assert applied.changes == {"batch_size": KnobDiff(16, 32), "num_workers": KnobDiff(0, 2)}
     assert config.batch_size == 32 and config.num_workers == 2
     assert "applied at step 4: batch_size 16 -> 32, num_workers 0 -> 2" in str(applied)
     assert tuner.checkpoint() is None, "a change applies once"
@@ -76,7 +76,7 @@ def test_cancel(tmp_path: Path) -> None:
     assert tuner.control.cancel(CancelRequest(id=change)).cancelled == [change]
     assert not tuner.control.cancel(CancelRequest(id=change)).ok
     applied = tuner.checkpoint()
-    assert applied is not None and applied.changes == {"grad_accum": (2, 3)}
+    assert applied is not None and applied.changes == {"grad_accum": KnobDiff(2, 3)}
 
 
 def test_rejections_have_reasons(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_a_failed_write_rolls_back_and_is_rejected(tmp_path: Path) -> None:
     assert config.grad_accum == 1 and config.batch_size == 8, "rolled back"
     rejected = tuner.control.state().rejected[-1]
     assert "could not write batch_size" in rejected.reason and rejected.id == 1
-    assert tuner._errors == 1
+    assert tuner.errors.count == 1
 
 
 def test_audit_log_and_tuned_yaml(tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def test_resume_loads_the_tuned_config_into_the_users_config(tmp_path: Path) -> 
     restarted = Config()
     tuner = quiet(restarted, tmp_path, resume=True)
     assert (restarted.batch_size, restarted.num_workers) == (24, 3)
-    assert tuner.resumed == {"batch_size": (16, 24), "num_workers": (0, 3)}
+    assert tuner.resumed == {"batch_size": KnobDiff(16, 24), "num_workers": KnobDiff(0, 3)}
     fresh = Config()
     quiet(fresh, tmp_path / "empty", resume=True)
     assert fresh.batch_size == 16, "no tuned file: the script's config stands"
@@ -156,11 +156,11 @@ def test_resume_loads_the_tuned_config_into_the_users_config(tmp_path: Path) -> 
 
 def test_hot_path_never_raises(tmp_path: Path) -> None:
     tuner = quiet(Config(), tmp_path)
-    tuner._outbox = None  # type: ignore[assignment]  # break the internals on purpose
+    tuner.ledger._outbox = None  # type: ignore[assignment]  # break the internals on purpose
     tuner.step()
-    tuner.control = None  # type: ignore[assignment]
+    tuner.boundary = None  # type: ignore[assignment]
     assert tuner.checkpoint() is None
-    assert tuner._errors == 2 and "checkpoint" in tuner._last_error
+    assert tuner.errors.count == 2 and "checkpoint" in tuner.errors.last
 
 
 def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
@@ -178,13 +178,13 @@ def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
 
 def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> None:
     options = Options(flush_period_s=0.01, idle_flush_s=0.01)
-    tuner = Tuner(Config(), state_dir=tmp_path, options=options)
+    tuner = Tuner(Config(), state_dir=tmp_path, options=options).start()
     try:
-        assert tuner._agent is not None and tuner._agent.failed is None
-        agent = tuner._agent
+        assert tuner.agent is not None and tuner.agent.failed is None
+        agent = tuner.agent
         for _ in range(20_000):
             tuner.step()
-        wait_for(lambda: not tuner._outbox, 10, what="the agent to drain the outbox")
+        wait_for(lambda: not tuner.ledger._outbox, 10, what="the agent to drain the outbox")
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
@@ -193,7 +193,7 @@ def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> N
             if i % 20_000 == 0:
                 tuner.checkpoint()
         wait_for(
-            lambda: not tuner._outbox and len(agent._unsent) <= HISTORY_STEPS,
+            lambda: not tuner.ledger._outbox and len(agent.publisher._unsent) <= HISTORY_STEPS,
             10,
             what="the agent to drain all (unwatched, it keeps only the history's records)",
         )
@@ -202,7 +202,7 @@ def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> N
         tracemalloc.stop()
         growth = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
         assert tuner.step_count == 100_000
-        assert len(tuner._agent.steps) == HISTORY_STEPS
+        assert len(agent.publisher.steps) == HISTORY_STEPS
         assert growth < 1_000_000, f"grew {growth} bytes over 80,000 steps"
     finally:
         tuner.close()
@@ -213,21 +213,21 @@ def test_outbox_overflow_drops_oldest_and_counts(tmp_path: Path) -> None:
     tuner = quiet(Config(), tmp_path)
     for _ in range(20_000):
         tuner.step()
-    assert len(tuner._outbox) == tuner._outbox.maxlen
-    from memtui import registry
-    from memtui.hooks.agent import Agent
+    outbox = tuner.ledger._outbox
+    assert len(outbox) == outbox.maxlen
+    from memtui.hooks.publisher import Publisher
 
-    agent = Agent(tuner, registry.run_dir(tuner.run_id))
-    agent._last_step = 1
-    agent._drain()
-    assert agent.counters.records_dropped == 20_000 - tuner._outbox.maxlen - 1  # type: ignore[operator]
+    publisher = Publisher(tuner.ledger, tuner.control, lambda: None)
+    publisher._last_step = 1
+    publisher.drain()
+    assert publisher.records_dropped == 20_000 - outbox.maxlen - 1  # type: ignore[operator]
 
 
 def test_install_publishes_and_answers(tmp_path: Path) -> None:
     config = SimpleNamespace(batch_size=8, gradient_accumulation_steps=2)
     tuner = install(config, state_dir=tmp_path, name="inproc")
     try:
-        client = ControlClient(f"ipc://{Path(tuner._agent.run_dir.path) / 'ctl'}", timeout_s=5)
+        client = ControlClient(f"ipc://{Path(tuner.agent.run_dir.path) / 'ctl'}", timeout_s=5)
         for _ in range(7):
             tuner.step()
         snapshot = client.hello()
@@ -312,11 +312,12 @@ def test_cuda_probe_reads_allocator_and_nvml() -> None:
 
 
 def test_cpu_probe_reports_rss_against_the_limit(tmp_path: Path) -> None:
-    tuner = Tuner(Config(), state_dir=tmp_path, options=Options(device_period_s=0.05))
+    tuner = Tuner(Config(), state_dir=tmp_path, options=Options(device_period_s=0.05)).start()
     try:
-        sampler = tuner._sampler
-        wait_for(lambda: tuner._agent.device and tuner._agent.host, 10, what="samples")
-        sample = tuner._agent.device[-1]
+        sampler = tuner.sampler
+        publisher = tuner.agent.publisher
+        wait_for(lambda: publisher.device and publisher.host, 10, what="samples")
+        sample = publisher.device[-1]
         assert sample.kind == "cpu" and sample.capacity_bytes > 0
         assert 0 < sample.allocated_bytes <= sample.peak_allocated_bytes
         assert sampler.probe is not None and sampler.probe.kind == "cpu"
@@ -327,9 +328,9 @@ def test_cpu_probe_reports_rss_against_the_limit(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", ["0", "1"])
 def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
     monkeypatch.setenv("MEMTUI_DISABLE", value)
-    tuner = Tuner(Config(), state_dir=tmp_path)
+    tuner = Tuner(Config(), state_dir=tmp_path).start()
     try:
-        assert (tuner._agent is None) == (value == "1")
+        assert (tuner.agent is None) == (value == "1")
     finally:
         tuner.close()
 
@@ -386,7 +387,7 @@ def test_the_threads_wake_often_only_while_watched(
         agent_rate, sampler_rate = rates(2.0)
         assert 5 <= agent_rate <= 15, "watched: ten flushes a second"
         assert 3 <= sampler_rate <= 7, "watched: five device samples a second"
-        agent = tuner._agent
+        agent = tuner.agent
         assert isinstance(agent, Agent) and agent.subscribers == 1
         sub.close()
         wait_for(lambda: agent.subscribers == 0, 5, 0.05, "the unsubscribe")

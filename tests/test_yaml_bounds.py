@@ -55,7 +55,7 @@ def test_hostile_tuned_yaml_at_resume_is_one_warning(
     config = SimpleNamespace(batch_size=4, grad_accum=1)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, "memtui"):
-        tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False))
+        tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False)).start()
     try:
         assert time.monotonic() - started < 1.0
         said = [r.getMessage() for r in caplog.records if "resume" in r.getMessage()]
@@ -75,7 +75,7 @@ def test_hostile_memtui_config_at_install_is_one_warning(
     with caplog.at_level(logging.WARNING, "memtui"):
         tuner = Tuner(
             SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)
-        )
+        ).start()
     try:
         assert time.monotonic() - started < 1.0
         said = [r.getMessage() for r in caplog.records if "config.yaml" in r.getMessage()]
@@ -104,7 +104,7 @@ def test_a_fifo_as_the_tuned_yaml_or_the_config_does_not_block_install(
                 state_dir=tmp_path,
                 resume=True,
                 options=Options(publish=False),
-            )
+            ).start()
         )
 
     with caplog.at_level(logging.WARNING, "memtui"):

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"run {tuner.run_id} pid {os.getpid()} device {device}{ranks} out {out}", flush=True)
     if tuner.resumed:
         say(
-            "resumed tuned config: " + ", ".join(f"{k}={v[1]}" for k, v in tuner.resumed.items()),
+            "resumed tuned config: " + ", ".join(f"{k}={d.new}" for k, d in tuner.resumed.items()),
             flush=True,
         )
     if tuner.step_count:

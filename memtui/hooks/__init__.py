@@ -91,4 +91,4 @@ def install(
         name=name,
         auto_step=auto_step,
         options=options,
-    )
+    ).start()

@@ -11,22 +11,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from memtui.advice.predict import confidence, max_batch, predict_peak
-from memtui.advice.verdict import THRESHOLDS, Thresholds, load_thresholds
+from memtui.advice.effect import describe
+from memtui.advice.measure import Measured
+from memtui.advice.prediction import Prediction
+from memtui.advice.verdict import Thresholds, load_thresholds
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.persist import AuditLog
-from memtui.knobs import KNOBS, KnobError, format_changes, parse_changes, resolve
-from memtui.stats import format_bytes
+from memtui.knobs import KNOBS, KnobError, format_changes, knobs_with, merge, parse_changes, resolve
 from memtui.wire import (
     AppliedChange,
     CancelReply,
     CancelRequest,
     ControlState,
     Knobs,
-    KnobValue,
     MemoryModel,
     OomEvent,
     PendingChange,
@@ -85,20 +84,12 @@ def _clipped(changes: Mapping[str, object]) -> dict[str, Any]:
     }
 
 
-def knobs_with(base: Knobs, changes: dict[str, KnobValue]) -> Knobs:
-    """A copy of ``base`` with ``changes`` applied."""
-    values = {k: getattr(base, k) for k in KNOBS}
-    values.update(changes)
-    return Knobs(**values)
-
-
 class Control:
     """The pending queue and the record of what was applied or refused."""
 
     def __init__(
         self,
-        current: Knobs,
-        tunable: list[str],
+        knobs: Callable[[], Knobs],
         *,
         world_size: int = 1,
         audit: AuditLog | None = None,
@@ -109,8 +100,8 @@ class Control:
         self._lock = threading.Lock()
         self.thresholds = thresholds or _thresholds_in_force()
         """The memory bands the gate uses: the verdict's, from the YAML config file if any."""
-        self.current = current
-        self.tunable = list(tunable)
+        self._knobs = knobs
+        """The knob store's current values (the one copy; read, never kept)."""
         self.world_size = world_size
         self.audit = audit
         self._step = step
@@ -137,12 +128,23 @@ class Control:
 
     # ------------------------------------------------------------- views
 
+    @property
+    def current(self) -> Knobs:
+        """The knob values now (the knob store's)."""
+        return self._knobs()
+
+    @property
+    def tunable(self) -> list[str]:
+        """The knobs this run can change."""
+        current = self._knobs()
+        return [k for k in KNOBS if getattr(current, k) is not None]
+
     def state(self) -> ControlState:
         """A consistent copy of the control state."""
         with self._lock:
             return ControlState(
                 config=self.current,
-                tunable=list(self.tunable),
+                tunable=self.tunable,
                 world_size=self.world_size,
                 pending=list(self.pending),
                 applied=list(self.applied),
@@ -159,10 +161,7 @@ class Control:
             return self._projected()
 
     def _projected(self) -> Knobs:
-        merged: dict[str, KnobValue] = {}
-        for change in self.pending:
-            merged.update(change.changes)
-        return knobs_with(self.current, merged)
+        return knobs_with(self.current, merge(c.changes for c in self.pending))
 
     # ------------------------------------------------------------- requests (agent thread)
 
@@ -192,7 +191,8 @@ class Control:
                 projected = knobs_with(self._projected(), resolved.changes)
                 prediction = self._predict(projected)
                 if request.dry_run:
-                    return prediction.reply(
+                    return _reply(
+                        prediction,
                         ok=True,
                         changes=resolved.changes,
                         note=_join(resolved.note, prediction.warning),
@@ -230,18 +230,15 @@ class Control:
                 self.rejected.append(rejected)
                 self.seq += 1
             self._audit_rejected(rejected)
-            return prediction.reply(
-                ok=False, reason=reason, needs_force=isinstance(exc, OverDanger)
+            return _reply(
+                prediction, ok=False, reason=reason, needs_force=isinstance(exc, OverDanger)
             )
-        self._audit("queued", change)
-        return prediction.reply(ok=True, id=change.id, changes=change.changes, note=change.note)
+        self.audit_event("queued", change)
+        return _reply(prediction, ok=True, id=change.id, changes=change.changes, note=change.note)
 
     def _predict(self, projected: Knobs) -> Prediction:
         """The memory model's prediction for a config (empty without a model or a batch size)."""
-        model = self.model
-        if model is None or projected.batch_size is None:
-            return Prediction()
-        return Prediction.of(model, projected.batch_size, self.thresholds)
+        return Prediction.of(self.model, projected.batch_size, self.thresholds)
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
@@ -264,7 +261,7 @@ class Control:
                 "no change is pending" if request.id == 0 else f"no pending change #{request.id}"
             )
             return CancelReply(ok=False, reason=known)
-        self._audit(
+        self.audit_event(
             "cancelled", {"ids": gone, "client": clip(request.client), "step": self._step()}
         )
         return CancelReply(ok=True, cancelled=gone)
@@ -280,13 +277,66 @@ class Control:
                 self.seq += 1
             return taken
 
-    def record_applied(self, applied: AppliedChange, current: Knobs) -> None:
-        """Record changes applied at a boundary and the config they produced."""
+    def record_applied(self, applied: AppliedChange) -> None:
+        """Record changes applied at a boundary (or a rollback)."""
         with self._lock:
-            self.current = current
             self.applied.append(applied)
             self.seq += 1
-        self._audit("applied", applied)
+        self.audit_event("applied", applied)
+
+    def applied_changes(self) -> list[AppliedChange]:
+        """The applied changes kept, oldest first (a copy)."""
+        with self._lock:
+            return list(self.applied)
+
+    def disable(self, reason: str) -> None:
+        """Take no more changes for this run, saying why."""
+        with self._lock:
+            if self.disabled != reason:
+                self.disabled = reason
+                self.seq += 1
+
+    # ------------------------------------------------------------- what the hook learns
+
+    def set_static(self, static: StaticMemory) -> None:
+        """Publish the exact parameter, gradient and optimizer memory (when it changed)."""
+        with self._lock:
+            if self.static != static:
+                self.static = static
+                self.seq += 1
+
+    def offer_model(self, model: MemoryModel, moved: Callable[[MemoryModel | None], bool]) -> None:
+        """Publish a refit memory model if ``moved(published)`` says it differs enough."""
+        with self._lock:
+            if moved(self.model):
+                self.model = model
+                self.seq += 1
+
+    def record_effect(self, measured: Measured) -> None:
+        """Publish and audit an applied change's measured effect."""
+        applied, peak = measured.applied, measured.peak_after
+        with self._lock:
+            applied.effect = measured.effect
+            applied.observed_peak_bytes = peak
+            self.seq += 1
+        record: dict[str, object] = {
+            "ids": applied.ids,
+            "step": applied.step,
+            "predicted_peak_bytes": applied.predicted_peak_bytes,
+            "observed_peak_bytes": peak,
+            "effect": to_builtins(measured.effect),
+            "summary": describe(measured.effect),
+        }
+        if applied.predicted_peak_bytes and peak:
+            record["prediction_error"] = applied.predicted_peak_bytes / peak - 1
+        self.audit_event("measured", record)
+
+    def record_oom(self, event: OomEvent) -> None:
+        """Publish and audit an out-of-memory error."""
+        with self._lock:
+            self.ooms.append(event)
+            self.seq += 1
+        self.audit_event("oom", event)
 
     def record_rejected(self, changes: list[PendingChange], reason: str, step: int) -> None:
         """Record pending changes refused at a boundary."""
@@ -302,7 +352,7 @@ class Control:
             with self._lock:
                 self.rejected.append(rejected)
                 self.seq += 1
-            self._audit("rejected", rejected)
+            self.audit_event("rejected", rejected)
 
     def _audit_rejected(self, rejected: RejectedChange) -> None:
         """Log a request's rejection, a few a second at most (those left out are counted in the
@@ -314,9 +364,10 @@ class Control:
         if self._unaudited:
             payload = {**to_builtins(rejected), "unaudited_before": self._unaudited}
             self._unaudited = 0
-        self._audit("rejected", payload)
+        self.audit_event("rejected", payload)
 
-    def _audit(self, event: str, payload: object) -> None:
+    def audit_event(self, event: str, payload: object) -> None:
+        """Append an event to the audit log (rank 0); a failure is reported, never raised."""
         if self.audit is not None:
             try:
                 self.audit.append(event, payload)
@@ -329,71 +380,15 @@ class OverDanger(KnobError):
     """A change predicted over the danger band, refused unless forced."""
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """What the memory model says of a config, against the memory bands in force."""
-
-    peak_bytes: int | None = None
-    capacity_bytes: int | None = None
-    max_safe_batch_size: int | None = None
-    confidence: str = ""
-    edge: float = THRESHOLDS.memory_edge_fraction
-    """The top of the safe band (the largest safe micro-batch stays under it)."""
-    danger: float = THRESHOLDS.memory_danger_fraction
-    """Over this share of capacity a change needs ``force``."""
-
-    @classmethod
-    def of(
-        cls, model: MemoryModel, batch_size: int, thresholds: Thresholds = THRESHOLDS
-    ) -> Prediction:
-        """The prediction of ``model`` at ``batch_size`` against ``thresholds``' memory bands."""
-        edge = thresholds.memory_edge_fraction
-        return cls(
-            predict_peak(model, batch_size),
-            model.capacity_bytes,
-            max_batch(model, edge),
-            confidence(model),
-            edge,
-            thresholds.memory_danger_fraction,
-        )
-
-    @property
-    def fraction(self) -> float:
-        """Predicted peak over capacity (0 without a prediction)."""
-        if not self.peak_bytes or not self.capacity_bytes:
-            return 0.0
-        return self.peak_bytes / self.capacity_bytes
-
-    @property
-    def over_danger(self) -> bool:
-        """Predicted over the danger band."""
-        return self.fraction > self.danger
-
-    @property
-    def warning(self) -> str:
-        """Why the change is risky, with the numbers."""
-        if not self.over_danger:
-            return ""
-        safe = (
-            f"; the largest micro-batch predicted under {self.edge:.0%} is {self.max_safe_batch_size}"
-            if self.max_safe_batch_size
-            else ""
-        )
-        return (
-            f"predicted peak {format_bytes(self.peak_bytes)} = {self.fraction:.0%} of "
-            f"{format_bytes(self.capacity_bytes)}, over the {self.danger:.0%} danger band "
-            f"({self.confidence}){safe}; queue it with --force (or confirm in the viewer) if you mean it"
-        )
-
-    def reply(self, **fields: Any) -> SetReply:
-        """A SetReply carrying this prediction."""
-        return SetReply(
-            predicted_peak_bytes=self.peak_bytes,
-            capacity_bytes=self.capacity_bytes,
-            max_safe_batch_size=self.max_safe_batch_size,
-            confidence=self.confidence,
-            **fields,
-        )
+def _reply(prediction: Prediction, **fields: Any) -> SetReply:
+    """A SetReply carrying ``prediction``."""
+    return SetReply(
+        predicted_peak_bytes=prediction.peak_bytes,
+        capacity_bytes=prediction.capacity_bytes,
+        max_safe_batch_size=prediction.max_safe_batch_size,
+        confidence=prediction.confidence,
+        **fields,
+    )
 
 
 def _thresholds_in_force() -> Thresholds:

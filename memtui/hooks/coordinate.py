@@ -78,10 +78,11 @@ def group_timeout_s(dist: Any) -> float | None:
     """The default process group's collective timeout in seconds (the shortest of its backends'),
     None when torch does not expose it."""
     try:
-        group = dist.distributed_c10d._get_default_group()
+        # torch exposes the group's timeout only through private members (checked per release)
+        group = dist.distributed_c10d._get_default_group()  # noqa: SLF001
         timeouts = [
-            group._get_backend(device).options._timeout.total_seconds()
-            for device in group._device_types
+            group._get_backend(device).options._timeout.total_seconds()  # noqa: SLF001
+            for device in group._device_types  # noqa: SLF001
         ]
     except Exception:  # a private API: another torch may not have it
         return None

@@ -29,19 +29,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from memtui.hooks.tuner import Tuner
+from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
+from memtui.hooks.ledger import StepLedger
+from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")
-
-LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
-
-
-MAX_STEP_BATCHES = 4096
-"""Micro-batches of the current step kept for an OOM requeue: a loop that never calls
-``step()`` does not grow the list without bound (beyond it a requeue says it skipped)."""
 
 
 class _EpochStream:
@@ -90,7 +84,7 @@ class _TrackedBatchSampler:
         self.drop_last = drop_last
 
     def __iter__(self) -> Iterator[list[int]]:
-        stream = self.owner._stream
+        stream = self.owner.epoch_stream
         if stream is None:
             return
         source = stream.source()
@@ -136,7 +130,8 @@ def _shutdown(iterator: Any, loader: Any) -> None:
     if shutdown is not None:
         shutdown()
     if loader is not None and getattr(loader, "_iterator", None) is iterator:
-        loader._iterator = None
+        # DataLoader's persistent iterator; no public reset
+        loader._iterator = None  # noqa: SLF001
 
 
 class TunedLoader:
@@ -144,12 +139,17 @@ class TunedLoader:
 
     def __init__(
         self,
-        tuner: Tuner,
+        ledger: StepLedger,
+        store: KnobStore,
         factory: Callable[..., Any],
         shard: tuple[int, int] = (0, 1),
         place: Callable[[Any], Any] | None = None,
+        on_rebuilt: Callable[[], None] = lambda: None,
     ) -> None:
-        self._tuner = tuner
+        self._ledger = ledger
+        self._store = store
+        self._on_rebuilt = on_rebuilt
+        """Told after a rebuild (the sampler looks for the new workers)."""
         self._factory = factory
         self.shard = shard
         """(rank, world size): with world > 1 each batch is this rank's slice of a global batch
@@ -168,13 +168,14 @@ class TunedLoader:
         self.epoch = -1
         """The epoch being (or last) iterated, counted by this wrapper from 0."""
         self._resume: tuple[int, int] | None = None
-        self._built_for: tuple[Any, ...] = ()
         self._force_rebuild = False
         self.generation = 0
         """Counts loader rebuilds."""
         self.last_rebuild = ""
         """What the last rebuild did, in words."""
-        self.knobs = self._build(initial=True)
+        self.knobs: dict[str, Any] = self._build(initial=True)
+        """The values the loader now iterated was built with (the factory's, where it does not
+        take a knob)."""
 
     # ---------------------------------------------------------------- building
 
@@ -185,7 +186,7 @@ class TunedLoader:
         """Build a loader from the factory with the tuner's current knobs; return the knobs."""
         from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-        wanted = {k: self._tuner._current_knob(k) for k in LOADER_KNOBS}
+        wanted = dict(zip(LOADER_KNOBS, self._store.loader_knobs(), strict=True))
         template = self._factory(**self._factory_kwargs(wanted))
         if not isinstance(template, DataLoader):
             raise TypeError(
@@ -237,14 +238,13 @@ class TunedLoader:
             )
         else:
             self._loader = template
-        self._built_for = tuple(knobs[k] for k in LOADER_KNOBS)
         self._force_rebuild = False
         return knobs
 
     def _stale(self) -> bool:
         if self._force_rebuild:
             return True
-        return self._built_for != tuple(self._tuner._current_knob(k) for k in LOADER_KNOBS)
+        return tuple(self.knobs[k] for k in LOADER_KNOBS) != self._store.loader_knobs()
 
     def requeue(self, indices: list[int]) -> bool:
         """Hand delivered samples back to be delivered again first (an OOM rollback)."""
@@ -254,14 +254,13 @@ class TunedLoader:
         stream.redeliver.extend(indices)
         stream.consumed -= len(indices)
         self._force_rebuild = True
-        self._tuner._loader_generation += 1
+        self._store.touch_loaders()
         return True
 
     # ---------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch, timing each fetch and switching loaders when the knobs change."""
-        tuner = self._tuner
         if self._stale():  # a change landed between epochs
             self.close()
             self.knobs = self._build()
@@ -281,15 +280,15 @@ class TunedLoader:
             )
         iterator = iter(self._loader)
         perf = time.perf_counter
-        if tuner._t_last is None:
-            tuner._t_last = perf()
-        # The hot path, once per micro-batch: two clock reads, the tuner's tallies, and (exact
-        # mode) the delivered indices moved from in-flight to this step's list for an OOM
-        # requeue. Everything is a local or one attribute; ``micro`` doubles as the list's cap.
-        record = tuner._step_batches.append  # cleared by step(), never replaced
+        ledger, store = self._ledger, self._store
+        ledger.start_clock()
+        # The hot path, once per micro-batch: two clock reads and one ledger call with the wait,
+        # the samples and (exact mode) the delivered indices, moved from in-flight, for an OOM
+        # re-queue. Everything else is a local.
+        on_batch = ledger.on_batch
         world = self.shard[1]
         place = self._place
-        generation = tuner._loader_generation
+        generation = store.loader_generation
         while True:  # one pass per underlying loader: a knob change switches loaders mid-epoch
             stream = self._stream if self.mode == "exact" else None
             inflight = stream.inflight if stream is not None else None
@@ -298,25 +297,16 @@ class TunedLoader:
             t0 = perf()
             for batch in iterator:
                 t1 = perf()
-                tuner._wait_acc += t1 - t0
-                micro = tuner._micro_acc + 1
-                tuner._micro_acc = micro
                 if inflight:
                     indices = inflight.popleft()
                     n = len(indices)
                     stream.consumed += n  # type: ignore[union-attr]
-                    if world > 1:
-                        n = -(-n // world)
-                    if micro <= MAX_STEP_BATCHES:
-                        record((self, indices))
+                    on_batch(t1 - t0, -(-n // world) if world > 1 else n, self, indices)
                 else:
-                    n = batch_size
-                    if micro <= MAX_STEP_BATCHES:
-                        record((self, n))
-                tuner._samples_acc += n
+                    on_batch(t1 - t0, batch_size, self)
                 yield batch if place is None else place(batch)
-                if generation != tuner._loader_generation:  # a boundary may have changed knobs
-                    generation = tuner._loader_generation
+                if generation != store.loader_generation:  # a boundary may have changed knobs
+                    generation = store.loader_generation
                     if self._stale():
                         iterator = self._switch(iterator)
                         switched = True
@@ -333,8 +323,8 @@ class TunedLoader:
         previous_mode = self.mode
         self.knobs = self._build()
         self.generation += 1
-        self._tuner._flags |= 2  # STEP_LOADER_REBUILT
-        self._tuner._loader_rebuilt()
+        self._ledger.mark(STEP_LOADER_REBUILT)
+        self._on_rebuilt()
         if previous_mode == "exact" and self.mode == "exact":
             self.last_rebuild = f"loader rebuilt; the epoch continues exactly ({replayed} prefetched samples re-queued)"
         else:
@@ -346,6 +336,11 @@ class TunedLoader:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+    @property
+    def epoch_stream(self) -> _EpochStream | None:
+        """The current epoch's index stream (exact mode), which the batch sampler draws from."""
+        return self._stream
 
     @property
     def sampler(self) -> Any:

@@ -35,16 +35,20 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
 
 from memtui.advice.oom import is_oom, parse_oom
 from memtui.advice.predict import max_batch
-from memtui.knobs import accumulation_for
-from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent
-
-if TYPE_CHECKING:
-    from memtui.hooks.tuner import Tuner
+from memtui.hooks.boundary import Boundary
+from memtui.hooks.control import Control
+from memtui.hooks.errors import Report
+from memtui.hooks.knobstore import KnobStore
+from memtui.hooks.ledger import StepLedger
+from memtui.hooks.persist import TunedConfig
+from memtui.hooks.placement import Placement
+from memtui.knobs import accumulation_for, as_dict, format_diffs, knobs_with
+from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent, all_fields
 
 log = logging.getLogger("memtui")
 
@@ -52,19 +56,216 @@ GROWING_KNOBS = ("batch_size", "num_workers", "pin_memory")
 """Knobs whose increase can cause an out-of-memory error."""
 
 
+class OomHandler:
+    """Reports out-of-memory errors and rolls back the recent change that caused one."""
+
+    def __init__(
+        self,
+        *,
+        ledger: StepLedger,
+        store: KnobStore,
+        control: Control,
+        placement: Placement,
+        boundary: Boundary,
+        tuned: TunedConfig,
+        rollback_steps: int,
+        zero_grad: Callable[[], None],
+        report: Report,
+    ) -> None:
+        self._ledger = ledger
+        self._store = store
+        self._control = control
+        self._placement = placement
+        self._boundary = boundary
+        self._tuned = tuned
+        self.rollback_steps = rollback_steps
+        """A change applied within this many steps before a guarded OOM is reverted (0: never)."""
+        self._zero_grad = zero_grad
+        self.report = report
+        self.empty_cache_pending = False
+        """A rollback happened: the next guarded block starts by emptying the caches."""
+
+    def guard(self) -> Guard:
+        """A context manager for the allocating part of a step."""
+        return Guard(self)
+
+    def empty_cache_if_pending(self) -> None:
+        """Give the caches back if a rollback asked for it (at the start of a guarded block)."""
+        if self.empty_cache_pending:
+            self.empty_cache_pending = False
+            _empty_cache()
+
+    def _rollback_target(self, step: int) -> AppliedChange | None:
+        """The recent change that grew the run, if a rollback may revert it."""
+        placement = self._placement
+        if self.rollback_steps <= 0 or placement.coordinated or placement.world_size > 1:
+            return None
+        for applied in reversed(self._control.applied_changes()):
+            if applied.rollback or step - applied.step > self.rollback_steps:
+                return None
+            return applied if any(_grew(k, d) for k, d in applied.changes.items()) else None
+        return None
+
+    def safe_config(self) -> tuple[Knobs, str]:
+        """The config to restart with after an OOM, and why it is safe."""
+        current = self._store.knobs
+        step = self._ledger.step
+        recent = self._rollback_target(step) if self._placement.world_size == 1 else None
+        applied = self._control.applied_changes()
+        last = next((a for a in reversed(applied) if not a.rollback), None)
+        if (
+            recent is None
+            and last is not None
+            and any(_grew(k, d) for k, d in last.changes.items())
+        ):
+            recent = last
+        if recent is not None:
+            old = {k: d.old for k, d in recent.changes.items() if d.old is not None}
+            ids = ",".join(map(str, recent.ids)) or "?"
+            return (
+                knobs_with(current, old),
+                f"the config before change #{ids} (applied at step {recent.step})",
+            )
+        batch = current.batch_size
+        if isinstance(batch, int) and batch > 1:
+            model = self._control.model
+            edge = self._control.thresholds.memory_edge_fraction
+            safer = max_batch(model, edge) if model is not None else None
+            new_batch = safer if safer and safer < batch else max(1, batch // 2)
+            changes: dict[str, int] = {"batch_size": new_batch}
+            accum = current.grad_accum
+            if isinstance(accum, int):
+                changes["grad_accum"], _ = accumulation_for(batch * accum, new_batch)
+            why = (
+                f"the memory model's largest micro-batch under {edge:.0%}"
+                if safer and safer < batch
+                else "the micro-batch halved"
+            )
+            return knobs_with(current, changes), why + (
+                ", accumulation raised to keep the effective batch"
+                if isinstance(accum, int)
+                else ""
+            )
+        return current, "unchanged: nothing memtui can make smaller"
+
+    def handle(self, exc: BaseException, *, guarded: bool) -> bool:
+        """Report an out-of-memory error; roll back a recent change if allowed. True: training
+        goes on."""
+        if getattr(exc, "__memtui_handled__", False):
+            return False
+        try:
+            exc.__memtui_handled__ = True  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        report = parse_oom(exc)
+        ledger = self._ledger
+        step = ledger.step
+        samples, micro = ledger.open_step()
+        target = self._rollback_target(step) if guarded else None
+        event = OomEvent(
+            time=time.time(),
+            step=step,
+            kind=report.kind,
+            message=report.message,
+            config=self._store.knobs,
+            tried_bytes=report.tried_bytes,
+            capacity_bytes=report.capacity_bytes,
+            free_bytes=report.free_bytes,
+            process_in_use_bytes=report.process_in_use_bytes,
+            allocated_bytes=report.allocated_bytes,
+            reserved_unallocated_bytes=report.reserved_unallocated_bytes,
+        )
+        if target is None:
+            safe, why = self.safe_config()
+            where = "inside tuner.guard()" if guarded else "outside any tuner.guard()"
+            event.batch = (
+                f"lost with the run: step {step + 1} had {micro} micro-batch(es), {samples} "
+                "samples, when it failed"
+            )
+            event.safe_config = safe
+            self._record(event, why)
+            log.error(
+                "memtui: out of memory at step %d (%s); no rollback (%s). Wrote a safe config for "
+                "the restart (%s): %s",
+                step,
+                where,
+                self._no_rollback_reason(guarded),
+                why,
+                as_dict(safe),
+            )
+            return False
+        requeued, skipped = ledger.requeue()
+        if requeued:
+            event.batch = (
+                f"re-queued: the step's {micro} micro-batch(es), {requeued} samples, are trained "
+                "on again after the rollback"
+            )
+        else:
+            event.batch = (
+                f"skipped: the step's {micro} micro-batch(es), {skipped or samples} samples, were "
+                "dropped (this loader cannot re-queue them)"
+            )
+        rollback = self._boundary.revert(
+            target, step, f"rollback after out of memory at step {step}"
+        )
+        reverted = rollback if isinstance(rollback, str) else format_diffs(rollback.changes)
+        self._zero_grad()
+        ledger.reset_open_step()
+        self.empty_cache_pending = True
+        event.rolled_back = True
+        event.safe_config = self._store.knobs
+        self._record(event, f"rolled back change #{','.join(map(str, target.ids))}")
+        log.error(
+            "memtui: out of memory at step %d, %d step(s) after change #%s; rolled it back (%s); %s",
+            step,
+            step - target.step,
+            ",".join(map(str, target.ids)),
+            reverted,
+            event.batch,
+        )
+        return True
+
+    def _record(self, event: OomEvent, why: str) -> None:
+        """Publish and audit an OOM, and write its safe config and post-mortem as the tuned config."""
+        self._control.record_oom(event)
+        safe = event.safe_config or self._store.knobs
+        self._tuned.write(safe, event.step, {"safe_config_reason": why, "oom": all_fields(event)})
+
+    def _no_rollback_reason(self, guarded: bool) -> str:
+        if not guarded:
+            return "the step is not inside tuner.guard()"
+        if self._placement.world_size > 1:
+            return "several ranks: a rollback on one rank alone would desynchronise them"
+        if self.rollback_steps <= 0:
+            return "rollback is off"
+        return f"no change that grew the run was applied in the last {self.rollback_steps} steps"
+
+    def install_excepthook(self, closed: Callable[[], bool]) -> None:
+        """Write the post-mortem of an out-of-memory error that ends the program unguarded."""
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            try:
+                if is_oom(exc) and not closed():
+                    self.handle(exc, guarded=False)
+            except Exception as failure:
+                self.report(failure, "oom post-mortem")
+            previous(kind, exc, tb)
+
+        sys.excepthook = hook
+
+
 class Guard:
     """A reusable context manager around the allocating part of a step."""
 
-    def __init__(self, tuner: Tuner) -> None:
-        self.tuner = tuner
+    def __init__(self, handler: OomHandler) -> None:
+        self._handler = handler
         self.rolled_back = False
         """True after a block whose out-of-memory error was handled by a rollback."""
 
     def __enter__(self) -> Guard:
         self.rolled_back = False
-        if self.tuner._empty_cache_pending:
-            self.tuner._empty_cache_pending = False
-            _empty_cache()
+        self._handler.empty_cache_if_pending()
         return self
 
     def __exit__(
@@ -73,9 +274,9 @@ class Guard:
         if exc is None or not is_oom(exc):
             return False
         try:
-            self.rolled_back = handle(self.tuner, exc, guarded=True)
+            self.rolled_back = self._handler.handle(exc, guarded=True)
         except Exception as failure:  # never make it worse: the original error goes on
-            self.tuner._report(failure, "oom handling")
+            self._handler.report(failure, "oom handling")
             return False
         return self.rolled_back
 
@@ -99,164 +300,9 @@ def trim_heap() -> None:
         pass
 
 
-def _rollback_target(tuner: Tuner, step: int) -> AppliedChange | None:
-    """The recent change that grew the run, if a rollback may revert it."""
-    if tuner.options.rollback_steps <= 0 or tuner.coordinator is not None or tuner.world_size > 1:
-        return None
-    for applied in reversed(list(tuner.control.applied)):
-        if applied.rollback:
-            return None
-        if step - applied.step > tuner.options.rollback_steps:
-            return None
-        if any(_grew(k, d) for k, d in applied.changes.items()):
-            return applied
-        return None
-    return None
-
-
 def _grew(knob: str, diff: KnobDiff) -> bool:
     if knob not in GROWING_KNOBS:
         return False
     if isinstance(diff.new, bool) or isinstance(diff.old, bool):
         return bool(diff.new) and not diff.old
     return diff.old is None or int(diff.new) > int(diff.old)
-
-
-def safe_config(tuner: Tuner) -> tuple[dict[str, Any], str]:
-    """The config to restart with after an OOM, and why it is safe."""
-    values = {k: v for k, v in tuner.values.items() if v is not None}
-    recent = _rollback_target(tuner, tuner.step_count) if tuner.world_size == 1 else None
-    last = next((a for a in reversed(list(tuner.control.applied)) if not a.rollback), None)
-    if recent is None and last is not None and any(_grew(k, d) for k, d in last.changes.items()):
-        recent = last
-    if recent is not None:
-        for knob, diff in recent.changes.items():
-            if diff.old is not None:
-                values[knob] = diff.old
-        return (
-            values,
-            f"the config before change #{','.join(map(str, recent.ids)) or '?'} (applied at step {recent.step})",
-        )
-    batch = values.get("batch_size")
-    if isinstance(batch, int) and batch > 1:
-        model = tuner.control.model
-        edge = tuner.control.thresholds.memory_edge_fraction
-        safer = max_batch(model, edge) if model is not None else None
-        new_batch = safer if safer and safer < batch else max(1, batch // 2)
-        accum = values.get("grad_accum")
-        if isinstance(accum, int):
-            values["grad_accum"], _ = accumulation_for(batch * accum, new_batch)
-        values["batch_size"] = new_batch
-        why = (
-            f"the memory model's largest micro-batch under {edge:.0%}"
-            if safer and safer < batch
-            else "the micro-batch halved"
-        )
-        return values, why + (
-            ", accumulation raised to keep the effective batch" if isinstance(accum, int) else ""
-        )
-    return values, "unchanged: nothing memtui can make smaller"
-
-
-def handle(tuner: Tuner, exc: BaseException, *, guarded: bool) -> bool:
-    """Report an out-of-memory error; roll back a recent change if allowed. True: training goes on."""
-    if getattr(exc, "__memtui_handled__", False):
-        return False
-    try:
-        exc.__memtui_handled__ = True  # type: ignore[attr-defined]
-    except Exception:
-        pass
-    report = parse_oom(exc)
-    step = tuner.step_count
-    config = tuner.knobs()
-    target = _rollback_target(tuner, step) if guarded else None
-    samples = tuner._samples_acc
-    micro = tuner._micro_acc
-    event_fields: dict[str, Any] = dict(
-        time=time.time(),
-        step=step,
-        kind=report.kind,
-        message=report.message,
-        config=config,
-        tried_bytes=report.tried_bytes,
-        capacity_bytes=report.capacity_bytes,
-        free_bytes=report.free_bytes,
-        process_in_use_bytes=report.process_in_use_bytes,
-        allocated_bytes=report.allocated_bytes,
-        reserved_unallocated_bytes=report.reserved_unallocated_bytes,
-    )
-    if target is None:
-        values, why = safe_config(tuner)
-        where = "inside tuner.guard()" if guarded else "outside any tuner.guard()"
-        batch = f"lost with the run: step {step + 1} had {micro} micro-batch(es), {samples} samples, when it failed"
-        event = OomEvent(
-            **event_fields,
-            rolled_back=False,
-            batch=batch,
-            safe_config=Knobs(**_knob_fields(values)),
-        )
-        tuner._record_oom(event, values, why)
-        log.error(
-            "memtui: out of memory at step %d (%s); no rollback (%s). Wrote a safe config for the "
-            "restart (%s): %s",
-            step,
-            where,
-            _no_rollback_reason(tuner, guarded),
-            why,
-            values,
-        )
-        return False
-    requeued, skipped = tuner._requeue_step_batches()
-    if requeued:
-        batch = f"re-queued: the step's {micro} micro-batch(es), {requeued} samples, are trained on again after the rollback"
-    else:
-        batch = f"skipped: the step's {micro} micro-batch(es), {skipped or samples} samples, were dropped (this loader cannot re-queue them)"
-    reverted = tuner._revert(target, report_text=f"rollback after out of memory at step {step}")
-    tuner._zero_grad()
-    tuner._reset_partial_step()
-    tuner._empty_cache_pending = True
-    values = {k: v for k, v in tuner.values.items() if v is not None}
-    event = OomEvent(
-        **event_fields, rolled_back=True, batch=batch, safe_config=Knobs(**_knob_fields(values))
-    )
-    tuner._record_oom(event, values, f"rolled back change #{','.join(map(str, target.ids))}")
-    log.error(
-        "memtui: out of memory at step %d, %d step(s) after change #%s; rolled it back (%s); %s",
-        step,
-        step - target.step,
-        ",".join(map(str, target.ids)),
-        reverted,
-        batch,
-    )
-    return True
-
-
-def _no_rollback_reason(tuner: Tuner, guarded: bool) -> str:
-    if not guarded:
-        return "the step is not inside tuner.guard()"
-    if tuner.world_size > 1:
-        return "several ranks: a rollback on one rank alone would desynchronise them"
-    if tuner.options.rollback_steps <= 0:
-        return "rollback is off"
-    return (
-        f"no change that grew the run was applied in the last {tuner.options.rollback_steps} steps"
-    )
-
-
-def _knob_fields(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: values.get(k) for k in ("batch_size", "grad_accum", "num_workers", "pin_memory")}
-
-
-def install_excepthook(tuner: Tuner) -> None:
-    """Write the post-mortem of an out-of-memory error that ends the program unguarded."""
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        try:
-            if is_oom(exc) and not tuner._closed:
-                handle(tuner, exc, guarded=False)
-        except Exception as failure:
-            tuner._report(failure, "oom post-mortem")
-        previous(kind, exc, tb)
-
-    sys.excepthook = hook

@@ -10,22 +10,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
+import math
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from memtui import safeyaml
-from memtui.knobs import KNOBS, KnobError, parse_value
+from memtui.knobs import KNOBS, KnobError, as_dict, parse_value
 from memtui.stats import one_line
-from memtui.wire import to_builtins
+from memtui.wire import Knobs, to_builtins
+
+log = logging.getLogger("memtui")
 
 AUDIT_FILE = "memtui-audit.jsonl"
 TUNED_FILE = "memtui-tuned.yaml"
+UNSAVED_WARN_S = 60.0
+"""While the tuned config or audit lines are not saved, this is said again at most this often."""
 
 
 class AuditLog:
@@ -247,3 +254,90 @@ def read_tuned(path: Path) -> dict[str, Any]:
             except KnobError as exc:
                 raise ValueError(f"{path}: {exc}")
     return values
+
+
+class TunedConfig:
+    """The tuned config on disk: written at every applied change (and after an out-of-memory
+    error), written again at every boundary until it is, and said once a minute while it is not.
+
+    The one owner of "is the run's tuning saved": ``unsaved_step`` (published in the hook's
+    counters) and what the next retry writes.
+    """
+
+    def __init__(
+        self,
+        paths: Callable[[], list[Path]],
+        run: Callable[[], str],
+        report: Callable[[BaseException, str], None],
+        audit: AuditLog | None = None,
+    ) -> None:
+        self._paths = paths
+        self._run = run
+        self._report = report
+        self.audit = audit
+        """Rank 0's audit log, whose unwritten lines are flushed with the retries."""
+        self.unsaved_step: int | None = None
+        """The step since which the tuned config could not be written (None: it is on disk)."""
+        self._retry: tuple[Knobs, dict[str, Any]] | None = None
+        """What failed to be written, written again at the next boundary."""
+        self._reason = ""
+        """Why the tuned config could not be written, last time (one line)."""
+        self._warned = -math.inf
+
+    def write(self, knobs: Knobs, step: int, extra: dict[str, Any] | None = None) -> None:
+        """Write ``knobs`` (and ``extra`` sections) to every tuned path; what fails is retried."""
+        failed = False
+        for path in self._paths():
+            try:
+                write_tuned(path, self._run(), step, as_dict(knobs), extra)
+            except OSError as exc:
+                failed = True
+                self._reason = f"{path}: {one_line(exc)}"
+                self._report(exc, f"writing {path}")
+        if failed:
+            self._retry = (knobs, extra or {})
+            if self.unsaved_step is None:
+                self.unsaved_step = step
+        else:
+            self.unsaved_step, self._retry, self._reason = None, None, ""
+        self.say(step)
+
+    def save_again(self, step: int) -> None:
+        """At a boundary: write again what was not written (tuned config, audit lines) and say
+        so while it is not."""
+        if self._retry is not None:
+            knobs, extra = self._retry
+            self.write(knobs, step, extra)
+        if self.audit is not None and self.audit.unwritten:
+            try:
+                self.audit.flush()
+            except OSError as exc:
+                self._report(exc, "audit log")
+        self.say(step)
+
+    def say(self, step: int) -> None:
+        """Warn once a minute while the tuned config or audit lines are not written, and once
+        when they are again."""
+        audit = self.audit
+        lines = len(audit.unwritten) if audit is not None else 0
+        parts = []
+        if self.unsaved_step is not None:
+            parts.append(f"the tuned config is not saved since step {self.unsaved_step}")
+        if audit is not None and lines:
+            lost = f", {audit.dropped} more lost" if audit.dropped else ""
+            parts.append(f"{lines} audit log lines are not written{lost}")
+        now = time.monotonic()
+        if not parts:
+            if self._warned > -math.inf:
+                self._warned = -math.inf
+                log.warning(
+                    "memtui: the tuned config and audit log are saved again at step %d", step
+                )
+        elif now - self._warned >= UNSAVED_WARN_S:
+            self._warned = now
+            log.warning(
+                "memtui: %s (%s); a restart would not keep the changes since; retried at every "
+                "checkpoint",
+                " and ".join(parts),
+                self._reason or (audit.error if audit is not None else ""),
+            )

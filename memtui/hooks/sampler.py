@@ -14,15 +14,17 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from memtui.hooks.errors import Report
 from memtui.wire import DeviceSample, GpuProcess, HostSample
 
 if TYPE_CHECKING:
-    from memtui.hooks.tuner import Tuner
+    from memtui.hooks.device import DeviceTracker
 
 log = logging.getLogger("memtui")
 
@@ -431,15 +433,17 @@ def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
     return None
 
 
-def make_device_probe(tuner: Tuner, host: HostProbe) -> CpuDeviceProbe | CudaDeviceProbe:
+def make_device_probe(
+    cuda_index: int | None, host: HostProbe, reset_peaks: bool = True
+) -> CpuDeviceProbe | CudaDeviceProbe:
     """The CUDA probe if the training process has initialised CUDA, else the CPU one."""
     torch = sys.modules.get("torch")
-    if torch is not None and tuner._cuda_device is not None:
+    if torch is not None and cuda_index is not None:
         try:
             import pynvml
         except ImportError:
             pynvml = None
-        return CudaDeviceProbe(torch.cuda, tuner._cuda_device, pynvml, tuner.options.reset_peaks)
+        return CudaDeviceProbe(torch.cuda, cuda_index, pynvml, reset_peaks)
     return CpuDeviceProbe(host)
 
 
@@ -449,14 +453,27 @@ class Sampler(threading.Thread):
 
     def __init__(
         self,
-        tuner: Tuner,
+        device: DeviceTracker,
+        step: Callable[[], int],
+        report: Report,
+        *,
+        model: Callable[[], Any] = lambda: None,
+        watched: Callable[[], bool] = lambda: False,
+        memory_limit: int | None = None,
+        reset_peaks: bool = True,
         device_period_s: float = 0.2,
         host_period_s: float = 1.0,
-        *,
         idle_device_period_s: float | None = None,
     ) -> None:
         super().__init__(name="memtui-sampler", daemon=True)
-        self.tuner = tuner
+        self._device = device
+        self._step = step
+        self._report = report
+        self._model = model
+        self._watched = watched
+        """Whether a viewer is subscribed or a recording written (the agent says)."""
+        self._memory_limit = memory_limit
+        self._reset_peaks = reset_peaks
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
         self.host_period_s = host_period_s
@@ -466,6 +483,7 @@ class Sampler(threading.Thread):
         self.host_samples: deque[HostSample] = deque(maxlen=64)
         self.host: HostProbe | None = None
         self.probe: CpuDeviceProbe | CudaDeviceProbe | None = None
+        self._workers_changed = False
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -473,11 +491,13 @@ class Sampler(threading.Thread):
         self._stop_event.set()
         self.wake.set()
 
+    def workers_changed(self) -> None:
+        """Look for the loader's worker processes again at the next host sample (a rebuild)."""
+        self._workers_changed = True
+
     def period(self) -> float:
         """Seconds to the next device sample: short while watched, long while not."""
-        agent = self.tuner._agent
-        watched = agent is not None and agent.watched
-        return self.device_period_s if watched else self.idle_device_period_s
+        return self.device_period_s if self._watched() else self.idle_device_period_s
 
     def _wait(self, seconds: float) -> None:
         self.wake.wait(seconds)
@@ -487,27 +507,28 @@ class Sampler(threading.Thread):
         """Sample until stopped; a failing probe is reported and retried later."""
         next_host = 0.0
         failures = 0
+        device = self._device
         while not self._stop_event.is_set():
             now = time.monotonic()
             try:
                 if self.host is None:
-                    self.host = HostProbe(limit_bytes=self.tuner.options.memory_limit)
-                if self.tuner._rebuilt_flag:
-                    self.tuner._rebuilt_flag = False
+                    self.host = HostProbe(limit_bytes=self._memory_limit)
+                if self._workers_changed:
+                    self._workers_changed = False
                     self.host.refresh_requested = True
-                if self.tuner._cuda_device is None:
-                    self.tuner._detect_cuda_late()
-                wanted = "cuda" if self.tuner._cuda_device is not None else "cpu"
+                if device.cuda_index is None:
+                    device.detect_late(self._model())
+                wanted = device.kind
                 if self.probe is None or self.probe.kind != wanted:
-                    self.probe = make_device_probe(self.tuner, self.host)
-                self.device_samples.append(self.probe.sample(self.tuner._step))
+                    self.probe = make_device_probe(device.cuda_index, self.host, self._reset_peaks)
+                self.device_samples.append(self.probe.sample(self._step()))
                 if now >= next_host:
                     next_host = now + self.host_period_s
                     self.host_samples.append(self.host.sample())
                 failures = 0
             except Exception as exc:  # a probe failed: report, back off, keep going
                 failures += 1
-                self.tuner._report(exc, "sampler")
+                self._report(exc, "sampler")
                 self.probe = None
                 self._wait(min(30.0, self.device_period_s * 2**failures))
                 continue

@@ -33,7 +33,7 @@ from memtui.advice.verdict import (
     Verdict,
     VerdictTracker,
 )
-from memtui.knobs import KNOBS, effective_batch
+from memtui.knobs import KNOBS, effective_batch, merge
 from memtui.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
@@ -958,11 +958,7 @@ class RunState:
 
     def pending_values(self) -> dict[str, KnobValue]:
         """What the pending changes will set, merged in queue order."""
-        merged: dict[str, KnobValue] = {}
-        if self.control is not None:
-            for change in self.control.pending:
-                merged.update(change.changes)
-        return merged
+        return merge(c.changes for c in self.control.pending) if self.control is not None else {}
 
     def knob_value(self, knob: str) -> KnobValue | None:
         """A knob's current value (None: unknown or not exposed)."""

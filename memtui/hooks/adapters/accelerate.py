@@ -52,9 +52,9 @@ class AccelerateAdapter:
             self.staged = {"gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
             config = self.staged
         base = getattr(optimizer, "optimizer", optimizer)
-        self.tuner = Tuner(config, knobs=knobs, optimizer=base, **tuner_kwargs)
+        self.tuner = Tuner(config, knobs=knobs, optimizer=base, **tuner_kwargs).start()
         self.tuner.adapter = self
-        accum = self.tuner.values.get("grad_accum")
+        accum = self.tuner.store.value("grad_accum")
         if accum is not None and accum != accelerator.gradient_accumulation_steps:
             accelerator.gradient_accumulation_steps = int(accum)  # a tuned config resumed
         self.tuner.loader_options = {
@@ -96,10 +96,10 @@ class AccelerateAdapter:
         if "grad_accum" not in applied.changes:
             return
         try:
-            self.accelerator.gradient_accumulation_steps = int(applied.changes["grad_accum"][1])
+            self.accelerator.gradient_accumulation_steps = int(applied.changes["grad_accum"].new)
             self.accelerator.step = 0  # the next micro-batch starts a whole accumulation group
         except Exception as exc:
-            self.tuner._report(exc, "accelerate grad_accum")
+            self.tuner.report(exc, "accelerate grad_accum")
 
     def _warn_steps_per_epoch(self) -> None:
         """Say that an epoch's optimizer steps changed, and what that does to a sized schedule."""

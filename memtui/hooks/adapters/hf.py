@@ -150,14 +150,16 @@ class HFAdapter:
         """Why the boundary now running refuses the pending changes (rank 0); empty: it may apply."""
         self.suspended: dict[str, Any] = {}
         """End-of-``train`` settings set aside while a stopped ``train`` is not the run's end."""
-        self.tuner = Tuner(self.staged, model=trainer.model, **tuner_kwargs)
+        self.tuner = Tuner(self.staged, model=trainer.model, **tuner_kwargs).start()
         self.tuner.adapter = self
         self._refuse_when_told()
-        control = self.tuner.control
-        control.disabled = control.disabled or cannot_resume(args)
+        control, refusal = self.tuner.control, cannot_resume(args)
+        if refusal and not control.disabled:
+            control.disable(refusal)
         for name, value in self.staged.items():  # a tuned config loaded by resume=True
             setattr(args, name, value)
-        trainer._train_batch_size = args.train_batch_size
+        # transformers keeps the micro-batch here; no public setter
+        trainer._train_batch_size = args.train_batch_size  # noqa: SLF001
         self.callback = MemtuiCallback(self)
         trainer.add_callback(self.callback)
         self._wrap()
@@ -187,10 +189,13 @@ class HFAdapter:
         trainer = self.trainer
         train = trainer.train
         get_batch_samples = trainer.get_batch_samples
-        get_sampler = trainer._get_train_sampler
-        init_state = trainer._init_training_state
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        get_sampler = trainer._get_train_sampler  # noqa: SLF001
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        init_state = trainer._init_training_state  # noqa: SLF001
         initial_values = trainer.set_initial_training_values
-        run_epoch_of_trainer = trainer._run_epoch
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        run_epoch_of_trainer = trainer._run_epoch  # noqa: SLF001
         tuner = self.tuner
         perf = time.perf_counter
         adapter = self
@@ -198,11 +203,10 @@ class HFAdapter:
         def timed_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             t0 = perf()
             batches, items = get_batch_samples(epoch_iterator, num_batches, device)
-            tuner._wait_acc += perf() - t0
+            waited = perf() - t0
             count = len(batches)
             size = adapter.staged["per_device_train_batch_size"]
-            tuner._micro_acc += count
-            tuner._samples_acc += count * size
+            tuner.ledger.on_batch(waited, count * size, micro=count)
             adapter.consumed += count * size * adapter.world
             return batches, items
 
@@ -253,10 +257,13 @@ class HFAdapter:
             return output
 
         trainer.get_batch_samples = timed_batch_samples
-        trainer._get_train_sampler = sampler
-        trainer._init_training_state = init_training_state
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        trainer._get_train_sampler = sampler  # noqa: SLF001
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        trainer._init_training_state = init_training_state  # noqa: SLF001
         trainer.set_initial_training_values = set_initial_training_values
-        trainer._run_epoch = run_epoch
+        # the Trainer's own seams for its sampler, state and epoch loop; no public hook
+        trainer._run_epoch = run_epoch  # noqa: SLF001
         trainer.train = train_with_memtui
 
     def _own_sampler(self, base: Any) -> Any:
@@ -296,11 +303,11 @@ class HFAdapter:
     def train_begin(self, state: Any) -> None:
         """Start the clock; remember the run's ``max_steps`` (kept across resumes)."""
         tuner = self.tuner
-        tuner._step = int(state.global_step or 0)
-        tuner._t_last = time.perf_counter()
+        tuner.ledger.resume_at(int(state.global_step or 0))
         if self.max_steps is None:
             self.max_steps = int(state.max_steps)
-        state.train_batch_size = self.trainer._train_batch_size
+        # transformers keeps the micro-batch here; no public setter
+        state.train_batch_size = self.trainer._train_batch_size  # noqa: SLF001
         optimizer = getattr(self.trainer, "optimizer", None)
         tuner.optimizer = getattr(optimizer, "optimizer", optimizer)
         tuner.model = self.trainer.model
@@ -337,7 +344,7 @@ class HFAdapter:
             self._suspend_end_of_train()
             log.info("memtui: resuming from %s with the new settings", checkpoint)
         except Exception as exc:
-            self.tuner._report(exc, "hf boundary")
+            self.tuner.report(exc, "hf boundary")
 
     def _suspend_end_of_train(self) -> None:
         """The stopped ``train`` is not the run's end: no best-model load, no clean-up.
@@ -363,7 +370,8 @@ class HFAdapter:
         self.suspended = {}
         if self.max_steps is not None:
             args.max_steps = self.max_steps
-        trainer._train_batch_size = args.train_batch_size
+        # transformers keeps the micro-batch here; no public setter
+        trainer._train_batch_size = args.train_batch_size  # noqa: SLF001
         if not self.user_optimizer:
             trainer.optimizer = None
             trainer.lr_scheduler = None

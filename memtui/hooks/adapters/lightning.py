@@ -54,9 +54,9 @@ class LightningAdapter:
         self.trainer = trainer
         self.package = package
         self.staged = {"gradient_accumulation_steps": int(trainer.accumulate_grad_batches)}
-        self.tuner = Tuner(self.staged, placement=_placement(trainer), **tuner_kwargs)
+        self.tuner = Tuner(self.staged, placement=_placement(trainer), **tuner_kwargs).start()
         self.tuner.adapter = self
-        accum = self.tuner.values.get("grad_accum")
+        accum = self.tuner.store.value("grad_accum")
         if accum is not None:
             trainer.accumulate_grad_batches = int(accum)  # a tuned config resumed
         self.tuner.loader_options = {"shard": (trainer.global_rank, trainer.world_size)}
@@ -93,19 +93,19 @@ class LightningAdapter:
         changes = applied.changes
         if "grad_accum" in changes:
             try:
-                self._accumulate(int(changes["grad_accum"][1]))
+                self._accumulate(int(changes["grad_accum"].new))
             except Exception as exc:
-                self.tuner._report(exc, "lightning grad_accum")
+                self.tuner.report(exc, "lightning grad_accum")
         if "batch_size" in changes:
             try:
                 self._epoch_ends_with_the_loader()
             except Exception as exc:
-                self.tuner._report(exc, "lightning batch_size")
+                self.tuner.report(exc, "lightning batch_size")
         if "grad_accum" in changes or "batch_size" in changes:
             try:
                 self._keep_step_count()
             except Exception as exc:
-                self.tuner._report(exc, "lightning step count")
+                self.tuner.report(exc, "lightning step count")
 
     def _accumulate(self, accum: int) -> None:
         """Accumulate ``accum`` batches from the next one on, in whole groups."""
@@ -119,7 +119,8 @@ class LightningAdapter:
                 ready = loop.batch_progress.current.ready - adapter.offset
                 return bool(ready % trainer.accumulate_grad_batches == 0)
 
-            loop._accumulated_batches_reached = accumulated_batches_reached
+            # the epoch loop's accumulation test; no public hook
+            loop._accumulated_batches_reached = accumulated_batches_reached  # noqa: SLF001
 
     def _epoch_ends_with_the_loader(self) -> None:
         """After a batch-size change every epoch ends when the loader does, not at the old count.
@@ -133,7 +134,7 @@ class LightningAdapter:
         """
         trainer = self.trainer
         limit = trainer.limit_train_batches
-        if not self.tuner._loaders or not (isinstance(limit, float) and limit == 1.0):
+        if not self.tuner.loaders or not (isinstance(limit, float) and limit == 1.0):
             return  # no loader of memtui's, or a limit (an int is a count, even 1)
         loop = trainer.fit_loop
         loop.max_batches = math.inf
@@ -153,7 +154,8 @@ class LightningAdapter:
         if fetcher.length is None or fetcher.done or fetcher.iterator is None or fetcher.batches:
             return
         fetcher.length = None  # this epoch: look one batch ahead from now on
-        fetch = importlib.import_module(f"{self.package}.loops.fetchers")._DataFetcher.__next__
+        # Lightning's fetcher; no public way to drop its length
+        fetch = importlib.import_module(f"{self.package}.loops.fetchers")._DataFetcher.__next__  # noqa: SLF001
         try:
             fetcher.batches.append(fetch(fetcher))
         except StopIteration:
@@ -188,15 +190,16 @@ class LightningAdapter:
     def setup(self) -> None:
         """The process group exists now (every rank is here): start coordinating."""
         tuner = self.tuner
-        if tuner.world_size > 1 and tuner.coordinator is None and not tuner.coordinate():
-            tuner.control.disabled = tuner.control.disabled or (
+        uncoordinated = tuner.world_size > 1 and tuner.coordinator is None
+        if uncoordinated and not tuner.coordinate() and not tuner.control.disabled:
+            tuner.control.disable(
                 "torch.distributed is not initialised: ranks cannot be coordinated"
             )
 
     def train_start(self, trainer: Any, module: Any) -> None:
         """Start the clock; the tuner's steps follow ``global_step``."""
-        self.tuner._step = self.last_step = int(trainer.global_step)
-        self.tuner._t_last = time.perf_counter()
+        self.last_step = int(trainer.global_step)
+        self.tuner.ledger.resume_at(self.last_step)
         self.tuner.model = module
         optimizers = getattr(trainer, "optimizers", None) or []
         self.tuner.optimizer = optimizers[0] if optimizers else None
@@ -204,13 +207,12 @@ class LightningAdapter:
             try:
                 self.planned = float(trainer.estimated_stepping_batches)
             except Exception as exc:
-                self.tuner._report(exc, "lightning estimated steps")
+                self.tuner.report(exc, "lightning estimated steps")
 
     def batch_start(self) -> None:
         """For a loader memtui does not own: the wait is the gap since the last batch ended."""
-        if self.batch_end is not None and not self.tuner._loaders:
-            self.tuner._wait_acc += time.perf_counter() - self.batch_end
-            self.tuner._micro_acc += 1
+        if self.batch_end is not None and not self.tuner.loaders:
+            self.tuner.ledger.on_batch(time.perf_counter() - self.batch_end, 0)
 
     def count_steps(self, trainer: Any) -> None:
         """One tuner step per optimizer step Lightning made since the last count."""

@@ -16,7 +16,7 @@ from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Input, Label, Static
 
-from memtui.advice.predict import confidence, max_batch, predict_peak
+from memtui.advice.prediction import Prediction
 from memtui.knobs import (
     KNOBS,
     KnobError,
@@ -26,7 +26,6 @@ from memtui.knobs import (
     parse_value,
     resolve,
 )
-from memtui.stats import format_bytes
 from memtui.tui.safe import as_text
 from memtui.tui.state import RunState
 from memtui.wire import Knobs, KnobValue
@@ -40,43 +39,6 @@ class EditResult:
     force: bool = False
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """The memory model's peak for the config a change would make (from the run's model)."""
-
-    peak_bytes: int
-    capacity_bytes: int
-    max_safe_batch_size: int | None
-    confidence: str
-    edge: float
-    """The top of the safe band in force (the verdict's, from the config file)."""
-    danger: float
-    """The danger band in force: over it the hook refuses the change unless forced."""
-
-    @property
-    def fraction(self) -> float:
-        """Predicted peak over capacity."""
-        return self.peak_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
-
-    @property
-    def over_danger(self) -> bool:
-        """Over the danger band: the hook refuses it unless forced."""
-        return self.fraction > self.danger
-
-    def describe(self) -> str:
-        """``predicted peak 1.3 GiB = 72% of 1.8 GiB, headroom 500 MiB (2 micro-batches ...)``."""
-        headroom = self.capacity_bytes - self.peak_bytes
-        room = (
-            f"headroom {format_bytes(headroom)}"
-            if headroom >= 0
-            else f"over by {format_bytes(-headroom)}"
-        )
-        return (
-            f"predicted peak {format_bytes(self.peak_bytes)} = {self.fraction:.0%} of "
-            f"{format_bytes(self.capacity_bytes)}, {room} ({self.confidence})"
-        )
-
-
 def predict_change(resolved: Resolved, state: RunState) -> Prediction | None:
     """The predicted peak once ``resolved`` lands (None: no model, or the micro-batch stays)."""
     control = state.control
@@ -84,16 +46,7 @@ def predict_change(resolved: Resolved, state: RunState) -> Prediction | None:
     batch = resolved.changes.get("batch_size")
     if model is None or not model.capacity_bytes or batch is None or isinstance(batch, bool):
         return None
-    bands = state.thresholds.thresholds
-    edge = bands.memory_edge_fraction
-    return Prediction(
-        predict_peak(model, batch),
-        model.capacity_bytes,
-        max_batch(model, edge),
-        confidence(model),
-        edge,
-        bands.memory_danger_fraction,
-    )
+    return Prediction.of(model, batch, state.thresholds.thresholds)
 
 
 def text_key(text: str) -> str:

@@ -13,7 +13,7 @@ from rich.text import Text
 from memtui.advice.effect import speedup
 from memtui.advice.predict import confidence
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.knobs import format_changes, format_value
+from memtui.knobs import format_changes, format_diffs, format_value
 from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, flow
 from memtui.tui.state import RunState, ViewOptions
@@ -189,10 +189,7 @@ def change_lines(
             if known > 1:  # every rank applies the same change set at the same step
                 ranks = Text(f"on {landed}/{known} ranks", "" if landed == known else "bold yellow")
                 chips.append(Chip(ranks))
-            diffs = ", ".join(
-                f"{k} {format_value(d.old)} → {format_value(d.new)}"
-                for k, d in applied.changes.items()
-            )
+            diffs = format_diffs(applied.changes, "→")
             chips.append(Chip(Text(diffs or "no effective change")))
             ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
             chips.append(Chip(ids, optional=narrow))

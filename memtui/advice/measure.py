@@ -1,0 +1,125 @@
+"""What the hook measures of its own run: the memory-model observation and the effect of changes.
+
+Pure functions over the hook's device samples and step records, so they are unit-tested without a
+hook: ``observe`` turns the samples taken at the current micro-batch into one ``Observation`` for
+the model fit, ``model_moved`` says when a refit is news, and ``effects_due`` compares the steps
+before and after each applied change once enough ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from memtui.advice.effect import SETTLE_STEPS, measure
+from memtui.advice.predict import Observation, predict_peak
+from memtui.wire import AppliedChange, DeviceSample, Effect, MemoryModel, StaticMemory, StepRecord
+
+EFFECT_STEPS = 20
+"""Steps compared before and after an applied change for its measured effect."""
+
+RawStepT = tuple[int, float, float, float, int, int, int]
+"""A step as the hook's ledger keeps it (its first field is the step number)."""
+
+
+def observe(
+    samples: Iterable[DeviceSample], batch_size: int, since_step: int, static: StaticMemory | None
+) -> Observation | None:
+    """The model's observation from the samples taken at ``batch_size`` after it settled (steps
+    after ``since_step + SETTLE_STEPS``); None with fewer than three."""
+    settle = since_step + SETTLE_STEPS
+    window = [s for s in samples if s.step > settle]
+    if len(window) < 3:
+        return None
+    last = window[-1]
+    peak_allocated = max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in window)
+    peak_reserved = max(max(s.peak_reserved_bytes, s.reserved_bytes) for s in window)
+    floor = min(s.allocated_bytes for s in window)
+    beyond = 0
+    if last.kind == "cuda":
+        exact = 0
+        if static is not None:
+            exact = static.parameters_bytes + static.buffers_bytes
+            exact += static.gradients_bytes + static.optimizer_bytes
+        steady = max(exact, floor)
+        if last.nvml_used_bytes is not None:
+            beyond = max(0, last.nvml_used_bytes - last.reserved_bytes)
+    else:
+        # CPU: the lowest memory in use (RSS minus malloc's free cache) over the window: the
+        # samples fall all over the step cycle, and the lowest ones between steps
+        steady = floor
+    return Observation(
+        kind=last.kind,
+        batch_size=batch_size,
+        capacity_bytes=last.capacity_bytes,
+        steady_bytes=steady,
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved,
+        beyond_bytes=beyond,
+        samples=len(window),
+    )
+
+
+def model_moved(old: MemoryModel | None, new: MemoryModel, batch_size: int) -> bool:
+    """Whether a refit model differs enough from the published one to publish it again."""
+    if old is None or len(old.points) != len(new.points) or old.batch_size != new.batch_size:
+        return True
+    drift = abs(predict_peak(old, batch_size) - predict_peak(new, batch_size))
+    return drift > 0.01 * max(new.capacity_bytes, 1)
+
+
+def peak_between(samples: Iterable[DeviceSample], first_step: int, last_step: int) -> int | None:
+    """The device total at peak over samples taken in steps (first, last]."""
+    window = [s for s in samples if first_step < s.step <= last_step]
+    if not window:
+        return None
+    if window[-1].kind == "cuda":
+        return max(
+            max(s.peak_reserved_bytes, s.reserved_bytes)
+            + max(0, (s.nvml_used_bytes or 0) - s.reserved_bytes)
+            for s in window
+        )
+    return max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in window)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """An applied change's measured effect and the peak after it."""
+
+    applied: AppliedChange
+    effect: Effect
+    peak_after: int | None
+
+
+def effects_due(
+    applied: Sequence[AppliedChange],
+    steps: Sequence[RawStepT],
+    samples: Sequence[DeviceSample],
+    records: Callable[[Iterable[RawStepT]], list[StepRecord]],
+    *,
+    final: bool = False,
+) -> list[Measured]:
+    """The effects of the applied changes not measured yet whose steps after have run (all that
+    can be measured at all when ``final``); ``records`` makes wire records of raw steps."""
+    later = {id(a): b.step for a, b in itertools.pairwise(applied)}
+    found: list[Measured] = []
+    for change in applied:
+        if change.effect is not None or change.rollback:
+            continue
+        start = change.step + SETTLE_STEPS
+        end = min(start + EFFECT_STEPS, later.get(id(change), start + EFFECT_STEPS))
+        after = records(r for r in steps if start < r[0] <= end)
+        if len(after) < min(EFFECT_STEPS, end - start) and not final:
+            continue
+        if len(after) < 3:
+            continue
+        before = records(r for r in steps if change.step - EFFECT_STEPS < r[0] <= change.step)
+        # a sample carries the step count when it was taken: samples counted ``step`` ran
+        # during the step after it, so the last one before the change is ``step - 1``
+        peak_before = peak_between(samples, change.step - EFFECT_STEPS - 1, change.step - 1)
+        peak_after = peak_between(samples, start, after[-1].step)
+        effect = measure(before, after, peak_before, peak_after)
+        if effect is not None:
+            found.append(Measured(change, effect, peak_after))
+    return found

@@ -1,0 +1,129 @@
+"""The checkpoint boundary: rank 0 decides, the ranks agree through the job's store, and every
+rank validates and applies the same change at the same step.
+
+The one place a knob changes during a run (``apply``) and is undone after an out-of-memory error
+(``revert``); each writes the tuned config from the knob store's value it produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from memtui.advice.prediction import Prediction
+from memtui.hooks.control import Control
+from memtui.hooks.errors import Report
+from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
+from memtui.hooks.persist import TunedConfig
+from memtui.hooks.placement import Placement
+from memtui.knobs import KnobError, format_diffs, merge
+from memtui.wire import AppliedChange, PendingChange
+
+log = logging.getLogger("memtui")
+
+
+class Applied(AppliedChange):
+    """What a checkpoint boundary changed: the wire's record, printed as one line for the log."""
+
+    def __str__(self) -> str:
+        return describe_applied(self)
+
+
+def describe_applied(applied: AppliedChange) -> str:
+    """``memtui: applied at step 40: batch_size 8 -> 16 (note)``."""
+    text = f"memtui: applied at step {applied.step}: {format_diffs(applied.changes) or 'no effective change'}"
+    return f"{text} ({applied.note})" if applied.note else text
+
+
+class Boundary:
+    """Decides, agrees on, validates and applies the pending changes at a checkpoint."""
+
+    def __init__(
+        self,
+        store: KnobStore,
+        control: Control,
+        placement: Placement,
+        tuned: TunedConfig,
+        report: Report,
+        on_ranks_changed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store = store
+        self._control = control
+        self._placement = placement
+        self._tuned = tuned
+        self._report = report
+        self._on_ranks_changed = on_ranks_changed
+
+    def run(self, step: int) -> Applied | None:
+        """Take (rank 0), agree on and apply the pending changes at ``step``; what was applied."""
+        control, placement = self._control, self._placement
+        rank = placement.rank
+        taken: list[PendingChange] = control.take_pending() if rank == 0 else []
+        coordinator = placement.coordinator
+        if coordinator is None and placement.world_size > 1:
+            if taken:  # one rank of several with no agreement: applying alone would split the job
+                control.record_rejected(
+                    taken,
+                    f"rank {rank} of {placement.world_size} is not coordinated with the others "
+                    "(torch.distributed was not initialised at install; call tuner.coordinate() "
+                    "on every rank once it is)",
+                    step,
+                )
+            return None
+        pending = taken
+        if coordinator is not None:
+            agreed, abort = coordinator.boundary(step, taken)
+            if abort:
+                if taken:
+                    control.record_rejected(taken, f"changes are off for this run: {abort}", step)
+                control.disable(abort)
+                return None
+            pending = agreed or []
+            if placement.refresh():
+                self._on_ranks_changed()
+        return self._apply(pending, step) if pending else None
+
+    def _apply(self, pending: list[PendingChange], step: int) -> Applied | None:
+        """Validate and apply ``pending`` (all or none); record, persist and log what changed."""
+        store, control = self._store, self._control
+        merged = merge(c.changes for c in pending)
+        try:
+            store.check(merged)
+            diffs = store.apply(merged, step)
+        except KnobError as exc:
+            control.record_rejected(pending, str(exc), step)
+            return None
+        note = (
+            "the data loader is rebuilt at the next batch" if set(diffs) & set(LOADER_KNOBS) else ""
+        )
+        batch = store.value("batch_size")
+        applied = Applied(
+            ids=[c.id for c in pending],
+            step=step,
+            time=time.time(),
+            changes=diffs,
+            note=note,
+            predicted_peak_bytes=Prediction.of(
+                control.model, batch if isinstance(batch, int) else None
+            ).peak_bytes,
+        )
+        control.record_applied(applied)
+        if self._placement.rank == 0:
+            self._tuned.write(store.knobs, step)
+        log.info("%s", describe_applied(applied))
+        return applied
+
+    def revert(self, target: AppliedChange, step: int, note: str) -> AppliedChange | str:
+        """Undo an applied change now (an out-of-memory rollback): the rollback record, or why
+        it could not be undone."""
+        old = {k: d.old for k, d in target.changes.items() if d.old is not None}
+        try:
+            diffs = self._store.apply(old, step)
+        except KnobError as exc:
+            return str(exc)
+        rollback = AppliedChange(
+            ids=[], step=step, time=time.time(), changes=diffs, note=note, rollback=True
+        )
+        self._control.record_applied(rollback)
+        return rollback

@@ -1,0 +1,86 @@
+"""The device tracker: which device the training uses, and the exact memory of model and optimizer.
+
+The training thread notes the CUDA device at install and at every boundary (``refresh``); the
+sampler thread notices CUDA initialised later (``detect_late``). The static memory (parameters,
+gradients, optimizer state, buffers) is computed from the tensors on the training thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import psutil
+
+from memtui.hooks.errors import Report
+from memtui.hooks.memory import static_memory
+from memtui.wire import StaticMemory
+
+
+def _model_device(model: Any) -> int | None:
+    """The CUDA index of the model's first parameter (None: no model, or not on CUDA)."""
+    if model is None:
+        return None
+    for param in model.parameters():
+        return param.device.index if param.device.type == "cuda" else None
+    return None
+
+
+class DeviceTracker:
+    """The CUDA device index (None on CPU), the install baseline, and the static memory."""
+
+    def __init__(self, report: Report) -> None:
+        self.cuda_index: int | None = None
+        """The CUDA device the training uses (None: CPU, or CUDA not initialised yet)."""
+        self.baseline_bytes = 0
+        """Device allocated (CUDA) or the process's RSS (CPU) at install."""
+        self._report = report
+
+    @property
+    def kind(self) -> str:
+        """``cuda`` or ``cpu``."""
+        return "cpu" if self.cuda_index is None else "cuda"
+
+    def refresh(self, model: Any) -> None:
+        """Note which CUDA device the training thread uses (none until CUDA is initialised)."""
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return
+            index = _model_device(model)
+            self.cuda_index = torch.cuda.current_device() if index is None else index
+        except Exception as exc:
+            self._report(exc, "device")
+
+    def detect_late(self, model: Any) -> None:
+        """From the sampler thread: notice CUDA initialised after install (model moved later)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        index = _model_device(model)
+        if index is None:
+            count = max(1, torch.cuda.device_count())
+            index = int(os.environ.get("LOCAL_RANK", "0") or 0) % count
+        self.cuda_index = index
+
+    def note_baseline(self) -> None:
+        """Take the install baseline: device allocated (CUDA) or the main process's RSS (CPU)."""
+        try:
+            torch = sys.modules.get("torch")
+            if self.cuda_index is not None and torch is not None:
+                self.baseline_bytes = int(torch.cuda.memory_allocated(self.cuda_index))
+            else:
+                self.baseline_bytes = int(psutil.Process().memory_info().rss)
+        except Exception:
+            self.baseline_bytes = 0
+
+    def static(self, model: Any, optimizer: Any) -> StaticMemory | None:
+        """Parameters, gradients and optimizer state from the tensors (None without either)."""
+        if model is None and optimizer is None:
+            return None
+        try:
+            return static_memory(model, optimizer, self.kind, self.baseline_bytes)
+        except Exception as exc:
+            self._report(exc, "static memory")
+            return None

@@ -1,0 +1,133 @@
+"""The knob store: the one place the run's knob values live, and the only writer of the config.
+
+It holds one frozen ``Knobs`` value, replaced whole when a change lands (the agent thread reads
+it without a lock: a reference swap is atomic), the binding to the user's config object that it
+writes through (all changed knobs or none), and a generation that loaders compare to notice a
+change. Everyone else reads ``knobs``; nobody keeps a copy to sync by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memtui.hooks.binding import ConfigBinding
+from memtui.hooks.errors import Report
+from memtui.knobs import KNOBS, KnobError, as_dict, diff, format_diffs, knobs_with, parse_value
+from memtui.wire import KnobDiff, Knobs, KnobValue
+
+log = logging.getLogger("memtui")
+
+LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
+"""The knobs a data loader is built with (a change rebuilds it)."""
+
+
+def _parsed(knob: str, value: Any) -> KnobValue | None:
+    try:
+        return parse_value(knob, value)
+    except KnobError:
+        return None
+
+
+class KnobStore:
+    """The current knob values, the tunable set, and the config object they are written into."""
+
+    def __init__(self, config: Any, names: Mapping[str, str] | None, report: Report) -> None:
+        self.binding = ConfigBinding(config, names)
+        self._report = report
+        found = {k: _parsed(k, self.binding.read(k)) for k in KNOBS if self.binding.has(k)}
+        self._knobs = knobs_with(Knobs(), found)
+        self._loader_generation = 0
+        self.batch_since_step = 0
+        """The step at which the current micro-batch size began (the memory model's window)."""
+
+    # ------------------------------------------------------------ reading
+
+    @property
+    def knobs(self) -> Knobs:
+        """The knob values now (one frozen value: safe to keep and to read from any thread)."""
+        return self._knobs
+
+    def value(self, knob: str) -> KnobValue | None:
+        """One knob's value now (None: not tunable in this run)."""
+        value: KnobValue | None = getattr(self._knobs, knob)
+        return value
+
+    def tunable(self) -> list[str]:
+        """The knobs this run can change."""
+        knobs = self._knobs
+        return [k for k in KNOBS if getattr(knobs, k) is not None]
+
+    def loader_knobs(self) -> tuple[Any, ...]:
+        """The values a loader is built with, in ``LOADER_KNOBS`` order."""
+        knobs = self._knobs
+        return tuple(getattr(knobs, k) for k in LOADER_KNOBS)
+
+    @property
+    def loader_generation(self) -> int:
+        """Bumped whenever loaders must look again (a loader knob changed, samples re-queued)."""
+        return self._loader_generation
+
+    # ------------------------------------------------------------ writing (training thread)
+
+    def adopt(self, found: Mapping[str, Any]) -> None:
+        """Take the values a loader was built with for the knobs the config does not expose."""
+        missing = {k: v for k, v in found.items() if self.value(k) is None and v is not None}
+        if missing:
+            self._knobs = knobs_with(self._knobs, missing)
+
+    def touch_loaders(self) -> None:
+        """Make every loader look at its knobs again at its next batch."""
+        self._loader_generation += 1
+
+    def check(self, changes: Mapping[str, KnobValue]) -> None:
+        """Raise KnobError if a change names a knob this run cannot change or a value out of range."""
+        for knob, value in changes.items():
+            if self.value(knob) is None:
+                raise KnobError(f"{knob} is not tunable in this run")
+            parse_value(knob, value)
+
+    def apply(self, changes: Mapping[str, KnobValue | None], step: int) -> dict[str, KnobDiff]:
+        """Write ``changes`` into the config (all or none) and the store; return what changed.
+
+        Raise KnobError (with the config left as it was) if the config refuses a value.
+        """
+        diffs = diff(self._knobs, changes)
+        written: list[str] = []
+        failing = ""
+        try:
+            for failing, change in diffs.items():
+                if self.binding.has(failing):
+                    self.binding.write(failing, change.new)
+                    written.append(failing)
+        except Exception as exc:
+            for knob in written:
+                self.binding.write(knob, diffs[knob].old)
+            self._report(exc, "apply")
+            raise KnobError(f"could not write {failing} into the config: {exc}") from exc
+        self._knobs = knobs_with(self._knobs, {k: d.new for k, d in diffs.items()})
+        if "batch_size" in diffs:
+            self.batch_since_step = step
+        if any(k in LOADER_KNOBS for k in diffs):
+            self._loader_generation += 1
+        return diffs
+
+    def resume(self, values: Mapping[str, KnobValue], path: Path) -> dict[str, KnobDiff]:
+        """Start from a tuned config's values (read from ``path``); return what they changed."""
+        wanted = {
+            k: v for k, v in values.items() if k != "grad_accum" or self.binding.has("grad_accum")
+        }
+        for knob, value in wanted.items():
+            if self.binding.has(knob):
+                self.binding.write(knob, value)
+        resumed = diff(self._knobs, wanted)
+        self._knobs = knobs_with(self._knobs, wanted)
+        if resumed:
+            log.warning("memtui: resumed the tuned config from %s: %s", path, format_diffs(resumed))
+        return resumed
+
+    def as_dict(self) -> dict[str, KnobValue | None]:
+        """The set knobs as ``{name: value}``."""
+        return as_dict(self._knobs)

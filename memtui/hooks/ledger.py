@@ -1,0 +1,186 @@
+"""The step ledger: the training thread's tallies of the step under way and the records it closed.
+
+The hot path lives here and only here. Per micro-batch, ``on_batch`` adds the wait, the samples
+and (for a re-queue after an out-of-memory rollback) what was delivered; per optimizer step,
+``close_step`` appends one raw tuple to a bounded outbox. The agent thread takes the records with
+``drain_steps`` (the training thread only appends, the agent only pops: a deque does both
+without a lock) and turns them into wire records with ``records``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+from memtui.wire import STEP_AFTER_CHECKPOINT, CheckpointRecord, StepRecord
+
+_perf_counter = time.perf_counter
+"""The step clock, bound once: ``close_step`` is on the hot path."""
+
+OUTBOX_RECORDS = 16384
+"""Step records held for the agent; if it stalls, the oldest are dropped (and counted)."""
+CHECKPOINT_RECORDS = 256
+"""Checkpoint boundaries held for the agent."""
+MAX_STEP_BATCHES = 4096
+"""Micro-batches of the current step kept for a re-queue: a loop that never closes a step does
+not grow the list without bound (beyond it a re-queue counts the samples as skipped)."""
+
+RawStep = tuple[int, float, float, float, int, int, int]
+"""One step as the training thread records it: a ``StepRecord``'s fields, the end time on the
+``perf_counter`` clock (``records`` makes it wall-clock time when the record is sent)."""
+
+
+class Requeue(Protocol):
+    """A loader that can take delivered samples back (an out-of-memory rollback)."""
+
+    def requeue(self, indices: list[int]) -> bool:
+        """Deliver ``indices`` again first; False when this loader cannot."""
+        ...
+
+
+class StepLedger:
+    """The open step's wait, samples and micro-batches, and the closed steps for the agent."""
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._t_last: float | None = None
+        self._wait = 0.0
+        self._samples = 0
+        self._micro = 0
+        self._flags = 0
+        self._batches: list[tuple[Requeue, list[int] | int]] = []
+        """The micro-batches delivered in the open step (a rollback re-queues them)."""
+        self._outbox: deque[RawStep] = deque(maxlen=OUTBOX_RECORDS)
+        self._checkpoints: deque[CheckpointRecord] = deque(maxlen=CHECKPOINT_RECORDS)
+        self.wall_offset = time.time() - time.perf_counter()
+        """Wall-clock time minus the step clock (``records`` adds it)."""
+
+    # ------------------------------------------------------------ the training thread
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps closed so far."""
+        return self._step
+
+    def start_clock(self) -> None:
+        """Start the open step's clock if nothing started it yet (the first batch)."""
+        if self._t_last is None:
+            self._t_last = _perf_counter()
+
+    def restart_clock(self) -> None:
+        """Start the open step's clock now (after a checkpoint, a resume, a failed step)."""
+        self._t_last = _perf_counter()
+
+    def resume_at(self, step: int) -> None:
+        """Continue counting from ``step`` (a restored checkpoint), the clock restarted."""
+        self._step = step
+        self._t_last = _perf_counter()
+
+    def on_batch(
+        self,
+        wait_s: float,
+        samples: int,
+        source: Requeue | None = None,
+        delivered: list[int] | None = None,
+        micro: int = 1,
+    ) -> None:
+        """Add ``micro`` micro-batches of ``samples`` that took ``wait_s`` to arrive; ``source``
+        and ``delivered`` (the indices) let a rollback hand them back."""
+        self._wait += wait_s
+        self._samples += samples
+        count = self._micro + micro
+        self._micro = count
+        if source is not None and count <= MAX_STEP_BATCHES:
+            self._batches.append((source, samples if delivered is None else delivered))
+
+    def mark(self, flag: int) -> None:
+        """Set a ``STEP_*`` flag on the open step's record."""
+        self._flags |= flag
+
+    def close_step(self, samples: int | None = None) -> int:
+        """Close the open step (``samples`` overrides the loader's count); return its number."""
+        now = _perf_counter()
+        step = self._step + 1
+        self._step = step
+        t_last = self._t_last
+        self._outbox.append(
+            (
+                step,
+                now,
+                now - (now if t_last is None else t_last),
+                self._wait,
+                self._samples if samples is None else samples,
+                self._micro,
+                self._flags,
+            )
+        )
+        self._t_last = now
+        self._wait = 0.0
+        self._samples = 0
+        self._micro = 0
+        self._flags = 0
+        self._batches.clear()
+        return step
+
+    def open_step(self) -> tuple[int, int]:
+        """The open step's (samples, micro-batches) so far."""
+        return self._samples, self._micro
+
+    def since_last(self) -> float:
+        """Seconds since the open step's clock started (0 before the first batch)."""
+        return 0.0 if self._t_last is None else _perf_counter() - self._t_last
+
+    def close_checkpoint(self, taken_time: float, save_s: float) -> None:
+        """Record a checkpoint boundary at this step; the next step's clock starts now."""
+        self._checkpoints.append(CheckpointRecord(self._step, taken_time, save_s))
+        self._t_last = _perf_counter()
+        self._flags |= STEP_AFTER_CHECKPOINT
+
+    def requeue(self) -> tuple[int, int]:
+        """Hand the open step's micro-batches back to their loaders: (re-queued, skipped)."""
+        requeued = skipped = 0
+        for source, batch in self._batches:
+            if isinstance(batch, list) and source.requeue(batch):
+                requeued += len(batch)
+            else:
+                skipped += len(batch) if isinstance(batch, list) else batch
+        # beyond MAX_STEP_BATCHES micro-batches nothing was kept: those samples are counted as
+        # skipped, never lost silently
+        skipped += max(0, self._samples - requeued - skipped)
+        self._batches.clear()
+        return requeued, skipped
+
+    def reset_open_step(self) -> None:
+        """Forget the failed open step's tallies; it starts over now."""
+        self._wait = 0.0
+        self._samples = 0
+        self._micro = 0
+        self._batches.clear()
+        self._t_last = _perf_counter()
+
+    # ------------------------------------------------------------ the agent thread
+
+    def drain_steps(self) -> list[RawStep]:
+        """Take the closed steps not taken yet, oldest first."""
+        outbox = self._outbox
+        popleft = outbox.popleft
+        return [popleft() for _ in range(len(outbox))]  # the training thread only appends
+
+    def drain_checkpoints(self) -> list[CheckpointRecord]:
+        """Take the checkpoint boundaries not taken yet, oldest first."""
+        boxed = self._checkpoints
+        return [boxed.popleft() for _ in range(len(boxed))]
+
+    def records(self, raw: Iterable[RawStep]) -> list[StepRecord]:
+        """Wire records of raw steps, their clock made wall-clock time.
+
+        Done only for what is sent or asked for: building a record costs ~0.3 µs, and an
+        unwatched run at thousands of steps a second would pay it for nobody.
+        """
+        offset = self.wall_offset
+        return [
+            StepRecord(step, end + offset, dt, wait, samples, micro, flags)
+            for step, end, dt, wait, samples, micro, flags in raw
+        ]

@@ -1,0 +1,236 @@
+"""The hook's parts on their own: the step ledger, the knob store, the measurement functions and
+the one Prediction, each through its public methods (no threads, no sockets, no training)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from memtui.advice.effect import SETTLE_STEPS
+from memtui.advice.measure import EFFECT_STEPS, effects_due, model_moved, observe, peak_between
+from memtui.advice.predict import fit
+from memtui.advice.prediction import Prediction
+from memtui.advice.verdict import Thresholds
+from memtui.hooks.errors import ErrorLog
+from memtui.hooks.knobstore import KnobStore
+from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
+from memtui.knobs import KnobError, diff, format_diffs, knobs_with, merge
+from memtui.wire import (
+    STEP_AFTER_CHECKPOINT,
+    AppliedChange,
+    DeviceSample,
+    KnobDiff,
+    Knobs,
+    StaticMemory,
+)
+
+MIB = 1 << 20
+
+
+class Source:
+    """A loader stand-in that takes re-queued indices (or refuses them)."""
+
+    def __init__(self, accepts: bool = True) -> None:
+        self.accepts = accepts
+        self.back: list[int] = []
+
+    def requeue(self, indices: list[int]) -> bool:
+        if self.accepts:
+            self.back.extend(indices)
+        return self.accepts
+
+
+# ---------------------------------------------------------------------- the step ledger
+
+
+def test_ledger_closes_a_step_with_its_tallies() -> None:
+    ledger = StepLedger()
+    ledger.start_clock()
+    ledger.on_batch(0.010, 8)
+    ledger.on_batch(0.020, 8)
+    ledger.mark(STEP_AFTER_CHECKPOINT)
+    assert ledger.open_step() == (16, 2)
+    assert ledger.close_step() == 1
+    (step, _end, dt, wait, samples, micro, flags) = ledger.drain_steps()[0]
+    assert (step, samples, micro, flags) == (1, 16, 2, STEP_AFTER_CHECKPOINT)
+    assert wait == pytest.approx(0.030) and dt >= 0
+    assert ledger.open_step() == (0, 0) and ledger.drain_steps() == []
+    ledger.close_step(samples=5)
+    assert ledger.drain_steps()[0][4] == 5, "the caller's count wins"
+
+
+def test_ledger_requeues_the_open_step_and_counts_what_it_cannot() -> None:
+    ledger = StepLedger()
+    good, bad = Source(), Source(accepts=False)
+    ledger.on_batch(0.0, 3, good, [1, 2, 3])
+    ledger.on_batch(0.0, 2, bad, [4, 5])
+    ledger.on_batch(0.0, 4, bad)  # a loader that keeps no indices
+    assert ledger.requeue() == (3, 6)
+    assert good.back == [1, 2, 3]
+    ledger.reset_open_step()
+    assert ledger.open_step() == (0, 0) and ledger.requeue() == (0, 0)
+
+
+def test_ledger_bounds_what_it_keeps() -> None:
+    ledger = StepLedger()
+    source = Source()
+    for i in range(MAX_STEP_BATCHES + 10):
+        ledger.on_batch(0.0, 1, source, [i])
+    requeued, skipped = ledger.requeue()
+    assert (requeued, skipped) == (MAX_STEP_BATCHES, 10), "beyond the cap: counted as skipped"
+    for _ in range(20_000):
+        ledger.close_step()
+    assert len(ledger.drain_steps()) == 16384, "the outbox keeps the newest records"
+
+
+def test_ledger_records_are_wall_clock() -> None:
+    ledger = StepLedger()
+    ledger.close_step()
+    ledger.close_checkpoint(123.0, 0.5)
+    (record,) = ledger.records(ledger.drain_steps())
+    assert abs(record.end_time - __import__("time").time()) < 5
+    (checkpoint,) = ledger.drain_checkpoints()
+    assert (checkpoint.step, checkpoint.time, checkpoint.save_s) == (1, 123.0, 0.5)
+
+
+# ---------------------------------------------------------------------- the knob store
+
+
+def test_store_reads_applies_all_or_none_and_bumps_loaders() -> None:
+    config = SimpleNamespace(batch_size=8, gradient_accumulation_steps=2)
+    store = KnobStore(config, None, ErrorLog().report)
+    assert store.knobs == Knobs(batch_size=8, grad_accum=2)
+    assert store.tunable() == ["batch_size", "grad_accum"]
+    generation = store.loader_generation
+    diffs = store.apply({"batch_size": 16, "grad_accum": 2}, step=40)
+    assert diffs == {"batch_size": KnobDiff(8, 16)}, "an unchanged knob is no change"
+    assert config.batch_size == 16 and store.batch_since_step == 40
+    assert store.loader_generation == generation + 1
+    with pytest.raises(KnobError, match="not tunable"):
+        store.check({"num_workers": 2})
+    store.adopt({"num_workers": 0, "pin_memory": False, "batch_size": 99})
+    assert store.knobs == Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
+
+
+def test_store_leaves_the_config_whole_when_a_write_fails() -> None:
+    class Stubborn:
+        batch_size = 8
+        _accum = 2
+
+        @property
+        def gradient_accumulation_steps(self) -> int:
+            return self._accum
+
+        @gradient_accumulation_steps.setter
+        def gradient_accumulation_steps(self, value: int) -> None:
+            raise RuntimeError("read-only")
+
+    config = Stubborn()
+    errors = ErrorLog()
+    store = KnobStore(config, None, errors.report)
+    with pytest.raises(KnobError, match="could not write"):
+        store.apply({"batch_size": 16, "grad_accum": 4}, step=1)
+    assert config.batch_size == 8 and store.knobs == Knobs(batch_size=8, grad_accum=2)
+    assert errors.count == 1 and "apply" in errors.last
+
+
+def test_knob_helpers() -> None:
+    base = Knobs(batch_size=8, grad_accum=2)
+    assert merge([{"batch_size": 4}, {"batch_size": 6, "grad_accum": 3}]) == {
+        "batch_size": 6,
+        "grad_accum": 3,
+    }
+    assert knobs_with(base, {"num_workers": 2}) == Knobs(8, 2, 2)
+    changes = diff(base, {"batch_size": 16, "grad_accum": 2})
+    assert format_diffs(changes) == "batch_size 8 -> 16"
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+def sample(step: int, allocated: int, kind: str = "cpu", **more: int) -> DeviceSample:
+    return DeviceSample(
+        time=float(step),
+        step=step,
+        kind=kind,
+        capacity_bytes=1024 * MIB,
+        allocated_bytes=allocated,
+        peak_allocated_bytes=more.pop("peak", allocated),
+        reserved_bytes=more.pop("reserved", allocated),
+        **more,  # type: ignore[arg-type]
+    )
+
+
+def test_observe_waits_for_settled_samples_and_takes_the_floor_and_peak() -> None:
+    samples = [sample(s, (100 + s) * MIB, peak=(150 + s) * MIB) for s in range(10, 20)]
+    assert observe(samples[:2], 8, since_step=0, static=None) is None, "fewer than three"
+    assert observe(samples, 8, since_step=30, static=None) is None, "none after settling"
+    seen = observe(samples, 8, since_step=10, static=None)
+    assert seen is not None and seen.samples == 20 - (10 + SETTLE_STEPS) - 1
+    assert seen.steady_bytes == (100 + 13) * MIB and seen.peak_allocated_bytes == 169 * MIB
+
+
+def test_observe_on_cuda_counts_the_exact_static_and_beyond_torch() -> None:
+    static = StaticMemory(kind="cuda", parameters_bytes=300 * MIB, optimizer_bytes=100 * MIB)
+    samples = [sample(s, 200 * MIB, kind="cuda", nvml_used_bytes=700 * MIB) for s in range(5, 10)]
+    seen = observe(samples, 4, since_step=0, static=static)
+    assert seen is not None
+    assert seen.steady_bytes == 400 * MIB, "the tensors' exact size beats the sampled floor"
+    assert seen.beyond_bytes == 500 * MIB
+
+
+def test_model_moved_only_when_the_refit_is_news() -> None:
+    samples = [sample(s, 200 * MIB, peak=300 * MIB) for s in range(5, 10)]
+    seen = observe(samples, 8, 0, None)
+    assert seen is not None
+    model = fit(seen)
+    assert model_moved(None, model, 8)
+    assert not model_moved(model, model, 8)
+    bigger = fit(observe([sample(s, 200 * MIB, peak=600 * MIB) for s in range(5, 10)], 8, 0, None))  # type: ignore[arg-type]
+    assert model_moved(model, bigger, 8)
+
+
+def test_peak_between_on_cuda_adds_memory_beyond_torch() -> None:
+    samples = [
+        sample(1, 100 * MIB, kind="cuda", reserved=200 * MIB, nvml_used_bytes=260 * MIB),
+        sample(2, 100 * MIB, kind="cuda", reserved=250 * MIB, nvml_used_bytes=300 * MIB),
+    ]
+    assert peak_between(samples, 0, 2) == 300 * MIB
+    assert peak_between(samples, 2, 5) is None
+
+
+def raw(step: int, dt: float, samples: int = 8) -> tuple[int, float, float, float, int, int, int]:
+    return (step, float(step), dt, 0.0, samples, 1, 0)
+
+
+def test_effects_due_compares_before_and_after_once_enough_ran() -> None:
+    ledger = StepLedger()
+    change = AppliedChange(ids=[1], step=20, time=0.0, changes={"batch_size": KnobDiff(8, 16)})
+    before = [raw(s, 0.10) for s in range(1, 21)]
+    after = [raw(s, 0.05) for s in range(21, 21 + SETTLE_STEPS + EFFECT_STEPS)]
+    samples = [sample(s, (100 if s < 20 else 180) * MIB) for s in range(1, 45)]
+    assert effects_due([change], before + after[:5], samples, ledger.records) == []
+    found = effects_due([change], before + after[:5], samples, ledger.records, final=True)
+    assert len(found) == 1, "at the end, what ran is measured"
+    (measured,) = effects_due([change], before + after, samples, ledger.records)
+    assert measured.effect.samples_per_s_after == pytest.approx(
+        2 * measured.effect.samples_per_s_before
+    )
+    assert measured.peak_after == 180 * MIB and measured.effect.peak_bytes_before == 100 * MIB
+    rollback = AppliedChange(ids=[], step=20, time=0.0, changes={}, rollback=True)
+    assert effects_due([rollback], before + after, samples, ledger.records) == []
+
+
+# ---------------------------------------------------------------------- one prediction
+
+
+def test_prediction_against_the_bands_in_force() -> None:
+    model = fit(observe([sample(s, 100 * MIB, peak=400 * MIB) for s in range(5, 10)], 8, 0, None))  # type: ignore[arg-type]
+    assert not Prediction.of(None, 8).known and Prediction.of(model, None).warning == ""
+    tight = Thresholds(memory_edge_fraction=0.30, memory_danger_fraction=0.35)
+    prediction = Prediction.of(model, 8, tight)
+    assert prediction.known and prediction.over_danger
+    assert "over the 35% danger band" in prediction.warning
+    assert prediction.describe().startswith("predicted peak")
+    assert not Prediction.of(model, 8).over_danger, "the default bands"
