@@ -93,7 +93,7 @@ def train(out: Path, seconds: float, step_ms: float) -> None:
     config = {"batch_size": 8, "grad_accum": 1}
     tuner = hooks.install(config=config, state_dir=out.parent / "state", name="flood")
     print(f"run {tuner.run_id}", flush=True)
-    agent = tuner._agent
+    agent = tuner.agent
     agent_tid = agent.native_id if agent is not None and agent.native_id else 0
     steps: list[tuple[float, float]] = []
     cpu: list[tuple[float, float]] = []

@@ -201,7 +201,7 @@ def background(loop: Loop, seconds: float, watched: bool) -> float:
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(registry.find_run(tuner.run_id).ranks[0].pub)
     try:
-        threads = (tuner._agent, tuner._sampler)
+        threads = (tuner.agent, tuner.sampler)
         ids = {t.native_id for t in threads if isinstance(t, threading.Thread)}
         start = time.perf_counter()
         cpu0 = _thread_cpu_s(ids)

@@ -234,3 +234,29 @@ def test_prediction_against_the_bands_in_force() -> None:
     assert "over the 35% danger band" in prediction.warning
     assert prediction.describe().startswith("predicted peak")
     assert not Prediction.of(model, 8).over_danger, "the default bands"
+
+
+# ---------------------------------------------------------------------- the facade
+
+
+def test_the_tuner_touches_nothing_until_started(tmp_path: object) -> None:
+    import sys
+    import threading
+    from pathlib import Path
+
+    from memtui.hooks import Options, Tuner
+
+    state = Path(str(tmp_path)) / "state"
+    threads, hook = threading.active_count(), sys.excepthook
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=state, options=Options())
+    assert not state.exists() and threading.active_count() == threads
+    assert sys.excepthook is hook and tuner.agent is None and tuner.info is None
+    tuner.step()  # the hot path works before start
+    assert tuner.step_count == 1
+    try:
+        assert tuner.start() is tuner and tuner.start() is tuner, "start once"
+        assert tuner.agent is not None and tuner.sampler is not None and sys.excepthook is not hook
+        assert tuner.info is not None and tuner.info.run == tuner.run_id
+    finally:
+        tuner.close()
+        sys.excepthook = hook

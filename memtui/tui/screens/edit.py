@@ -18,17 +18,17 @@ from textual.widgets import Input, Label, Static
 
 from memtui.advice.prediction import Prediction
 from memtui.knobs import (
-    KNOBS,
     KnobError,
     Resolved,
     format_changes,
     format_value,
+    knobs_with,
     parse_value,
     resolve,
 )
 from memtui.tui.safe import as_text
 from memtui.tui.state import RunState
-from memtui.wire import Knobs, KnobValue
+from memtui.wire import KnobValue
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def check_change(
         raise KnobError("the run's config is not known yet")
     value = parse_value(knob, text)
     pending = state.pending_values()
-    projected = Knobs(**{k: pending.get(k, getattr(control.config, k)) for k in KNOBS})
+    projected = knobs_with(control.config, pending)
     if getattr(projected, knob) == value:
         raise KnobError(f"{knob} is already {format_value(value)} (pending changes included)")
     resolved = resolve(
