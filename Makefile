@@ -28,6 +28,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
 	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 # transformers, accelerate and Lightning on top of the same venv (torch stays 2.13.0 CPU)
@@ -49,6 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
 	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(PY) benchmarks/hook_overhead.py

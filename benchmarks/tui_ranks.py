@@ -336,7 +336,7 @@ def publish(
 
 def headless_viewer(run: str, seconds: float, warmup: float, width: int, height: int) -> int:
     """Run the viewer headless; print its own CPU over the measured window as JSON."""
-    from memtui.recording import LiveSource
+    from memtui.sources import LiveSource
     from memtui.tui.app import MemtuiApp
 
     async def main() -> dict[str, float]:

@@ -6,7 +6,6 @@ errors go to stderr, and the exit status says whether the request succeeded.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -592,8 +591,9 @@ class _DemoCommand(click.Command):
         from memtui.demo.options import build_parser
 
         rows = []
-        for action in build_parser()._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+        # argparse lists a parser's actions only through _actions (no public accessor)
+        for action in build_parser()._actions:  # noqa: SLF001
+            if not action.option_strings or action.dest == "help":
                 continue
             names = "/".join(action.option_strings)
             if action.nargs != 0:

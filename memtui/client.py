@@ -110,6 +110,24 @@ class ControlClient:
         return self.request(CancelRequest(id=change_id, client=self.client), CancelReply)
 
 
+def send_request(
+    context: zmq.Context, endpoint: str, frame: bytes, max_reply: int
+) -> zmq.Socket | None:
+    """A REQ socket that sent ``frame`` to ``endpoint`` (None if it could not: the caller polls
+    it for the reply and closes it)."""
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_reply)
+    try:
+        make_client(sock, endpoint)
+        sock.connect(endpoint)
+        sock.send(frame, zmq.NOBLOCK)
+    except (zmq.ZMQError, SecurityError):
+        sock.close(0)
+        return None
+    return sock
+
+
 def hello_many(
     endpoints: list[str],
     *,
@@ -128,18 +146,9 @@ def hello_many(
         if not endpoint:
             sockets.append(None)
             continue
-        sock = context.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        try:
-            make_client(sock, endpoint)
-            sock.connect(endpoint)
-            sock.send(frame, zmq.NOBLOCK)
-        except (zmq.ZMQError, SecurityError):
-            sock.close(0)
-            sockets.append(None)
-            continue
-        poller.register(sock, zmq.POLLIN)
+        sock = send_request(context, endpoint, frame, 64 << 20)
+        if sock is not None:
+            poller.register(sock, zmq.POLLIN)
         sockets.append(sock)
     replies: list[Snapshot | None] = [None] * len(endpoints)
     waiting = sum(sock is not None for sock in sockets)

@@ -203,8 +203,10 @@ def format_changes(changes: Mapping[str, object]) -> str:
 
 
 def knobs_with(base: Knobs, changes: Mapping[str, KnobValue | None]) -> Knobs:
-    """A copy of ``base`` with ``changes`` applied."""
-    return Knobs(**{**as_dict(base, keep_none=True), **changes})  # type: ignore[arg-type]
+    """A copy of ``base`` with ``changes`` applied (names that are not knobs are left out: a
+    run's pending changes arrive from outside)."""
+    known = {k: v for k, v in changes.items() if k in KNOBS}
+    return Knobs(**{**as_dict(base, keep_none=True), **known})  # type: ignore[arg-type]
 
 
 def as_dict(knobs: Knobs, *, keep_none: bool = False) -> dict[str, KnobValue | None]:

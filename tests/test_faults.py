@@ -358,7 +358,9 @@ def test_a_hostile_config_file_at_install_is_one_warning_in_no_time(
     (tmp_path / "config.yaml").write_text(text)
     monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "config.yaml"))
     started = time.monotonic()
-    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)).start()
+    tuner = Tuner(
+        SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)
+    ).start()
     try:
         assert time.monotonic() - started < 2.0
         messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]
@@ -462,7 +464,7 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
     assert recording.duration_s >= 4.0 - 1.5, (recording.duration_s, recording.cut_note)
     replay = subprocess.run(
         [sys.executable, "-c", "import sys; from memtui.tui.app import run_replay; "
-         "from memtui.recording import ReplaySource; "
+         "from memtui.sources import ReplaySource; "
          "print(len(ReplaySource(sys.argv[1], speed=None).recording.frames))", str(record)],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip

@@ -6,17 +6,29 @@ import json
 import subprocess
 import sys
 
+import grimp
 import pytest
 
 from tests.conftest import ROOT
 
+VIEWER = ("memtui.tui", "memtui.sources", "memtui.client")
+"""The viewer's code, its transport and its control client: never loaded by a training process."""
 
-def loaded_after(statement: str) -> set[str]:
-    code = f"import sys, json\n{statement}\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+
+def modules_after(statement: str) -> set[str]:
+    code = f"import sys, json\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def loaded_after(statement: str) -> set[str]:
+    return {m.split(".")[0] for m in modules_after(statement)}
+
+
+def viewer_modules(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if any(m == v or m.startswith(v + ".") for v in VIEWER)}
 
 
 def test_hooks_import_no_ui_and_no_torch() -> None:
@@ -26,10 +38,32 @@ def test_hooks_import_no_ui_and_no_torch() -> None:
 
 
 def test_hooks_with_torch_still_no_ui() -> None:
-    loaded = loaded_after(
+    loaded = modules_after(
         "import torch\nfrom memtui import hooks\nhooks.install({'batch_size': 2}).close()"
     )
-    assert not loaded & {"textual", "rich"}
+    assert not {m.split(".")[0] for m in loaded} & {"textual", "rich"}
+    assert not viewer_modules(loaded), "the hook loads none of the viewer's client code"
+    assert "memtui.recording" in loaded, "the hook writes recordings with the format module"
+
+
+def test_recording_format_loads_no_transport() -> None:
+    loaded = modules_after("import memtui.recording")
+    assert "zmq" not in {m.split(".")[0] for m in loaded}
+    assert not viewer_modules(loaded)
+
+
+def test_no_import_cycles() -> None:
+    """No module of memtui reaches itself through its imports, deferred ones included."""
+    # import-linter's acyclic_siblings contract (make lint) checks the siblings of every package;
+    # this also catches a package's __init__ and one of its own modules importing each other
+    graph = grimp.build_graph("memtui", cache_dir=None)
+    cycles = [
+        (module, *back)
+        for module in sorted(graph.modules)
+        for imported in sorted(graph.find_modules_directly_imported_by(module))
+        if (back := graph.find_shortest_chain(importer=imported, imported=module))
+    ]
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
 @pytest.mark.parametrize(

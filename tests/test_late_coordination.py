@@ -11,7 +11,9 @@ from memtui.wire import SetRequest
 
 def test_an_uncoordinated_rank_of_two_rejects_changes(tmp_path: Path) -> None:
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False), placement=(0, 0, 2)).start()
+    tuner = Tuner(
+        config, state_dir=tmp_path, options=Options(publish=False), placement=(0, 0, 2)
+    ).start()
     try:
         assert (tuner.rank, tuner.world_size) == (0, 2)
         assert tuner.coordinate() is False, "no process group in this process"
@@ -27,7 +29,9 @@ def test_an_uncoordinated_rank_of_two_rejects_changes(tmp_path: Path) -> None:
 
 def test_a_single_process_still_applies(tmp_path: Path) -> None:
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False), placement=(0, 0, 1)).start()
+    tuner = Tuner(
+        config, state_dir=tmp_path, options=Options(publish=False), placement=(0, 0, 1)
+    ).start()
     try:
         assert tuner.control.queue(SetRequest(changes={"grad_accum": 2})).ok
         applied = tuner.checkpoint()

@@ -22,8 +22,8 @@ import zmq
 from memtui import registry
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.hooks import Options, Tuner
-from memtui.recording import LiveSource
 from memtui.security import keygen, load_keys
+from memtui.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, memtui_cli, wait_for
 

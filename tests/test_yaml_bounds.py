@@ -55,7 +55,9 @@ def test_hostile_tuned_yaml_at_resume_is_one_warning(
     config = SimpleNamespace(batch_size=4, grad_accum=1)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, "memtui"):
-        tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False)).start()
+        tuner = Tuner(
+            config, state_dir=tmp_path, resume=True, options=Options(publish=False)
+        ).start()
     try:
         assert time.monotonic() - started < 1.0
         said = [r.getMessage() for r in caplog.records if "resume" in r.getMessage()]

@@ -29,7 +29,8 @@ from memtui import registry
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import load_thresholds
 from memtui.knobs import KNOBS
-from memtui.recording import LiveSource, ReplaySource, Source, SourceUnavailable
+from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
+from memtui.tui.events import MANY_RANKS, Notice
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.receiver import Inbox, Receiver
 from memtui.tui.safe import clean
@@ -38,7 +39,7 @@ from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen, EditResult
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
-from memtui.tui.state import MANY_RANKS, Notice, RunState, ViewOptions
+from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.advice import top_applicable
 from memtui.wire import CancelRequest, KnobValue, SetRequest
 

@@ -4,7 +4,7 @@ The receiver runs on a thread of its own (a Textual thread worker). It connects 
 reconnects it when the run ends, goes quiet or comes back), decodes every frame with a
 ``FrameDecoder`` (bad frames are counted, never raised; step records beyond a budget are
 sampled), makes the operator's set/cancel requests
-on the same thread, and hands the app one :class:`~memtui.tui.state.ReceivedBatch` at a time
+on the same thread, and hands the app one :class:`~memtui.tui.events.ReceivedBatch` at a time
 through an :class:`Inbox`, calling ``notify`` once per batch (at most every ``post_interval_s``,
 sooner for a change of connection or a request's outcome). Widgets never see a socket.
 """
@@ -22,10 +22,10 @@ import msgspec
 
 from memtui.client import client_name
 from memtui.knobs import format_changes
-from memtui.recording import Source, SourceUnavailable
+from memtui.sources import Source, SourceUnavailable
+from memtui.tui.events import MANY_RANKS, ConnectionEvent, Event, Notice, ReceivedBatch, Status
 from memtui.tui.frames import FrameDecoder
 from memtui.tui.plausible import MAX_RANKS, rank_limit
-from memtui.tui.state import MANY_RANKS, ConnectionEvent, Event, Notice, ReceivedBatch, Status
 from memtui.wire import (
     CancelReply,
     CancelRequest,

@@ -1,9 +1,10 @@
 """The viewer's state: plain dataclasses folded from the receiver's batches (no Textual here).
 
-The receiver thread turns frames into :class:`ReceivedBatch` objects; the app folds each one into
-a :class:`RunState` with :meth:`RunState.apply`, and widgets render from the state. Everything is
-bounded: recent raw records for the summaries (the same windows as ``memtui status``), and
-one-second buckets for the charts (an hour of them), whatever the step rate.
+The receiver thread turns frames into :class:`~memtui.tui.events.ReceivedBatch` objects; the
+app folds each one into a :class:`RunState` with :meth:`RunState.apply`, and widgets render from
+the state. Everything is bounded: recent raw records for the summaries (the same windows as
+``memtui status``), and one-second buckets for the charts (an hour of them), whatever the step
+rate.
 
 Every rank has its own series (every rank publishes, and answers hello with its own history and
 config). :meth:`RunState.summary` compares them: the medians, stragglers (``memtui.stats``), the
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Generic, Protocol, TypeAlias, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from memtui.advice.assess import Advice, advise, capacity_is_limit, loader_memory
 from memtui.advice.verdict import (
@@ -45,6 +45,7 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
+from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, Status
 from memtui.tui.plausible import check_snapshot, check_telemetry, is_time, rank_limit
 from memtui.wire import (
     AppliedChange,
@@ -55,7 +56,6 @@ from memtui.wire import (
     HostSample,
     Knobs,
     KnobValue,
-    Message,
     RankInfo,
     RunInfo,
     Snapshot,
@@ -78,9 +78,6 @@ HOST_WINDOW_S = 30.0
 """How far back swap growth is measured."""
 NOTICES = 20
 """Request outcomes and receiver notes kept for the change log."""
-MANY_RANKS = 16
-"""Above this many ranks the viewer paces itself: frames gathered for longer, the view redrawn
-at 2 Hz and the summaries made once a second."""
 NEAREST_OOM_FROM = 0.5
 """The rank nearest OOM is called out once its peak is at least this share of its capacity."""
 SILENT_AFTER_S = 3.0
@@ -90,57 +87,6 @@ second): its row says so, and the header counts it."""
 _STEP_TIME = attrgetter("step_time_s")
 _DATA_WAIT = attrgetter("data_wait_s")
 _END_TIME = attrgetter("end_time")
-
-
-class Status(enum.Enum):
-    """The connection to the run, as the receiver sees it; the value is shown to the user."""
-
-    CONNECTING = "connecting"
-    LIVE = "live"
-    QUIET = "quiet"
-    ENDED = "ended"
-    DISCONNECTED = "disconnected"
-
-
-@dataclass(frozen=True)
-class ConnectionEvent:
-    """The receiver's connection changed."""
-
-    status: Status
-    detail: str = ""
-    """Why, in words: ``no data for 3.0 s``, ``run ended at step 400``..."""
-    label: str = ""
-    """What the receiver is attached to: a run id, endpoint or recording."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A line for the operator: a request's outcome (queued, rejected, no answer) or trouble."""
-
-    ok: bool
-    """False for refusals and failures (shown in red)."""
-    text: str
-
-
-Event: TypeAlias = Message | ConnectionEvent | Notice
-"""One thing the receiver reports, in the order it happened."""
-
-
-@dataclass
-class ReceivedBatch:
-    """Everything the receiver got since its previous batch, in order."""
-
-    events: list[Event]
-    clock: float
-    """The source's clock when the batch was made (the recording's time in a replay)."""
-    bad_frames: int = 0
-    """Frames the receiver could not decode, since it started."""
-    last_bad_frame: str = ""
-    bad_values: int = 0
-    """Messages the receiver dropped for impossible values (a rank past the run's world size, an
-    implausible control seq), since it started."""
-    reconnects: int = 0
-    """Times the receiver subscribed anew to telemetry that stopped while the run answered."""
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ from pathlib import Path
 from memtui.advice.assess import assess
 from memtui.advice.predict import fraction
 from memtui.client import ControlClient
-from memtui.recording import read_recording, record
+from memtui.recording import read_recording
 from memtui.registry import find_run
+from memtui.sources import record
 from memtui.wire import Snapshot
 
 HERE = Path(__file__).resolve().parent

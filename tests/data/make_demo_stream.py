@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from memtui.client import ControlClient
-from memtui.recording import read_recording, record
+from memtui.recording import read_recording
 from memtui.registry import find_run
+from memtui.sources import record
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.pilot import Pilot
 
 from memtui import registry
-from memtui.recording import LiveSource
+from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.widgets.header import RunHeader

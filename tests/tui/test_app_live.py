@@ -13,10 +13,10 @@ from typing import Any
 import zmq
 from textual.pilot import Pilot
 
-from memtui.recording import LiveSource
+from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
+from memtui.tui.events import Status
 from memtui.tui.screens.edit import EditKnobScreen
-from memtui.tui.state import Status
 from memtui.wire import RankInfo, Telemetry, encode
 from tests.conftest import DemoRun, memtui_cli
 from tests.tui.conftest import HookLoop, run, screen_text, until

@@ -15,9 +15,9 @@ from typing import Any
 from textual.command import CommandPalette
 from textual.pilot import Pilot
 
+from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
-from memtui.tui.state import Status
 from tests.conftest import memtui_cli
 from tests.tui.conftest import HookLoop, run, screen_text, until
 from tests.tui.test_app_live import live_app

@@ -14,9 +14,9 @@ from typing import Any
 
 from textual.pilot import Pilot
 
-from memtui.recording import LiveSource
+from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
-from memtui.tui.state import Status
+from memtui.tui.events import Status
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from tests.conftest import DemoRun
 from tests.tui.conftest import run, screen_text, until

@@ -10,12 +10,12 @@ from typing import Any
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from memtui.recording import ReplaySource
+from memtui.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
+from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.screens.help import HelpScreen
-from memtui.tui.state import Status
 from tests.tui.conftest import (
     OOM,
     STARVING,

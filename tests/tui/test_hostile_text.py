@@ -31,15 +31,16 @@ from textual.widgets import Input
 
 from memtui import registry
 from memtui.gpus import GpuInfo, GpuProcessInfo
-from memtui.recording import LiveSource, RecordedFrame, Recording, RecordingHeader, ReplaySource
+from memtui.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.sources import LiveSource, ReplaySource
 from memtui.tui.app import MemtuiApp
+from memtui.tui.events import Notice, ReceivedBatch, Status
 from memtui.tui.safe import clean
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.screens.gpus import GpusScreen
 from memtui.tui.screens.help import HelpScreen
-from memtui.tui.state import Notice, ReceivedBatch, Status
 from memtui.wire import (
     WIRE_VERSION,
     CancelReply,

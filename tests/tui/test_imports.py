@@ -12,7 +12,14 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize(
-    "module", ["memtui.tui", "memtui.tui.app", "memtui.recording", "memtui.advice.verdict"]
+    "module",
+    [
+        "memtui.tui",
+        "memtui.tui.app",
+        "memtui.sources",
+        "memtui.recording",
+        "memtui.advice.verdict",
+    ],
 )
 def test_viewer_imports_no_torch_and_no_hook(module: str) -> None:
     code = f"import sys, json, {module}\nprint(json.dumps(sorted(sys.modules)))"
@@ -26,8 +33,8 @@ def test_viewer_imports_no_torch_and_no_hook(module: str) -> None:
 
 def test_advice_and_state_import_no_textual() -> None:
     code = (
-        "import sys, json, memtui.advice.verdict, memtui.tui.state, memtui.tui.receiver, "
-        "memtui.recording\nprint(json.dumps(sorted(sys.modules)))"
+        "import sys, json, memtui.advice.verdict, memtui.tui.state, memtui.tui.events, "
+        "memtui.tui.receiver, memtui.sources\nprint(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True

@@ -8,10 +8,12 @@ from typing import Any
 from textual.pilot import Pilot
 
 from memtui.advice.verdict import State
-from memtui.recording import RecordingWriter, ReplaySource, read_recording
+from memtui.recording import RecordingWriter, read_recording
+from memtui.sources import ReplaySource
 from memtui.stats import MemoryStats, RankSpread, StepStats
 from memtui.tui.app import MemtuiApp
-from memtui.tui.state import ReceivedBatch, RunState, Status
+from memtui.tui.events import ReceivedBatch, Status
+from memtui.tui.state import RunState
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from memtui.wire import (
     ControlState,

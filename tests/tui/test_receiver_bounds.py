@@ -19,10 +19,12 @@ import msgspec
 import zmq
 
 from memtui import registry
-from memtui.recording import LiveSource, RecordedFrame, Recording, RecordingHeader, ReplaySource
+from memtui.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.sources import LiveSource, ReplaySource
+from memtui.tui.events import ReceivedBatch, Status
 from memtui.tui.plausible import MAX_RANKS
 from memtui.tui.receiver import MAX_CONTROL_JUMP, Receiver
-from memtui.tui.state import ReceivedBatch, RunState, Status
+from memtui.tui.state import RunState
 from memtui.wire import (
     ControlState,
     Decoder,

@@ -16,11 +16,9 @@ from memtui.recording import (
     RecordingError,
     RecordingHeader,
     RecordingWriter,
-    ReplaySource,
-    SourceUnavailable,
     read_recording,
-    record,
 )
+from memtui.sources import ReplaySource, SourceUnavailable, record
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry
 from tests.conftest import ROOT
 from tests.tui.conftest import DATA, OOM, STARVING, HookLoop

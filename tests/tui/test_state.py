@@ -6,13 +6,8 @@ from rich.style import Style
 
 from memtui.advice.verdict import State
 from memtui.tui.charts import nice_ceiling, pick_scale, stacked_rows, to_columns
-from memtui.tui.state import (
-    ConnectionEvent,
-    Notice,
-    ReceivedBatch,
-    RunState,
-    Status,
-)
+from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, Status
+from memtui.tui.state import RunState
 from memtui.wire import (
     ControlState,
     DeviceSample,
