@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-instructions bench-tui bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-gil bench-instructions bench-tui bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/hook_overhead.py
+	$(PY) benchmarks/hook_cputime.py
 	$(PY) benchmarks/hook_ranks.py
+
+# whether the hook's threads delay the training thread through the GIL (5 ms vs 0.5 ms switch
+# interval, nanoGPT-shaped loop and a pure-Python worst case), and what their wake-ups do
+bench-gil: $(STAMP)
+	$(PY) benchmarks/hook_cputime.py --switch-intervals-ms 5,0.5
+	$(PY) benchmarks/hook_gil.py --profile
 
 bench-instructions: $(STAMP)
 	$(PY) benchmarks/hook_instructions.py

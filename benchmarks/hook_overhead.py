@@ -7,12 +7,15 @@ Three measurements, printed as one JSON line:
    ``tuner.step()`` (B); the median per-step difference. ``hook_us_per_step_best`` is the
    difference of the fastest blocks (timeit's convention: the rest is interference), which on
    a noisy VM is the steadier estimate of what the hook's code itself costs.
-2. ``background_cpu_pct``: CPU time of the hook's two threads (agent and sampler) while a
-   real training loop runs for ``--background-s`` seconds under one hook, in percent of one
+2. ``background_cpu_pct``: CPU time of the hook's two Python threads (agent and sampler) while
+   a real training loop runs for ``--background-s`` seconds under one hook, in percent of one
    core (per thread, from /proc's schedstat), with nobody watching (the threads wake once a
-   second); ``background_cpu_pct_watched`` the same with a subscriber on the telemetry socket
-   (ten flushes and five device samples a second). Charged in full to the training, as if
-   every microsecond of it held the GIL (worst case).
+   second); ``background_cpu_pct_watched`` the same with a viewer attached (a subscriber in
+   its own process that does what ``memtui attach`` does: a hello, then every telemetry frame
+   received and decoded; four flushes and two device samples a second). Charged in full to
+   the training, as if every microsecond of it held the GIL (worst case). ``_all``: every
+   thread the hook started, libzmq's I/O threads included (they do not take the GIL). The
+   threads are found as those that appeared at ``hooks.install`` (public API only).
 3. A real small training loop on the CPU (an MLP, about 1 ms per step), without the hook (A)
    and with it installed the one-line way (B: a fresh ``install`` per block, threads and
    all), in ABBA-ordered blocks: ``loop_samples_per_s_without``/``_with`` and the wall-clock
@@ -24,7 +27,14 @@ from a loop whose step is ``loop_step_ms_without`` long, nobody watching (``_wat
 viewer attached). Targets (issue 2):
 ``hook_us_per_step`` <= 2 and ``overhead_pct`` <= 0.5.
 
-Usage: python benchmarks/hook_overhead.py [--rounds N] [--quick]
+**Reproducible figures.** By default the script runs the whole measurement three times
+(``--repeat N``), each run a fresh process, and prints every figure as the median of the runs
+(the same keys as one run), with ``spread`` (median, min, max, interquartile range of the
+runs), ``per_run`` and ``loadavg`` (the 1/5/15-minute load average before and after each
+run: a figure taken at a load over 1 on this 2-core machine shares the CPU with something
+else). ``--quick`` is one short run.
+
+Usage: python benchmarks/hook_overhead.py [--rounds N] [--repeat N] [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +57,7 @@ from typing import Any
 os.environ.setdefault("MEMTUI_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtb", dir="/tmp"))
 os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtbs", dir="/tmp"))
 
+import benchlib
 import psutil
 import torch
 from torch.utils.data import DataLoader
@@ -186,25 +198,29 @@ class Loop:
         return elapsed / steps
 
 
-def background(loop: Loop, seconds: float, watched: bool) -> float:
-    """The hook threads' CPU in percent of a core over ``seconds`` of training under one hook."""
-    import zmq
+def background(loop: Loop, seconds: float, watcher: benchlib.Watcher | None) -> tuple[float, float]:
+    """The hook threads' CPU in percent of a core over ``seconds`` of training under one hook:
+    its Python threads (agent and sampler), and all the threads it started (with libzmq's).
 
-    from memtui import registry
-
+    The threads are found as those that appeared when the hook was installed (the public API
+    only: the figure does not depend on how the hook stores them). ``watcher``: a viewer-like
+    subscriber in its own process is attached for the measurement.
+    """
+    python_before = {t.native_id for t in threading.enumerate()}
+    tasks_before = benchlib.task_ids()
     tuner = hooks.install(SimpleNamespace(batch_size=1), state_dir=_state_dir(), name="bench")
     loader: Any = tuner.loader(loop.factory)
-    sub = None
-    if watched:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(registry.find_run(tuner.run_id).ranks[0].pub)
     try:
-        threads = (tuner.agent, tuner.sampler)
-        ids = {t.native_id for t in threads if isinstance(t, threading.Thread)}
+        if watcher is not None:
+            watcher.watch(tuner.run_id)
+        python_ids = {
+            t.native_id
+            for t in threading.enumerate()
+            if t.native_id is not None and t.native_id not in python_before
+        }
+        ids = benchlib.task_ids() - tasks_before
         start = time.perf_counter()
-        cpu0 = _thread_cpu_s(ids)
+        cpu0, all0 = _thread_cpu_s(python_ids), _thread_cpu_s(ids)
         while time.perf_counter() - start < seconds:
             for x, y in loader:
                 loss = torch.nn.functional.mse_loss(loop.model(x), y)
@@ -212,23 +228,17 @@ def background(loop: Loop, seconds: float, watched: bool) -> float:
                 loop.optimizer.step()
                 loop.optimizer.zero_grad(set_to_none=True)
                 tuner.step()
-                while sub is not None and sub.poll(0):
-                    sub.recv()  # a viewer reads what it is sent
-        cpu = _thread_cpu_s(ids) - cpu0
-        return 100 * cpu / (time.perf_counter() - start)
+        cpu, cpu_all = _thread_cpu_s(python_ids) - cpu0, _thread_cpu_s(ids) - all0
+        elapsed = time.perf_counter() - start
+        if watcher is not None:
+            watcher.unwatch()
+        return 100 * cpu / elapsed, 100 * cpu_all / elapsed
     finally:
-        if sub is not None:
-            sub.close()
         tuner.close()
 
 
-def main() -> None:
-    """Run the measurements and print one JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (numbers are noisy)")
-    parser.add_argument("--background-s", type=float, default=20.0)
-    args = parser.parse_args()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the three measurements."""
     rounds = 4 if args.quick else args.rounds
     hot_steps = 500  # short blocks, many of them: a block hit by interference is one of many
     loop_steps = 100 if args.quick else 1000
@@ -252,14 +262,17 @@ def main() -> None:
     half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     step_s = statistics.median(without)
     seconds = 3.0 if args.quick else args.background_s
-    background_pct = background(loop, seconds, watched=False)
-    watched_pct = background(loop, seconds, watched=True)
+    background_pct, background_all = background(loop, seconds, None)
+    with benchlib.Watcher() as watcher:
+        watched_pct, watched_all = background(loop, seconds, watcher)
     hot_pct = 100 * hot_us * 1e-6 / step_s
     result = {
         "hook_us_per_step": round(hot_us, 3),
         "hook_us_per_step_best": round(best_us, 3),
         "background_cpu_pct": round(background_pct, 3),
         "background_cpu_pct_watched": round(watched_pct, 3),
+        "background_cpu_pct_all": round(background_all, 3),
+        "background_cpu_pct_all_watched": round(watched_all, 3),
         "loop_step_ms_without": round(step_s * 1e3, 4),
         "hot_path_pct": round(hot_pct, 3),
         "overhead_pct": round(hot_pct + background_pct, 3),
@@ -275,6 +288,83 @@ def main() -> None:
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
     }
+    return result
+
+
+def repeated(args: argparse.Namespace, repeat: int) -> dict[str, Any]:
+    """``repeat`` runs, each a fresh process, one after the other; every figure as the median
+    of the runs (the same keys as one run) with its spread, and the load each run ran under."""
+    forwarded = ["--rounds", str(args.rounds), "--background-s", str(args.background_s)]
+    if args.quick:
+        forwarded.append("--quick")
+    runs: list[dict[str, Any]] = []
+    for index in range(repeat):
+        load_before = benchlib.loadavg()
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), *forwarded, "--repeat", "1"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        run = json.loads(out.stdout.strip().splitlines()[-1])
+        run["loadavg_before"], run["loadavg_after"] = load_before, benchlib.loadavg()
+        runs.append(run)
+        print(
+            f"run {index + 1}/{repeat}: hook {run['hook_us_per_step']} us/step"
+            f" (best {run['hook_us_per_step_best']}), overhead {run['overhead_pct']}%"
+            f" / watched {run['overhead_pct_watched']}%, A/B {run['ab_overhead_pct']}%"
+            f" +- {run['ab_overhead_ci95_pct']}; load {load_before[0]} -> {run['loadavg_after'][0]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    numeric = [k for k, v in runs[0].items() if isinstance(v, int | float) and k != "cpus"]
+    result: dict[str, Any] = {k: v for k, v in runs[0].items() if k not in numeric}
+    result.update({k: round(statistics.median(r[k] for r in runs), 4) for k in numeric})
+    result["runs"] = repeat
+    result["spread"] = {k: benchlib.spread([r[k] for r in runs]) for k in SPREAD_KEYS}
+    result["loadavg"] = [[r["loadavg_before"], r["loadavg_after"]] for r in runs]
+    result["per_run"] = [{k: r[k] for k in SPREAD_KEYS} for r in runs]
+    for key in ("loadavg_before", "loadavg_after"):
+        result.pop(key, None)
+    return result
+
+
+SPREAD_KEYS = [
+    "hook_us_per_step",
+    "hook_us_per_step_best",
+    "background_cpu_pct",
+    "background_cpu_pct_watched",
+    "background_cpu_pct_all",
+    "background_cpu_pct_all_watched",
+    "overhead_pct",
+    "overhead_pct_watched",
+    "loop_step_ms_without",
+    "ab_overhead_pct",
+    "ab_overhead_ci95_pct",
+]
+
+
+def main() -> None:
+    """Run the measurements (``--repeat`` times) and print one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run (numbers are noisy)")
+    parser.add_argument("--background-s", type=float, default=20.0)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="runs, each in a fresh process, summarised by their median and spread"
+        " (default: 3; 1 with --quick)",
+    )
+    args = parser.parse_args()
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    if repeat > 1:
+        result = repeated(args, repeat)
+    else:
+        load_before = benchlib.loadavg()
+        result = measure(args)
+        result["loadavg_before"], result["loadavg_after"] = load_before, benchlib.loadavg()
     print(json.dumps(result), flush=True)
 
 

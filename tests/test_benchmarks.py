@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from typing import Any
 
 from tests.conftest import ROOT
 
@@ -26,3 +28,91 @@ def test_hook_overhead_quick() -> None:
     # of two noisy timings can even come out negative; the real figures come from `make bench`
     assert abs(result["hook_us_per_step"]) < 50, "the hot path is microseconds"
     assert 0 < result["hook_us_per_step_best"] + 5 < 55
+
+
+def _run_json(*args: str) -> dict[str, Any]:
+    """Run a benchmark script and return its last stdout line, parsed."""
+    out = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check_arms(result: dict[str, Any], metrics: list[str]) -> None:
+    """Every metric has every arm's spread over the rounds and each hooked arm's paired
+    difference to the bare arm of the same switch interval (the numbers' size is not checked:
+    a quick run on a shared machine is noise)."""
+    arms = result["arms"]
+    assert any(a.startswith("bare@") for a in arms)
+    assert {a.partition("@")[0] for a in arms} == {"bare", "unwatched", "watched"}
+    summary = result["summary"]
+    for key in metrics:
+        for arm in arms:
+            spread = summary[key][arm]
+            assert spread["n"] == result["rounds"], (key, arm)
+            assert _is_number(spread["median"]) and spread["min"] <= spread["median"]
+            assert spread["median"] <= spread["max"]
+            if arm.startswith("bare@"):
+                continue
+            diff = summary[key][f"{arm}-bare"]
+            assert _is_number(diff["mean"]) and _is_number(diff["median"]), (key, arm)
+            assert diff["n"] == result["rounds"]
+            assert diff["ci95"] is None or diff["ci95"] >= 0
+    for key in ("loadavg_before", "loadavg_after"):
+        assert len(result[key]) == 3 and all(_is_number(x) for x in result[key])
+
+
+def test_hook_cputime_quick() -> None:
+    """The nanoGPT-shaped side-by-side: CPU per thread and step time, bare vs hook."""
+    result = _run_json("benchmarks/hook_cputime.py", "--quick")
+    assert result["benchmark"] == "hook_cputime"
+    metrics = [
+        "train_cpu_us",
+        "hook_cpu_us",
+        "process_cpu_us",
+        "step_ms_p50",
+        "step_ms_p99",
+        "offcpu_us_mean",
+        "train_gil_waits_per_1k_steps",
+        "steps_with_gil_wait_per_1k",
+    ]
+    _check_arms(result, metrics)
+    summary = result["summary"]
+    for arm in result["arms"]:
+        # a bare round starts no thread of the hook; every round trains on the training thread
+        if arm.startswith("bare@"):
+            assert summary["hook_cpu_us"][arm]["max"] == 0
+        assert summary["train_cpu_us"][arm]["min"] > 0
+        assert summary["step_ms_p50"][arm]["min"] > 0
+        assert summary["step_ms_p50"][arm]["median"] <= summary["step_ms_p99"][arm]["median"]
+    watched = next(a for a in result["arms"] if a.startswith("watched@"))
+    assert summary["hook_cpu_us"][watched]["min"] > 0, "a watched hook's threads ran"
+    assert set(result["overhead"]) == {a for a in result["arms"] if not a.startswith("bare@")}
+    assert result["config"]["torch_threads"] == 1
+
+
+def test_hook_gil_quick() -> None:
+    """The GIL probe: waits and preemptions of a pure-Python training thread, and the profile
+    of the hook's threads."""
+    result = _run_json("benchmarks/hook_gil.py", "--quick", "--profile")
+    assert result["benchmark"] == "hook_gil"
+    _check_arms(
+        result, ["gil_wait_per_s", "gil_wait_us_p99", "preempted_per_s", "hook_slices_per_s"]
+    )
+    assert {a.partition("@")[2] for a in result["arms"]} == {"5ms", "0.5ms"}
+    threads = result["profile"]["threads"]
+    assert threads, "the hook's threads were profiled"
+    for report in threads.values():
+        assert report["profiled_cpu_ms_per_s"] >= 0
+        for row in report["top_own_cpu"]:
+            assert row["function"] and _is_number(row["own_cpu_share_pct"])

@@ -260,3 +260,18 @@ def test_the_tuner_touches_nothing_until_started(tmp_path: object) -> None:
     finally:
         tuner.close()
         sys.excepthook = hook
+
+
+def test_raw_steps_encode_exactly_as_step_records() -> None:
+    """Telemetry carries the ledger's tuples as they are: the bytes are a StepRecord's."""
+    from memtui.wire import Decoder, Telemetry, encode
+
+    ledger = StepLedger()
+    ledger.on_batch(0.25, 8)
+    ledger.close_step()
+    raw = ledger.drain_steps()
+    as_tuples = Telemetry(run="r", rank=0, seq=1, time=0.0, step=1, steps=raw)  # type: ignore[arg-type]
+    as_structs = Telemetry(run="r", rank=0, seq=1, time=0.0, step=1, steps=ledger.records(raw))
+    assert encode(as_tuples) == encode(as_structs)
+    decoded = Decoder().decode(encode(as_tuples))
+    assert isinstance(decoded, Telemetry) and decoded.steps == ledger.records(raw)

@@ -28,8 +28,8 @@ MAX_STEP_BATCHES = 4096
 not grow the list without bound (beyond it a re-queue counts the samples as skipped)."""
 
 RawStep = tuple[int, float, float, float, int, int, int]
-"""One step as the training thread records it: a ``StepRecord``'s fields, the end time on the
-``perf_counter`` clock (``records`` makes it wall-clock time when the record is sent)."""
+"""One step as the training thread records it: a ``StepRecord``'s fields in order, so it is
+encoded exactly as one (the agent sends the tuples as they are: no object built per step)."""
 
 
 class Requeue(Protocol):
@@ -55,7 +55,7 @@ class StepLedger:
         self._outbox: deque[RawStep] = deque(maxlen=OUTBOX_RECORDS)
         self._checkpoints: deque[CheckpointRecord] = deque(maxlen=CHECKPOINT_RECORDS)
         self.wall_offset = time.time() - time.perf_counter()
-        """Wall-clock time minus the step clock (``records`` adds it)."""
+        """Wall-clock time minus the step clock: a record's end time is wall-clock time."""
 
     # ------------------------------------------------------------ the training thread
 
@@ -108,7 +108,7 @@ class StepLedger:
         self._outbox.append(
             (
                 step,
-                now,
+                now + self.wall_offset,
                 now - (now if t_last is None else t_last),
                 self._wait,
                 self._samples if samples is None else samples,
@@ -173,14 +173,8 @@ class StepLedger:
         boxed = self._checkpoints
         return [boxed.popleft() for _ in range(len(boxed))]
 
-    def records(self, raw: Iterable[RawStep]) -> list[StepRecord]:
-        """Wire records of raw steps, their clock made wall-clock time.
-
-        Done only for what is sent or asked for: building a record costs ~0.3 µs, and an
-        unwatched run at thousands of steps a second would pay it for nobody.
-        """
-        offset = self.wall_offset
-        return [
-            StepRecord(step, end + offset, dt, wait, samples, micro, flags)
-            for step, end, dt, wait, samples, micro, flags in raw
-        ]
+    @staticmethod
+    def records(raw: Iterable[RawStep]) -> list[StepRecord]:
+        """Wire records of raw steps (for a snapshot and the effect measurement: telemetry sends
+        the tuples themselves, which encode the same)."""
+        return [StepRecord(*step) for step in raw]

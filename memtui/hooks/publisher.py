@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
@@ -126,7 +126,9 @@ class Publisher:
         self.drain()
         records: list[StepRecord] = []
         if watched or ended:  # a snapshot in between drained some: they go out too
-            records = self._ledger.records(self._unsent)
+            # the raw tuples are StepRecords' fields in order and encode exactly as them: building
+            # a Struct per step cost the agent ~21 µs per 250 steps, holding the GIL
+            records = cast("list[StepRecord]", list(self._unsent))
             self._unsent.clear()
         elif len(self._unsent) > HISTORY_STEPS:
             # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
