@@ -7,7 +7,9 @@ recommendations are rank 0's (the ranks run the same config).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from memtui.advice.breakdown import Breakdown, breakdown
 from memtui.advice.predict import confidence, max_batch
@@ -101,51 +103,110 @@ def advise(
     )
 
 
-def _verdict_inputs(snapshots: list[Snapshot], multi: bool) -> VerdictInputs:
-    worst_wait: tuple[float, int, float, float] | None = None
-    worst_memory: tuple[float, int, int, int, str, bool] | None = None
-    host = None
-    swap_growth = 0
-    for snapshot in snapshots:
-        rank = snapshot.info.rank
-        steps = summarize_steps(snapshot.steps)
-        if steps is not None and (worst_wait is None or steps.data_wait_fraction > worst_wait[0]):
-            worst_wait = (steps.data_wait_fraction, rank, steps.step_time_s, steps.data_wait_s)
-        memory = summarize_device(snapshot.device)
-        if memory is not None and memory.capacity_bytes:
-            fraction = memory.peak_used_fraction
-            if worst_memory is None or fraction > worst_memory[0]:
-                worst_memory = (
-                    fraction,
-                    rank,
-                    memory.peak_used_bytes,
-                    memory.capacity_bytes,
-                    memory.kind,
-                    capacity_is_limit(memory, snapshot.host[-1] if snapshot.host else None),
-                )
-        if snapshot.host:
-            sample = snapshot.host[-1]
-            if host is None or ram_fraction(sample) > ram_fraction(host):
-                host = sample
-                swap_growth = sample.swap_used_bytes - snapshot.host[0].swap_used_bytes
-    return VerdictInputs(
-        data_wait_fraction=worst_wait[0] if worst_wait else None,
-        step_time_s=worst_wait[2] if worst_wait else None,
-        data_wait_s=worst_wait[3] if worst_wait else None,
-        wait_rank=worst_wait[1] if worst_wait and multi else None,
-        peak_memory_fraction=worst_memory[0] if worst_memory else None,
-        peak_memory_bytes=worst_memory[2] if worst_memory else None,
-        capacity_bytes=worst_memory[3] if worst_memory else None,
-        device_kind=worst_memory[4] if worst_memory else "cpu",
-        capacity_is_limit=worst_memory[5] if worst_memory else True,
-        memory_rank=worst_memory[1] if worst_memory and multi else None,
+HOST_WINDOW_S = 30.0
+"""How far back swap growth is measured (the viewer and ``memtui status`` alike)."""
+
+
+class RankNumbers(Protocol):
+    """One rank's numbers the verdict weighs: its speed and its memory over the recent window."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def steps(self) -> StepStats | None: ...
+
+    @property
+    def memory(self) -> MemoryStats | None: ...
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A rank's numbers computed from its records (``memtui status``'s snapshots)."""
+
+    rank: int
+    steps: StepStats | None
+    memory: MemoryStats | None
+
+
+R = TypeVar("R", bound=RankNumbers)
+
+
+def swap_growth(samples: Sequence[HostSample], window_s: float = HOST_WINDOW_S) -> int:
+    """Swap growth over the last ``window_s`` seconds of host samples (oldest first)."""
+    if not samples:
+        return 0
+    latest = samples[-1]
+    oldest = latest
+    for sample in reversed(samples):
+        if latest.time - sample.time > window_s:
+            break
+        oldest = sample
+    return latest.swap_used_bytes - oldest.swap_used_bytes
+
+
+def verdict_host(
+    primary: Sequence[HostSample], others: Iterable[HostSample | None]
+) -> tuple[HostSample | None, int]:
+    """The host sample the verdict weighs and its swap growth: the control rank's, unless another
+    rank's host is fuller (its growth is not known: 0)."""
+    host = primary[-1] if primary else None
+    growth = swap_growth(primary)
+    for other in others:
+        if other is not None and (host is None or ram_fraction(other) > ram_fraction(host)):
+            host, growth = other, 0
+    return host, growth
+
+
+def verdict_inputs(
+    ranks: Sequence[R],
+    host: HostSample | None,
+    swap_growth_bytes: int,
+    pin_memory: bool | None = None,
+) -> tuple[VerdictInputs, R | None, R | None]:
+    """The verdict's inputs (the worst rank for each number), the waiting and the fullest rank:
+    the one computation behind the viewer's verdict and ``memtui status``'s."""
+    timed = [r for r in ranks if r.steps is not None]
+    measured = [r for r in ranks if r.memory is not None and r.memory.capacity_bytes]
+    waiting = max(timed, key=lambda r: r.steps.data_wait_fraction if r.steps else 0.0, default=None)
+    fullest = max(
+        measured, key=lambda r: r.memory.peak_used_fraction if r.memory else 0.0, default=None
+    )
+    steps = waiting.steps if waiting else None
+    memory = fullest.memory if fullest else None
+    several = len(ranks) > 1
+    inputs = VerdictInputs(
+        data_wait_fraction=steps.data_wait_fraction if steps else None,
+        step_time_s=steps.step_time_s if steps else None,
+        data_wait_s=steps.data_wait_s if steps else None,
+        peak_memory_fraction=memory.peak_used_fraction if memory else None,
+        peak_memory_bytes=memory.peak_used_bytes if memory else None,
+        capacity_bytes=memory.capacity_bytes if memory else None,
+        device_kind=memory.kind if memory else "cuda",
+        capacity_is_limit=capacity_is_limit(memory, host),
         host_ram_fraction=ram_fraction(host) if host else None,
+        swap_used_bytes=host.swap_used_bytes if host else 0,
+        swap_growth_bytes=swap_growth_bytes,
         workers=host.workers if host else None,
         workers_bytes=loader_memory(host),
-        pin_memory=snapshots[0].control.config.pin_memory,
-        swap_used_bytes=host.swap_used_bytes if host else 0,
-        swap_growth_bytes=swap_growth,
+        pin_memory=pin_memory,
+        wait_rank=waiting.rank if several and waiting else None,
+        memory_rank=fullest.rank if several and fullest else None,
     )
+    return inputs, waiting, fullest
+
+
+def snapshot_inputs(control: Snapshot, snapshots: Sequence[Snapshot]) -> VerdictInputs:
+    """The verdict's inputs from the control rank's snapshot and every rank's."""
+    ranks = [
+        RankStats(s.info.rank, summarize_steps(s.steps), summarize_device(s.device))
+        for s in sorted(snapshots, key=lambda s: s.info.rank)
+    ]
+    host, growth = verdict_host(control.host, (s.host[-1] for s in snapshots if s.host))
+    inputs, _waiting, _fullest = verdict_inputs(
+        ranks, host, growth, control.control.config.pin_memory
+    )
+    return inputs
 
 
 def assess(
@@ -156,7 +217,7 @@ def assess(
     """Assess a run from rank 0's snapshot (and every rank's, when there are several); one-shot,
     so the verdict has no hysteresis."""
     snapshots = [s for s in (ranks or [snapshot]) if s is not None] or [snapshot]
-    verdict = decide(_verdict_inputs(snapshots, len(snapshots) > 1), thresholds)
+    verdict = decide(snapshot_inputs(snapshot, snapshots), thresholds)
     last = snapshot.steps[-1] if snapshot.steps else None
     advice = advise(
         snapshot.control,

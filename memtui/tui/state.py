@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Generic, Protocol, TypeVar
 
-from memtui.advice.assess import Advice, advise, capacity_is_limit, loader_memory
+from memtui.advice.assess import (
+    Advice,
+    advise,
+    swap_growth,
+    verdict_host,
+    verdict_inputs,
+)
 from memtui.advice.verdict import (
     THRESHOLDS,
     Inputs,
@@ -41,7 +47,6 @@ from memtui.stats import (
     RankSpread,
     StepStats,
     median,
-    ram_fraction,
     summarize_device,
     summarize_steps,
 )
@@ -74,8 +79,6 @@ RECENT_DEVICE = 150
 """Raw device samples kept per rank for the summaries."""
 RECENT_HOST = 600
 """Host samples kept (about ten minutes at the hook's 1 Hz)."""
-HOST_WINDOW_S = 30.0
-"""How far back swap growth is measured."""
 NOTICES = 20
 """Request outcomes and receiver notes kept for the change log."""
 NEAREST_OOM_FROM = 0.5
@@ -369,6 +372,9 @@ class Summary:
     advice: Advice | None = None
     """The memory breakdown, ranked recommendations and model limits of the control rank (the
     same function as ``memtui status --json``), made with the summary (None: no config yet)."""
+    verdict_inputs: Inputs | None = None
+    """What the verdict was decided from (``advice.assess.verdict_inputs``, as for ``memtui
+    status``); ``verdict`` adds the tracker's hysteresis."""
 
 
 def rank_pressure(
@@ -424,43 +430,6 @@ def compare_ranks(
             )
         )
     return out, spread
-
-
-def verdict_inputs(
-    ranks: Sequence[RankSummary],
-    host: HostSample | None,
-    swap_growth_bytes: int,
-    pin_memory: bool | None = None,
-) -> tuple[Inputs, RankSummary | None, RankSummary | None]:
-    """The verdict's inputs (the worst rank for each number), the waiting and the fullest rank."""
-    timed = [r for r in ranks if r.steps is not None]
-    measured = [r for r in ranks if r.memory is not None and r.memory.capacity_bytes]
-    waiting = max(timed, key=lambda r: r.steps.data_wait_fraction if r.steps else 0.0, default=None)
-    fullest = max(
-        measured, key=lambda r: r.memory.peak_used_fraction if r.memory else 0.0, default=None
-    )
-    steps = waiting.steps if waiting else None
-    memory = fullest.memory if fullest else None
-    several = len(ranks) > 1
-    inputs = Inputs(
-        data_wait_fraction=steps.data_wait_fraction if steps else None,
-        step_time_s=steps.step_time_s if steps else None,
-        data_wait_s=steps.data_wait_s if steps else None,
-        peak_memory_fraction=memory.peak_used_fraction if memory else None,
-        peak_memory_bytes=memory.peak_used_bytes if memory else None,
-        capacity_bytes=memory.capacity_bytes if memory else None,
-        device_kind=memory.kind if memory else "cuda",
-        capacity_is_limit=capacity_is_limit(memory, host),
-        host_ram_fraction=ram_fraction(host) if host else None,
-        swap_used_bytes=host.swap_used_bytes if host else 0,
-        swap_growth_bytes=swap_growth_bytes,
-        workers=host.workers if host else None,
-        workers_bytes=loader_memory(host),
-        pin_memory=pin_memory,
-        wait_rank=waiting.rank if several and waiting else None,
-        memory_rank=fullest.rank if several and fullest else None,
-    )
-    return inputs, waiting, fullest
 
 
 def focus_of(
@@ -787,15 +756,7 @@ class RunState:
 
     def swap_growth_bytes(self) -> int:
         """Swap growth over the last ``HOST_WINDOW_S`` of host samples."""
-        if not self.host:
-            return 0
-        latest = self.host[-1]
-        oldest = latest
-        for sample in reversed(self.host):
-            if latest.time - sample.time > HOST_WINDOW_S:
-                break
-            oldest = sample
-        return latest.swap_used_bytes - oldest.swap_used_bytes
+        return swap_growth(self.host)
 
     def rank_summaries(self) -> list[RankSummary]:
         """Each rank's own numbers, in rank order (not yet compared with the others)."""
@@ -863,6 +824,7 @@ class RunState:
             silent=tuple(r.rank for r in ranks if r.silent),
             serial=serial,
             advice=self._advice(verdict, host),
+            verdict_inputs=inputs,
         )
         self._summary_version = version
         return self._summary
@@ -883,14 +845,9 @@ class RunState:
 
     def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
         """The host sample the verdict weighs (the fullest host of any rank) and its swap growth."""
-        host = self.host[-1] if self.host else None
-        growth = self.swap_growth_bytes()
-        for rank in ranks:
-            series = self.series.get(rank.rank)
-            other = series.host if series is not None else None
-            if other is not None and (host is None or ram_fraction(other) > ram_fraction(host)):
-                host, growth = other, 0
-        return host, growth
+        return verdict_host(
+            self.host, (self.series[r.rank].host for r in ranks if r.rank in self.series)
+        )
 
     def applied_on(self, applied: AppliedChange) -> tuple[int, int]:
         """On how many ranks a change of the control rank is recorded as applied at the same step,
