@@ -22,7 +22,7 @@ import click
 from memtui import registry
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
-from memtui.advice.verdict import load_thresholds
+from memtui.advice.verdict import ThresholdConfig, Thresholds, load_thresholds
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.knobs import (
     KNOBS,
@@ -193,11 +193,22 @@ def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
     return entry
 
 
-def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) -> dict[str, Any]:
-    """Verdict, breakdown, recommendations, memory model, prediction accuracy and OOMs."""
-    config = load_thresholds()  # the YAML config's verdict: section, if any
+def _thresholds_in_force() -> Thresholds:
+    """The verdict's thresholds from the YAML config file (problems said on stderr)."""
+    return _threshold_config().thresholds
+
+
+def _threshold_config() -> ThresholdConfig:
+    """The YAML config's verdict: section, if any; what it got wrong is said on stderr."""
+    config = load_thresholds()
     for problem in config.problems:
         print(f"memtui: {problem}", file=sys.stderr)
+    return config
+
+
+def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) -> dict[str, Any]:
+    """Verdict, breakdown, recommendations, memory model, prediction accuracy and OOMs."""
+    config = _threshold_config()
     found = assess(snapshot, ranks, config.thresholds)
     control = snapshot.control
     model = control.model
@@ -918,6 +929,7 @@ def estimate_command(**kwargs: Any) -> None:
         lora_modules=tuple(m.strip() for m in kwargs["lora_modules"].split(",") if m.strip()),
         gpu_memory=card,
         measure=not kwargs["no_measure"],
+        thresholds=_thresholds_in_force(),
     )
     try:
         result = estimate(options)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui import memmath
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.stats import format_bytes
 
 REAL_LIMIT_BYTES = 2 * 2**30
@@ -331,6 +332,9 @@ class Options:
     hidden: int | None = None
     heads: int | None = None
     measure: bool = True
+    thresholds: Thresholds = THRESHOLDS
+    """The memory bands in force: the verdict's, from the user's config file (``memtui
+    estimate`` reads it as the viewer and ``memtui status`` do)."""
 
 
 @dataclass
@@ -366,14 +370,19 @@ class Estimate:
         return self.static_total + self.activation_bytes + self.overhead
 
     def largest_batch(self, high: bool = False) -> int | None:
-        """The largest micro-batch under 85% of ``--gpu-memory`` (None without a card size)."""
+        """The largest micro-batch under the edge band of ``--gpu-memory`` (None without a card
+        size)."""
         if not self.options.gpu_memory:
             return None
         per = self.activations.per_sample
         if high and self.activations.per_sample_high:
             per = self.activations.per_sample_high
         return memmath.largest_batch(
-            self.static_total, self.activations.fixed, per, self.options.gpu_memory
+            self.static_total,
+            self.activations.fixed,
+            per,
+            self.options.gpu_memory,
+            self.options.thresholds.memory_edge_fraction,
         )
 
 
@@ -613,7 +622,8 @@ def as_dict(result: Estimate) -> dict[str, Any]:
     }
     if result.options.gpu_memory:
         data["gpu_memory_bytes"] = result.options.gpu_memory
-        data["safe_band"] = memmath.SAFE_BAND
+        data["safe_band"] = result.options.thresholds.memory_edge_fraction
+        data["danger_band"] = result.options.thresholds.memory_danger_fraction
         data["fraction_of_gpu"] = result.total / result.options.gpu_memory
         data["largest_batch"] = result.largest_batch()
         if act.per_sample_high:
@@ -643,11 +653,13 @@ def format_table(result: Estimate) -> str:
         lines.append(f"note: {note}")
     if opts.gpu_memory:
         share = result.total / opts.gpu_memory
-        band = "safe" if share < 0.85 else "edge" if share < 0.90 else "danger"
+        bands = opts.thresholds
+        edge, danger = bands.memory_edge_fraction, bands.memory_danger_fraction
+        band = "safe" if share < edge else "edge" if share < danger else "danger"
         largest = result.largest_batch()
         lines.append(
             f"on a {format_bytes(opts.gpu_memory)} card: {share:.0%} ({band}); largest "
-            f"micro-batch under {memmath.SAFE_BAND:.0%}: "
+            f"micro-batch under {edge:.0%}: "
             + (str(largest) if largest else "none fits")
             + (
                 f" ({result.largest_batch(high=True) or 'none'} at the formula's high end)"

@@ -363,7 +363,6 @@ module loading (more with cuDNN/NCCL initialised); 512 MiB is charged."""
 ALLOCATOR_SLACK = 0.10
 """The caching allocator's rounding and fragmentation, charged as 10% of the activations (the
 part whose block sizes change from step to step)."""
-SAFE_BAND = 0.85
 """Under 85% of the card is safe (seed 004's bands: 85-90% edge, over 90% danger)."""
 
 
@@ -383,7 +382,7 @@ def largest_batch(
     fixed_activations: int,
     per_sample: float,
     capacity: int,
-    band: float = SAFE_BAND,
+    band: float,
 ) -> int:
     """The largest micro-batch whose peak stays under ``band`` of ``capacity`` (0: none fits)."""
     budget = band * capacity

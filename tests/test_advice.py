@@ -87,7 +87,7 @@ def test_one_point_model_and_the_seed_004_mistake() -> None:
     at_32 = predict_peak(model, 32)
     assert at_32 == pytest.approx((4.0 + 0.35 * 32) * 11.0 / 9.6 * GIB + 0.4 * GIB, rel=1e-6)
     assert at_32 > 0.9 * observation.capacity_bytes, "doubling would be flagged before apply"
-    safe = max_batch(model)
+    safe = max_batch(model, 0.85)
     assert safe is not None and predict_peak(
         model, safe
     ) <= 0.85 * model.capacity_bytes < predict_peak(model, safe + 1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -308,10 +310,28 @@ def test_largest_batch_is_the_edge_of_the_band() -> None:
     """The largest micro-batch fits under 85%; one more does not."""
     card = 24 * 2**30
     static, fixed, per = 9 * 2**30, 100 * 2**20, 350 * 2**20
-    batch = memmath.largest_batch(static, fixed, per, card)
+    batch = memmath.largest_batch(static, fixed, per, card, 0.85)
     assert memmath.total_bytes(static, fixed, per, batch) <= 0.85 * card
     assert memmath.total_bytes(static, fixed, per, batch + 1) > 0.85 * card
-    assert memmath.largest_batch(30 * 2**30, fixed, per, card) == 0
+    assert memmath.largest_batch(30 * 2**30, fixed, per, card, 0.85) == 0
+
+
+def test_cli_estimate_uses_the_bands_of_the_config_file(tmp_path: Path) -> None:
+    """``memtui estimate`` reads the verdict's bands from the config file, as the viewer does."""
+    config = tmp_path / "config.yaml"
+    config.write_text("verdict:\n  memory_edge_fraction: 0.5\n  memory_danger_fraction: 0.6\n")
+    args = ("estimate", "--params", "500M", "--seq-len", "512", "--gpu-memory", "24GB")
+    plain = memtui_cli(
+        *args, "--json", env={**os.environ, "MEMTUI_CONFIG": str(tmp_path / "none.yaml")}
+    )
+    tight = memtui_cli(*args, "--json", env={**os.environ, "MEMTUI_CONFIG": str(config)})
+    assert plain.returncode == 0 and tight.returncode == 0, plain.stderr + tight.stderr
+    default, from_file = json.loads(plain.stdout), json.loads(tight.stdout)
+    assert (default["safe_band"], default["danger_band"]) == (0.85, 0.9)
+    assert (from_file["safe_band"], from_file["danger_band"]) == (0.5, 0.6)
+    assert 0 < from_file["largest_batch"] < default["largest_batch"]
+    table = memtui_cli(*args, env={**os.environ, "MEMTUI_CONFIG": str(config)})
+    assert "largest micro-batch under 50%" in table.stdout, table.stdout
 
 
 def test_cli_estimate_params_json() -> None:

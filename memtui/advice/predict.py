@@ -20,11 +20,6 @@ from dataclasses import dataclass
 
 from memtui.wire import MemoryModel, ModelPoint
 
-EDGE = 0.85
-"""The top of the safe band: under 85% of capacity is safe (the seeds' bands)."""
-DANGER = 0.90
-"""Over 90% of capacity is danger: such a change needs an explicit confirmation."""
-
 
 @dataclass(frozen=True)
 class Observation:
@@ -112,7 +107,7 @@ def fraction(model: MemoryModel, batch_size: int) -> float:
     return predict_peak(model, batch_size) / model.capacity_bytes if model.capacity_bytes else 0.0
 
 
-def max_batch(model: MemoryModel, band: float = EDGE) -> int | None:
+def max_batch(model: MemoryModel, band: float) -> int | None:
     """The largest micro-batch predicted to stay under ``band`` x capacity (None: no bound)."""
     if model.capacity_bytes <= 0 or model.per_sample_bytes <= 0:
         return None

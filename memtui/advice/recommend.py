@@ -26,15 +26,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from memtui.advice.predict import DANGER, EDGE, line_fit, max_batch, predict_peak
+from memtui.advice.predict import line_fit, max_batch, predict_peak
+from memtui.advice.verdict import THRESHOLDS
 from memtui.knobs import accumulation_for, effective_batch, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
 from memtui.wire import AppliedChange, Effect, HostSample, Knobs, KnobValue, MemoryModel
 
-UNDERUSED = 0.60
-"""Peak memory under this share of capacity, not starved: room for a bigger micro-batch."""
-STARVED = 0.30
-"""Data wait at or over this share of the step: the loader is the bottleneck."""
 FRAGMENTED = 0.10
 """Reserved-but-unallocated over this share of what torch reserved: fragmentation matters."""
 HOST_RAM_FOR_WORKERS = 0.5
@@ -57,13 +54,13 @@ class Inputs:
     host_pressure: bool = False
     device_kind: str = "cpu"
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
-    starved_wait_fraction: float = STARVED
+    starved_wait_fraction: float = THRESHOLDS.starved_wait_fraction
     """The verdict's STARVED threshold in force (the YAML config may change it)."""
-    underused_memory_fraction: float = UNDERUSED
+    underused_memory_fraction: float = THRESHOLDS.underused_memory_fraction
     """The verdict's UNDERUSED threshold in force."""
-    memory_edge_fraction: float = EDGE
+    memory_edge_fraction: float = THRESHOLDS.memory_edge_fraction
     """The verdict's OOM edge in force: bigger batches stay under it, smaller ones get back."""
-    memory_danger_fraction: float = DANGER
+    memory_danger_fraction: float = THRESHOLDS.memory_danger_fraction
     """The verdict's danger band in force (named in the reasons)."""
     applied: tuple[AppliedChange, ...] = ()
     """The run's applied changes, oldest first: their measured effects time other micro-batches."""
