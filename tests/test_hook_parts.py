@@ -51,7 +51,8 @@ def test_ledger_closes_a_step_with_its_tallies() -> None:
     ledger.on_batch(0.020, 8)
     ledger.mark(STEP_AFTER_CHECKPOINT)
     assert ledger.open_step() == (16, 2)
-    assert ledger.close_step() == 1
+    ledger.close_step()
+    assert ledger.step == 1
     (step, _end, dt, wait, samples, micro, flags) = ledger.drain_steps()[0]
     assert (step, samples, micro, flags) == (1, 16, 2, STEP_AFTER_CHECKPOINT)
     assert wait == pytest.approx(0.030) and dt >= 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from memtui.wire import STEP_AFTER_CHECKPOINT, CheckpointRecord, StepRecord
@@ -43,7 +43,8 @@ class Requeue(Protocol):
 class StepLedger:
     """The open step's wait, samples and micro-batches, and the closed steps for the agent."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: Callable[[BaseException, str], None] | None = None) -> None:
+        self._report = report
         self._step = 0
         self._t_last: float | None = None
         self._wait = 0.0
@@ -99,30 +100,34 @@ class StepLedger:
         """Set a ``STEP_*`` flag on the open step's record."""
         self._flags |= flag
 
-    def close_step(self, samples: int | None = None) -> int:
-        """Close the open step (``samples`` overrides the loader's count); return its number."""
+    def close_step(self, samples: int | None = None) -> None:
+        """Close the open step (``samples`` overrides the loader's count); never raises (a
+        failure is reported)."""
         now = _perf_counter()
-        step = self._step + 1
-        self._step = step
-        t_last = self._t_last
-        self._outbox.append(
-            (
-                step,
-                now + self.wall_offset,
-                now - (now if t_last is None else t_last),
-                self._wait,
-                self._samples if samples is None else samples,
-                self._micro,
-                self._flags,
+        try:
+            step = self._step + 1
+            self._step = step
+            t_last = self._t_last
+            self._outbox.append(
+                (
+                    step,
+                    now + self.wall_offset,
+                    now - (now if t_last is None else t_last),
+                    self._wait,
+                    self._samples if samples is None else samples,
+                    self._micro,
+                    self._flags,
+                )
             )
-        )
-        self._t_last = now
-        self._wait = 0.0
-        self._samples = 0
-        self._micro = 0
-        self._flags = 0
-        self._batches.clear()
-        return step
+            self._t_last = now
+            self._wait = 0.0
+            self._samples = 0
+            self._micro = 0
+            self._flags = 0
+            self._batches.clear()
+        except Exception as exc:
+            if self._report is not None:
+                self._report(exc, "step")
 
     def open_step(self) -> tuple[int, int]:
         """The open step's (samples, micro-batches) so far."""
