@@ -64,13 +64,22 @@ class DemoRun:
 
     def stop(self) -> None:
         """Terminate the training if it still runs."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_all([self])
+
+
+def stop_all(runs: list[DemoRun]) -> None:
+    """Terminate every training still running, all at once, then wait for each (a demo takes a
+    second or two to end: one after the other, a test of three demos waited for each in turn)."""
+    live = [run for run in runs if run.proc.poll() is None]
+    for run in live:
+        run.proc.terminate()
+    deadline = time.monotonic() + 30
+    for run in live:
+        try:
+            run.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            run.proc.wait(10)
 
 
 @pytest.fixture
@@ -105,8 +114,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         return run
 
     yield start
-    for run in runs:
-        run.stop()
+    stop_all(runs)
 
 
 def demo_run_id(log: Path, proc: subprocess.Popen[Any], timeout: float = 60.0) -> str:

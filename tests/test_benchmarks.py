@@ -8,9 +8,12 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # 20 s of timing loops; `make bench` runs the script in full
 def test_hook_overhead_quick() -> None:
     out = subprocess.run(
         [sys.executable, "benchmarks/hook_overhead.py", "--quick"],

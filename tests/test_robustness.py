@@ -62,6 +62,7 @@ def test_no_viewer_runs_to_the_end_and_leaves_no_entry(
     assert list(private_runtime.iterdir()) == [], "the run removed its registry entry and sockets"
 
 
+@pytest.mark.slow  # as test_faults' test_a_viewer_stopped_or_killed_mid_stream, on its own run
 def test_viewer_killed_mid_stream(start_demo: Callable[..., DemoRun]) -> None:
     demo = start_demo("--steps", "100000", "--checkpoint-every", "10", "--slow-data-ms", "0")
     target = registry.find_run(demo.run_id)
@@ -79,6 +80,7 @@ def test_viewer_killed_mid_stream(start_demo: Callable[..., DemoRun]) -> None:
     goes_on_then_stops(demo, target.control)
 
 
+@pytest.mark.slow  # as test_faults' junk-frame and 100 MiB-frame cases, on its own run
 def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> None:
     demo = start_demo("--steps", "100000", "--checkpoint-every", "10", "--slow-data-ms", "0")
     control = registry.find_run(demo.run_id).control

@@ -73,6 +73,7 @@ def test_seed_003_starving_more_workers_measurably_faster(
     assert effect["samples_per_s_after"] > 1.3 * effect["samples_per_s_before"], effect["summary"]
     assert effect["data_wait_s_after"] < 0.5 * effect["data_wait_s_before"]
     until(run, lambda s: s["verdict"]["state"] != "STARVED", 60, "the starvation to go away")
+    check_workers_uss(run, workers)
 
 
 def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
@@ -110,6 +111,7 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     assert events.count("oom") == 1 and events.count("applied") == 2
 
 
+@pytest.mark.slow  # tests/tui/test_advice.py's live demo: the same prediction, through the viewer
 def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     start_demo: Callable[..., DemoRun],
 ) -> None:
@@ -157,6 +159,7 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     assert "samples/s" in line["summary"] and "peak" in line["summary"], line["summary"]
 
 
+@pytest.mark.slow  # test_advice's test_the_danger_gate_and_the_safe_batch_follow_the_config_file
 def test_the_bands_of_the_config_file_gate_changes_in_the_run(
     start_demo: Callable[..., DemoRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,18 +192,25 @@ def test_the_bands_of_the_config_file_gate_changes_in_the_run(
     assert "largest micro-batch under 75%" in memtui_cli("status", run).stdout
 
 
-def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
-    start_demo: Callable[..., DemoRun],
-) -> None:
-    demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0")
+def check_workers_uss(run: str, workers: int) -> None:
+    """``memtui status`` shows the run's loader workers by their own memory (USS), as the
+    device total counts them, less than their RSS (which counts the shared pages again)."""
 
     def host_line() -> str | None:
-        text = memtui_cli("status", demo.run_id).stdout
+        text = memtui_cli("status", run).stdout
         line = next((x for x in text.splitlines() if x.startswith("host: ")), "")
         return line if "USS)" in line else None
 
     line = str(wait_for(host_line, 60, 0.5, "the workers' USS in memtui status"))
-    assert re.search(r"2 loader workers \([\d.]+ [KMG]iB USS\)$", line), line
-    data = status(demo.run_id)
+    assert re.search(rf"{workers} loader workers \([\d.]+ [KMG]iB USS\)$", line), line
+    data = status(run)
     uss = data["host_memory"]["workers_uss_bytes"]
     assert 0 < uss < data["host_memory"]["workers_rss_bytes"], "USS leaves out the shared pages"
+
+
+@pytest.mark.slow  # test_seed_003 checks the same of the workers it starts
+def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0")
+    check_workers_uss(demo.run_id, 2)

@@ -5,6 +5,7 @@ rollback and OOM."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from memtui.tui.screens.help import HelpScreen
 from memtui.tui.widgets.advice import top_applicable
 from memtui.tui.widgets.memory import bar_cells
 from memtui.wire import SetRequest
-from tests.conftest import DemoRun
+from tests.conftest import DemoRun, memtui_cli, wait_for
 from tests.tui.conftest import (
     ADVICE,
     forced_pending_offset,
@@ -286,5 +287,34 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
         assert applied.predicted_peak_bytes and applied.observed_peak_bytes
         error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
         assert abs(error) < 0.10, error
+        # the micro-batch mattered: 4 more samples of ~20 MiB (about 1.2x here, idle or loaded)
+        assert applied.effect is not None and applied.effect.peak_bytes_before
+        assert applied.observed_peak_bytes > 1.1 * applied.effect.peak_bytes_before
 
     run(app, check, WIDE)
+    check_measured(demo, first_batch=4)
+
+
+def check_measured(demo: DemoRun, first_batch: int) -> None:
+    """``memtui status`` counts the one measured change and its model has two points, and the
+    audit log keeps predicted against observed with the measured effect (what the slow
+    ``tests/test_seeds.py::test_prediction_is_within_10_percent_when_the_micro_batch_doubles``
+    asserts through the command line alone)."""
+    measured = json.loads(memtui_cli("status", demo.run_id, "--json").stdout)
+    applied = measured["applied"][0]
+    assert measured["prediction_accuracy"]["changes_measured"] == 1
+    points = measured["model"]["points"]
+    assert points[0][0] == first_batch and len(points) == 2, points
+
+    def measured_line() -> dict[str, Any] | None:
+        audit = (demo.out / "memtui-audit.jsonl").read_text().splitlines()
+        return next((e for e in map(json.loads, audit) if e["event"] == "measured"), None)
+
+    line: dict[str, Any] = wait_for(measured_line, 10, 0.1, "the measured line")  # type: ignore[assignment]
+    assert line["ids"] == applied["ids"] and line["step"] == applied["step"]
+    assert line["predicted_peak_bytes"] == applied["predicted_peak_bytes"] > 0
+    assert line["observed_peak_bytes"] == applied["observed_peak_bytes"] > 0
+    assert line["prediction_error"] == applied["prediction_error"]
+    assert line["effect"]["peak_bytes_after"] == applied["observed_peak_bytes"]
+    assert line["effect"]["samples_per_s_before"] > 0 and line["effect"]["samples_per_s_after"] > 0
+    assert "samples/s" in line["summary"] and "peak" in line["summary"], line["summary"]
