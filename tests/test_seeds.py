@@ -196,13 +196,20 @@ def check_workers_uss(run: str, workers: int) -> None:
     """``memtui status`` shows the run's loader workers by their own memory (USS), as the
     device total counts them, less than their RSS (which counts the shared pages again)."""
 
+    shown = re.compile(rf"{workers} loader workers \([\d.]+ [KMG]iB USS\)$")
+    lines: list[str] = []
+
     def host_line() -> str | None:
         text = memtui_cli("status", run).stdout
-        line = next((x for x in text.splitlines() if x.startswith("host: ")), "")
-        return line if "USS)" in line else None
+        lines.append(next((x for x in text.splitlines() if x.startswith("host: ")), ""))
+        return lines[-1] if shown.search(lines[-1]) else None
 
-    line = str(wait_for(host_line, 60, 0.5, "the workers' USS in memtui status"))
-    assert re.search(rf"{workers} loader workers \([\d.]+ [KMG]iB USS\)$", line), line
+    # the workers are listed at the next host sample after they start (under load: seconds)
+    try:
+        wait_for(host_line, 60, 0.5, f"{workers} workers with their USS in memtui status")
+    except BaseException:
+        print("the last host lines:", *lines[-3:], sep="\n")
+        raise
     data = status(run)
     uss = data["host_memory"]["workers_uss_bytes"]
     assert 0 < uss < data["host_memory"]["workers_rss_bytes"], "USS leaves out the shared pages"

@@ -261,7 +261,8 @@ class TunedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch, timing each fetch and switching loaders when the knobs change."""
-        if self._stale():  # a change landed between epochs
+        rebuilt = self._stale()
+        if rebuilt:  # a change landed between epochs
             self.close()
             self.knobs = self._build()
             self.generation += 1
@@ -279,6 +280,8 @@ class TunedLoader:
                 "memtui: this loader cannot skip to sample %d of the epoch (%s)", skip, self.mode
             )
         iterator = iter(self._loader)
+        if rebuilt:
+            self._on_rebuilt()
         perf = time.perf_counter
         ledger, store = self._ledger, self._store
         ledger.start_clock()
@@ -324,13 +327,14 @@ class TunedLoader:
         self.knobs = self._build()
         self.generation += 1
         self._ledger.mark(STEP_LOADER_REBUILT)
-        self._on_rebuilt()
         if previous_mode == "exact" and self.mode == "exact":
             self.last_rebuild = f"loader rebuilt; the epoch continues exactly ({replayed} prefetched samples re-queued)"
         else:
             self._stream = None
             self.last_rebuild = "loader rebuilt; its iterator restarted (position not kept)"
-        return iter(self._loader)
+        iterator = iter(self._loader)
+        self._on_rebuilt()  # once the new workers exist: the sampler lists them now
+        return iterator
 
     # ---------------------------------------------------------------- DataLoader look-alike
 
