@@ -6,7 +6,6 @@ errors go to stderr, and the exit status says whether the request succeeded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shlex
@@ -20,22 +19,18 @@ from typing import Any
 import click
 
 from memtui import registry
-from memtui.advice.assess import STATE_NAMES, assess
-from memtui.advice.effect import describe as describe_effect
 from memtui.advice.verdict import ThresholdConfig, Thresholds, load_thresholds
 from memtui.client import ClientError, ControlClient, hello_many
 from memtui.knobs import (
-    KNOBS,
     KnobError,
-    effective_batch,
     format_changes,
-    format_value,
     parse_assignments,
     parse_changes,
 )
+from memtui.report import build_status, render_status, status_json
 from memtui.security import exposure, tcp_endpoints
-from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
-from memtui.wire import AppliedChange, HostSample, Knobs, SetReply, Snapshot, to_builtins
+from memtui.stats import format_bytes
+from memtui.wire import SetReply, Snapshot, to_builtins
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -114,85 +109,6 @@ def ls_command(as_json: bool) -> None:
 # ---------------------------------------------------------------------------- status
 
 
-def _knobs_dict(knobs: Knobs) -> dict[str, Any]:
-    return {k: getattr(knobs, k) for k in KNOBS}
-
-
-def _applied_dict(applied: AppliedChange) -> dict[str, Any]:
-    error = None
-    if applied.predicted_peak_bytes and applied.observed_peak_bytes:
-        error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
-    return {
-        "ids": applied.ids,
-        "step": applied.step,
-        "time": applied.time,
-        "changes": {k: {"old": d.old, "new": d.new} for k, d in applied.changes.items()},
-        "note": applied.note,
-        "rollback": applied.rollback,
-        "predicted_peak_bytes": applied.predicted_peak_bytes,
-        "observed_peak_bytes": applied.observed_peak_bytes,
-        "prediction_error": error,
-        "effect": None
-        if applied.effect is None
-        else {**to_builtins(applied.effect), "summary": describe_effect(applied.effect)},
-    }
-
-
-def _metrics_dict(snapshot: Snapshot) -> dict[str, Any] | None:
-    steps = summarize_steps(snapshot.steps)
-    if steps is None:
-        return None
-    return {
-        "window_steps": steps.steps,
-        "step_time_s": steps.step_time_s,
-        "data_wait_s": steps.data_wait_s,
-        "data_wait_fraction": steps.data_wait_fraction,
-        "samples_per_s": steps.samples_per_s,
-        "steps_per_s": steps.steps_per_s,
-    }
-
-
-def _memory_dict(snapshot: Snapshot) -> dict[str, Any] | None:
-    memory = summarize_device(snapshot.device)
-    if memory is None:
-        return None
-    return {
-        "kind": memory.kind,
-        "capacity_bytes": memory.capacity_bytes,
-        "current_bytes": memory.current_bytes,
-        "reserved_bytes": memory.reserved_bytes,
-        "peak_bytes": memory.peak_bytes,
-        "peak_allocated_bytes": memory.peak_allocated_bytes,
-        "peak_fraction": memory.peak_fraction,
-        "fragmentation_bytes": memory.fragmentation_bytes,
-        "nvml_used_bytes": memory.nvml_used_bytes,
-        "beyond_torch_bytes": memory.beyond_torch_bytes,
-        "ooms": memory.ooms,
-        "alloc_retries": memory.alloc_retries,
-    }
-
-
-def _rank_dict(rank: Any, snapshot: Snapshot | None) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "rank": rank.rank,
-        "local_rank": rank.local_rank,
-        "host": rank.host,
-        "pid": rank.pid,
-        "reachable": snapshot is not None,
-    }
-    if snapshot is not None:
-        entry.update(
-            step=snapshot.step,
-            config=_knobs_dict(snapshot.control.config),
-            applied=[_applied_dict(a) for a in snapshot.control.applied],
-            metrics=_metrics_dict(snapshot),
-            memory=_memory_dict(snapshot),
-            host_memory=to_builtins(snapshot.host[-1]) if snapshot.host else None,
-            counters=to_builtins(snapshot.counters) if snapshot.counters else {},
-        )
-    return entry
-
-
 def _thresholds_in_force() -> Thresholds:
     """The verdict's thresholds from the YAML config file (problems said on stderr)."""
     return _threshold_config().thresholds
@@ -206,61 +122,6 @@ def _threshold_config() -> ThresholdConfig:
     return config
 
 
-def _assessment_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None) -> dict[str, Any]:
-    """Verdict, breakdown, recommendations, memory model, prediction accuracy and OOMs."""
-    config = _threshold_config()
-    found = assess(snapshot, ranks, config.thresholds)
-    control = snapshot.control
-    model = control.model
-    errors = [
-        abs(a.predicted_peak_bytes / a.observed_peak_bytes - 1)
-        for a in control.applied
-        if a.predicted_peak_bytes and a.observed_peak_bytes
-    ]
-    return {
-        "verdict": {
-            "state": STATE_NAMES[found.verdict.state],
-            "severity": found.verdict.severity,
-            "headline": found.verdict.headline,
-            "thresholds_from": config.source,
-            "thresholds": dataclasses.asdict(config.thresholds),
-            "reasons": [
-                {"label": r.label, "value": r.value, "severity": r.severity}
-                for r in found.verdict.reasons
-            ],
-        },
-        "breakdown": None
-        if found.breakdown is None
-        else {"capacity_bytes": found.breakdown.capacity_bytes, **found.breakdown.as_dict()},
-        "static_memory": to_builtins(control.static) if control.static else None,
-        "recommendations": [
-            {
-                "title": r.title,
-                "changes": r.changes,
-                "applicable": r.applicable,
-                "needs_restart": r.needs_restart,
-                "why": r.why,
-                "memory_delta_bytes": r.memory_delta_bytes,
-                "host_delta_bytes": r.host_delta_bytes,
-                "speed_delta": r.speed_delta,
-                "speed_note": r.speed_note,
-                "predicted_peak_bytes": r.predicted_peak_bytes,
-                "effective_batch": r.effective_batch,
-            }
-            for r in found.recommendations
-        ],
-        "max_safe_batch_size": found.max_safe_batch_size,
-        "model": None
-        if model is None
-        else {**to_builtins(model), "confidence": found.model_confidence},
-        "prediction_accuracy": {
-            "changes_measured": len(errors),
-            "mean_abs_error": sum(errors) / len(errors) if errors else None,
-        },
-        "ooms": [to_builtins(o) for o in control.ooms],
-    }
-
-
 def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | None]:
     """Rank 0's snapshot and every other rank's (None where a rank did not answer)."""
     others = [r for r in snapshot.ranks if r.rank != snapshot.info.rank]
@@ -268,200 +129,6 @@ def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | 
     by_rank = {r.rank: a for r, a in zip(others, answers, strict=True)}
     by_rank[snapshot.info.rank] = snapshot
     return [by_rank.get(r.rank) for r in snapshot.ranks] if snapshot.ranks else [snapshot]
-
-
-def status_dict(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) -> dict[str, Any]:
-    """The ``memtui status --json`` object for rank 0's snapshot (and every rank's)."""
-    info, control = snapshot.info, snapshot.control
-    config = control.config
-    eff = None
-    if config.batch_size is not None and config.grad_accum is not None:
-        eff = effective_batch(config.batch_size, config.grad_accum, control.world_size)
-    rank_infos = snapshot.ranks or []
-    per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
-    return {
-        "run": info.run,
-        "pid": info.pid,
-        "host": info.host,
-        "started": info.started,
-        "command": info.command,
-        "world_size": info.world_size,
-        "device": info.device,
-        "step": snapshot.step,
-        "config": _knobs_dict(config),
-        "tunable": control.tunable,
-        "effective_batch": eff,
-        "pending": [to_builtins(p) for p in control.pending],
-        "applied": [_applied_dict(a) for a in control.applied],
-        "rejected": [to_builtins(r) for r in control.rejected],
-        "metrics": _metrics_dict(snapshot),
-        "memory": _memory_dict(snapshot),
-        **_assessment_dict(snapshot, ranks),
-        "disabled": control.disabled,
-        "ranks": [_rank_dict(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
-        "last_step": to_builtins(snapshot.steps[-1]) if snapshot.steps else None,
-        "host_memory": to_builtins(snapshot.host[-1]) if snapshot.host else None,
-        "checkpoints": [
-            {"step": c.step, "time": c.time, "save_s": c.save_s} for c in snapshot.checkpoints[-5:]
-        ],
-        "counters": {  # what peers were refused is always shown, zero included
-            "requests_refused": 0,
-            "requests_rate_limited": 0,
-            "auth_failures": 0,
-            **(to_builtins(snapshot.counters) if snapshot.counters else {}),
-        },
-        "state_dir": info.state_dir,
-        "tuned_path": info.tuned_path,
-        "requeue": info.requeue,
-        "tuned_unsaved_step": snapshot.counters.tuned_unsaved_step if snapshot.counters else None,
-        "audit_path": info.audit_path,
-    }
-
-
-def format_status(snapshot: Snapshot, ranks: list[Snapshot | None] | None = None) -> str:
-    """The human ``memtui status`` text."""
-    data = status_dict(snapshot, ranks)
-    info, control = snapshot.info, snapshot.control
-    lines = []
-    age = format_duration(max(0.0, time.time() - info.started))
-    lines.append(
-        f"run {info.run}  pid {info.pid}  host {info.host}  ranks {info.world_size}  up {age}"
-    )
-    lines += [w for w in [exposure(info.security, tcp_endpoints(snapshot.ranks))] if w]
-    verdict = data["verdict"]
-    lines.append(f"verdict: {verdict['state']}: {verdict['headline']}")
-    metrics = data["metrics"]
-    if metrics:
-        lines.append(
-            f"step {snapshot.step}  {format_duration(metrics['step_time_s'])}/step  "
-            f"data wait {format_duration(metrics['data_wait_s'])} ({metrics['data_wait_fraction']:.0%})  "
-            f"{metrics['samples_per_s']:.0f} samples/s  {metrics['steps_per_s']:.2f} steps/s"
-        )
-    else:
-        lines.append(f"step {snapshot.step}  (no timed steps yet)")
-    memory = data["memory"]
-    if memory:
-        label = (
-            "device cpu (main RSS + workers USS)"
-            if memory["kind"] == "cpu"
-            else f"device {info.device}"
-        )
-        line = (
-            f"{label}: {format_bytes(memory['current_bytes'])} now, peak {format_bytes(memory['peak_bytes'])} "
-            f"of {format_bytes(memory['capacity_bytes'])} ({memory['peak_fraction']:.0%})"
-        )
-        if memory["kind"] == "cuda":
-            line += f", fragmentation {format_bytes(memory['fragmentation_bytes'])}"
-            if memory["beyond_torch_bytes"] is not None:
-                line += f", beyond torch {format_bytes(memory['beyond_torch_bytes'])}"
-        lines.append(line)
-    split = data["breakdown"]
-    if split:
-        parts = [f"{k} {format_bytes(v)}" for k, v in split.items() if k != "capacity_bytes" and v]
-        lines.append("breakdown at peak: " + ", ".join(parts))
-    if data["model"]:
-        safe = data["max_safe_batch_size"]
-        edge = verdict["thresholds"]["memory_edge_fraction"]
-        lines.append(
-            f"memory model: {format_bytes(data['model']['steady_bytes'])} steady + "
-            f"{format_bytes(data['model']['per_sample_bytes'])} per sample ({data['model']['confidence']})"
-            + (f"; largest micro-batch under {edge:.0%}: {safe}" if safe is not None else "")
-        )
-    host = snapshot.host[-1] if snapshot.host else None
-    if host:
-        lines.append(
-            f"host: RAM {format_bytes(host.ram_used_bytes)} / {format_bytes(host.ram_total_bytes)} used, "
-            f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
-            + _workers_memory(host)
-        )
-    config = " ".join(f"{k}={format_value(getattr(control.config, k))}" for k in KNOBS)
-    eff = data["effective_batch"]
-    lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
-    for change in control.pending:
-        note = f"  [{change.note}]" if change.note else ""
-        predicted = ""
-        if change.predicted_peak_bytes:
-            predicted = f", predicted peak {format_bytes(change.predicted_peak_bytes)}"
-        lines.append(
-            f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
-        )
-    for applied in list(control.applied)[-5:]:
-        diffs = ", ".join(
-            f"{k} {format_value(d.old)} -> {format_value(d.new)}"
-            for k, d in applied.changes.items()
-        )
-        ids = ",".join(f"#{i}" for i in applied.ids) or "rollback"
-        line = f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})"
-        if applied.effect is not None:
-            line += f": {describe_effect(applied.effect)}"
-        if applied.predicted_peak_bytes and applied.observed_peak_bytes:
-            error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
-            line += f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} ({error:+.0%})"
-        lines.append(line)
-    for oom in list(control.ooms)[-3:]:
-        lines.append(
-            f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"
-        )
-    for index, option in enumerate(data["recommendations"][:3], 1):
-        delta = option["speed_delta"]
-        speed = (
-            f", {delta:+.0%} samples/s" if delta is not None else ", speed unknown until measured"
-        )
-        lines.append(f"option {index}: {option['title']}{speed}  ({option['why']})")
-    for rejected in list(control.rejected)[-3:]:
-        lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
-    if control.disabled:
-        lines.append(f"changes are OFF: {control.disabled}")
-    if len(data["ranks"]) > 1:
-        lines.append("rank  host          step   step time  data wait  peak mem")
-        for entry in data["ranks"]:
-            if not entry["reachable"]:
-                lines.append(f"{entry['rank']:>4}  {entry['host'][:12]:<12}  (no answer)")
-                continue
-            m, mem = entry["metrics"] or {}, entry["memory"] or {}
-            step_time = format_duration(m["step_time_s"]) if m else "-"
-            wait = f"{m['data_wait_fraction']:.0%}" if m else "-"
-            peak = f"{mem['peak_fraction']:.0%}" if mem else "-"
-            lines.append(
-                f"{entry['rank']:>4}  {entry['host'][:12]:<12}  {entry['step']:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
-            )
-    counters = snapshot.counters
-    if info.requeue:
-        lines.append(
-            f"queued before the restart and never applied; to queue it again: {info.requeue}"
-        )
-    if counters and counters.tuned_unsaved_step is not None:
-        lines.append(
-            f"tuned config not saved since step {counters.tuned_unsaved_step} "
-            f"({info.tuned_path}; retried at every checkpoint)"
-        )
-    if counters and counters.errors:
-        lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
-    if counters and (
-        counters.requests_refused or counters.requests_rate_limited or counters.auth_failures
-    ):
-        line = (
-            f"peers: {counters.requests_refused} requests refused (out of bounds), "
-            f"{counters.requests_rate_limited} rate limited, "
-            f"{counters.auth_failures} failed authentications"
-        )
-        if counters.control_rests:
-            line += f"; the control socket paused {counters.control_rests} times to spare training"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _workers_memory(host: HostSample) -> str:
-    """The loader workers and their memory, labelled: USS (their own pages, as the device total
-    counts them) once measured, else RSS (which counts pages shared with the main process)."""
-    if not host.workers:
-        return "no loader workers"
-    if host.workers_uss_bytes:
-        return f"{host.workers} loader workers ({format_bytes(host.workers_uss_bytes)} USS)"
-    return (
-        f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS, "
-        "USS not measured yet)"
-    )
 
 
 @main.command("status")
@@ -477,10 +144,8 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
         _fail(str(exc))
         return
     ranks = rank_snapshots(snapshot) if len(snapshot.ranks) > 1 else None
-    if as_json:
-        click.echo(json.dumps(status_dict(snapshot, ranks), indent=2))
-    else:
-        click.echo(format_status(snapshot, ranks))
+    report = build_status(snapshot, ranks, _threshold_config())
+    click.echo(status_json(report) if as_json else render_status(report))
 
 
 # ---------------------------------------------------------------------------- set / cancel

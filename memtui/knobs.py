@@ -9,6 +9,7 @@ import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from memtui.stats import shown
 from memtui.wire import KnobDiff, Knobs, KnobValue
@@ -232,7 +233,17 @@ def diff(current: Knobs, target: Mapping[str, KnobValue | None]) -> dict[str, Kn
     }
 
 
-def format_diffs(diffs: Mapping[str, KnobDiff], arrow: str = "->") -> str:
+class OldNew(Protocol):
+    """A knob's value before and after a change (the wire's ``KnobDiff``, or a report's view)."""
+
+    @property
+    def old(self) -> KnobValue | None: ...
+
+    @property
+    def new(self) -> KnobValue: ...
+
+
+def format_diffs(diffs: Mapping[str, OldNew], arrow: str = "->") -> str:
     """Show changes as ``knob old -> new`` parts, comma separated."""
     return ", ".join(
         f"{k} {format_value(d.old)} {arrow} {format_value(d.new)}" for k, d in diffs.items()

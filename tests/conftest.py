@@ -144,3 +144,25 @@ def memtui_cli(
         cwd=ROOT,
         env=env,
     )
+
+
+if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one line per test
+    import resource
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[None]:
+        """Log the test's wall time and the CPU time it and its subprocesses used."""
+
+        def cpu() -> tuple[float, float]:
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+        wall, (own, children) = time.monotonic(), cpu()
+        yield
+        own_after, children_after = cpu()
+        with open(os.environ["MEMTUI_TEST_CPU_LOG"], "a") as log:
+            log.write(
+                f"{time.monotonic() - wall:.2f}\t{own_after - own:.2f}\t"
+                f"{children_after - children:.2f}\t{item.nodeid}\n"
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import msgspec
@@ -390,8 +391,8 @@ def test_verdicts_on_the_recorded_advice_stream() -> None:
     """The real CPU demo recording (tests/data/make_advice_stream.py): underused at batch 4 under
     its 900 MiB limit, balanced at batch 8; ``memtui status --json`` names the states."""
     from memtui.advice.assess import STATE_NAMES, assess
-    from memtui.cli import status_dict
     from memtui.recording import read_recording
+    from memtui.report import build_status, status_json
     from memtui.wire import Decoder, Snapshot, Telemetry
 
     recording = read_recording(Path(__file__).parent / "data" / "demo_advice.mtrec")
@@ -414,8 +415,9 @@ def test_verdicts_on_the_recorded_advice_stream() -> None:
     assert found.verdict.state is State.UNDERUSED and STATE_NAMES[State.UNDERUSED] == "UNDERUSED"
     assert found.breakdown is not None and found.breakdown.as_dict()["optimizer"] > 0
     assert found.max_safe_batch_size is not None and found.max_safe_batch_size > 4
-    data = status_dict(snapshot)
-    assert data["verdict"]["state"] == "UNDERUSED"
+    report = build_status(snapshot)
+    data = json.loads(status_json(report))
+    assert report.verdict.state == data["verdict"]["state"] == "UNDERUSED"
     assert data["verdict"]["thresholds_from"]
     assert data["recommendations"][0]["title"].startswith("bigger micro-batch")
 

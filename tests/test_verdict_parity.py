@@ -4,7 +4,7 @@ moment, for every recorded stream under ``tests/data/``.
 Both sides are fed the same recorded frames. The viewer's side is its state model (``RunState``,
 no terminal). The status side gets what each rank's hook would answer a hello with at that point
 (its publisher's bounded histories, rebuilt from the frames the rank sent) and goes through
-``status_dict``, the function behind ``memtui status --json``. The viewer's verdict adds
+``build_status``, the report behind ``memtui status --json``. The viewer's verdict adds
 hysteresis (a state must hold for a moment before it shows), so the one-shot verdict is compared
 at every point and the shown one where the one-shot verdict has been stable.
 """
@@ -19,9 +19,9 @@ import pytest
 
 from memtui.advice.assess import STATE_NAMES
 from memtui.advice.verdict import decide, load_thresholds
-from memtui.cli import status_dict
 from memtui.hooks.publisher import HISTORY_STEPS
 from memtui.recording import RecordedFrame, read_recording
+from memtui.report import build_status
 from memtui.tui.events import ReceivedBatch
 from memtui.tui.state import RunState
 from memtui.wire import (
@@ -115,7 +115,7 @@ class HookHistories:
         """The verdict ``memtui status --json`` prints now."""
         snapshots = [self.hello(rank) for rank in sorted(self.info)]
         ranks = snapshots if len(snapshots) > 1 else None
-        return str(status_dict(snapshots[0], ranks)["verdict"]["state"])  # type: ignore[index]
+        return build_status(snapshots[0], ranks, load_thresholds()).verdict.state
 
 
 def swapping_early(frames: list[RecordedFrame]) -> list[RecordedFrame]:

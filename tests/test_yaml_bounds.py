@@ -40,10 +40,10 @@ HOSTILE = {
 
 @pytest.mark.parametrize("shape", sorted(HOSTILE))
 def test_hostile_yaml_is_one_yaml_error_in_no_time(shape: str) -> None:
-    started = time.monotonic()
+    started = time.thread_time()  # CPU time of this thread: the bound holds under load
     with pytest.raises(yaml.YAMLError) as caught:
         safeyaml.load(HOSTILE[shape])
-    assert time.monotonic() - started < 1.0
+    assert time.thread_time() - started < 1.0
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
 
 
@@ -53,13 +53,13 @@ def test_hostile_tuned_yaml_at_resume_is_one_warning(
 ) -> None:
     (tmp_path / "memtui-tuned.yaml").write_text(HOSTILE[shape])
     config = SimpleNamespace(batch_size=4, grad_accum=1)
-    started = time.monotonic()
+    started = time.thread_time()  # CPU time of this thread: the bound holds under load
     with caplog.at_level(logging.WARNING, "memtui"):
         tuner = Tuner(
             config, state_dir=tmp_path, resume=True, options=Options(publish=False)
         ).start()
     try:
-        assert time.monotonic() - started < 1.0
+        assert time.thread_time() - started < 1.0
         said = [r.getMessage() for r in caplog.records if "resume" in r.getMessage()]
         assert len(said) == 1 and "\n" not in said[0] and len(said[0]) < 600, said
         assert config.batch_size == 4 and tuner.resumed == {}
@@ -73,13 +73,13 @@ def test_hostile_memtui_config_at_install_is_one_warning(
 ) -> None:
     (tmp_path / "config.yaml").write_text(HOSTILE[shape].replace("config:", "verdict:", 1))
     monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "config.yaml"))
-    started = time.monotonic()
+    started = time.thread_time()  # CPU time of this thread: the bound holds under load
     with caplog.at_level(logging.WARNING, "memtui"):
         tuner = Tuner(
             SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)
         ).start()
     try:
-        assert time.monotonic() - started < 1.0
+        assert time.thread_time() - started < 1.0
         said = [r.getMessage() for r in caplog.records if "config.yaml" in r.getMessage()]
         assert len(said) == 1 and "\n" not in said[0] and len(said[0]) < 600, said
         assert tuner.control.thresholds == THRESHOLDS, "the defaults stand"

@@ -1,0 +1,559 @@
+"""The ``memtui status`` report: one typed schema, built once, encoded for ``--json`` and
+rendered to text by one function.
+
+The JSON is a public scripting interface: fields are added, never renamed or removed. Every
+field below is a key of ``memtui status --json``; the text view reads nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from memtui.advice.assess import STATE_NAMES, assess
+from memtui.advice.effect import describe as describe_effect
+from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
+from memtui.knobs import (
+    KNOBS,
+    KnobValue,
+    effective_batch,
+    format_changes,
+    format_diffs,
+    format_value,
+)
+from memtui.security import exposure, tcp_endpoints
+from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.wire import (
+    AppliedChange,
+    Effect,
+    HookCounters,
+    HostSample,
+    MemoryModel,
+    OomEvent,
+    PendingChange,
+    RankInfo,
+    RejectedChange,
+    Snapshot,
+    StaticMemory,
+    StepRecord,
+)
+
+Config = dict[str, KnobValue | None]
+"""Every knob by name, ``None`` where the run does not expose it."""
+
+
+class Metrics(Struct):
+    """Step timing over the snapshot's window of steps."""
+
+    window_steps: int
+    step_time_s: float
+    data_wait_s: float
+    data_wait_fraction: float
+    samples_per_s: float
+    steps_per_s: float
+
+
+class Memory(Struct):
+    """Device memory now and at peak (on CPU: the main process's RSS plus the workers' USS)."""
+
+    kind: str
+    capacity_bytes: int
+    current_bytes: int
+    reserved_bytes: int
+    peak_bytes: int
+    peak_allocated_bytes: int
+    peak_fraction: float
+    fragmentation_bytes: int
+    nvml_used_bytes: int | None
+    beyond_torch_bytes: int | None
+    ooms: int
+    alloc_retries: int
+
+
+class Diff(Struct):
+    """One knob's value before and after a change."""
+
+    old: KnobValue | None
+    new: KnobValue
+
+
+class EffectReport(Effect, kw_only=True):
+    """A change's measured effect, with its one-line summary."""
+
+    summary: str
+
+
+class Applied(Struct):
+    """A change applied at a checkpoint, with its prediction's error and its effect."""
+
+    ids: list[int]
+    step: int
+    time: float
+    changes: dict[str, Diff]
+    note: str
+    rollback: bool
+    predicted_peak_bytes: int | None
+    observed_peak_bytes: int | None
+    prediction_error: float | None
+    """Predicted over observed peak, minus one (None until both are known)."""
+    effect: EffectReport | None
+
+
+class VerdictReport(Struct):
+    """The verdict, the thresholds it was decided with and the numbers behind it."""
+
+    state: str
+    severity: int
+    headline: str
+    thresholds_from: str
+    thresholds: Thresholds
+    reasons: list[Reason]
+
+
+class Option(Struct):
+    """One recommended change and what it is expected to do."""
+
+    title: str
+    changes: dict[str, KnobValue]
+    applicable: bool
+    needs_restart: bool
+    why: str
+    memory_delta_bytes: int | None
+    host_delta_bytes: int | None
+    speed_delta: float | None
+    speed_note: str
+    predicted_peak_bytes: int | None
+    effective_batch: int | None
+
+
+class ModelReport(MemoryModel, kw_only=True):
+    """The fitted memory model, with how much to trust it."""
+
+    confidence: str
+
+
+class Accuracy(Struct):
+    """How far the memory predictions of applied changes were from what was observed."""
+
+    changes_measured: int
+    mean_abs_error: float | None
+
+
+class Checkpoint(Struct):
+    """One checkpoint the run saved."""
+
+    step: int
+    time: float
+    save_s: float
+
+
+class Counters(HookCounters, omit_defaults=False):
+    """The hook's counters, every one shown (zero included: what peers were refused above all)."""
+
+
+class RankReport(Struct):
+    """One rank: where it runs and, when it answered, its own numbers."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    reachable: bool
+    step: int | UnsetType = UNSET
+    config: Config | UnsetType = UNSET
+    applied: list[Applied] | UnsetType = UNSET
+    metrics: Metrics | UnsetType | None = UNSET
+    memory: Memory | UnsetType | None = UNSET
+    host_memory: HostSample | UnsetType | None = UNSET
+    counters: Counters | UnsetType = UNSET
+
+
+class StatusReport(Struct):
+    """Everything ``memtui status`` says about a run."""
+
+    run: str
+    pid: int
+    host: str
+    started: float
+    command: list[str]
+    world_size: int
+    device: str
+    step: int
+    config: Config
+    tunable: list[str]
+    effective_batch: int | None
+    pending: list[PendingChange]
+    applied: list[Applied]
+    rejected: list[RejectedChange]
+    metrics: Metrics | None
+    memory: Memory | None
+    verdict: VerdictReport
+    breakdown: dict[str, int] | None
+    """Bytes by part of the peak, with the capacity they share."""
+    static_memory: StaticMemory | None
+    recommendations: list[Option]
+    max_safe_batch_size: int | None
+    model: ModelReport | None
+    prediction_accuracy: Accuracy
+    ooms: list[OomEvent]
+    disabled: str
+    ranks: list[RankReport]
+    last_step: StepRecord | None
+    host_memory: HostSample | None
+    checkpoints: list[Checkpoint]
+    counters: Counters
+    state_dir: str
+    tuned_path: str
+    requeue: str
+    tuned_unsaved_step: int | None
+    audit_path: str
+    security: str = ""
+    """How the run's sockets are protected (``ipc``, ``curve``, ...)."""
+    exposure: str = ""
+    """A warning when the run listens on TCP without protection (empty when it does not)."""
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _config(snapshot: Snapshot) -> Config:
+    return {k: getattr(snapshot.control.config, k) for k in KNOBS}
+
+
+def _applied(applied: AppliedChange) -> Applied:
+    error = None
+    if applied.predicted_peak_bytes and applied.observed_peak_bytes:
+        error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
+    effect = None
+    if applied.effect is not None:
+        effect = EffectReport(
+            **msgspec.structs.asdict(applied.effect), summary=describe_effect(applied.effect)
+        )
+    return Applied(
+        ids=applied.ids,
+        step=applied.step,
+        time=applied.time,
+        changes={k: Diff(d.old, d.new) for k, d in applied.changes.items()},
+        note=applied.note,
+        rollback=applied.rollback,
+        predicted_peak_bytes=applied.predicted_peak_bytes,
+        observed_peak_bytes=applied.observed_peak_bytes,
+        prediction_error=error,
+        effect=effect,
+    )
+
+
+def _metrics(snapshot: Snapshot) -> Metrics | None:
+    steps = summarize_steps(snapshot.steps)
+    if steps is None:
+        return None
+    return Metrics(
+        window_steps=steps.steps,
+        step_time_s=steps.step_time_s,
+        data_wait_s=steps.data_wait_s,
+        data_wait_fraction=steps.data_wait_fraction,
+        samples_per_s=steps.samples_per_s,
+        steps_per_s=steps.steps_per_s,
+    )
+
+
+def _memory(snapshot: Snapshot) -> Memory | None:
+    memory = summarize_device(snapshot.device)
+    if memory is None:
+        return None
+    return Memory(
+        kind=memory.kind,
+        capacity_bytes=memory.capacity_bytes,
+        current_bytes=memory.current_bytes,
+        reserved_bytes=memory.reserved_bytes,
+        peak_bytes=memory.peak_bytes,
+        peak_allocated_bytes=memory.peak_allocated_bytes,
+        peak_fraction=memory.peak_fraction,
+        fragmentation_bytes=memory.fragmentation_bytes,
+        nvml_used_bytes=memory.nvml_used_bytes,
+        beyond_torch_bytes=memory.beyond_torch_bytes,
+        ooms=memory.ooms,
+        alloc_retries=memory.alloc_retries,
+    )
+
+
+def _counters(counters: HookCounters | None) -> Counters:
+    if counters is None:
+        return Counters()
+    return Counters(**msgspec.structs.asdict(counters))
+
+
+def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
+    entry = RankReport(
+        rank=rank.rank,
+        local_rank=rank.local_rank,
+        host=rank.host,
+        pid=rank.pid,
+        reachable=snapshot is not None,
+    )
+    if snapshot is not None:
+        entry.step = snapshot.step
+        entry.config = _config(snapshot)
+        entry.applied = [_applied(a) for a in snapshot.control.applied]
+        entry.metrics = _metrics(snapshot)
+        entry.memory = _memory(snapshot)
+        entry.host_memory = snapshot.host[-1] if snapshot.host else None
+        entry.counters = _counters(snapshot.counters)
+    return entry
+
+
+def _option_of(r: Any) -> Option:
+    return Option(
+        title=r.title,
+        changes=r.changes,
+        applicable=r.applicable,
+        needs_restart=r.needs_restart,
+        why=r.why,
+        memory_delta_bytes=r.memory_delta_bytes,
+        host_delta_bytes=r.host_delta_bytes,
+        speed_delta=r.speed_delta,
+        speed_note=r.speed_note,
+        predicted_peak_bytes=r.predicted_peak_bytes,
+        effective_batch=r.effective_batch,
+    )
+
+
+def build_status(
+    snapshot: Snapshot,
+    ranks: list[Snapshot | None] | None = None,
+    thresholds: ThresholdConfig | None = None,
+) -> StatusReport:
+    """The report on rank 0's ``snapshot`` (and every rank's, where ``ranks`` is given)."""
+    config = thresholds or ThresholdConfig(Thresholds(), "built-in defaults")
+    found = assess(snapshot, ranks, config.thresholds)
+    info, control = snapshot.info, snapshot.control
+    knobs = control.config
+    eff = None
+    if knobs.batch_size is not None and knobs.grad_accum is not None:
+        eff = effective_batch(knobs.batch_size, knobs.grad_accum, control.world_size)
+    rank_infos = snapshot.ranks or []
+    per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
+    errors = [
+        abs(a.predicted_peak_bytes / a.observed_peak_bytes - 1)
+        for a in control.applied
+        if a.predicted_peak_bytes and a.observed_peak_bytes
+    ]
+    model = None
+    if control.model is not None:
+        model = ModelReport(
+            **msgspec.structs.asdict(control.model), confidence=found.model_confidence
+        )
+    breakdown = None
+    if found.breakdown is not None:
+        breakdown = {"capacity_bytes": found.breakdown.capacity_bytes, **found.breakdown.as_dict()}
+    counters = _counters(snapshot.counters)
+    return StatusReport(
+        run=info.run,
+        pid=info.pid,
+        host=info.host,
+        started=info.started,
+        command=info.command,
+        world_size=info.world_size,
+        device=info.device,
+        step=snapshot.step,
+        config=_config(snapshot),
+        tunable=control.tunable,
+        effective_batch=eff,
+        pending=list(control.pending),
+        applied=[_applied(a) for a in control.applied],
+        rejected=list(control.rejected),
+        metrics=_metrics(snapshot),
+        memory=_memory(snapshot),
+        verdict=VerdictReport(
+            state=STATE_NAMES[found.verdict.state],
+            severity=found.verdict.severity,
+            headline=found.verdict.headline,
+            thresholds_from=config.source,
+            thresholds=config.thresholds,
+            reasons=list(found.verdict.reasons),
+        ),
+        breakdown=breakdown,
+        static_memory=control.static,
+        recommendations=[_option_of(r) for r in found.recommendations],
+        max_safe_batch_size=found.max_safe_batch_size,
+        model=model,
+        prediction_accuracy=Accuracy(
+            changes_measured=len(errors),
+            mean_abs_error=sum(errors) / len(errors) if errors else None,
+        ),
+        ooms=list(control.ooms),
+        disabled=control.disabled,
+        ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
+        last_step=snapshot.steps[-1] if snapshot.steps else None,
+        host_memory=snapshot.host[-1] if snapshot.host else None,
+        checkpoints=[Checkpoint(c.step, c.time, c.save_s) for c in snapshot.checkpoints[-5:]],
+        counters=counters,
+        state_dir=info.state_dir,
+        tuned_path=info.tuned_path,
+        requeue=info.requeue,
+        tuned_unsaved_step=counters.tuned_unsaved_step,
+        audit_path=info.audit_path,
+        security=info.security,
+        exposure=exposure(info.security, tcp_endpoints(snapshot.ranks)) or "",
+    )
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def status_json(report: StatusReport) -> str:
+    """``memtui status --json``: the report as an indented JSON object."""
+    return msgspec.json.format(_ENCODER.encode(report), indent=2).decode()
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def render_status(report: StatusReport, now: float | None = None) -> str:
+    """The human ``memtui status`` text, from the report alone."""
+    lines = []
+    age = format_duration(max(0.0, (time.time() if now is None else now) - report.started))
+    lines.append(
+        f"run {report.run}  pid {report.pid}  host {report.host}  ranks {report.world_size}  up {age}"
+    )
+    if report.exposure:
+        lines.append(report.exposure)
+    verdict = report.verdict
+    lines.append(f"verdict: {verdict.state}: {verdict.headline}")
+    metrics = report.metrics
+    if metrics:
+        lines.append(
+            f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "
+            f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})  "
+            f"{metrics.samples_per_s:.0f} samples/s  {metrics.steps_per_s:.2f} steps/s"
+        )
+    else:
+        lines.append(f"step {report.step}  (no timed steps yet)")
+    memory = report.memory
+    if memory:
+        label = (
+            "device cpu (main RSS + workers USS)"
+            if memory.kind == "cpu"
+            else f"device {report.device}"
+        )
+        line = (
+            f"{label}: {format_bytes(memory.current_bytes)} now, peak {format_bytes(memory.peak_bytes)} "
+            f"of {format_bytes(memory.capacity_bytes)} ({memory.peak_fraction:.0%})"
+        )
+        if memory.kind == "cuda":
+            line += f", fragmentation {format_bytes(memory.fragmentation_bytes)}"
+            if memory.beyond_torch_bytes is not None:
+                line += f", beyond torch {format_bytes(memory.beyond_torch_bytes)}"
+        lines.append(line)
+    if report.breakdown:
+        parts = [
+            f"{k} {format_bytes(v)}"
+            for k, v in report.breakdown.items()
+            if k != "capacity_bytes" and v
+        ]
+        lines.append("breakdown at peak: " + ", ".join(parts))
+    model = report.model
+    if model:
+        safe = report.max_safe_batch_size
+        edge = verdict.thresholds.memory_edge_fraction
+        lines.append(
+            f"memory model: {format_bytes(model.steady_bytes)} steady + "
+            f"{format_bytes(model.per_sample_bytes)} per sample ({model.confidence})"
+            + (f"; largest micro-batch under {edge:.0%}: {safe}" if safe is not None else "")
+        )
+    host = report.host_memory
+    if host:
+        lines.append(
+            f"host: RAM {format_bytes(host.ram_used_bytes)} / {format_bytes(host.ram_total_bytes)} used, "
+            f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
+            + workers_memory(host)
+        )
+    config = " ".join(f"{k}={format_value(v)}" for k, v in report.config.items())
+    eff = report.effective_batch
+    lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
+    for change in report.pending:
+        note = f"  [{change.note}]" if change.note else ""
+        predicted = ""
+        if change.predicted_peak_bytes:
+            predicted = f", predicted peak {format_bytes(change.predicted_peak_bytes)}"
+        lines.append(
+            f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
+        )
+    for applied in report.applied[-5:]:
+        diffs = format_diffs(applied.changes)
+        ids = ",".join(f"#{i}" for i in applied.ids) or "rollback"
+        line = f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})"
+        if applied.effect is not None:
+            line += f": {applied.effect.summary}"
+        if applied.prediction_error is not None and applied.predicted_peak_bytes:
+            line += (
+                f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
+                f"({applied.prediction_error:+.0%})"
+            )
+        lines.append(line)
+    for oom in report.ooms[-3:]:
+        lines.append(
+            f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"
+        )
+    for index, option in enumerate(report.recommendations[:3], 1):
+        delta = option.speed_delta
+        speed = (
+            f", {delta:+.0%} samples/s" if delta is not None else ", speed unknown until measured"
+        )
+        lines.append(f"option {index}: {option.title}{speed}  ({option.why})")
+    for rejected in report.rejected[-3:]:
+        lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
+    if report.disabled:
+        lines.append(f"changes are OFF: {report.disabled}")
+    if len(report.ranks) > 1:
+        lines.append("rank  host          step   step time  data wait  peak mem")
+        for entry in report.ranks:
+            if not entry.reachable:
+                lines.append(f"{entry.rank:>4}  {entry.host[:12]:<12}  (no answer)")
+                continue
+            m = entry.metrics if isinstance(entry.metrics, Metrics) else None
+            mem = entry.memory if isinstance(entry.memory, Memory) else None
+            step_time = format_duration(m.step_time_s) if m else "-"
+            wait = f"{m.data_wait_fraction:.0%}" if m else "-"
+            peak = f"{mem.peak_fraction:.0%}" if mem else "-"
+            lines.append(
+                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
+            )
+    counters = report.counters
+    if report.requeue:
+        lines.append(
+            f"queued before the restart and never applied; to queue it again: {report.requeue}"
+        )
+    if report.tuned_unsaved_step is not None:
+        lines.append(
+            f"tuned config not saved since step {report.tuned_unsaved_step} "
+            f"({report.tuned_path}; retried at every checkpoint)"
+        )
+    if counters.errors:
+        lines.append(f"hook errors: {counters.errors} (last: {counters.last_error})")
+    if counters.requests_refused or counters.requests_rate_limited or counters.auth_failures:
+        line = (
+            f"peers: {counters.requests_refused} requests refused (out of bounds), "
+            f"{counters.requests_rate_limited} rate limited, "
+            f"{counters.auth_failures} failed authentications"
+        )
+        if counters.control_rests:
+            line += f"; the control socket paused {counters.control_rests} times to spare training"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def workers_memory(host: HostSample) -> str:
+    """The loader workers and their memory, labelled: USS (their own pages, as the device total
+    counts them) once measured, else RSS (which counts pages shared with the main process)."""
+    if not host.workers:
+        return "no loader workers"
+    if host.workers_uss_bytes:
+        return f"{host.workers} loader workers ({format_bytes(host.workers_uss_bytes)} USS)"
+    return (
+        f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS, "
+        "USS not measured yet)"
+    )

@@ -1,0 +1,76 @@
+"""``memtui status``'s report: one typed schema; its JSON keeps every key scripts read and
+decodes back into the schema; the text is rendered from the report alone."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from memtui.advice.verdict import load_thresholds
+from memtui.recording import read_recording
+from memtui.report import StatusReport, build_status, render_status, status_json
+from memtui.wire import Decoder
+from tests.test_verdict_parity import RECORDINGS, HookHistories
+
+STABLE_KEYS = {
+    "applied", "audit_path", "breakdown", "checkpoints", "command", "config", "counters",
+    "device", "disabled", "effective_batch", "host", "host_memory", "last_step",
+    "max_safe_batch_size", "memory", "metrics", "model", "ooms", "pending", "pid",
+    "prediction_accuracy", "ranks", "recommendations", "rejected", "requeue", "run", "started",
+    "state_dir", "static_memory", "step", "tunable", "tuned_path", "tuned_unsaved_step",
+    "verdict", "world_size",
+}  # fmt: skip
+"""The keys of ``memtui status --json`` before the schema was typed: never removed or renamed."""
+RANK_KEYS = {
+    "applied", "config", "counters", "host", "host_memory", "local_rank", "memory", "metrics",
+    "pid", "rank", "reachable", "step",
+}  # fmt: skip
+ALWAYS_COUNTED = {"requests_refused", "requests_rate_limited", "auth_failures"}
+
+
+def _reports(path: object) -> list[StatusReport]:
+    """The report at every 40th frame of a recording and at its end."""
+    histories, decoder, out = HookHistories(), Decoder(), []
+    frames = read_recording(path).frames  # type: ignore[arg-type]
+    for index, frame in enumerate(frames):
+        histories.add(decoder.decode(frame.frame))
+        if histories.first is None or (index % 40 and index != len(frames) - 1):
+            continue
+        snapshots = [histories.hello(rank) for rank in sorted(histories.info)]
+        ranks = snapshots if len(snapshots) > 1 else None
+        out.append(build_status(snapshots[0], ranks, load_thresholds()))
+    return out
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
+def test_status_json_keeps_its_keys_and_round_trips(path: object) -> None:
+    reports = _reports(path)
+    assert reports
+    for report in reports:
+        text = status_json(report)
+        data = json.loads(text)
+        assert set(data) >= STABLE_KEYS
+        assert set(data["counters"]) >= ALWAYS_COUNTED
+        assert data["verdict"]["state"] == report.verdict.state
+        assert set(data["verdict"]["thresholds"]) >= {"memory_edge_fraction", "hysteresis"}
+        for rank in data["ranks"]:
+            assert {"rank", "host", "reachable"} <= set(rank)
+            if rank["reachable"]:
+                assert set(rank) >= RANK_KEYS
+        again = msgspec.json.decode(text, type=StatusReport)
+        assert render_status(again, now=report.started + 60) == render_status(
+            report, now=report.started + 60
+        )
+        assert status_json(again) == text
+
+
+def test_status_text_names_what_the_report_holds() -> None:
+    report = _reports(RECORDINGS[0])[-1]
+    text = render_status(report, now=report.started + 3600)
+    assert text.splitlines()[0].startswith(f"run {report.run}  pid {report.pid}")
+    assert text.splitlines()[0].endswith("up 1h00m")
+    assert f"verdict: {report.verdict.state}: {report.verdict.headline}" in text
+    for applied in report.applied[-5:]:
+        assert f"applied at step {applied.step}:" in text
