@@ -5,6 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
+# the suite runs in one worker more than there are cores (its tests wait on trainings about a
+# quarter of the time), a file's tests on one worker (its shared training starts once), the
+# heaviest files first (tests/conftest.py: HEAVY_FIRST); `make test PYTEST_WORKERS=` runs it in
+# one process
+PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
+
 .PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-gil bench-instructions bench-tui bench-hf screenshots clean
 
 $(PY):
@@ -29,7 +35,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # transformers, accelerate and Lightning on top of the same venv (torch stays 2.13.0 CPU)
 FRAMEWORKS_STAMP := $(VENV)/.installed-frameworks

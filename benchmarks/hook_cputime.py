@@ -418,7 +418,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (<20 s, noisy)")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 60, 10
+        args.rounds, args.steps, args.warmup = 2, 30, 5
     intervals = [float(x) / 1e3 for x in args.switch_intervals_ms.split(",") if x.strip()] or [
         sys.getswitchinterval()
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,8 +17,16 @@ from typing import Any
 import pytest
 
 from memtui.cli import demo_command_line
+from tests.forkserver import ForkedDemo, ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+LIGHT = ("--seq-len", "16", "--width", "32", "--layers", "1", "--vocab", "64")
+"""A demo model a third of the default's compute per step, for tests of plumbing (control,
+boundaries, registry, faults) rather than of memory or advice."""
+PLUMBING = (*LIGHT, "--slow-data-ms", "1")
+"""The light model with its loader sleeping a little per sample: about as many steps per second
+as the default demo at a quarter of its CPU (tests that need a run alive and stepping)."""
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +57,7 @@ def wait_for(
 class DemoRun:
     """The demo training running in a subprocess."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedDemo
     out: Path
     log: Path
     run_id: str = ""
@@ -82,6 +91,46 @@ def stop_all(runs: list[DemoRun]) -> None:
             run.proc.wait(10)
 
 
+_FORK_SERVER: list[ForkServer] = []
+
+
+def launch_demo(
+    argv: list[str], env: dict[str, str], log: Path, ranks: int = 1, fork: bool = True
+) -> subprocess.Popen[str] | ForkedDemo:
+    """Start the demo training with ``argv``, its output to ``log``: forked from this worker's
+    fork server (one rank; ``MEMTUI_TEST_FORK=0`` turns it off), else as a subprocess."""
+    if fork and ranks == 1 and forking():
+        log.touch()
+        return fork_server().start(argv, env, ROOT, log)
+    with open(log, "w") as handle:
+        return subprocess.Popen(
+            demo_command_line(argv, ranks),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+
+
+def forking() -> bool:
+    """Whether trainings start from the fork server (``MEMTUI_TEST_FORK=0``: as subprocesses)."""
+    return os.environ.get("MEMTUI_TEST_FORK", "1") != "0"
+
+
+def fork_server() -> ForkServer:
+    """This test worker's fork server, started on first use."""
+    if not _FORK_SERVER:
+        _FORK_SERVER.append(ForkServer())
+    return _FORK_SERVER[0]
+
+
+def pytest_sessionfinish() -> None:
+    """Stop the fork server (and any demo it still runs)."""
+    while _FORK_SERVER:
+        _FORK_SERVER.pop().close()
+
+
 @pytest.fixture
 def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
     """Start the demo training (``python -m memtui.demo``) and wait for its run id."""
@@ -93,20 +142,16 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         wait: bool = True,
         env: dict[str, str] | None = None,
         ranks: int = 1,
+        fork: bool = True,
     ) -> DemoRun:
+        """``fork``: from the fork server (False where the test asserts memory numbers)."""
         out_dir = out or tmp_path / f"demo{len(runs)}"
         out_dir.mkdir(parents=True, exist_ok=True)
         log = out_dir / f"stdout{len(runs)}.log"
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        with open(log, "w") as handle:
-            proc = subprocess.Popen(
-                demo_command_line(["--out", str(out_dir), "--progress-every", "1", *args], ranks),
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=full_env,
-                cwd=ROOT,
-            )
+        proc = launch_demo(
+            ["--out", str(out_dir), "--progress-every", "1", *args], full_env, log, ranks, fork
+        )
         run = DemoRun(proc, out_dir, log)
         runs.append(run)
         if wait:
@@ -117,7 +162,46 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
     stop_all(runs)
 
 
-def demo_run_id(log: Path, proc: subprocess.Popen[Any], timeout: float = 60.0) -> str:
+@dataclass
+class SharedDemo:
+    """A demo training shared by the tests of one module, in a runtime directory of its own."""
+
+    run: DemoRun
+    env: dict[str, str]
+    """``MEMTUI_RUNTIME_DIR`` and ``XDG_STATE_HOME`` of the shared run."""
+
+    def adopt(self, monkeypatch: pytest.MonkeyPatch) -> DemoRun:
+        """Point this test's ``memtui`` calls (in process and in subprocesses) at the run."""
+        for name, value in self.env.items():
+            monkeypatch.setenv(name, value)
+        return self.run
+
+
+@contextlib.contextmanager
+def shared_demo(*args: str, ranks: int = 1) -> Iterator[SharedDemo]:
+    """Start a demo training for a module's tests (one start instead of one per test: a start
+    costs about 7 s of CPU, most of it importing torch); stopped when the module is done."""
+    base = Path(tempfile.mkdtemp(prefix="mts", dir="/tmp"))  # ipc paths must stay short
+    env = {"MEMTUI_RUNTIME_DIR": str(base / "rt"), "XDG_STATE_HOME": str(base / "state")}
+    out = base / "out"
+    out.mkdir()
+    log = out / "stdout.log"
+    proc = launch_demo(
+        ["--out", str(out), "--progress-every", "1", *args],
+        dict(os.environ, PYTHONUNBUFFERED="1", **env),
+        log,
+        ranks,
+    )
+    run = DemoRun(proc, out, log)
+    try:
+        run.run_id = demo_run_id(log, proc)
+        yield SharedDemo(run, env)
+    finally:
+        stop_all([run])
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def demo_run_id(log: Path, proc: subprocess.Popen[Any] | ForkedDemo, timeout: float = 60.0) -> str:
     """Wait for the ``run <id>`` line a demo prints to ``log``; fail the test if it exits first."""
 
     def found() -> str | None:
@@ -166,3 +250,27 @@ if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one lin
                 f"{time.monotonic() - wall:.2f}\t{own_after - own:.2f}\t"
                 f"{children_after - children:.2f}\t{item.nodeid}\n"
             )
+
+
+HEAVY_FIRST = (
+    "tests/test_seeds.py",
+    "tests/test_ddp.py",
+    "tests/test_e2e.py",
+    "tests/tui/test_advice.py",
+    "tests/test_faults.py",
+    "tests/test_readme.py",
+    "tests/test_rank_faults.py",
+    "tests/tui/test_app_ranks_live.py",
+    "tests/test_hook_runs.py",
+    "tests/tui/test_hostile_text.py",
+    "tests/tui/test_demo_viewer.py",
+    "tests/test_security.py",
+)
+"""The files with the most training to do, run first: ``make test`` hands whole files to its
+workers in collection order, and a long file handed out last keeps one worker busy alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the heaviest files first (stable: every file's own order is kept)."""
+    rank = {path: index for index, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import zmq
 from memtui import registry
 from memtui.client import ControlClient, hello_many
 from memtui.wire import Decoder, Snapshot, Telemetry
-from tests.conftest import ROOT, DemoRun, memtui_cli, wait_for
+from tests.conftest import LIGHT, ROOT, DemoRun, SharedDemo, memtui_cli, shared_demo, wait_for
 
 EVERY = 4
 CHANGES = [
@@ -104,18 +104,21 @@ def check_one_decision(demo: DemoRun) -> list[Any]:
     return applied[0]
 
 
-def test_two_ranks_one_view_one_decision(start_demo: Callable[..., DemoRun]) -> None:
-    demo = start_demo(
-        "--steps",
-        "100000",
-        "--checkpoint-every",
-        str(EVERY),
-        "--slow-data-ms",
-        "0",
-        "--batch-size",
-        "8",
-        ranks=2,
-    )
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[SharedDemo]:
+    """One two-rank job for the module's tests (the last one to use it kills a rank): a light
+    model whose loader sleeps (about the default demo's pace, not two cores flat out)."""
+    with shared_demo(
+        "--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "2",
+        "--batch-size", "8", *LIGHT, ranks=2,
+    ) as job:  # fmt: skip
+        yield job
+
+
+def test_two_ranks_one_view_one_decision(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo = two_ranks.adopt(monkeypatch)
     listed = json.loads(memtui_cli("ls", "--json").stdout)
     assert len(listed) == 1 and listed[0]["ranks"] == 2
     assert [e["rank"] for e in listed[0]["endpoints"]] == [0, 1]
@@ -156,6 +159,7 @@ def test_twenty_trials_no_hang_no_mismatch(start_demo: Callable[..., DemoRun]) -
         "0",
         "--batch-size",
         "8",
+        *LIGHT,
         ranks=2,
     )
     run_trials(demo, 20, seed=7)
@@ -163,10 +167,11 @@ def test_twenty_trials_no_hang_no_mismatch(start_demo: Callable[..., DemoRun]) -
     assert demo.proc.poll() is None, "the job still runs"
 
 
-def test_a_dead_rank_does_not_hang_the_viewer(start_demo: Callable[..., DemoRun]) -> None:
-    demo = start_demo(
-        "--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "0", ranks=2
-    )
+def test_a_dead_rank_does_not_hang_the_viewer(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The module's shared job (its last user: rank 1 is killed)."""
+    demo = two_ranks.adopt(monkeypatch)
     status = json.loads(memtui_cli("status", "--json").stdout)
     rank1 = next(r for r in status["ranks"] if r["rank"] == 1)
     psutil.Process(rank1["pid"]).send_signal(signal.SIGKILL)

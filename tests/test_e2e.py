@@ -11,7 +11,7 @@ import yaml
 
 from memtui import registry
 from memtui.client import ControlClient
-from tests.conftest import DemoRun, memtui_cli, wait_for
+from tests.conftest import LIGHT, PLUMBING, DemoRun, memtui_cli, wait_for
 
 
 def status(run: str) -> dict[str, Any]:
@@ -53,6 +53,7 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
         "2",
         "--slow-data-ms",
         "1",
+        *LIGHT,
     )
     run = demo.run_id
 
@@ -137,6 +138,7 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
         "--resume",
         "--batch-size",
         "8",
+        *LIGHT,
         out=demo.out,
     )
     assert "resumed tuned config" in resumed.output()
@@ -157,7 +159,7 @@ def test_rejections_exit_nonzero_with_a_reason_and_the_run_goes_on(
     start_demo: Callable[..., DemoRun],
 ) -> None:
     # Many steps: the run must still be live for the dry run at the end, however slow the CLI is.
-    demo = start_demo("--steps", "100000", "--checkpoint-every", "5", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "5", *PLUMBING)
     cases = {
         "bogus=1": "unknown knob 'bogus'",
         "batch_size=0": "batch_size must be between 1 and",
@@ -185,8 +187,8 @@ def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) 
     none = memtui_cli("status")
     assert none.returncode == 1 and "no live memtui run" in none.stderr
     assert memtui_cli("ls").stdout.strip() == "no live runs"
-    first = start_demo("--steps", "100000", "--checkpoint-every", "100000", "--slow-data-ms", "0")
-    second = start_demo("--steps", "100000", "--slow-data-ms", "0")
+    first = start_demo("--steps", "100000", "--checkpoint-every", "100000", *PLUMBING)
+    second = start_demo("--steps", "100000", *PLUMBING)
     result = memtui_cli("status", "--json")
     assert result.returncode == 0
     assert json.loads(result.stdout)["run"] == second.run_id

@@ -36,12 +36,12 @@ import yaml
 import zmq
 
 from memtui import registry
-from memtui.cli import demo_command_line
 from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
 from memtui.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
-from tests.conftest import ROOT, demo_run_id, memtui_cli, wait_for
+from tests.conftest import LIGHT, PLUMBING, ROOT, demo_run_id, launch_demo, memtui_cli, wait_for
+from tests.forkserver import ForkedDemo
 
 RSS_CAP = 64 << 20
 """How much the training process may grow while a fault is dealt with (bytes)."""
@@ -51,7 +51,7 @@ RSS_CAP = 64 << 20
 class Victim:
     """The demo training every fast case hits."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedDemo
     log: Path
     out: Path
     env: dict[str, str]
@@ -90,15 +90,7 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
     out = tmp_path_factory.mktemp("victim")
     log = out / "stdout.log"
     args = ["--out", str(out), "--steps", "1000000", "--checkpoint-every", "5"]
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            demo_command_line([*args, "--slow-data-ms", "0", "--progress-every", "1"]),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
+    proc = launch_demo([*args, *PLUMBING, "--progress-every", "1"], env, log)
     run = Victim(proc, log, out, env)
     try:
         run.run_id = demo_run_id(log, proc)
@@ -390,17 +382,11 @@ def test_kill_9_at_a_boundary_leaves_a_readable_state(tmp_path: Path) -> None:
         "100000",
         "--checkpoint-every",
         "2",
+        *LIGHT,
         "--slow-data-ms",
         "0",
     ]
-    with open(tmp_path / "log", "w") as handle:
-        proc = subprocess.Popen(
-            demo_command_line([*args, "--progress-every", "1"]),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
+    proc = launch_demo([*args, "--progress-every", "1"], env, tmp_path / "log")
     try:
         run_id = demo_run_id(tmp_path / "log", proc)
         client = ControlClient(registry.find_run(run_id).control, timeout_s=10)
@@ -456,12 +442,9 @@ def test_a_recording_cut_anywhere_replays_what_is_whole(tmp_path: Path) -> None:
 def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Path) -> None:
     record = tmp_path / "run.mtrec"
     env = dict(os.environ, PYTHONUNBUFFERED="1", MEMTUI_RECORD=str(record))
-    args = ["--out", str(tmp_path / "out"), "--steps", "100000", "--slow-data-ms", "0"]
+    args = ["--out", str(tmp_path / "out"), "--steps", "100000", *PLUMBING]
     log = tmp_path / "log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            demo_command_line(args), stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-        )
+    proc = launch_demo(args, env, log)
     try:
         wait_for(lambda: "run " in log.read_text() or proc.poll() is not None, 60)
         time.sleep(4.0)
@@ -488,18 +471,12 @@ def test_a_change_pending_at_a_crash_is_named_at_resume_with_the_command_to_requ
 ) -> None:
     """Issue 13.10: a change queued but not applied when the run died vanished without a word."""
     out = tmp_path / "run"
-    args = ["--out", str(out), "--steps", "100000", "--slow-data-ms", "0"]
+    args = ["--out", str(out), "--steps", "100000", *PLUMBING]
 
-    def start(*extra: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+    def start(*extra: str) -> tuple[subprocess.Popen[str] | ForkedDemo, Path, str]:
         log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}"
-        with open(log, "w") as handle:
-            proc = subprocess.Popen(
-                demo_command_line([*args, "--checkpoint-every", "100000", *extra]),
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                cwd=ROOT,
-            )
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = launch_demo([*args, "--checkpoint-every", "100000", *extra], env, log)
         run_id = demo_run_id(log, proc)
         return proc, log, str(run_id)
 

@@ -20,7 +20,8 @@ import yaml
 
 from memtui.recording import read_recording
 from memtui.wire import Decoder, Telemetry
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.conftest import ROOT, fork_server, forking, memtui_cli, wait_for
+from tests.forkserver import ForkedDemo
 
 SCRIPT = '''
 import sys, time
@@ -123,15 +124,22 @@ class Training:
         script.write_text(SCRIPT)
         self.out = tmp / "out"
         self.log = tmp / f"{mode}.log"
-        with open(self.log, "w") as handle:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script), str(self.out), mode, str(steps), *extra],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-            )
+        argv = [str(self.out), mode, str(steps), *extra]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc: subprocess.Popen[str] | ForkedDemo
+        if forking():  # the script, forked from a process that has imported torch
+            self.log.touch()
+            self.proc = fork_server().start(argv, full_env, ROOT, self.log, path=str(script))
+        else:
+            with open(self.log, "w") as handle:
+                self.proc = subprocess.Popen(
+                    [sys.executable, str(script), *argv],
+                    stdout=handle,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=ROOT,
+                    env=full_env,
+                )
         self.run_id = str(wait_for(self._run_id, 60, 0.1, "the run id"))
 
     def _run_id(self) -> str | None:

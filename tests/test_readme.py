@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.conftest import ROOT, fork_server, forking, memtui_cli, wait_for
+from tests.forkserver import ForkedDemo
 
 
 def readme_example() -> str:
@@ -21,17 +23,28 @@ def readme_example() -> str:
     return match.group(1)
 
 
+def run_script(script: Path, *args: str, log: Path) -> subprocess.Popen[str] | ForkedDemo:
+    """``python SCRIPT ARGS`` in the script's directory, its output to ``log`` (forked from the
+    worker's fork server, which has imported torch, unless ``MEMTUI_TEST_FORK=0``)."""
+    if forking():
+        log.touch()
+        return fork_server().start(list(args), dict(os.environ), script.parent, log, str(script))
+    with open(log, "w") as handle:
+        return subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=script.parent,
+        )
+
+
 def test_plain_loop_example(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(readme_example())
     out = tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--steps", "4000", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
-    )
+    log = tmp_path / "train.log"
+    proc = run_script(script, "--steps", "1500", "--out", str(out), log=log)
     try:
         runs = wait_for(
             lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
@@ -39,9 +52,10 @@ def test_plain_loop_example(tmp_path: Path) -> None:
         assert runs[0]["run"].startswith("train-")  # type: ignore[index]
         result = memtui_cli("set", "batch_size=64", "--keep-effective-batch")
         assert result.returncode == 0, result.stderr
-        output, _ = proc.communicate(timeout=180)
+        proc.wait(180)
     finally:
         proc.kill()
+    output = log.read_text()
     assert proc.returncode == 0, output
     assert re.search(r"applied at step \d+00: batch_size 32 -> 64, grad_accum 2 -> 1", output), (
         output
@@ -49,16 +63,17 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     tuned = yaml.safe_load((out / "memtui-tuned.yaml").read_text())
     assert tuned["config"]["batch_size"] == 64 and tuned["config"]["grad_accum"] == 1
 
-    resumed = subprocess.run(
-        [sys.executable, str(script), "--steps", "4100", "--out", str(out), "--is_keep_training"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=180,
+    log = tmp_path / "resumed.log"
+    resumed = run_script(
+        script, "--steps", "1600", "--out", str(out), "--is_keep_training", log=log
     )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed the tuned config" in resumed.stderr
-    assert "batch_size 32 -> 64" in resumed.stderr
+    try:
+        code = resumed.wait(180)
+    finally:
+        resumed.kill()
+    assert code == 0, log.read_text()
+    assert "resumed the tuned config" in log.read_text()
+    assert "batch_size 32 -> 64" in log.read_text()
 
 
 def readme_demo_commands() -> list[str]:

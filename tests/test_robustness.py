@@ -22,7 +22,7 @@ from memtui import registry
 from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
 from memtui.wire import Decoder, ErrorReply, Telemetry
-from tests.conftest import ROOT, DemoRun, memtui_cli, wait_for
+from tests.conftest import LIGHT, PLUMBING, ROOT, DemoRun, memtui_cli, wait_for
 
 VIEWER = """
 import sys, time, zmq
@@ -56,7 +56,7 @@ def goes_on_then_stops(demo: DemoRun, control: str) -> None:
 def test_no_viewer_runs_to_the_end_and_leaves_no_entry(
     start_demo: Callable[..., DemoRun], private_runtime: Path
 ) -> None:
-    demo = start_demo("--steps", "30", "--checkpoint-every", "10", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "30", "--checkpoint-every", "10", *LIGHT, "--slow-data-ms", "0")
     assert demo.wait_exit(120) == 0, demo.output()
     assert "done: 30 steps" in demo.output()
     assert list(private_runtime.iterdir()) == [], "the run removed its registry entry and sockets"
@@ -129,7 +129,7 @@ def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> No
 def test_runtime_directory_removed_while_running(
     start_demo: Callable[..., DemoRun], private_runtime: Path
 ) -> None:
-    demo = start_demo("--steps", "100000", "--checkpoint-every", "10", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "10", *PLUMBING)
     shutil.rmtree(private_runtime)
     assert json.loads(memtui_cli("ls", "--json").stdout) == []
     listed = wait_for(
@@ -145,7 +145,7 @@ def test_runtime_directory_removed_while_running(
 def test_stale_entries_of_dead_runs_are_cleaned(
     start_demo: Callable[..., DemoRun], private_runtime: Path
 ) -> None:
-    demo = start_demo("--steps", "100000", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", *PLUMBING)
     demo.proc.send_signal(signal.SIGKILL)
     demo.proc.wait()
     assert (private_runtime / demo.run_id).exists(), "SIGKILL leaves the entry behind"

@@ -25,7 +25,7 @@ from memtui.hooks import Options, Tuner
 from memtui.security import keygen, load_keys
 from memtui.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.conftest import LIGHT, ROOT, memtui_cli, wait_for
 
 
 @pytest.fixture
@@ -400,7 +400,7 @@ def test_demo_insecure_on_loopback_publishes_plain_tcp(
     with open(log, "w") as handle:
         proc = subprocess.Popen(
             [sys.executable, "-m", "memtui.cli", "demo", "--no-tui", "--tcp", "127.0.0.1",
-             "--insecure", "--steps", "100000", "--out", str(tmp_path / "out")],
+             "--insecure", "--steps", "100000", "--out", str(tmp_path / "out"), *LIGHT],
             stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip

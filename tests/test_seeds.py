@@ -53,7 +53,9 @@ def until(
 def test_seed_003_starving_more_workers_measurably_faster(
     start_demo: Callable[..., DemoRun],
 ) -> None:
-    demo = start_demo("--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2")
+    demo = start_demo(
+        "--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2", fork=False
+    )
     run = demo.run_id
     starving = until(
         run,
@@ -81,7 +83,7 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
 ) -> None:
     demo = start_demo(
         "--steps", "45", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
-        "--memory-limit", "720MiB", *HEAVY,
+        "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
     run = demo.run_id
     until(run, lambda s: s["model"] is not None, 60, "the memory model")
@@ -125,6 +127,7 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
         "--batch-size",
         "8",
         *HEAVY,
+        fork=False,
     )
     run = demo.run_id
     until(run, lambda s: s["model"] is not None, 60, "the memory model")
@@ -173,7 +176,7 @@ def test_the_bands_of_the_config_file_gate_changes_in_the_run(
     monkeypatch.setenv("MEMTUI_CONFIG", str(config))  # the demo and the command line alike
     demo = start_demo(
         "--steps", "100000", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "4",
-        "--memory-limit", "720MiB", *HEAVY,
+        "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
     run = demo.run_id
     data = until(run, lambda s: s["model"] is not None, 60, "the memory model")
@@ -219,5 +222,5 @@ def check_workers_uss(run: str, workers: int) -> None:
 def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
     start_demo: Callable[..., DemoRun],
 ) -> None:
-    demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0")
+    demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0", fork=False)
     check_workers_uss(demo.run_id, 2)

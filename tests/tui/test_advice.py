@@ -249,7 +249,7 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
     log shows the measured effect and the prediction error."""
     demo = start_demo(
         "--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "0",
-        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", *HEAVY,
+        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", *HEAVY, fork=False
     )  # fmt: skip
     app = MemtuiApp(LiveSource(demo.run_id))
 

@@ -18,7 +18,7 @@ from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.events import Status
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
-from tests.conftest import DemoRun
+from tests.conftest import LIGHT, DemoRun
 from tests.tui.conftest import run, screen_text, until
 
 EVERY = 120
@@ -49,8 +49,10 @@ def rows(app: MemtuiApp) -> list[list[str]]:
 def test_two_ranks_one_view_one_decision_and_a_lost_rank(
     start_demo: Callable[..., DemoRun],
 ) -> None:
-    demo = start_demo("--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "0",
-                      "--batch-size", "8", ranks=2)  # fmt: skip
+    # a light model whose loader sleeps: about the default model's pace flat out (~50 ms a
+    # step), at a tenth of its CPU (two ranks flat out took both cores of a 2-core machine)
+    demo = start_demo("--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "3",
+                      "--batch-size", "8", *LIGHT, ranks=2)  # fmt: skip
     app = MemtuiApp(LiveSource(demo.run_id))
     stopped: list[int] = []
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from memtui import registry
-from tests.conftest import ROOT, wait_for
+from tests.conftest import LIGHT, ROOT, wait_for
 
 VIEWER = """
 import sys, time
@@ -31,7 +31,8 @@ def run_app(run_id, **options):
 
 memtui.tui.app.run_app = run_app
 from memtui.cli import main
-sys.argv = ["memtui", "demo", "--out", {out!r}, "--steps", "100000", "--progress-every", "0.2"]
+sys.argv = ["memtui", "demo", "--out", {out!r}, "--steps", "100000", "--progress-every", "0.2",
+            *{light!r}]
 main()
 """
 """``memtui demo`` with a stand-in viewer that, after a second, raises, ends as Textual ends an
@@ -52,7 +53,7 @@ def demos() -> Iterator[list[subprocess.Popen[str]]]:
 def start_demo(out: Path, ending: str, demos: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
     """``memtui demo`` in its own session, as a terminal runs it (Ctrl-C reaches the group)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", VIEWER.format(ending=ending, out=str(out))],
+        [sys.executable, "-c", VIEWER.format(ending=ending, out=str(out), light=LIGHT)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

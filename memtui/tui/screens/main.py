@@ -30,6 +30,8 @@ TITLES = {
     "changes": "changes",
 }
 """The panels' titles, on their borders."""
+ONE_RANK_PANELS = ("memory", "charts")
+"""The panels that show one rank: with several ranks, their titles say which."""
 
 
 class MainScreen(Screen[None]):
@@ -66,9 +68,11 @@ class MainScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        """Titles on the panels' borders."""
+        """Titles on the panels' borders (with the rank, if a view came first: under load the
+        first data can be drawn before the screen's mount handler runs)."""
         for widget_id, title in TITLES.items():
-            self.query_one(f"#{widget_id}").border_title = title
+            focus = self._focus_title if widget_id in ONE_RANK_PANELS else ""
+            self.query_one(f"#{widget_id}").border_title = title + focus
         self._views = list(self.query(StateView))
 
     async def on_resize(self) -> None:
@@ -113,8 +117,8 @@ class MainScreen(Screen[None]):
         focus = f" · rank {state.summary().focus_rank}" if multirank else ""
         if focus != self._focus_title:  # the panels that show one rank say which
             self._focus_title = focus
-            for widget_id, title in (("memory", "memory"), ("charts", "history")):
-                self.query_one(f"#{widget_id}").border_title = title + focus
+            for widget_id in ONE_RANK_PANELS:
+                self.query_one(f"#{widget_id}").border_title = TITLES[widget_id] + focus
         for widget in self._views or ():
             if isinstance(widget, SeriesChart) and not charts:
                 continue
