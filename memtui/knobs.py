@@ -151,7 +151,9 @@ def resolve(
     keep_effective_batch: bool = False,
     world_size: int = 1,
 ) -> Resolved:
-    """Check a parsed change against the run and apply keep-effective-batch; raise KnobError."""
+    """Check a parsed change against the run (``current``: its config with the pending changes
+    merged) and apply keep-effective-batch; raise KnobError. Knobs already at their value are
+    left out (said in the note); a change that changes nothing is refused."""
     for knob in changes:
         if knob not in tunable:
             raise KnobError(f"{knob} is not tunable in this run (the hook did not find it)")
@@ -178,6 +180,13 @@ def resolve(
                 f"{new_batch} does not divide {target}: grad_accum {accum} gives effective "
                 f"batch {new_eff} (was {old_eff})"
             )
+    same = {k: v for k, v in resolved.items() if getattr(current, k) == v}
+    if same:
+        already = ", ".join(f"{k} is already {format_value(v)}" for k, v in same.items())
+        if len(same) == len(resolved):
+            raise KnobError(f"{already} (pending changes included): nothing to change")
+        resolved = {k: v for k, v in resolved.items() if k not in same}
+        note = f"{note}; {already}" if note else already
     return Resolved(resolved, note)
 
 

@@ -15,6 +15,7 @@ from msgspec import UNSET, Struct, UnsetType
 
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
+from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.knobs import (
     KNOBS,
@@ -136,10 +137,13 @@ class ModelReport(MemoryModel, kw_only=True):
 
 
 class Accuracy(Struct):
-    """How far the memory predictions of applied changes were from what was observed."""
+    """How far the memory predictions of applied changes were from what was observed; the
+    changes that ran out of memory are misses, counted apart (not in the mean)."""
 
     changes_measured: int
     mean_abs_error: float | None
+    changes_out_of_memory: int = 0
+    note: str = ""
 
 
 class Checkpoint(Struct):
@@ -224,9 +228,7 @@ def _config(snapshot: Snapshot) -> Config:
 
 
 def _applied(applied: AppliedChange) -> Applied:
-    error = None
-    if applied.predicted_peak_bytes and applied.observed_peak_bytes:
-        error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
+    error = prediction_error(applied)
     effect = None
     if applied.effect is not None:
         effect = EffectReport(
@@ -336,11 +338,7 @@ def build_status(
         eff = effective_batch(knobs.batch_size, knobs.grad_accum, control.world_size)
     rank_infos = snapshot.ranks or []
     per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
-    errors = [
-        abs(a.predicted_peak_bytes / a.observed_peak_bytes - 1)
-        for a in control.applied
-        if a.predicted_peak_bytes and a.observed_peak_bytes
-    ]
+    scored = accuracy(control.applied, control.ooms)
     model = None
     if control.model is not None:
         model = ModelReport(
@@ -381,8 +379,10 @@ def build_status(
         max_safe_batch_size=found.max_safe_batch_size,
         model=model,
         prediction_accuracy=Accuracy(
-            changes_measured=len(errors),
-            mean_abs_error=sum(errors) / len(errors) if errors else None,
+            changes_measured=scored.measured,
+            mean_abs_error=scored.mean_abs_error,
+            changes_out_of_memory=scored.out_of_memory,
+            note=scored.describe(),
         ),
         ooms=list(control.ooms),
         disabled=control.disabled,
@@ -494,6 +494,18 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
                 f"({applied.prediction_error:+.0%})"
             )
         lines.append(line)
+    scored = report.prediction_accuracy
+    if scored.mean_abs_error is not None or scored.changes_out_of_memory:
+        parts = []
+        if scored.mean_abs_error is not None:
+            plural = "s" if scored.changes_measured > 1 else ""
+            parts.append(
+                f"mean error {scored.mean_abs_error:.1%} over {scored.changes_measured} "
+                f"change{plural} measured"
+            )
+        lines.append(
+            "predicted peaks: " + "; ".join([*parts, *([scored.note] if scored.note else [])])
+        )
     for oom in report.ooms[-3:]:
         lines.append(
             f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"

@@ -173,6 +173,10 @@ def test_rejections_exit_nonzero_with_a_reason_and_the_run_goes_on(
         assert reason in result.stderr, (arg, result.stderr)
     result = memtui_cli("set", demo.run_id, "grad_accum=2", "--keep-effective-batch")
     assert result.returncode == 2 and "needs a batch_size change" in result.stderr
+    # a change to what the run already has is refused, as the viewer refuses it (issue 15)
+    noop = memtui_cli("set", demo.run_id, "pin_memory=false", "num_workers=0")
+    assert noop.returncode == 2, noop.stdout + noop.stderr
+    assert "pin_memory is already false, num_workers is already 0" in noop.stderr
     dry = memtui_cli("set", "batch_size=32", "--keep-effective-batch", "--dry-run")
     assert dry.returncode == 0 and "would queue batch_size=32 grad_accum=1" in dry.stdout
     assert demo.proc.poll() is None, "the run goes on after the rejections"
@@ -180,7 +184,8 @@ def test_rejections_exit_nonzero_with_a_reason_and_the_run_goes_on(
     assert demo.proc.returncode == 143, demo.output()
     assert not [e for e in audit(demo) if e["event"] in ("queued", "applied")]
     rejected = [e for e in audit(demo) if e["event"] == "rejected"]
-    assert len(rejected) == 1 and "needs a batch_size change" in rejected[0]["reason"]
+    assert len(rejected) == 2 and "needs a batch_size change" in rejected[0]["reason"]
+    assert "nothing to change" in rejected[1]["reason"]
 
 
 def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) -> None:

@@ -276,3 +276,25 @@ def test_raw_steps_encode_exactly_as_step_records() -> None:
     assert encode(as_tuples) == encode(as_structs)
     decoded = Decoder().decode(encode(as_tuples))
     assert isinstance(decoded, Telemetry) and decoded.steps == ledger.records(raw)
+
+
+def test_accuracy_counts_a_change_that_ran_out_of_memory_as_a_miss() -> None:
+    """Issue 15: the accuracy figure left out the changes that ran out of memory."""
+    from memtui.advice.measure import accuracy
+    from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent
+
+    def applied(step: int, new: int, predicted: int | None, observed: int | None) -> AppliedChange:
+        return AppliedChange(
+            ids=[step], step=step, time=0.0, changes={"batch_size": KnobDiff(new // 2, new)},
+            predicted_peak_bytes=predicted, observed_peak_bytes=observed,
+        )  # fmt: skip
+
+    history = [applied(10, 8, 105, 100), applied(20, 16, 190, 200), applied(30, 256, 900, None)]
+    oom = OomEvent(time=0.0, step=33, kind="cpu", message="", config=Knobs(batch_size=256))
+    rollback = AppliedChange(ids=[], step=33, time=0.0, changes={}, rollback=True)
+    found = accuracy([*history, rollback], [oom])
+    assert found.measured == 2 and found.out_of_memory == 1
+    assert found.mean_abs_error is not None and abs(found.mean_abs_error - 0.05) < 1e-9
+    assert "1 change ran out of memory" in found.describe()
+    assert accuracy(history[:2], [oom]).out_of_memory == 0, "an OOM after no change of theirs"
+    assert accuracy(history, []).out_of_memory == 0 and accuracy([], []).mean_abs_error is None

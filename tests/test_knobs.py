@@ -146,3 +146,17 @@ def test_resolve_rejects() -> None:
 )
 def test_accumulation_for(target: int, batch: int, expected: tuple[int, bool]) -> None:
     assert accumulation_for(target, batch) == expected
+
+
+def test_a_change_to_what_the_run_has_is_refused_and_unchanged_knobs_are_left_out() -> None:
+    """Issue 15: a no-op queued by the CLI was applied and then reported as an effect (noise)."""
+    current = Knobs(batch_size=8, grad_accum=2, num_workers=4, pin_memory=False)
+    tunable = ("batch_size", "grad_accum", "num_workers", "pin_memory")
+    with pytest.raises(KnobError, match=r"num_workers is already 4 .*nothing to change"):
+        resolve({"num_workers": 4}, current, tunable)
+    with pytest.raises(KnobError, match="batch_size is already 8, grad_accum is already 2"):
+        resolve({"batch_size": 8}, current, tunable, keep_effective_batch=True)
+    partly = resolve({"batch_size": 16, "num_workers": 4}, current, tunable)
+    assert partly.changes == {"batch_size": 16} and partly.note == "num_workers is already 4"
+    kept = resolve({"batch_size": 16}, current, tunable, keep_effective_batch=True)
+    assert kept.changes == {"batch_size": 16, "grad_accum": 1}

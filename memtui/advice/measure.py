@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
-from memtui.wire import AppliedChange, DeviceSample, Effect, MemoryModel, StaticMemory, StepRecord
+from memtui.wire import (
+    AppliedChange,
+    DeviceSample,
+    Effect,
+    MemoryModel,
+    OomEvent,
+    StaticMemory,
+    StepRecord,
+)
 
 EFFECT_STEPS = 20
 """Steps compared before and after an applied change for its measured effect."""
@@ -123,3 +131,45 @@ def effects_due(
         if effect is not None:
             found.append(Measured(change, effect, peak_after))
     return found
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """How the memory predictions of applied changes fared: the mean error over the changes
+    measured, and the changes that ran out of memory (misses, outside the mean)."""
+
+    measured: int
+    mean_abs_error: float | None
+    out_of_memory: int
+
+    def describe(self) -> str:
+        """The misses in words ('' when there are none)."""
+        if not self.out_of_memory:
+            return ""
+        plural = "s" if self.out_of_memory > 1 else ""
+        return f"{self.out_of_memory} change{plural} ran out of memory (misses, not in the mean)"
+
+
+def prediction_error(applied: AppliedChange) -> float | None:
+    """Predicted over observed peak, minus one (None until both are known)."""
+    if not applied.predicted_peak_bytes or not applied.observed_peak_bytes:
+        return None
+    return applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
+
+
+def accuracy(applied: Sequence[AppliedChange], ooms: Sequence[OomEvent] = ()) -> Accuracy:
+    """The accuracy of the predictions behind ``applied``. A change ran out of memory when the
+    run did, at the change's values, after it landed and before the next change landed: a miss,
+    left out of the mean."""
+    changes = [a for a in applied if a.changes and not a.rollback]
+    missed: list[AppliedChange] = []
+    for index, change in enumerate(changes):
+        end = changes[index + 1].step if index + 1 < len(changes) else None
+        for oom in ooms:
+            if oom.step < change.step or (end is not None and oom.step >= end):
+                continue
+            if all(getattr(oom.config, k, None) == d.new for k, d in change.changes.items()):
+                missed.append(change)
+                break
+    errors = [abs(e) for a in applied if a not in missed and (e := prediction_error(a)) is not None]
+    return Accuracy(len(errors), sum(errors) / len(errors) if errors else None, len(missed))

@@ -64,8 +64,6 @@ def check_change(
     value = parse_value(knob, text)
     pending = state.pending_values()
     projected = knobs_with(control.config, pending)
-    if getattr(projected, knob) == value:
-        raise KnobError(f"{knob} is already {format_value(value)} (pending changes included)")
     resolved = resolve(
         {knob: value},
         projected,

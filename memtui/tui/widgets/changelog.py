@@ -11,6 +11,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.effect import speedup
+from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.predict import confidence
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_diffs, format_value
@@ -33,21 +34,6 @@ def entry_lines(head: Text, chips: Sequence[Chip], width: int = 0) -> list[Text]
     """An entry on lines of ``width`` (0: one line), the lines after the first under the first
     line's text."""
     return flow(head, chips, width, INDENT)
-
-
-def prediction_error(applied: AppliedChange) -> float | None:
-    """Predicted over observed peak, minus one (+0.05: predicted 5% too high; None: unknown)."""
-    if not applied.predicted_peak_bytes or not applied.observed_peak_bytes:
-        return None
-    return applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
-
-
-def accuracy(applied: Sequence[AppliedChange]) -> tuple[float, int] | None:
-    """The mean absolute prediction error over the changes measured, and how many (None: none)."""
-    errors = [abs(e) for e in map(prediction_error, applied) if e is not None]
-    if not errors:
-        return None
-    return sum(errors) / len(errors), len(errors)
 
 
 def _band_style(fraction: float, thresholds: Thresholds) -> str:
@@ -163,20 +149,25 @@ def change_lines(
             if change.predicted_peak_bytes is not None:
                 lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
         pending_lines = len(lines)
-        found = accuracy(control.applied)
-        if found is not None:
-            mean, count = found
+        found = accuracy(control.applied, control.ooms)
+        if found.mean_abs_error is not None or found.out_of_memory:
+            mean, count = found.mean_abs_error, found.measured
             line = Text("accuracy ", "bold")
             if not narrow:
                 line.append("predicted vs observed peak: ")
-            line.append(
-                f"mean error {mean:.1%}",
-                "bold green" if mean <= ACCURACY_TARGET else "bold yellow",
-            )
-            line.append(
-                f" over {count} change{'s' if count > 1 else ''} (target {ACCURACY_TARGET:.0%})",
-                "dim",
-            )
+            if mean is not None:
+                line.append(
+                    f"mean error {mean:.1%}",
+                    "bold green" if mean <= ACCURACY_TARGET else "bold yellow",
+                )
+                target = (
+                    "" if narrow and found.out_of_memory else f" (target {ACCURACY_TARGET:.0%})"
+                )
+                line.append(f" over {count} change{'s' if count > 1 else ''}{target}", "dim")
+            if found.out_of_memory:  # a change that ran out of memory is a miss, not a number
+                line.append("; " if mean is not None else "")
+                what = "OOM" if narrow else "out of memory"
+                line.append(f"{found.out_of_memory} {what} (a miss)", "bold red")
             lines.append(line)
         history: list[tuple[float, list[Text]]] = []
         for applied in control.applied:
