@@ -177,6 +177,36 @@ def test_starving_recommends_more_workers_first() -> None:
     assert any(o.changes == {"pin_memory": True} for o in options)
 
 
+def test_a_change_measured_slower_is_followed_by_its_revert_not_more_of_the_same() -> None:
+    """Issue 15: after num_workers 0 -> 2 was measured at -52% samples/s, the top recommendation
+    was num_workers 2 -> 5."""
+    from memtui.wire import AppliedChange, Effect, KnobDiff
+
+    slower = Effect(steps_before=20, steps_after=20, samples_per_s_before=266,
+                    samples_per_s_after=128, step_time_s_before=0.12, step_time_s_after=0.25,
+                    data_wait_s_before=0.08, data_wait_s_after=0.2)  # fmt: skip
+    change = AppliedChange(ids=[1], step=50, time=0.0, changes={"num_workers": KnobDiff(0, 2)},
+                           effect=slower)  # fmt: skip
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=2, num_workers=2, pin_memory=False),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=0.25, data_wait_s=0.2, samples_per_s=128, steps_per_s=4
+        ),
+        samples_per_step=32,
+        applied=(change,),
+    )
+    options = recommend(inputs)
+    assert options[0].changes == {"num_workers": 0} and options[0].title.startswith("revert #1")
+    assert "52% slower" in options[0].why and options[0].speed_delta == pytest.approx(266 / 128 - 1)
+    assert not [o for o in options if (o.changes.get("num_workers") or 0) > 2], options
+    faster = dataclasses.replace(inputs, applied=(msgspec.structs.replace(
+        change, effect=msgspec.structs.replace(slower, samples_per_s_after=250)),))  # fmt: skip
+    assert not any(o.title.startswith("revert") for o in recommend(faster)), "-6%: noise"
+    moved = dataclasses.replace(inputs, config=Knobs(batch_size=16, grad_accum=2, num_workers=3))
+    assert not any(o.title.startswith("revert") for o in recommend(moved)), "since changed again"
+
+
 def test_underused_recommends_a_bigger_micro_batch_keeping_the_effective_batch() -> None:
     inputs = Inputs(
         config=Knobs(batch_size=16, grad_accum=8, num_workers=4, pin_memory=True),

@@ -26,11 +26,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from memtui.advice.effect import speedup
 from memtui.advice.predict import line_fit, max_batch, predict_peak
 from memtui.advice.verdict import THRESHOLDS
-from memtui.knobs import accumulation_for, effective_batch, max_workers
+from memtui.knobs import accumulation_for, effective_batch, format_diffs, knobs_with, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
-from memtui.wire import AppliedChange, Effect, HostSample, Knobs, KnobValue, MemoryModel
+from memtui.wire import AppliedChange, Effect, HostSample, KnobDiff, Knobs, KnobValue, MemoryModel
 
 FRAGMENTED = 0.10
 """Reserved-but-unallocated over this share of what torch reserved: fragmentation matters."""
@@ -96,12 +97,75 @@ class Recommendation:
 
 
 def recommend(inputs: Inputs) -> list[Recommendation]:
-    """Every option that applies to the run now, best first."""
+    """Every option that applies to the run now, best first; after a change measured slower,
+    its revert first and nothing that moves its knobs further the same way."""
     options: list[Recommendation] = []
     options += _loader_options(inputs)
     options += _batch_options(inputs)
     options += _memory_advice(inputs)
+    harmful = measured_harm(inputs)
+    if harmful is not None:
+        options = [o for o in options if not _more_of_the_same(o, harmful)]
+        options.append(_revert(harmful, inputs))
     return sorted(options, key=lambda r: -r.score)
+
+
+SLOWER = 0.10
+"""A change measured this much slower (samples/s) is harm, not noise: its revert is advised.
+(Until effects carry their own confidence interval, a fixed margin over this box's step-time
+noise.)"""
+
+
+def measured_harm(inputs: Inputs) -> AppliedChange | None:
+    """The latest applied change, if it was measured slower by more than ``SLOWER`` and the run
+    still has its values."""
+    changes = [a for a in inputs.applied if a.changes and not a.rollback]
+    if not changes:
+        return None
+    last = changes[-1]
+    if last.effect is None or speedup(last.effect) > -SLOWER:
+        return None
+    if any(getattr(inputs.config, k, None) != d.new for k, d in last.changes.items()):
+        return None
+    return last
+
+
+def _more_of_the_same(option: Recommendation, harmful: AppliedChange) -> bool:
+    """``option`` moves a knob of ``harmful`` further in the direction that was measured slower."""
+    for knob, diff in harmful.changes.items():
+        new = option.changes.get(knob)
+        if new is None or diff.old is None or isinstance(new, bool):
+            continue
+        step = float(diff.new) - float(diff.old)
+        if step and (float(new) - float(diff.new)) * step > 0:
+            return True
+    return False
+
+
+def _revert(harmful: AppliedChange, inputs: Inputs) -> Recommendation:
+    """Undo ``harmful``: back to the values it replaced."""
+    assert harmful.effect is not None
+    back = {k: d.old for k, d in harmful.changes.items() if d.old is not None}
+    ids = ",".join(f"#{i}" for i in harmful.ids)
+    shown = format_diffs(
+        {k: KnobDiff(d.new, d.old) for k, d in harmful.changes.items() if d.old is not None}
+    )
+    effect = harmful.effect
+    return Recommendation(
+        title=f"revert {ids}: {shown}",
+        changes=back,
+        why=(
+            f"measured {-speedup(effect):.0%} slower after it landed at step {harmful.step} "
+            f"({effect.samples_per_s_before:.0f} -> {effect.samples_per_s_after:.0f} samples/s "
+            f"over {effect.steps_before} and {effect.steps_after} steps)"
+        ),
+        speed_delta=effect.samples_per_s_before / effect.samples_per_s_after - 1
+        if effect.samples_per_s_after > 0
+        else None,
+        speed_note="measured: the speed before the change",
+        effective_batch=_effective(knobs_with(inputs.config, back), inputs.world_size),
+        score=5.0,
+    )
 
 
 # ----------------------------------------------------------------------------- data loader
