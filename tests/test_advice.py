@@ -104,6 +104,24 @@ def test_model_fits_a_line_through_observed_batches() -> None:
     assert predict_peak(model, 24) == pytest.approx(757 * MIB, rel=0.05)
 
 
+def test_a_cpu_peak_seen_after_a_decrease_does_not_flatten_the_line() -> None:
+    """Issue 15: 32 -> 6 on the CPU kept most of 32's memory; that point flattened the line and
+    the max safe batch overshot. On CUDA the allocated bytes come down: the point counts."""
+    history = [ModelPoint(8, 459 * MIB, 10), ModelPoint(32, 899 * MIB, 10)]
+    retained = Observation("cpu", 6, 24 * GIB, 400 * MIB, 880 * MIB, 880 * MIB, 0, 10)
+    model = fit(retained, history)
+    assert [p.batch_size for p in model.points] == [8, 32], "the point at 6 is left out"
+    assert model.per_sample_bytes == pytest.approx((899 - 459) * MIB / 24)
+    assert "micro-batch 6 left out" in model.basis
+    only = fit(retained, history[1:])  # one earlier point: the slope is that point's
+    assert [p.batch_size for p in only.points] == [32]
+    assert only.per_sample_bytes == pytest.approx((899 - 400) * MIB / 32)
+    cuda = Observation("cuda", 6, 24 * GIB, 400 * MIB, 420 * MIB, 880 * MIB, 0, 10)
+    assert [p.batch_size for p in fit(cuda, history).points] == [6, 8, 32]
+    back_up = Observation("cpu", 64, 24 * GIB, 400 * MIB, 1779 * MIB, 1779 * MIB, 0, 10)
+    assert [p.batch_size for p in fit(back_up, history).points] == [8, 32, 64]
+
+
 def _steps(first: int, count: int, step_time: float, wait: float, samples: int) -> list[StepRecord]:
     return [StepRecord(first + i, 100.0 + i, step_time, wait, samples, 2) for i in range(count)]
 

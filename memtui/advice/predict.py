@@ -39,7 +39,15 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
     """The model from the current observation and the points seen at other micro-batches."""
     now = ModelPoint(observation.batch_size, observation.peak_allocated_bytes, observation.samples)
     points = {p.batch_size: p for p in history}
-    points[now.batch_size] = now
+    # On the CPU the process keeps the memory it held at a larger micro-batch (its heap is not
+    # given back), so a peak seen after a decrease says little about the smaller batch: such a
+    # point would flatten the line (issue 15: decreases seen 27-34% high, max safe overshooting).
+    # On CUDA the model reads allocated bytes, which do come down.
+    retained = observation.kind == "cpu" and any(
+        p.batch_size > observation.batch_size for p in history
+    )
+    if not retained:
+        points[now.batch_size] = now
     ordered = sorted(points.values(), key=lambda p: p.batch_size)
     overhead = 1.0
     if observation.peak_allocated_bytes > 0:
@@ -51,13 +59,19 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
             f"({', '.join(str(p.batch_size) for p in ordered)})"
         )
     else:
+        seen = ordered[0] if retained else now
         steady = observation.steady_bytes
-        activations = max(0, observation.peak_allocated_bytes - steady)
-        slope = activations / max(1, observation.batch_size)
+        activations = max(0, seen.peak_bytes - steady)
+        slope = activations / max(1, seen.batch_size)
         error = None
         basis = (
-            f"one micro-batch ({observation.batch_size}): step peak minus the steady part, "
+            f"one micro-batch ({seen.batch_size}): step peak minus the steady part, "
             "assuming activations grow linearly with the batch"
+        )
+    if retained:
+        basis += (
+            f"; micro-batch {observation.batch_size} left out: seen after a larger one, whose "
+            "memory the process still holds"
         )
     return MemoryModel(
         kind=observation.kind,
