@@ -44,7 +44,7 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     script.write_text(readme_example())
     out = tmp_path / "ckpt"
     log = tmp_path / "train.log"
-    proc = run_script(script, "--steps", "1500", "--out", str(out), log=log)
+    proc = run_script(script, "--steps", "1000", "--out", str(out), log=log)
     try:
         runs = wait_for(
             lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
@@ -65,7 +65,7 @@ def test_plain_loop_example(tmp_path: Path) -> None:
 
     log = tmp_path / "resumed.log"
     resumed = run_script(
-        script, "--steps", "1600", "--out", str(out), "--is_keep_training", log=log
+        script, "--steps", "1100", "--out", str(out), "--is_keep_training", log=log
     )
     try:
         code = resumed.wait(180)

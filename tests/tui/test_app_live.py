@@ -18,7 +18,7 @@ from memtui.tui.app import MemtuiApp
 from memtui.tui.events import Status
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.wire import RankInfo, Telemetry, encode
-from tests.conftest import LIGHT, DemoRun, memtui_cli
+from tests.conftest import DemoRun, memtui_cli
 from tests.tui.conftest import HookLoop, run, screen_text, until
 
 CHECKPOINT_EVERY = 20
@@ -31,7 +31,7 @@ def live_app(selector: str | None, **options: Any) -> MemtuiApp:
 
 def test_queue_a_change_with_keys_and_see_it_land(start_demo: Callable[..., DemoRun]) -> None:
     demo = start_demo(
-        "--workers", "0", "--steps", "3000", "--checkpoint-every", str(CHECKPOINT_EVERY), *LIGHT
+        "--workers", "0", "--steps", "3000", "--checkpoint-every", str(CHECKPOINT_EVERY)
     )
     app = live_app(demo.run_id)
 

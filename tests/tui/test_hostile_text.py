@@ -225,10 +225,12 @@ def test_the_fakes_fill_every_string_field() -> None:
         assert len(found) > 30
 
 
-SLOW_HOSTILE = {"[/", "[/]", "[bold]"}
-"""Markup forms of the same kinds as "[/x]" (a closing tag that closes nothing) and the link (a
-tag that would be swallowed): under ``-m slow``; the default suite types every form (the test
-below) and checks every widget's construction (the last test)."""
+SLOW_HOSTILE = {"[/", "[/]", "[bold]", "[/x]", "[link=file:///etc]x[/link]"}
+"""Markup forms of the same kinds as "[@click=app.quit]x[/]" (a tag that would be swallowed and
+one that closes nothing): under ``-m slow``; the default suite types every form into every
+input and has the run say them everywhere (the test below), checks every widget's construction
+(the last test), and shows the action tag, the escapes, the control bytes, the bidi text and
+the long line through every widget and screen here."""
 
 
 @pytest.mark.parametrize(
