@@ -8,7 +8,7 @@ field below is a key of ``memtui status --json``; the text view reads nothing el
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -41,6 +41,8 @@ from memtui.wire import (
     StaticMemory,
     StepRecord,
 )
+
+StructT = TypeVar("StructT", bound=Struct)
 
 Config = dict[str, KnobValue | None]
 """Every knob by name, ``None`` where the run does not expose it."""
@@ -248,38 +250,21 @@ def _applied(applied: AppliedChange) -> Applied:
     )
 
 
+def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT:
+    """``schema`` filled from ``source``'s attributes of the same names (``renamed``: field ->
+    attribute where they differ)."""
+    names = schema.__struct_fields__
+    return schema(**{f: getattr(source, renamed.get(f, f)) for f in names})
+
+
 def _metrics(snapshot: Snapshot) -> Metrics | None:
     steps = summarize_steps(snapshot.steps)
-    if steps is None:
-        return None
-    return Metrics(
-        window_steps=steps.steps,
-        step_time_s=steps.step_time_s,
-        data_wait_s=steps.data_wait_s,
-        data_wait_fraction=steps.data_wait_fraction,
-        samples_per_s=steps.samples_per_s,
-        steps_per_s=steps.steps_per_s,
-    )
+    return None if steps is None else _fields_of(Metrics, steps, window_steps="steps")
 
 
 def _memory(snapshot: Snapshot) -> Memory | None:
     memory = summarize_device(snapshot.device)
-    if memory is None:
-        return None
-    return Memory(
-        kind=memory.kind,
-        capacity_bytes=memory.capacity_bytes,
-        current_bytes=memory.current_bytes,
-        reserved_bytes=memory.reserved_bytes,
-        peak_bytes=memory.peak_bytes,
-        peak_allocated_bytes=memory.peak_allocated_bytes,
-        peak_fraction=memory.peak_fraction,
-        fragmentation_bytes=memory.fragmentation_bytes,
-        nvml_used_bytes=memory.nvml_used_bytes,
-        beyond_torch_bytes=memory.beyond_torch_bytes,
-        ooms=memory.ooms,
-        alloc_retries=memory.alloc_retries,
-    )
+    return None if memory is None else _fields_of(Memory, memory)
 
 
 def _counters(counters: HookCounters | None) -> Counters:

@@ -113,6 +113,25 @@ def launch_demo(
         )
 
 
+def launch_script(
+    script: Path, argv: list[str], env: dict[str, str], cwd: Path, log: Path
+) -> subprocess.Popen[str] | ForkedDemo:
+    """``python SCRIPT ARGV`` in ``cwd``, its output to ``log``: forked from this worker's fork
+    server (``MEMTUI_TEST_FORK=0`` turns it off), else as a subprocess."""
+    if forking():
+        log.touch()
+        return fork_server().start(argv, env, cwd, log, path=str(script))
+    with open(log, "w") as handle:
+        return subprocess.Popen(
+            [sys.executable, str(script), *argv],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
+
+
 def forking() -> bool:
     """Whether trainings start from the fork server (``MEMTUI_TEST_FORK=0``: as subprocesses)."""
     return os.environ.get("MEMTUI_TEST_FORK", "1") != "0"

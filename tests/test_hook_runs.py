@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,7 @@ import yaml
 
 from memtui.recording import read_recording
 from memtui.wire import Decoder, Telemetry
-from tests.conftest import ROOT, fork_server, forking, memtui_cli, wait_for
-from tests.forkserver import ForkedDemo
+from tests.conftest import ROOT, launch_script, memtui_cli, wait_for
 
 SCRIPT = '''
 import sys, time
@@ -126,20 +123,7 @@ class Training:
         self.log = tmp / f"{mode}.log"
         argv = [str(self.out), mode, str(steps), *extra]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc: subprocess.Popen[str] | ForkedDemo
-        if forking():  # the script, forked from a process that has imported torch
-            self.log.touch()
-            self.proc = fork_server().start(argv, full_env, ROOT, self.log, path=str(script))
-        else:
-            with open(self.log, "w") as handle:
-                self.proc = subprocess.Popen(
-                    [sys.executable, str(script), *argv],
-                    stdout=handle,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    cwd=ROOT,
-                    env=full_env,
-                )
+        self.proc = launch_script(script, argv, full_env, ROOT, self.log)
         self.run_id = str(wait_for(self._run_id, 60, 0.1, "the run id"))
 
     def _run_id(self) -> str | None:

@@ -6,14 +6,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import ROOT, fork_server, forking, memtui_cli, wait_for
-from tests.forkserver import ForkedDemo
+from tests.conftest import ROOT, launch_script, memtui_cli, wait_for
 
 
 def readme_example() -> str:
@@ -23,28 +20,13 @@ def readme_example() -> str:
     return match.group(1)
 
 
-def run_script(script: Path, *args: str, log: Path) -> subprocess.Popen[str] | ForkedDemo:
-    """``python SCRIPT ARGS`` in the script's directory, its output to ``log`` (forked from the
-    worker's fork server, which has imported torch, unless ``MEMTUI_TEST_FORK=0``)."""
-    if forking():
-        log.touch()
-        return fork_server().start(list(args), dict(os.environ), script.parent, log, str(script))
-    with open(log, "w") as handle:
-        return subprocess.Popen(
-            [sys.executable, str(script), *args],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=script.parent,
-        )
-
-
 def test_plain_loop_example(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(readme_example())
     out = tmp_path / "ckpt"
     log = tmp_path / "train.log"
-    proc = run_script(script, "--steps", "1000", "--out", str(out), log=log)
+    env = dict(os.environ)
+    proc = launch_script(script, ["--steps", "1000", "--out", str(out)], env, tmp_path, log)
     try:
         runs = wait_for(
             lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
@@ -64,8 +46,8 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     assert tuned["config"]["batch_size"] == 64 and tuned["config"]["grad_accum"] == 1
 
     log = tmp_path / "resumed.log"
-    resumed = run_script(
-        script, "--steps", "1100", "--out", str(out), "--is_keep_training", log=log
+    resumed = launch_script(
+        script, ["--steps", "1100", "--out", str(out), "--is_keep_training"], env, tmp_path, log
     )
     try:
         code = resumed.wait(180)
