@@ -25,14 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from memtui.stats import t975
 
-# two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond
-_T975 = [
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-]  # fmt: skip
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # ---------------------------------------------------------------------------- threads
@@ -174,8 +169,7 @@ def t_interval(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values) if values else math.nan
     if n < 2:
         return mean, math.nan
-    t = _T975[n - 2] if n - 2 < len(_T975) else 1.96
-    return mean, t * statistics.stdev(values) / math.sqrt(n)
+    return mean, t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
 
 
 def bootstrap_median(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:

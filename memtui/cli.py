@@ -219,12 +219,19 @@ def _prediction_line(reply: SetReply, edge: float) -> str:
     if reply.predicted_peak_bytes is None or not reply.capacity_bytes:
         return "predicted peak: no memory model yet (it needs a few steps of samples)"
     share = reply.predicted_peak_bytes / reply.capacity_bytes
+    high = reply.predicted_high_bytes
+    upto = (
+        f", up to {format_bytes(high)} = {high / reply.capacity_bytes:.0%}"
+        if high is not None and high > reply.predicted_peak_bytes
+        else ""
+    )
     line = (
-        f"predicted peak {format_bytes(reply.predicted_peak_bytes)} = {share:.0%} of "
+        f"predicted peak {format_bytes(reply.predicted_peak_bytes)} = {share:.0%}{upto} of "
         f"{format_bytes(reply.capacity_bytes)} ({reply.confidence})"
     )
     if reply.max_safe_batch_size is not None:
-        line += f"; largest micro-batch under {edge:.0%}: {reply.max_safe_batch_size}"
+        safe = reply.max_safe or str(reply.max_safe_batch_size)
+        line += f"; largest micro-batch under {edge:.0%}: {safe}"
     return line
 
 

@@ -52,6 +52,26 @@ def max_workers(cpu_count: int | None = None) -> int:
     return max(64, 4 * cpus)
 
 
+GROWING_KNOBS = ("batch_size", "num_workers", "pin_memory")
+"""Knobs whose increase takes more memory (and can cause an out-of-memory error)."""
+
+
+def grew(knob: str, diff: KnobDiff) -> bool:
+    """Whether ``diff`` makes ``knob`` take more memory (a bigger batch, more workers, pinning)."""
+    if knob not in GROWING_KNOBS:
+        return False
+    if isinstance(diff.new, bool) or isinstance(diff.old, bool):
+        return bool(diff.new) and not diff.old
+    return diff.old is None or int(diff.new) > int(diff.old)
+
+
+def shrank(knob: str, diff: KnobDiff) -> bool:
+    """Whether ``diff`` makes ``knob`` take less memory (the reverse of ``grew``)."""
+    if knob not in GROWING_KNOBS or diff.old is None:
+        return False
+    return grew(knob, KnobDiff(diff.new, diff.old))
+
+
 def canonical_name(name: str) -> str:
     """Map a knob name or alias to its canonical name, or raise KnobError with a suggestion."""
     key = name.strip().lower().replace("-", "_")

@@ -125,6 +125,33 @@ STRAGGLER_LAG_S = 2.0
 """A rank straggles when its newest step is this many seconds (at the median rate) behind."""
 
 
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t975(dof: float) -> float:
+    """The two-sided 95% quantile of Student's t with ``dof`` degrees of freedom (1.96 past 30)."""
+    index = int(dof) - 1
+    if index < 0:
+        return math.inf
+    return _T975[index] if index < len(_T975) else 1.96
+
+
+def mean_and_margin(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% t-interval (inf with fewer than two values)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.inf
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, math.inf
+    variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, t975(n - 1) * math.sqrt(variance / n)
+
+
 def median(values: Sequence[float]) -> float:
     """The median of ``values`` (0.0 when there are none)."""
     ordered = sorted(values)

@@ -174,6 +174,12 @@ class Effect(Struct, omit_defaults=True):
     data_wait_s_after: float
     peak_bytes_before: int | None = None
     peak_bytes_after: int | None = None
+    speedup_margin: float | None = None
+    """Half-width of the 95% interval of the relative change of samples/s (None: too few steps)."""
+    step_time_margin_s: float | None = None
+    """Half-width of the 95% interval of the change of the mean step time."""
+    data_wait_margin_s: float | None = None
+    """Half-width of the 95% interval of the change of the mean data wait per step."""
 
 
 class AppliedChange(Struct, omit_defaults=True):
@@ -203,6 +209,8 @@ class ModelPoint(Struct, array_like=True, frozen=True):
     """Peak allocated (CUDA: torch allocator; CPU: process-tree memory) at that micro-batch."""
     samples: int
     """Device samples the peak was taken over."""
+    noise_bytes: int = 0
+    """How much the peak readings at that micro-batch spread (0: not measured; a floor applies)."""
 
 
 class MemoryModel(Struct, omit_defaults=True):
@@ -230,6 +238,10 @@ class MemoryModel(Struct, omit_defaults=True):
     """RMS relative error of the fit over its points (None with a single point)."""
     basis: str = ""
     """How the model was made, in words (what it assumes)."""
+    workers: int | None = None
+    """Loader workers when the model was fitted (None: the run has no ``num_workers`` knob)."""
+    per_worker_bytes: int = 0
+    """Measured memory of one loader worker of its own (USS; 0: not measured)."""
 
 
 class StaticMemory(Struct, omit_defaults=True):
@@ -284,6 +296,21 @@ class RejectedChange(Struct, omit_defaults=True):
     client: str = ""
 
 
+class Ceiling(Struct, omit_defaults=True):
+    """What ran out of memory in this run (or before its restart): values to stay under."""
+
+    batch_size: int | None = None
+    """The smallest micro-batch that ran out of memory (the run stays under it)."""
+    num_workers: int | None = None
+    """The fewest loader workers that ran out of memory, when a change of workers did."""
+    pin_memory: bool = False
+    """Pinning memory ran out of memory (it stays off)."""
+    step: int = 0
+    """The step of the out-of-memory error that set it last."""
+    note: str = ""
+    """Where it came from, in words."""
+
+
 class ControlState(Struct, omit_defaults=True):
     """Rank 0's view of the config: current knobs, pending, applied and rejected changes."""
 
@@ -303,6 +330,8 @@ class ControlState(Struct, omit_defaults=True):
     """Parameters, gradients and optimizer state, exactly (None without model and optimizer)."""
     ooms: list[OomEvent] = []
     """Out-of-memory errors seen, most recent last."""
+    ceiling: Ceiling | None = None
+    """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
 
 
 class HookCounters(Struct, omit_defaults=True):
@@ -379,6 +408,8 @@ class RunInfo(Struct, omit_defaults=True):
     cancel, and leaves out the command line, cwd and paths."""
     requeue: str = ""
     """The command that queues again what the resumed run queued and never applied ("")."""
+    cpus: int = 0
+    """CPUs the training process may use (its affinity, within its cgroup's quota; 0: unknown)."""
 
 
 # --------------------------------------------------------------------------- messages
@@ -458,9 +489,14 @@ class SetReply(Struct, tag="set_reply", omit_defaults=True):
     """The device peak predicted with the change (None: no memory model yet)."""
     capacity_bytes: int | None = None
     max_safe_batch_size: int | None = None
-    """The largest micro-batch predicted to stay under 85% of capacity."""
+    """The largest micro-batch whose predicted peak's high end stays under the edge band."""
     confidence: str = ""
-    """How sure the prediction is (points seen, fit error)."""
+    """How sure the prediction is (points seen, fit error, the interval's width)."""
+    predicted_high_bytes: int | None = None
+    """The high end of the predicted peak's interval (the gate's figure)."""
+    max_safe: str = ""
+    """The largest safe micro-batch in words: a guess far past what was measured, or under what
+    ran out of memory."""
     needs_force: bool = False
     """Rejected only because it is predicted over the danger band: ``force`` would queue it."""
     v: int = WIRE_VERSION

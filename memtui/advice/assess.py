@@ -68,9 +68,11 @@ def advise(
     host: HostSample | None,
     verdict: Verdict,
     thresholds: Thresholds | None = None,
+    cpus: int = 0,
 ) -> Advice:
     """Breakdown, recommendations and limits from one rank's live numbers (``memtui status
-    --json`` and the viewer both use this), against the verdict's thresholds in force."""
+    --json`` and the viewer both use this), against the verdict's thresholds in force; ``cpus``
+    is what the run may use (its RunInfo's; 0: unknown)."""
     limits = thresholds or THRESHOLDS
     model = control.model
     split = breakdown(memory, control.static, model) if memory is not None else None
@@ -91,13 +93,21 @@ def advise(
             memory_edge_fraction=limits.memory_edge_fraction,
             memory_danger_fraction=limits.memory_danger_fraction,
             applied=tuple(control.applied),
+            ceiling=control.ceiling,
+            cpus=cpus,
         )
     )
     return Advice(
         breakdown=split,
         recommendations=options,
         max_safe_batch_size=(
-            max_batch(model, limits.memory_edge_fraction) if model is not None else None
+            max_batch(
+                model,
+                limits.memory_edge_fraction,
+                control.ceiling.batch_size if control.ceiling is not None else None,
+            )
+            if model is not None
+            else None
         ),
         model_confidence=confidence(model) if model is not None else "no model yet",
     )
@@ -227,6 +237,7 @@ def assess(
         snapshot.host[-1] if snapshot.host else None,
         verdict,
         thresholds,
+        snapshot.info.cpus,
     )
     return Assessment(
         verdict=verdict,

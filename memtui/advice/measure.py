@@ -18,6 +18,7 @@ from memtui.wire import (
     AppliedChange,
     DeviceSample,
     Effect,
+    HostSample,
     MemoryModel,
     OomEvent,
     StaticMemory,
@@ -32,19 +33,31 @@ RawStepT = tuple[int, float, float, float, int, int, int]
 
 
 def observe(
-    samples: Iterable[DeviceSample], batch_size: int, since_step: int, static: StaticMemory | None
+    samples: Iterable[DeviceSample],
+    batch_size: int,
+    since_step: int,
+    static: StaticMemory | None,
+    *,
+    workers: int | None = None,
+    host: HostSample | None = None,
 ) -> Observation | None:
     """The model's observation from the samples taken at ``batch_size`` after it settled (steps
-    after ``since_step + SETTLE_STEPS``); None with fewer than three."""
+    after ``since_step + SETTLE_STEPS``), with ``workers`` loader workers and the latest ``host``
+    sample (for their memory); None with fewer than three samples."""
     settle = since_step + SETTLE_STEPS
     window = [s for s in samples if s.step > settle]
     if len(window) < 3:
         return None
     last = window[-1]
-    peak_allocated = max(max(s.peak_allocated_bytes, s.allocated_bytes) for s in window)
+    peaks = sorted(max(s.peak_allocated_bytes, s.allocated_bytes) for s in window)
+    peak_allocated = peaks[-1]
+    # the readings that caught a whole step's peak are the top ones; their spread is the noise
+    top = peaks[len(peaks) // 2 :]
+    noise = top[-1] - top[len(top) // 2]
     peak_reserved = max(max(s.peak_reserved_bytes, s.reserved_bytes) for s in window)
     floor = min(s.allocated_bytes for s in window)
     beyond = 0
+    steady = floor
     if last.kind == "cuda":
         exact = 0
         if static is not None:
@@ -53,10 +66,16 @@ def observe(
         steady = max(exact, floor)
         if last.nvml_used_bytes is not None:
             beyond = max(0, last.nvml_used_bytes - last.reserved_bytes)
-    else:
+    per_worker = per_worker_bytes(host)
+    if last.kind != "cuda":
         # CPU: the lowest memory in use (RSS minus malloc's free cache) over the window: the
-        # samples fall all over the step cycle, and the lowest ones between steps
-        steady = floor
+        # samples fall all over the step cycle, and the lowest ones between steps. The loader
+        # workers' own memory is taken out (the model adds it back per worker): points taken at
+        # other worker counts then stay on one line
+        in_workers = per_worker * (workers or 0) if host is not None and host.workers else 0
+        steady = max(0, floor - in_workers)
+        peak_allocated = max(0, peak_allocated - in_workers)
+        peak_reserved = max(0, peak_reserved - in_workers)
     return Observation(
         kind=last.kind,
         batch_size=batch_size,
@@ -66,7 +85,18 @@ def observe(
         peak_reserved_bytes=peak_reserved,
         beyond_bytes=beyond,
         samples=len(window),
+        noise_bytes=noise,
+        workers=workers,
+        per_worker_bytes=per_worker,
     )
+
+
+def per_worker_bytes(host: HostSample | None) -> int:
+    """One loader worker's own memory (USS, else RSS) from a host sample (0: no workers)."""
+    if host is None or not host.workers:
+        return 0
+    own = host.workers_uss_bytes if host.workers_uss_bytes else host.workers_rss_bytes
+    return int(own / host.workers)
 
 
 def model_moved(old: MemoryModel | None, new: MemoryModel, batch_size: int) -> bool:

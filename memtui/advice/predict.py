@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from memtui.stats import t975
 from memtui.wire import MemoryModel, ModelPoint
 
 
@@ -33,11 +34,22 @@ class Observation:
     peak_reserved_bytes: int
     beyond_bytes: int = 0
     samples: int = 0
+    noise_bytes: int = 0
+    """How much the peak readings spread."""
+    workers: int | None = None
+    """Loader workers running (None: the run has no ``num_workers`` knob)."""
+    per_worker_bytes: int = 0
+    """Memory of one worker of its own (0: not measured)."""
 
 
 def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryModel:
     """The model from the current observation and the points seen at other micro-batches."""
-    now = ModelPoint(observation.batch_size, observation.peak_allocated_bytes, observation.samples)
+    now = ModelPoint(
+        observation.batch_size,
+        observation.peak_allocated_bytes,
+        observation.samples,
+        observation.noise_bytes,
+    )
     points = {p.batch_size: p for p in history}
     # On the CPU the process keeps the memory it held at a larger micro-batch (its heap is not
     # given back), so a peak seen after a decrease says little about the smaller batch: such a
@@ -84,6 +96,8 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
         points=ordered,
         fit_error=error,
         basis=basis,
+        workers=observation.workers,
+        per_worker_bytes=observation.per_worker_bytes,
     )
 
 
@@ -106,14 +120,107 @@ def line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+NOISE_FLOOR = 0.01
+"""A peak reading is taken as noisy by at least this share of the peak (the samples fall all over
+the step cycle; allocators round and cache)."""
+ONE_POINT_SPREAD = 0.3
+"""With one micro-batch seen, the per-sample memory is known to +-this share only: the steady
+part it is measured against is not a second point, and what grows with the batch need not grow
+in proportion (the seeds' 003 -> 004: a one-point guess 25% low)."""
+NONLINEAR_PER_DOUBLING = 0.05
+"""Past the largest micro-batch measured, a line's per-sample memory may grow by this share per
+doubling (allocator rounding, workspaces that grow with the batch): added to the upper bound."""
+Z = 2.0
+"""Standard errors in the interval where the noise is the measured spread (about 95%)."""
+GUESS_MULTIPLE = 4
+"""A max safe batch beyond this multiple of the largest micro-batch measured is a guess."""
+WORKER_GUESS_BYTES = 256 * 2**20
+"""Before a worker's memory is measured, the upper bound counts this much per new worker."""
+
+
 def predict_allocated(model: MemoryModel, batch_size: int) -> int:
     """Peak allocated (before the allocator's overhead) at ``batch_size``."""
     return int(model.steady_bytes + model.per_sample_bytes * batch_size)
 
 
-def predict_peak(model: MemoryModel, batch_size: int) -> int:
-    """The device total at peak with ``batch_size``: allocated x overhead + memory beyond torch."""
-    return int(predict_allocated(model, batch_size) * model.overhead_ratio) + model.beyond_bytes
+def _workers_bytes(model: MemoryModel, workers: int | None, high: bool) -> int:
+    """The loader workers' own memory on a CPU run (the host is its device; on CUDA workers take
+    host memory, not device memory): ``workers`` of them, or as many as the run has now. Before
+    one is measured, the high end counts ``WORKER_GUESS_BYTES`` for each new one."""
+    if model.kind != "cpu" or model.workers is None:
+        return 0
+    count = model.workers if workers is None else workers
+    total = model.per_worker_bytes * count
+    if high and model.per_worker_bytes <= 0 and count > model.workers:
+        total += WORKER_GUESS_BYTES * (count - model.workers)
+    return int(total)
+
+
+def predict_peak(model: MemoryModel, batch_size: int, workers: int | None = None) -> int:
+    """The device total at peak with ``batch_size`` (and ``workers`` loader workers): allocated
+    x overhead + memory beyond torch."""
+    allocated = predict_allocated(model, batch_size)
+    return (
+        int(allocated * model.overhead_ratio)
+        + model.beyond_bytes
+        + _workers_bytes(model, workers, high=False)
+    )
+
+
+def _noise(point: ModelPoint) -> float:
+    """A point's peak reading noise: its measured spread, at least ``NOISE_FLOOR`` of it."""
+    return max(float(point.noise_bytes), NOISE_FLOOR * point.peak_bytes)
+
+
+def margin(model: MemoryModel, batch_size: int) -> int:
+    """Half-width of the interval of peak allocated at ``batch_size``, from the data behind the
+    model: its points' noise and residuals, how far ``batch_size`` is from them, and how far it
+    extrapolates past the largest one."""
+    points = model.points
+    if not points:
+        return int(ONE_POINT_SPREAD * model.per_sample_bytes * batch_size)
+    noise = math.sqrt(sum(_noise(p) ** 2 for p in points) / len(points))
+    xs = [float(p.batch_size) for p in points]
+    if len(points) == 1:
+        width = Z * noise + ONE_POINT_SPREAD * model.per_sample_bytes * abs(batch_size - xs[0])
+    else:
+        n = len(points)
+        mean_x = sum(xs) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        sigma, k = noise, Z
+        if n > 2:  # the residuals say how well a line fits: the larger of the two counts
+            residuals = [
+                p.peak_bytes - (model.steady_bytes + model.per_sample_bytes * p.batch_size)
+                for p in points
+            ]
+            spread = math.sqrt(sum(r * r for r in residuals) / (n - 2))
+            if spread > sigma:
+                sigma, k = spread, max(Z, t975(n - 2))
+        width = k * sigma * math.sqrt(1 + 1 / n + (batch_size - mean_x) ** 2 / sxx)
+    largest = max(xs)
+    if len(points) > 1 and batch_size > largest:  # (one point's spread covers it already)
+        doublings = math.log2(batch_size / largest)
+        width += NONLINEAR_PER_DOUBLING * doublings * model.per_sample_bytes * batch_size
+    return int(width)
+
+
+def predict_range(
+    model: MemoryModel, batch_size: int, workers: int | None = None
+) -> tuple[int, int]:
+    """The device total at peak, low and high ends of its interval."""
+    allocated = predict_allocated(model, batch_size)
+    width = margin(model, batch_size)
+    beyond = model.beyond_bytes
+    low = int(max(0, allocated - width) * model.overhead_ratio) + beyond
+    low += _workers_bytes(model, workers, high=False)
+    high = int((allocated + width) * model.overhead_ratio) + beyond
+    high += _workers_bytes(model, workers, high=True)
+    return low, high
+
+
+def predict_high(model: MemoryModel, batch_size: int, workers: int | None = None) -> int:
+    """The high end of the interval of the device total at peak (what the gate and max safe use)."""
+    return predict_range(model, batch_size, workers)[1]
 
 
 def fraction(model: MemoryModel, batch_size: int) -> float:
@@ -121,18 +228,71 @@ def fraction(model: MemoryModel, batch_size: int) -> float:
     return predict_peak(model, batch_size) / model.capacity_bytes if model.capacity_bytes else 0.0
 
 
-def max_batch(model: MemoryModel, band: float) -> int | None:
-    """The largest micro-batch predicted to stay under ``band`` x capacity (None: no bound)."""
+@dataclass(frozen=True)
+class SafeBatch:
+    """The largest micro-batch whose predicted peak, high end, stays under a band."""
+
+    size: int
+    guess: bool
+    """Beyond ``GUESS_MULTIPLE`` x the largest micro-batch measured: an extrapolation."""
+    largest_measured: int
+    capped_by_oom: bool = False
+    """An out-of-memory error at a larger micro-batch set it (the ceiling), not the model."""
+
+    def describe(self) -> str:
+        """``48``, ``~300 (a guess: 37x the largest micro-batch measured, 8)`` or ``31 (under
+        the micro-batch 32 that ran out of memory)``."""
+        if self.capped_by_oom:
+            return f"{self.size} (under micro-batch {self.size + 1}, which ran out of memory)"
+        if self.guess:
+            times = self.size / max(1, self.largest_measured)
+            return (
+                f"~{self.size} (a guess: {times:.0f}x the largest micro-batch measured, "
+                f"{self.largest_measured})"
+            )
+        return str(self.size)
+
+
+def safe_batch(model: MemoryModel, band: float, ceiling: int | None = None) -> SafeBatch | None:
+    """The largest micro-batch whose predicted peak's high end stays under ``band`` x capacity,
+    below the smallest micro-batch that ran out of memory (``ceiling``); None: no bound known."""
+    largest = max((p.batch_size for p in model.points), default=model.batch_size)
     if model.capacity_bytes <= 0 or model.per_sample_bytes <= 0:
-        return None
-    budget = (band * model.capacity_bytes - model.beyond_bytes) / model.overhead_ratio
-    room = budget - model.steady_bytes
-    return max(0, int(room // model.per_sample_bytes))
+        if ceiling is None:
+            return None
+        return SafeBatch(max(0, ceiling - 1), False, largest, capped_by_oom=True)
+    budget = band * model.capacity_bytes
+    budget_allocated = (budget - model.beyond_bytes) / model.overhead_ratio
+    top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
+    low, high = 0, top  # the high end grows with the batch: the largest under the budget
+    if predict_high(model, 0) > budget:
+        high = 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        if predict_high(model, middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    if ceiling is not None and low >= ceiling:
+        return SafeBatch(max(0, ceiling - 1), False, largest, capped_by_oom=True)
+    return SafeBatch(low, low > GUESS_MULTIPLE * largest, largest)
+
+
+def max_batch(model: MemoryModel, band: float, ceiling: int | None = None) -> int | None:
+    """The largest micro-batch predicted (high end) to stay under ``band`` x capacity."""
+    found = safe_batch(model, band, ceiling)
+    return found.size if found is not None else None
 
 
 def confidence(model: MemoryModel) -> str:
-    """How sure the model is, in words."""
+    """How sure the model is, in words: what it saw and its interval at the current batch (the
+    interval of any other batch is ``predict_range``'s, wider the farther it is)."""
+    batch = model.batch_size
+    low, high = predict_range(model, batch)
+    peak = predict_peak(model, batch)
+    spread = f"+-{(high - low) / 2 / peak:.0%} at {batch}" if peak > 0 else "no interval"
     if len(model.points) < 2:
-        return "low: one micro-batch seen"
-    assert model.fit_error is not None
-    return f"{len(model.points)} micro-batches seen, fit error {model.fit_error:.1%}"
+        return f"low: one micro-batch seen, {spread}"
+    if len(model.points) == 2 or model.fit_error is None:
+        return f"{len(model.points)} micro-batches seen, {spread}"
+    return f"{len(model.points)} micro-batches seen, fit error {model.fit_error:.1%}, {spread}"

@@ -23,15 +23,24 @@ compute and loading).
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from memtui.advice.effect import speedup
+from memtui.advice.effect import measurable, speedup
+from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import line_fit, max_batch, predict_peak
 from memtui.advice.verdict import THRESHOLDS
 from memtui.knobs import accumulation_for, effective_batch, format_diffs, knobs_with, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
-from memtui.wire import AppliedChange, Effect, HostSample, KnobDiff, Knobs, KnobValue, MemoryModel
+from memtui.wire import (
+    AppliedChange,
+    Ceiling,
+    Effect,
+    HostSample,
+    KnobDiff,
+    Knobs,
+    KnobValue,
+    MemoryModel,
+)
 
 FRAGMENTED = 0.10
 """Reserved-but-unallocated over this share of what torch reserved: fragmentation matters."""
@@ -54,7 +63,11 @@ class Inputs:
     host: HostSample | None = None
     host_pressure: bool = False
     device_kind: str = "cpu"
-    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    cpus: int = 0
+    """CPUs the run may use (its affinity within its cgroup's quota; 0: unknown, an older hook):
+    loader workers beyond them compete with training for the same cores."""
+    ceiling: Ceiling | None = None
+    """What ran out of memory: no option reaches it."""
     starved_wait_fraction: float = THRESHOLDS.starved_wait_fraction
     """The verdict's STARVED threshold in force (the YAML config may change it)."""
     underused_memory_fraction: float = THRESHOLDS.underused_memory_fraction
@@ -110,20 +123,20 @@ def recommend(inputs: Inputs) -> list[Recommendation]:
     return sorted(options, key=lambda r: -r.score)
 
 
-SLOWER = 0.10
-"""A change measured this much slower (samples/s) is harm, not noise: its revert is advised.
-(Until effects carry their own confidence interval, a fixed margin over this box's step-time
-noise.)"""
+SLOWER = 0.05
+"""A change measured slower beyond its interval's noise, and by at least this much, is harm:
+its revert is advised (a smaller loss, even if real, is not worth a change)."""
 
 
 def measured_harm(inputs: Inputs) -> AppliedChange | None:
-    """The latest applied change, if it was measured slower by more than ``SLOWER`` and the run
-    still has its values."""
+    """The latest applied change, if it was measured slower (outside the noise, and by more than
+    ``SLOWER``) and the run still has its values."""
     changes = [a for a in inputs.applied if a.changes and not a.rollback]
     if not changes:
         return None
     last = changes[-1]
-    if last.effect is None or speedup(last.effect) > -SLOWER:
+    effect = last.effect
+    if effect is None or speedup(effect) > -SLOWER or not measurable(effect):
         return None
     if any(getattr(inputs.config, k, None) != d.new for k, d in last.changes.items()):
         return None
@@ -155,7 +168,9 @@ def _revert(harmful: AppliedChange, inputs: Inputs) -> Recommendation:
         title=f"revert {ids}: {shown}",
         changes=back,
         why=(
-            f"measured {-speedup(effect):.0%} slower after it landed at step {harmful.step} "
+            f"measured {-speedup(effect):.0%} slower"
+            + (f" (+-{effect.speedup_margin:.0%})" if effect.speedup_margin is not None else "")
+            + f" after it landed at step {harmful.step} "
             f"({effect.samples_per_s_before:.0f} -> {effect.samples_per_s_after:.0f} samples/s "
             f"over {effect.steps_before} and {effect.steps_after} steps)"
         ),
@@ -172,11 +187,7 @@ def _revert(harmful: AppliedChange, inputs: Inputs) -> Recommendation:
 
 
 def _per_worker_bytes(inputs: Inputs) -> int | None:
-    host = inputs.host
-    if host is None or not host.workers:
-        return None
-    unique = host.workers_uss_bytes
-    return int((unique if unique else host.workers_rss_bytes) / host.workers)
+    return per_worker_bytes(inputs.host) or None
 
 
 def _loader_model(inputs: Inputs) -> tuple[float, float, float] | None:
@@ -194,6 +205,26 @@ def _loader_model(inputs: Inputs) -> tuple[float, float, float] | None:
     return compute, per_sample, samples
 
 
+def _workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
+    """``wanted`` workers within the CPUs the run may use, under a worker count that ran out of
+    memory, and within the host RAM free for their measured memory; with why it was capped."""
+    note = ""
+    usable = inputs.cpus
+    if usable > 0 and wanted > usable:
+        wanted, note = usable, f" (capped by the {usable} CPUs the run may use)"
+    elif usable <= 0:
+        wanted = min(wanted, max_workers())
+    ceiling = inputs.ceiling
+    if ceiling is not None and ceiling.num_workers is not None and wanted >= ceiling.num_workers:
+        wanted, note = ceiling.num_workers - 1, f" (under {ceiling.num_workers}: out of memory)"
+    host, workers = inputs.host, inputs.config.num_workers or 0
+    if per_worker and host is not None:
+        affordable = workers + int(HOST_RAM_FOR_WORKERS * host.ram_available_bytes // per_worker)
+        if affordable < wanted:
+            wanted, note = affordable, " (capped by free host RAM)"
+    return wanted, note
+
+
 def _step_time(compute: float, per_sample: float, samples: float, workers: int) -> float:
     load = per_sample * samples / workers if workers else per_sample * samples
     return max(compute, load) if workers else compute + load
@@ -208,18 +239,13 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
     wait = steps.data_wait_fraction
     per_worker = _per_worker_bytes(inputs)
     workers = config.num_workers
+    wanted, limit_note = workers, ""
     if wait >= inputs.starved_wait_fraction and model is not None and not inputs.host_pressure:
         compute, per_sample, samples = model
         wanted = math.ceil(per_sample * samples / compute - 1e-9) if compute > 0 else workers + 2
-        wanted = max(workers + 1, min(wanted + 1, max_workers(inputs.cpus)))
-        limit_note = ""
-        host = inputs.host
-        if per_worker and host is not None:
-            affordable = workers + int(
-                HOST_RAM_FOR_WORKERS * host.ram_available_bytes // per_worker
-            )
-            if affordable < wanted:
-                wanted, limit_note = max(workers + 1, affordable), " (capped by free host RAM)"
+        wanted, limit_note = _workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
+    if wanted > workers and model is not None:  # starved, and a worker more is allowed
+        compute, per_sample, samples = model
         before = _step_time(compute, per_sample, samples, workers)
         after = _step_time(compute, per_sample, samples, wanted)
         host_delta = per_worker * (wanted - workers) if per_worker else None
@@ -231,7 +257,8 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                     f"{wait:.0%} of each step waits for data; loading takes "
                     f"{per_sample * 1000:.2f} ms per sample, compute {compute * 1000:.1f} ms per step"
                 ),
-                memory_delta_bytes=0,
+                # on a CPU run the host is the device: the new workers' memory is its memory
+                memory_delta_bytes=host_delta if inputs.device_kind == "cpu" else 0,
                 host_delta_bytes=host_delta,
                 speed_delta=before / after - 1 if after > 0 else None,
                 effective_batch=_effective(config, inputs.world_size),
@@ -242,6 +269,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
             inputs.device_kind == "cuda"
             and config.pin_memory is False
             and "pin_memory" in inputs.tunable
+            and not (inputs.ceiling is not None and inputs.ceiling.pin_memory)
         ):
             out.append(
                 Recommendation(
@@ -316,7 +344,8 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
     edge = inputs.memory_edge_fraction
     underused = inputs.underused_memory_fraction
-    safe = max_batch(model, edge)
+    ceiling = inputs.ceiling.batch_size if inputs.ceiling is not None else None
+    safe = max_batch(model, edge, ceiling)
     starved = (
         inputs.steps is not None and inputs.steps.data_wait_fraction >= inputs.starved_wait_fraction
     )

@@ -566,14 +566,20 @@ class Agent(threading.Thread):
         control = parts.control
         batch = parts.store.value("batch_size")
         if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+            workers = parts.store.value("num_workers")
             observation = observe(
-                publisher.device, batch, parts.store.batch_since_step, control.static
+                publisher.device,
+                batch,
+                parts.store.batch_since_step,
+                control.static,
+                workers=workers if isinstance(workers, int) else None,
+                host=publisher.host[-1] if publisher.host else None,
             )
             if observation is not None:
-                self._points[batch] = ModelPoint(
-                    batch, observation.peak_allocated_bytes, observation.samples
-                )
                 model = fit(observation, [p for b, p in self._points.items() if b != batch])
+                # the points the fit used are the history: one it left out (a CPU peak after a
+                # decrease) does not replace the one measured at that batch before
+                self._points = {p.batch_size: p for p in model.points}
                 control.offer_model(model, lambda old: model_moved(old, model, batch))
         for measured in effects_due(
             control.applied_changes(),

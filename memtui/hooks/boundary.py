@@ -12,12 +12,13 @@ import time
 from collections.abc import Callable
 
 from memtui.advice.prediction import Prediction
+from memtui.hooks.caches import release_caches
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
-from memtui.knobs import KnobError, format_diffs, merge
+from memtui.knobs import KnobError, format_diffs, merge, shrank
 from memtui.wire import AppliedChange, PendingChange
 
 log = logging.getLogger("memtui")
@@ -109,6 +110,8 @@ class Boundary:
             ).peak_bytes,
         )
         control.record_applied(applied)
+        if any(shrank(k, d) for k, d in diffs.items()):
+            release_caches()  # else the allocators keep what the smaller config frees
         if self._placement.rank == 0:
             self._tuned.write(store.knobs, step)
         log.info("%s", describe_applied(applied))

@@ -19,12 +19,23 @@ from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds, load_thresholds
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.persist import AuditLog
-from memtui.knobs import KNOBS, KnobError, format_changes, knobs_with, merge, parse_changes, resolve
+from memtui.knobs import (
+    KNOBS,
+    KnobError,
+    format_changes,
+    format_diffs,
+    knobs_with,
+    merge,
+    parse_changes,
+    resolve,
+)
 from memtui.wire import (
     AppliedChange,
     CancelReply,
     CancelRequest,
+    Ceiling,
     ControlState,
+    KnobDiff,
     Knobs,
     MemoryModel,
     OomEvent,
@@ -114,6 +125,9 @@ class Control:
         """The memory model (set by the agent thread as the run shows more)."""
         self.static: StaticMemory | None = None
         self.ooms: deque[OomEvent] = deque(maxlen=10)
+        self.ceiling: Ceiling | None = None
+        """What ran out of memory (this run or, restored, before its restart): the gate, the max
+        safe batch and the advice stay under it."""
         self.disabled = ""
         """Why changes are off for this run (set when ranks fall out of step); empty when on."""
         self.taken_time = 0.0
@@ -153,6 +167,7 @@ class Control:
                 model=self.model,
                 static=self.static,
                 ooms=list(self.ooms),
+                ceiling=self.ceiling,
             )
 
     def projected(self) -> Knobs:
@@ -237,8 +252,9 @@ class Control:
         return _reply(prediction, ok=True, id=change.id, changes=change.changes, note=change.note)
 
     def _predict(self, projected: Knobs) -> Prediction:
-        """The memory model's prediction for a config (empty without a model or a batch size)."""
-        return Prediction.of(self.model, projected.batch_size, self.thresholds)
+        """The memory model's prediction for a config (empty without a model or a batch size),
+        checked against what ran out of memory."""
+        return predict(self.model, projected, self.thresholds, self.ceiling)
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
@@ -331,12 +347,26 @@ class Control:
             record["prediction_error"] = applied.predicted_peak_bytes / peak - 1
         self.audit_event("measured", record)
 
-    def record_oom(self, event: OomEvent) -> None:
-        """Publish and audit an out-of-memory error."""
+    def record_oom(self, event: OomEvent, grown: Mapping[str, KnobDiff] | None = None) -> None:
+        """Publish and audit an out-of-memory error, and lower the ceiling to the values it ran
+        out of memory at (the micro-batch always; workers and pinning when ``grown``, the change
+        that caused it, raised them)."""
         with self._lock:
             self.ooms.append(event)
+            self.ceiling = lowered(self.ceiling, event, grown or {})
             self.seq += 1
         self.audit_event("oom", event)
+
+    def restore_ceiling(self, ceiling: Ceiling) -> None:
+        """Keep a ceiling saved before a restart (the tuned config's)."""
+        with self._lock:
+            self.ceiling = ceiling
+            self.seq += 1
+
+    def persisted(self) -> dict[str, Any]:
+        """What the tuned config keeps besides the knobs: the ceiling."""
+        ceiling = self.ceiling
+        return {"ceiling": to_builtins(ceiling)} if ceiling is not None else {}
 
     def record_rejected(self, changes: list[PendingChange], reason: str, step: int) -> None:
         """Record pending changes refused at a boundary."""
@@ -387,8 +417,41 @@ def _reply(prediction: Prediction, **fields: Any) -> SetReply:
         capacity_bytes=prediction.capacity_bytes,
         max_safe_batch_size=prediction.max_safe_batch_size,
         confidence=prediction.confidence,
+        predicted_high_bytes=prediction.peak_high_bytes,
+        max_safe=prediction.safe_words,
         **fields,
     )
+
+
+def predict(
+    model: MemoryModel | None, config: Knobs, thresholds: Thresholds, ceiling: Ceiling | None
+) -> Prediction:
+    """The prediction for a whole config: its micro-batch, workers and pinning."""
+    return Prediction.of(
+        model,
+        config.batch_size,
+        thresholds,
+        workers=config.num_workers,
+        pin_memory=config.pin_memory,
+        ceiling=ceiling,
+    )
+
+
+def lowered(ceiling: Ceiling | None, event: OomEvent, grown: Mapping[str, KnobDiff]) -> Ceiling:
+    """``ceiling`` lowered to what ran out of memory in ``event``."""
+    old = ceiling or Ceiling()
+    config = event.config
+    batch = old.batch_size
+    if isinstance(config.batch_size, int) and not isinstance(config.batch_size, bool):
+        batch = min(batch, config.batch_size) if batch is not None else config.batch_size
+    workers = old.num_workers
+    if "num_workers" in grown and isinstance(config.num_workers, int):
+        workers = min(workers, config.num_workers) if workers is not None else config.num_workers
+    pin = old.pin_memory or ("pin_memory" in grown and bool(config.pin_memory))
+    note = f"out of memory at step {event.step}" + (
+        f" after {format_diffs(grown)}" if grown else ""
+    )
+    return Ceiling(batch, workers, pin, event.step, note)
 
 
 def _thresholds_in_force() -> Thresholds:

@@ -31,7 +31,6 @@ resumed with ``resume=True`` starts from it.
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
@@ -41,19 +40,17 @@ from types import TracebackType
 from memtui.advice.oom import is_oom, parse_oom
 from memtui.advice.predict import max_batch
 from memtui.hooks.boundary import Boundary
+from memtui.hooks.caches import release_caches
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
-from memtui.knobs import accumulation_for, as_dict, format_diffs, knobs_with
+from memtui.knobs import accumulation_for, as_dict, format_diffs, grew, knobs_with
 from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent, all_fields
 
 log = logging.getLogger("memtui")
-
-GROWING_KNOBS = ("batch_size", "num_workers", "pin_memory")
-"""Knobs whose increase can cause an out-of-memory error."""
 
 
 class OomHandler:
@@ -93,7 +90,7 @@ class OomHandler:
         """Give the caches back if a rollback asked for it (at the start of a guarded block)."""
         if self.empty_cache_pending:
             self.empty_cache_pending = False
-            _empty_cache()
+            release_caches()
 
     def _rollback_target(self, step: int) -> AppliedChange | None:
         """The recent change that grew the run, if a rollback may revert it."""
@@ -103,7 +100,7 @@ class OomHandler:
         for applied in reversed(self._control.applied_changes()):
             if applied.rollback or step - applied.step > self.rollback_steps:
                 return None
-            return applied if any(_grew(k, d) for k, d in applied.changes.items()) else None
+            return applied if any(grew(k, d) for k, d in applied.changes.items()) else None
         return None
 
     def safe_config(self) -> tuple[Knobs, str]:
@@ -113,11 +110,7 @@ class OomHandler:
         recent = self._rollback_target(step) if self._placement.world_size == 1 else None
         applied = self._control.applied_changes()
         last = next((a for a in reversed(applied) if not a.rollback), None)
-        if (
-            recent is None
-            and last is not None
-            and any(_grew(k, d) for k, d in last.changes.items())
-        ):
+        if recent is None and last is not None and any(grew(k, d) for k, d in last.changes.items()):
             recent = last
         if recent is not None:
             old = {k: d.old for k, d in recent.changes.items() if d.old is not None}
@@ -130,7 +123,12 @@ class OomHandler:
         if isinstance(batch, int) and batch > 1:
             model = self._control.model
             edge = self._control.thresholds.memory_edge_fraction
-            safer = max_batch(model, edge) if model is not None else None
+            ceiling = self._control.ceiling
+            safer = (
+                max_batch(model, edge, ceiling.batch_size if ceiling is not None else None)
+                if model is not None
+                else None
+            )
             new_batch = safer if safer and safer < batch else max(1, batch // 2)
             changes: dict[str, int] = {"batch_size": new_batch}
             accum = current.grad_accum
@@ -161,6 +159,7 @@ class OomHandler:
         ledger = self._ledger
         step = ledger.step
         samples, micro = ledger.open_step()
+        grown = self._grown()
         target = self._rollback_target(step) if guarded else None
         event = OomEvent(
             time=time.time(),
@@ -183,7 +182,7 @@ class OomHandler:
                 "samples, when it failed"
             )
             event.safe_config = safe
-            self._record(event, why)
+            self._record(event, why, grown)
             log.error(
                 "memtui: out of memory at step %d (%s); no rollback (%s). Wrote a safe config for "
                 "the restart (%s): %s",
@@ -214,7 +213,7 @@ class OomHandler:
         self.empty_cache_pending = True
         event.rolled_back = True
         event.safe_config = self._store.knobs
-        self._record(event, f"rolled back change #{','.join(map(str, target.ids))}")
+        self._record(event, f"rolled back change #{','.join(map(str, target.ids))}", grown)
         log.error(
             "memtui: out of memory at step %d, %d step(s) after change #%s; rolled it back (%s); %s",
             step,
@@ -225,9 +224,19 @@ class OomHandler:
         )
         return True
 
-    def _record(self, event: OomEvent, why: str) -> None:
-        """Publish and audit an OOM, and write its safe config and post-mortem as the tuned config."""
-        self._control.record_oom(event)
+    def _grown(self) -> dict[str, KnobDiff]:
+        """The knobs the latest applied change raised, if the run still has them (the likely
+        cause of an out-of-memory error)."""
+        for applied in reversed(self._control.applied_changes()):
+            if applied.rollback:
+                return {}
+            return {k: d for k, d in applied.changes.items() if grew(k, d)}
+        return {}
+
+    def _record(self, event: OomEvent, why: str, grown: dict[str, KnobDiff]) -> None:
+        """Publish and audit an OOM (lowering the ceiling), and write its safe config and
+        post-mortem as the tuned config."""
+        self._control.record_oom(event, grown)
         safe = event.safe_config or self._store.knobs
         self._tuned.write(safe, event.step, {"safe_config_reason": why, "oom": all_fields(event)})
 
@@ -279,30 +288,3 @@ class Guard:
             self._handler.report(failure, "oom handling")
             return False
         return self.rolled_back
-
-
-def _empty_cache() -> None:
-    """Give cached memory back: torch's CUDA cache, and on CPU glibc's free heap (malloc_trim)."""
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    trim_heap()
-
-
-def trim_heap() -> None:
-    """Return free heap memory to the OS (glibc only; a no-op elsewhere)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _grew(knob: str, diff: KnobDiff) -> bool:
-    if knob not in GROWING_KNOBS:
-        return False
-    if isinstance(diff.new, bool) or isinstance(diff.old, bool):
-        return bool(diff.new) and not diff.old
-    return diff.old is None or int(diff.new) > int(diff.old)

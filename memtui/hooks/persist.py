@@ -20,12 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from memtui import safeyaml
 from memtui.knobs import KNOBS, KnobError, as_dict, parse_value
 from memtui.stats import one_line
-from memtui.wire import Knobs, to_builtins
+from memtui.wire import Ceiling, Knobs, to_builtins
 
 log = logging.getLogger("memtui")
 
@@ -237,6 +238,21 @@ def write_tuned(
         raise
 
 
+def read_ceiling(path: Path) -> Ceiling | None:
+    """The out-of-memory ceiling a tuned-config file keeps (None: none, or unreadable)."""
+    try:
+        body = safeyaml.read(path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    raw = body.get("ceiling") if isinstance(body, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return msgspec.convert(raw, Ceiling)
+    except msgspec.ValidationError:
+        return None
+
+
 def read_tuned(path: Path) -> dict[str, Any]:
     """The knob values in a tuned-config file, validated; raise ValueError if it is not one."""
     try:
@@ -270,11 +286,14 @@ class TunedConfig:
         run: Callable[[], str],
         report: Callable[[BaseException, str], None],
         audit: AuditLog | None = None,
+        sections: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self._paths = paths
         self._run = run
         self._report = report
         self.audit = audit
+        self._sections = sections
+        """What every write keeps besides the knobs (the control's ceiling), read at the write."""
         """Rank 0's audit log, whose unwritten lines are flushed with the retries."""
         self.unsaved_step: int | None = None
         """The step since which the tuned config could not be written (None: it is on disk)."""
@@ -287,9 +306,10 @@ class TunedConfig:
     def write(self, knobs: Knobs, step: int, extra: dict[str, Any] | None = None) -> None:
         """Write ``knobs`` (and ``extra`` sections) to every tuned path; what fails is retried."""
         failed = False
+        sections = {**self._sections(), **(extra or {})}
         for path in self._paths():
             try:
-                write_tuned(path, self._run(), step, as_dict(knobs), extra)
+                write_tuned(path, self._run(), step, as_dict(knobs), sections)
             except OSError as exc:
                 failed = True
                 self._reason = f"{path}: {one_line(exc)}"

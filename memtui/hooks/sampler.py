@@ -66,6 +66,34 @@ def cgroup_memory_limit() -> int | None:
     return min(real) if real else None
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity, within its cgroup's CPU quota (v2 ``cpu.max``
+    or v1 ``cfs_quota_us / cfs_period_us``), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota: float | None = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                text = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text().split()
+                if text and text[0] != "max":
+                    quota = int(text[0]) / int(text[1])
+            elif "cpu" in controllers.split(","):
+                base = Path("/sys/fs/cgroup/cpu,cpuacct")
+                if not base.exists():
+                    base = Path("/sys/fs/cgroup/cpu")
+                folder = base / path.lstrip("/")
+                limit = int((folder / "cpu.cfs_quota_us").read_text())
+                if limit > 0:
+                    quota = limit / int((folder / "cpu.cfs_period_us").read_text())
+    if quota is not None and quota > 0:
+        cpus = min(cpus, max(1, int(quota)))
+    return max(1, cpus)
+
+
 def _status_kib(text: bytes, key: bytes) -> int:
     """A ``kB`` field of /proc/PID/status, in bytes (ValueError when missing)."""
     start = text.index(key) + len(key)

@@ -48,11 +48,12 @@ from memtui.hooks.persist import (
     AuditLog,
     TunedConfig,
     read_audit,
+    read_ceiling,
     read_tuned,
     unapplied,
 )
 from memtui.hooks.placement import Placement
-from memtui.hooks.sampler import CudaDeviceProbe, Sampler
+from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.knobs import format_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import parse_bytes
@@ -166,7 +167,9 @@ class Tuner:
             step=lambda: self.ledger.step,
             report=self.report,
         )
-        self.tuned = TunedConfig(self.tuned_paths, lambda: self.run_id, self.report)
+        self.tuned = TunedConfig(
+            self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted
+        )
         self.boundary = Boundary(
             self.store,
             self.control,
@@ -451,6 +454,7 @@ class Tuner:
             state_dir=str(self.state_dir),
             tuned_path=str(self.tuned_paths()[-1]),
             audit_path=str(self.state_dir / AUDIT_FILE),
+            cpus=usable_cpus(),
         )
 
     def current_info(self) -> RunInfo:
@@ -481,6 +485,12 @@ class Tuner:
         try:
             values = read_tuned(path)
             self.resumed = self.store.resume(values, path)
+            ceiling = read_ceiling(path)
+            if ceiling is not None:
+                self.control.restore_ceiling(ceiling)
+                log.warning(
+                    "memtui: kept the out-of-memory ceiling from %s: %s", path, ceiling.note
+                )
         except ValueError as exc:
             self.report(exc, "resume")
 

@@ -14,11 +14,11 @@ import pytest
 from rich.text import Text
 from textual.pilot import Pilot
 
-from memtui.advice.predict import max_batch
+from memtui.advice.predict import GUESS_MULTIPLE, max_batch
 from memtui.recording import read_recording
 from memtui.tui.palette import SEVERITY_STYLES
 from memtui.tui.screens.help import HelpScreen
-from memtui.tui.widgets.config import TRUSTED_REACH, safe_batch_lines
+from memtui.tui.widgets.config import safe_batch_lines
 from memtui.wire import MemoryModel, ModelPoint, Telemetry
 from tests.tui.conftest import ADVICE, OOM, STARVING, replay_app, run, settle
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
@@ -61,7 +61,7 @@ def test_default_bands_on_the_advice_recording(
 
     async def check(pilot: Pilot[Any]) -> None:
         await settle(pilot)
-        assert "max safe batch  13 (predicted < 85%)" in text_of(pilot, "#config")
+        assert "max safe batch  11 (predicted < 85%)" in text_of(pilot, "#config")
         assert "memory ■ now  ■ peak  85% 90%" in text_of(pilot, "#charts")
         assert style_at(pilot, "#changes", "596 MiB = 66%") == "green"
 
@@ -149,30 +149,31 @@ def plain(lines: list[Text]) -> list[str]:
 
 
 def test_max_safe_batch_far_past_the_batches_seen_is_a_floor() -> None:
-    """One micro-batch of 16 on a 23 GiB host: the line predicts some 20000, which says nothing
-    that far out; the panel says > 128 (8x the largest seen) with a low confidence, in the
-    most words that fit: two lines in the wide layout's column (48), one in a side pane (56)."""
+    """One micro-batch of 16 on a 23 GiB host: even the interval's high end stays under the edge
+    for some 10000, which says nothing that far out; the panel says > 64 (GUESS_MULTIPLE x the
+    largest seen: the rest is a guess) with a low confidence, in the most words that fit: two
+    lines in the wide layout's column (48), one in a side pane (56)."""
     model = cpu_model([16])
     assert (max_batch(model, 0.85) or 0) > 10_000
     assert plain(safe_batch_lines(model, 0.85, 48, 2)) == [
-        f"max safe batch  > {TRUSTED_REACH * 16}, 8x the largest seen (16)",
+        f"max safe batch  > {GUESS_MULTIPLE * 16}, 4x the largest seen (16)",
         "  predicted < 85%; low: one micro-batch seen",
     ]
     assert plain(safe_batch_lines(model, 0.85, 56, 1)) == [
-        "max safe batch  > 128, 8x the 16 seen (low confidence)"
+        "max safe batch  > 64, 4x the 16 seen (low confidence)"
     ]
     assert plain(safe_batch_lines(model, 0.85, 120, 2)) == [
-        "max safe batch  > 128, 8x the largest seen (16); predicted < 85%, low confidence: "
+        "max safe batch  > 64, 4x the largest seen (16); predicted < 85%, low confidence: "
         "one micro-batch seen"
     ]
     # several batches seen: the floor follows the largest, and the fit error is said (not for
     # two: a line through two points fits them exactly)
     assert plain(safe_batch_lines(cpu_model([8, 32]), 0.85, 48, 2)) == [
-        "max safe batch  > 256, 8x the largest seen (32)",
+        "max safe batch  > 128, 4x the largest seen (32)",
         "  predicted < 85%; 2 micro-batches seen",
     ]
     assert plain(safe_batch_lines(cpu_model([4, 8, 32]), 0.85, 48, 2)) == [
-        "max safe batch  > 256, 8x the largest seen (32)",
+        "max safe batch  > 128, 4x the largest seen (32)",
         "  predicted < 85%; 3 sizes seen, fit error 1.4%",
     ]
     # too narrow for any: the shortest, cut with an ellipsis
@@ -180,28 +181,40 @@ def test_max_safe_batch_far_past_the_batches_seen_is_a_floor() -> None:
     assert len(cut) == 1 and cut[0].overflow == "ellipsis"
 
 
-def test_max_safe_batch_within_reach_is_the_model_figure() -> None:
-    """A 500 MiB limit and one micro-batch of 16: the model's figure (75, under 8x 16) shows,
-    with the band and the confidence in the most words that fit."""
+def test_max_safe_batch_within_reach_is_the_interval_high_end() -> None:
+    """A 500 MiB limit and one micro-batch of 16: the line alone would allow 75, but its high end
+    (the slope known to +-30% from one point, and the reading's noise) allows 55; two close
+    points (8, 16) with 1% noise each pin the slope down less, 38; a third (4) narrows it, 42."""
     model = cpu_model([16], capacity=500 * MIB)
-    assert max_batch(model, 0.85) == 75
+    assert max_batch(model, 0.85) == 55
     assert plain(safe_batch_lines(model, 0.85, 48, 2)) == [
-        "max safe batch  75 (predicted < 85%)",
+        "max safe batch  55 (predicted < 85%)",
         "  low confidence: one micro-batch seen",
     ]
     assert plain(safe_batch_lines(model, 0.85, 56, 1)) == [
-        "max safe batch  75 (< 85%; low: one micro-batch seen)"
+        "max safe batch  55 (< 85%; low: one micro-batch seen)"
     ]
     assert plain(safe_batch_lines(model, 0.85, 100, 2)) == [
-        "max safe batch  75 (predicted < 85%) low confidence: one micro-batch seen"
+        "max safe batch  55 (predicted < 85%) low confidence: one micro-batch seen"
     ]
     assert plain(safe_batch_lines(cpu_model([8, 16], capacity=500 * MIB), 0.85, 56, 1)) == [
-        "max safe batch  75 (< 85%; 2 micro-batches seen)"
+        "max safe batch  38 (< 85%; 2 micro-batches seen)"
     ]
     assert plain(safe_batch_lines(cpu_model([4, 8, 16], capacity=500 * MIB), 0.85, 48, 2)) == [
-        "max safe batch  75 (predicted < 85%)",
+        "max safe batch  42 (predicted < 85%)",
         "  3 micro-batches seen, fit error 1.4%",
     ]
+
+
+def test_max_safe_batch_stays_under_what_ran_out_of_memory() -> None:
+    """An out-of-memory error at micro-batch 30 caps the max safe batch at 29, whatever the
+    model says, and the panel says why."""
+    model = cpu_model([4, 8, 16], capacity=500 * MIB)
+    assert max_batch(model, 0.85, ceiling=30) == 29
+    assert plain(safe_batch_lines(model, 0.85, 48, 2, ceiling=30)) == [
+        "max safe batch  29 (30 ran out of memory)"
+    ]
+    assert max_batch(model, 0.85, ceiling=100) == 42  # a ceiling above the model's: no effect
 
 
 @pytest.mark.parametrize("size", [WIDE, NARROW], ids=["wide", "narrow"])
@@ -216,9 +229,9 @@ def test_a_cpu_run_without_a_limit_shows_the_floor_whole(size: tuple[int, int]) 
         width = pilot.app.screen.query_one("#config").content_size.width
         assert max(len(line) for line in config.splitlines()) <= width
         if size == WIDE:
-            assert "max safe batch  > 128, 8x the largest seen (16)" in config
+            assert "max safe batch  > 64, 4x the largest seen (16)" in config
             assert "predicted < 85%; low: one micro-batch seen" in config
         else:
-            assert "max safe batch  > 128, 8x the 16 seen (low confidence)" in config
+            assert "max safe batch  > 64, 4x the 16 seen (low confidence)" in config
 
     run(replay_app(STARVING), check, size)

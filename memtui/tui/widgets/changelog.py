@@ -10,7 +10,7 @@ from collections.abc import Hashable, Sequence
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.effect import speedup
+from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.predict import confidence
 from memtui.advice.verdict import THRESHOLDS, Thresholds
@@ -88,7 +88,8 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
         chips.append(Chip(Text("measuring the effect…", "dim")))
     else:
         gain = speedup(effect)
-        chips.append(Chip(Text(f"{gain:+.0%} samples/s", "bold green" if gain > 0.02 else "bold")))
+        style = "bold green" if gain > 0.02 and measurable(effect) else "bold"
+        chips.append(Chip(Text(speed_words(effect), style if measurable(effect) else "dim")))
         if effect.peak_bytes_before is not None and effect.peak_bytes_after is not None:
             peak = f"peak {format_bytes(effect.peak_bytes_before)} → "
             chips.append(Chip(Text(peak + format_bytes(effect.peak_bytes_after)), ", "))

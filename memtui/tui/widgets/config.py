@@ -8,7 +8,7 @@ from rich.cells import cell_len
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.predict import confidence, max_batch
+from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
 from memtui.knobs import KNOBS, format_value
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
@@ -21,11 +21,6 @@ KNOB_KEYS: dict[str, str] = {
     "pin_memory": "p",
 }
 """The key that edits each knob (the app's bindings use the same)."""
-TRUSTED_REACH = 8
-"""A max safe batch more than this many times the largest micro-batch seen is shown as that
-floor (``> 128, 8x the 16 seen``): the memory model is a line through the batches seen (one,
-at first), and far past them it says little (a CPU run with no memory limit would extrapolate
-one micro-batch to the host's whole RAM)."""
 LABEL = "max safe batch  "
 """Aligned with ``effective batch ``."""
 Segments = list[tuple[str, str]]
@@ -35,31 +30,44 @@ def _confidences(model: MemoryModel) -> list[str]:
     """How sure the memory model is, in words from the longest to the shortest."""
     points = len(model.points)
     if points < 2 or model.fit_error is None:
-        return ["low confidence: one micro-batch seen", confidence(model), "low confidence"]
+        return [
+            "low confidence: one micro-batch seen",
+            "low: one micro-batch seen",
+            "low confidence",
+        ]
     if points == 2:  # a line through two points fits them exactly: its error says nothing
         return [f"{points} micro-batches seen", f"{points} sizes seen"]
     fit = f"fit error {model.fit_error:.1%}"
     return [f"{points} micro-batches seen, {fit}", f"{points} sizes seen, {fit}", fit]
 
 
-def _safe_batch_layouts(model: MemoryModel, edge: float) -> list[list[Segments]]:
-    """The max safe batch line(s), from the most to the least spelt out: the figure (or, past
-    ``TRUSTED_REACH`` x the largest micro-batch seen, that floor), the band and the confidence
-    (the confidence's words before the band's: the last layout is the shortest)."""
-    safe = max_batch(model, edge)
+def _safe_batch_layouts(
+    model: MemoryModel, edge: float, ceiling: int | None = None
+) -> list[list[Segments]]:
+    """The max safe batch line(s), from the most to the least spelt out: the figure (past
+    ``GUESS_MULTIPLE`` x the largest micro-batch seen, that floor: the rest is a guess; under a
+    micro-batch that ran out of memory, that), the band and the confidence (the confidence's
+    words before the band's: the last layout is the shortest)."""
+    safe = safe_batch(model, edge, ceiling)
     largest = max([model.batch_size, *(p.batch_size for p in model.points)])
     band = f"< {edge:.0%}"
     layouts: list[list[Segments]] = []
-    if safe is not None and largest > 0 and safe > TRUSTED_REACH * largest:
-        floor: Segments = [(LABEL, "dim"), (f"> {TRUSTED_REACH * largest}", "bold cyan")]
-        head = [*floor, (f", {TRUSTED_REACH}x the largest seen ({largest})", "dim")]
-        short = [*floor, (f", {TRUSTED_REACH}x the {largest} seen", "dim")]
+    if safe is not None and safe.capped_by_oom:
+        figure: Segments = [(LABEL, "dim"), (str(safe.size), "bold cyan")]
+        out = f" ({safe.size + 1} ran out of memory)"
+        layouts.append([[*figure, (out, "dim")]])
+        layouts.append([[*figure, (" (OOM above)", "dim")]])
+        return layouts
+    if safe is not None and largest > 0 and safe.size > GUESS_MULTIPLE * largest:
+        floor: Segments = [(LABEL, "dim"), (f"> {GUESS_MULTIPLE * largest}", "bold cyan")]
+        head = [*floor, (f", {GUESS_MULTIPLE}x the largest seen ({largest})", "dim")]
+        short = [*floor, (f", {GUESS_MULTIPLE}x the {largest} seen", "dim")]
         for conf in _confidences(model):
             layouts.append([[*head, (f"; predicted {band}, {conf}", "dim")]])
             layouts.append([head, [(f"  predicted {band}; {conf}", "dim")]])
             layouts.append([[*short, (f" ({conf})", "dim")]])
         return layouts
-    figure: Segments = [(LABEL, "dim"), ("unbounded" if safe is None else str(safe), "bold cyan")]
+    figure = [(LABEL, "dim"), ("unbounded" if safe is None else str(safe.size), "bold cyan")]
     for conf in _confidences(model):
         layouts.append([[*figure, (f" (predicted {band}) {conf}", "dim")]])
         layouts.append([[*figure, (f" (predicted {band})", "dim")], [(f"  {conf}", "dim")]])
@@ -67,10 +75,12 @@ def _safe_batch_layouts(model: MemoryModel, edge: float) -> list[list[Segments]]
     return layouts
 
 
-def safe_batch_lines(model: MemoryModel, edge: float, width: int, max_lines: int) -> list[Text]:
+def safe_batch_lines(
+    model: MemoryModel, edge: float, width: int, max_lines: int, ceiling: int | None = None
+) -> list[Text]:
     """The largest micro-batch predicted under ``edge`` x capacity with how sure that is, in the
     most words that fit ``width`` columns in at most ``max_lines`` lines (else the fewest, cut)."""
-    layouts = _safe_batch_layouts(model, edge)
+    layouts = _safe_batch_layouts(model, edge, ceiling)
     fitting = [
         layout
         for layout in layouts
@@ -128,6 +138,7 @@ class ConfigPanel(StateView):
         if model is not None and "batch_size" in control.tunable:
             edge = state.thresholds.thresholds.memory_edge_fraction
             # a side pane is taller than wide: one line there, two in the wide layout's column
-            lines += safe_batch_lines(model, edge, width, 1 if self.narrow else 2)
+            ceiling = control.ceiling.batch_size if control.ceiling is not None else None
+            lines += safe_batch_lines(model, edge, width, 1 if self.narrow else 2, ceiling)
         lines.append(keep)
         return Text("\n").join(lines)

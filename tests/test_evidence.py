@@ -1,0 +1,311 @@
+"""Issue 15's rules: predictions with intervals, a max safe batch from the high end, an OOM
+ceiling that binds (and survives a restart), effects with their noise, workers within the CPUs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+
+from memtui.advice.effect import describe, measurable, measure, speed_words
+from memtui.advice.measure import observe
+from memtui.advice.predict import (
+    GUESS_MULTIPLE,
+    WORKER_GUESS_BYTES,
+    Observation,
+    fit,
+    max_batch,
+    predict_high,
+    predict_peak,
+    predict_range,
+    safe_batch,
+)
+from memtui.advice.prediction import Prediction
+from memtui.advice.recommend import Inputs, recommend
+from memtui.hooks import Options, Tuner
+from memtui.hooks.control import Control
+from memtui.hooks.persist import read_ceiling
+from memtui.hooks.sampler import usable_cpus
+from memtui.stats import StepStats
+from memtui.wire import (
+    AppliedChange,
+    Ceiling,
+    DeviceSample,
+    HostSample,
+    KnobDiff,
+    Knobs,
+    MemoryModel,
+    ModelPoint,
+    OomEvent,
+    SetRequest,
+    StepRecord,
+)
+from tests.test_tuner import Config
+
+MIB = 2**20
+GIB = 2**30
+
+
+def line_model(
+    points: list[int], capacity: int = 900 * MIB, steady: int = 400 * MIB, per: int = MIB
+) -> MemoryModel:
+    """A CPU model through ``points`` on the line ``steady + per x batch`` (noise: the floor)."""
+    history = [ModelPoint(b, steady + per * b, 10) for b in points[:-1]]
+    now = points[-1]
+    observation = Observation("cpu", now, capacity, steady, steady + per * now, steady + per * now)
+    return fit(observation, history)
+
+
+# ----------------------------------------------------------------------------- intervals
+
+
+def test_two_points_give_a_wide_interval_that_narrows_with_more_and_grows_with_reach() -> None:
+    """Issue 15: after 4 -> 8 the max safe batch was 258 with "fit error 0.0%", and 258 ran out
+    of memory at 2.6x the limit. The interval now says how little two close points know: the
+    high end at 258 is far over the danger band, so the gate wants --force."""
+    two = line_model([4, 8])
+    low, high = predict_range(two, 258)
+    assert low < predict_peak(two, 258) < high
+    assert high / two.capacity_bytes > 0.9, "258 from two points is not safe"
+    assert Prediction.of(two, 258).over_danger
+    # a farther batch has a wider interval; a third point narrows it
+    assert predict_high(two, 200) - predict_peak(two, 200) > (
+        predict_high(two, 16) - predict_peak(two, 16)
+    )
+    three = line_model([4, 8, 64])
+    assert predict_high(three, 200) - predict_peak(three, 200) < (
+        predict_high(two, 200) - predict_peak(two, 200)
+    )
+    # the max safe batch is the largest whose high end stays under the edge
+    edge = 0.85
+    safe = max_batch(two, edge)
+    assert safe is not None and predict_high(two, safe) <= edge * two.capacity_bytes
+    assert predict_high(two, safe + 1) > edge * two.capacity_bytes
+    central = int((edge * two.capacity_bytes - two.steady_bytes) // two.per_sample_bytes)
+    assert safe < central, "the line alone would promise more"
+
+
+def test_a_max_safe_batch_far_past_the_points_is_called_a_guess() -> None:
+    """Past GUESS_MULTIPLE x the largest micro-batch measured the figure is a guess, and says so."""
+    roomy = line_model([8, 16], capacity=64 * GIB)
+    found = safe_batch(roomy, 0.85)
+    assert found is not None and found.guess and found.size > GUESS_MULTIPLE * 16
+    assert "a guess" in found.describe() and "largest micro-batch measured, 16" in found.describe()
+    near = safe_batch(line_model([8, 16], capacity=500 * MIB), 0.85)
+    assert near is not None and not near.guess and near.describe() == str(near.size)
+    prediction = Prediction.of(roomy, 16)
+    assert prediction.safe_words.startswith("~")
+
+
+def cpu_samples(
+    peaks_mib: list[int], capacity: int, in_use_mib: int | None = None
+) -> list[DeviceSample]:
+    """CPU device samples at steps 10, 11, ... with these peaks (and memory in use)."""
+    return [
+        DeviceSample(
+            time=i,
+            step=10 + i,
+            kind="cpu",
+            index=-1,
+            name="cpu",
+            capacity_bytes=capacity,
+            allocated_bytes=(in_use_mib or peak) * MIB,
+            peak_allocated_bytes=peak * MIB,
+            reserved_bytes=(in_use_mib or peak) * MIB,
+            peak_reserved_bytes=peak * MIB,
+        )
+        for i, peak in enumerate(peaks_mib)
+    ]
+
+
+def test_the_noise_of_the_peak_readings_is_measured() -> None:
+    """The observation's noise is the spread of the readings that caught a step's peak."""
+    samples = cpu_samples([500, 510, 700, 702, 690, 705, 300, 698], 2000 * MIB)
+    seen = observe(samples, 8, 0, None)
+    assert seen is not None
+    assert seen.peak_allocated_bytes == 705 * MIB
+    assert seen.noise_bytes == (705 - 702) * MIB  # the top half: 698 700 702 705
+
+
+def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
+    """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
+    worker's measured memory now counts per worker; before it is measured, the high end counts
+    WORKER_GUESS_BYTES for each new one (so such a jump needs --force)."""
+    base = line_model([8])
+    none_yet = msgspec.structs.replace(base, workers=0, per_worker_bytes=0)
+    assert predict_peak(none_yet, 8, 64) == predict_peak(none_yet, 8)
+    assert predict_high(none_yet, 8, 64) >= predict_high(none_yet, 8) + 64 * WORKER_GUESS_BYTES
+    assert Prediction.of(none_yet, 8, workers=64).over_danger
+    measured = msgspec.structs.replace(base, workers=2, per_worker_bytes=8 * MIB)
+    assert predict_peak(measured, 8, 6) - predict_peak(measured, 8, 2) == 4 * 8 * MIB
+    # the observation takes the workers' memory out of the line: points at other worker
+    # counts stay on it
+    host = HostSample(
+        time=0,
+        ram_total_bytes=GIB,
+        ram_available_bytes=GIB,
+        ram_used_bytes=0,
+        workers=2,
+        workers_uss_bytes=16 * MIB,
+    )
+    samples = cpu_samples([424] * 4, GIB, in_use_mib=416)
+    seen = observe(samples, 8, 0, None, workers=2, host=host)
+    assert seen is not None and seen.per_worker_bytes == 8 * MIB
+    assert seen.peak_allocated_bytes == 408 * MIB and seen.steady_bytes == 400 * MIB
+    model = fit(seen)
+    assert predict_peak(model, 8) == 424 * MIB, "the workers are added back"
+
+
+# ----------------------------------------------------------------------------- the ceiling
+
+
+def test_an_oom_sets_a_ceiling_that_binds_and_survives_a_restart(tmp_path: Path) -> None:
+    """Issue 15: after an OOM at 258 the max safe batch was still 258 and the top recommendation
+    a bigger batch. Now the micro-batch that ran out of memory is a ceiling: the gate wants
+    --force at or above it, the max safe batch stays under it, and the tuned YAML keeps it for
+    the restart."""
+    config = Config(grad_accum=1)
+    tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False)).start()
+    tuner.step()
+    assert tuner.control.queue(SetRequest(changes={"batch_size": 32}, client="t")).ok
+    tuner.checkpoint()
+    assert config.batch_size == 32
+    guard = tuner.guard()
+    with guard:
+        raise MemoryError("CPU out of memory (test). Tried to allocate 2.00 GiB")
+    assert guard.rolled_back and config.batch_size == 16
+    ceiling = tuner.control.ceiling
+    assert ceiling is not None and ceiling.batch_size == 32
+    assert "batch_size 16 -> 32" in ceiling.note
+    refused = tuner.control.queue(SetRequest(changes={"batch_size": 40}, client="t"))
+    assert not refused.ok and refused.needs_force
+    assert "micro-batch 32 ran out of memory" in refused.reason
+    assert tuner.control.queue(SetRequest(changes={"batch_size": 24}, client="t")).ok
+    tuner.step()
+    tuner.checkpoint()  # a later change rewrites the tuned YAML: the ceiling stays in it
+    tuned = tuner.tuned_paths()[0]
+    assert yaml.safe_load(tuned.read_text())["ceiling"]["batch_size"] == 32
+    tuner.close()
+
+    again = Config(grad_accum=1)
+    restarted = Tuner(again, state_dir=tmp_path, options=Options(publish=False), resume=True)
+    restarted.start()
+    try:
+        assert again.batch_size == 24
+        assert restarted.control.ceiling == read_ceiling(tuned)
+        assert restarted.control.state().ceiling is not None
+        refused = restarted.control.queue(SetRequest(changes={"batch_size": 32}, client="t"))
+        assert not refused.ok and refused.needs_force
+        forced = restarted.control.queue(
+            SetRequest(changes={"batch_size": 32}, client="t", force=True)
+        )
+        assert forced.ok, "--force still queues it: the operator decides"
+    finally:
+        restarted.close()
+
+
+def test_the_ceiling_caps_workers_and_pinning_when_their_change_ran_out() -> None:
+    """Workers and pinning are capped only when the change that ran out of memory raised them."""
+    control = Control(lambda: Knobs(batch_size=8, grad_accum=1, num_workers=8, pin_memory=True))
+    event = OomEvent(
+        time=0,
+        step=40,
+        kind="cpu",
+        message="x",
+        config=Knobs(batch_size=8, grad_accum=1, num_workers=8, pin_memory=True),
+    )
+    control.record_oom(event, {"num_workers": KnobDiff(2, 8), "pin_memory": KnobDiff(False, True)})
+    ceiling = control.ceiling
+    assert ceiling == Ceiling(8, 8, True, 40, ceiling.note if ceiling else "")
+    assert "num_workers 2 -> 8" in (ceiling.note if ceiling else "")
+    reply = control.queue(SetRequest(changes={"num_workers": 9}, client="t", dry_run=True))
+    assert reply.needs_force and "8 loader workers ran out of memory" in reply.note
+    assert control.persisted()["ceiling"]["num_workers"] == 8
+
+
+def test_recommendations_respect_the_ceiling_and_the_usable_cpus() -> None:
+    """No option reaches what ran out of memory; more workers stop at the CPUs the run may use
+    (issue 15: 2 -> 5 recommended on a 2-CPU host)."""
+    starving = Inputs(
+        config=Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=0.12, data_wait_s=0.10, samples_per_s=266, steps_per_s=8.3
+        ),
+        samples_per_step=32,
+        device_kind="cuda",
+        cpus=8,
+    )
+    assert recommend(starving)[0].changes == {"num_workers": 6}
+    two = recommend(dataclasses.replace(starving, cpus=2))[0]
+    assert two.changes == {"num_workers": 2} and "capped by the 2 CPUs" in two.title
+    at_cpus = dataclasses.replace(starving, cpus=2, config=Knobs(16, 2, 2, False))
+    assert not any("more loader workers" in o.title for o in recommend(at_cpus))
+    capped = dataclasses.replace(starving, ceiling=Ceiling(num_workers=4, pin_memory=True))
+    options = recommend(capped)
+    assert options[0].changes == {"num_workers": 3} and "out of memory" in options[0].title
+    assert not any(o.changes.get("pin_memory") for o in options)
+    # the micro-batch: an underused run would be told to double, not past the ceiling
+    model = line_model([8, 16, 32], capacity=64 * GIB)
+    roomy = Inputs(config=Knobs(32, 1, None, None), tunable=("batch_size",), model=model)
+    assert recommend(roomy)[0].changes == {"batch_size": 64}
+    under = recommend(dataclasses.replace(roomy, ceiling=Ceiling(batch_size=48)))
+    assert under[0].changes["batch_size"] < 48
+
+
+def test_usable_cpus_is_within_the_affinity() -> None:
+    import os
+
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+# ----------------------------------------------------------------------------- effects
+
+
+def _steps(first: int, times: list[float], samples: int = 32) -> list[StepRecord]:
+    return [
+        StepRecord(first + i, float(first + i), t, t / 4, samples, 1) for i, t in enumerate(times)
+    ]
+
+
+def test_an_effect_inside_its_noise_says_no_measurable_change() -> None:
+    """Issue 15: a no-op change was reported as -44% samples/s. An effect now carries its 95%
+    interval; inside it, it says "no measurable change"."""
+    noisy = [0.10, 0.30, 0.12, 0.28, 0.11, 0.31, 0.09, 0.29, 0.10, 0.30]
+    effect = measure(_steps(1, noisy), _steps(20, noisy[1:] + noisy[:1]))
+    assert effect is not None and effect.speedup_margin is not None
+    assert not measurable(effect)
+    assert speed_words(effect).startswith("no measurable change")
+    assert describe(effect).startswith("no measurable change")
+    steady = [0.100, 0.101, 0.099, 0.100, 0.102, 0.098, 0.100, 0.101, 0.099, 0.100]
+    faster = measure(_steps(1, steady), _steps(20, [t / 2 for t in steady]))
+    assert faster is not None and measurable(faster)
+    assert speed_words(faster).startswith("+100% +-")
+
+
+def test_a_change_slower_only_within_the_noise_gets_no_revert() -> None:
+    """The revert recommendation needs a slowdown outside the noise."""
+    noisy = [0.10, 0.30, 0.12, 0.28, 0.11, 0.31, 0.09, 0.29, 0.10, 0.30]
+    effect = measure(_steps(1, noisy), _steps(20, [t * 1.15 for t in noisy]))
+    assert effect is not None and not measurable(effect)
+    change = AppliedChange(
+        ids=[1], step=50, time=0.0, changes={"num_workers": KnobDiff(0, 2)}, effect=effect
+    )
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=2, num_workers=2, pin_memory=False),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        applied=(change,),
+    )
+    assert not any(o.title.startswith("revert") for o in recommend(inputs))
+
+
+@pytest.mark.parametrize("margin", [None, 0.01])
+def test_an_older_hooks_effect_without_a_margin_is_taken_as_measured(
+    margin: float | None,
+) -> None:
+    effect = measure(_steps(1, [0.1] * 5), _steps(20, [0.2] * 5))
+    assert effect is not None
+    assert measurable(msgspec.structs.replace(effect, speedup_margin=margin))
