@@ -582,6 +582,26 @@ def gpus_command(
 @click.option("--hidden", type=int, default=None, help="Formula only: hidden size.")
 @click.option("--heads", type=int, default=None, help="Formula only: attention heads.")
 @click.option("--no-measure", is_flag=True, help="Use the formula even when the model runs.")
+@click.option(
+    "--attention",
+    type=click.Choice(["sdpa", "flash", "eager"]),
+    default="sdpa",
+    show_default=True,
+    help="How the run computes attention: sdpa (torch's default; CUDA's flash or "
+    "memory-efficient kernel), flash (flash-attention), eager (the scores kept).",
+)
+@click.option(
+    "--grad-dtype",
+    default=None,
+    help="Gradient dtype, e.g. float32 for fp32 gradient accumulation (default: the params').",
+)
+@click.option(
+    "--zero-count",
+    type=click.Choice(["deepspeed", "paper"]),
+    default="deepspeed",
+    show_default=True,
+    help="ZeRO per rank as DeepSpeed's estimator counts it, or as the ZeRO paper does.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def estimate_command(**kwargs: Any) -> None:
     """The memory a training job needs per GPU, by part, and the largest micro-batch that fits."""

@@ -7,7 +7,9 @@ What is counted, and why (torch 2.x behaviour, checked by tests/test_estimate.py
 
 - **parameters**: every parameter tensor, ``numel x itemsize`` of its dtype.
 - **gradients**: one per trainable parameter, in the parameter's dtype (``param.grad`` always
-  matches the parameter's dtype). Frozen parameters (``requires_grad=False``) have none.
+  matches the parameter's dtype) unless ``grad_dtype`` says otherwise (fp32 gradient
+  accumulation: Megatron's ``main_grad``, DeepSpeed's ``grad_accum_dtype``). Frozen parameters
+  (``requires_grad=False``) have none.
 - **master copy** (``master_weights=True``, the DeepSpeed / Megatron / apex-O2 recipe with
   16-bit parameters): an fp32 copy of every trainable parameter, 4 bytes each, and the optimizer
   states live on that copy, so they are fp32 too. torch's ``autocast`` (AMP) does not do this:
@@ -24,9 +26,19 @@ What is counted, and why (torch 2.x behaviour, checked by tests/test_estimate.py
     under 4,096 elements keep fp32 states (8 bytes per element). The two 256-entry quantisation
     maps are shared by all tensors (2 KiB) and not counted.
 
-- **ZeRO** over ``world_size`` ranks: stage 1 shards the optimizer states and the master copy,
-  stage 2 also the gradients, stage 3 also the parameters (each rank holds ``ceil(bytes / N)``;
-  DeepSpeed's bucket padding and communication buffers are not counted).
+- **ZeRO** over ``world_size`` ranks, counted one of two ways (``zero_count``):
+
+  - ``paper`` (Rajbhandari et al. 2020): stage 1 shards the optimizer states and the master
+    copy, stage 2 also the gradients, stage 3 also the parameters (each rank holds
+    ``ceil(bytes / N)``).
+  - ``deepspeed``: as DeepSpeed's ``estimate_zero2_model_states_mem_needs`` and
+    ``estimate_zero3_model_states_mem_needs`` count it (no offload), for 16-bit parameters with
+    an fp32 master copy: ZeRO-1/2 ``4 P + 16 P / N`` (16-bit parameters and gradients whole;
+    master copy, two Adam moments and an fp32 gradient partition sharded), ZeRO-3
+    ``4 L + 18 P / N`` (L: the largest layer's parameters, gathered with its gradients; the
+    16-bit parameter shard, master copy, moments and fp32 gradient partition sharded).
+
+  Neither counts DeepSpeed's reduce / all-gather buckets or ZeRO-3's prefetch buffers.
 """
 
 from __future__ import annotations
@@ -146,6 +158,8 @@ class StaticEstimate:
     notes: tuple[str, ...] = ()
     by_dtype: dict[str, dict[str, int]] = field(default_factory=dict)
     """Part (parameters, gradients, master, optimizer) to dtype to bytes (before sharding)."""
+    zero_buffers: tuple[StateBytes, ...] = ()
+    """DeepSpeed's own ZeRO buffers (fp32 gradient partition, gathered layer), where counted."""
 
     @property
     def optimizer_bytes(self) -> int:
@@ -155,7 +169,8 @@ class StaticEstimate:
     @property
     def total(self) -> int:
         """Every static part together."""
-        return self.parameters + self.gradients + self.master + self.optimizer_bytes
+        zero = sum(buffer.bytes for buffer in self.zero_buffers)
+        return self.parameters + self.gradients + self.master + self.optimizer_bytes + zero
 
 
 def parse_count(text: str | int | float) -> int:
@@ -293,6 +308,44 @@ def _shard(size: int, ranks: int) -> int:
     return -(-size // ranks) if ranks > 1 else size
 
 
+ZERO_COUNTS = ("deepspeed", "paper")
+"""How ZeRO's per-rank memory is counted: as DeepSpeed's estimator does, or as the paper does."""
+
+ZERO_LEFT_OUT = "left out: DeepSpeed's reduce / all-gather buckets and ZeRO-3 prefetch buffers"
+
+
+def _zero_note(stage: int, world_size: int, count: str) -> str:
+    """What a ZeRO stage shards and keeps, and what is left out, in one line."""
+    if count == "deepspeed":
+        formula = "4 L + 18 P / N" if stage == 3 else "4 P + 16 P / N"
+        estimator = f"estimate_zero{3 if stage == 3 else 2}_model_states_mem_needs"
+        kept = (
+            "the largest layer's 16-bit parameters and gradients gathered (4 L); the 16-bit "
+            "parameter shard, fp32 master copy, Adam moments and fp32 gradient partition sharded"
+            if stage == 3
+            else "16-bit parameters and gradients whole (4 P); fp32 master copy, Adam moments "
+            "and an fp32 gradient partition sharded (16 P / N)"
+        )
+        first = (
+            "DeepSpeed documents no ZeRO-1 estimator: counted as ZeRO-2's; " if stage == 1 else ""
+        )
+        return (
+            f"ZeRO-{stage} over {world_size} ranks as DeepSpeed's {estimator} counts it "
+            f"(no offload, {formula}): {first}{kept}; {ZERO_LEFT_OUT}"
+        )
+    sharded = {
+        1: "optimizer states and master copy sharded",
+        2: "optimizer states, master copy and gradients sharded",
+        3: "optimizer states, master copy, gradients and parameters sharded",
+    }[stage]
+    return (
+        f"ZeRO-{stage} over {world_size} ranks as the ZeRO paper counts it: {sharded}; "
+        f"{ZERO_LEFT_OUT}, and DeepSpeed's fp32 gradient partition "
+        + ("and gathered largest layer" if stage == 3 else "and whole 16-bit gradients")
+        + " (--zero-count deepspeed counts them)"
+    )
+
+
 def static_estimate(
     tensors: Sequence[TensorSpec],
     optimizer: str,
@@ -300,12 +353,17 @@ def static_estimate(
     zero_stage: int = 0,
     world_size: int = 1,
     step_on_device: bool = False,
+    grad_dtype: str | None = None,
+    zero_count: str = "paper",
+    largest_layer: int = 0,
 ) -> StaticEstimate:
     """Parameters, gradients, master copy and optimizer states of one rank."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {zero_stage}")
     if world_size < 1:
         raise ValueError("world size must be at least 1")
+    if zero_count not in ZERO_COUNTS:
+        raise ValueError(f"ZeRO count is one of {', '.join(ZERO_COUNTS)}, not {zero_count!r}")
     trainable = [t for t in tensors if t.trainable]
     by_dtype: dict[str, dict[str, int]] = {}
 
@@ -314,12 +372,15 @@ def static_estimate(
             sizes = by_dtype.setdefault(part, {})
             sizes[dtype] = sizes.get(dtype, 0) + size
 
+    def grad_bytes(t: TensorSpec) -> int:
+        return t.numel * itemsize(grad_dtype) if grad_dtype else t.nbytes
+
     for t in tensors:
         add("parameters", dtype_name(t.dtype), t.nbytes)
     for t in trainable:
-        add("gradients", dtype_name(t.dtype), t.nbytes)
+        add("gradients", dtype_name(grad_dtype or t.dtype), grad_bytes(t))
     parameters = sum(t.nbytes for t in tensors)
-    gradients = sum(t.nbytes for t in trainable)
+    gradients = sum(grad_bytes(t) for t in trainable)
     master = 4 * sum(t.numel for t in trainable) if master_weights else 0
     add("master", "float32", master)
     states = optimizer_states(trainable, optimizer, master_weights, step_on_device)
@@ -331,20 +392,46 @@ def static_estimate(
             add("optimizer", state.dtype, state.bytes)
     notes = []
     ranks = world_size if zero_stage else 1
-    if zero_stage:
+    deepspeed = zero_stage > 0 and zero_count == "deepspeed"
+    if deepspeed and not master_weights:
+        deepspeed = False
         notes.append(
-            f"ZeRO-{zero_stage} over {world_size} ranks: "
-            + {
-                1: "optimizer states and master copy sharded",
-                2: "optimizer states, master copy and gradients sharded",
-                3: "optimizer states, master copy, gradients and parameters sharded",
-            }[zero_stage]
+            "DeepSpeed's ZeRO estimator assumes 16-bit parameters with an fp32 master copy "
+            "(--mixed-precision master): counted as the ZeRO paper does"
         )
+    if zero_stage:
+        notes.append(_zero_note(zero_stage, world_size, "deepspeed" if deepspeed else "paper"))
     if master_weights:
         notes.append("16-bit parameters with an fp32 master copy: optimizer states are fp32")
+    if grad_dtype:
+        notes.append(f"gradients kept in {dtype_name(grad_dtype)} (--grad-dtype)")
+    zero_buffers: tuple[StateBytes, ...] = ()
+    if deepspeed:
+        numel = sum(t.numel for t in trainable)
+        partition = StateBytes(
+            "fp32 grads",
+            _shard(4 * numel, ranks),
+            "float32",
+            "DeepSpeed's fp32 gradients of this rank's partition",
+        )
+        if zero_stage == 3:
+            width = max((itemsize(t.dtype) for t in tensors), default=2)
+            gathered = StateBytes(
+                "gathered layer",
+                2 * width * largest_layer,
+                "/".join(sorted({dtype_name(t.dtype) for t in tensors})) or "-",
+                f"largest layer's parameters + gradients ({largest_layer:,} parameters)",
+            )
+            zero_buffers = (partition, gathered)
+        else:
+            zero_buffers = (partition,)
+    shard_params = zero_stage >= 3
+    shard_grads = zero_stage >= 2 and not deepspeed
     return StaticEstimate(
-        parameters=_shard(parameters, ranks) if zero_stage >= 3 else parameters,
-        gradients=_shard(gradients, ranks) if zero_stage >= 2 else gradients,
+        parameters=_shard(parameters, ranks) if shard_params else parameters,
+        gradients=0
+        if deepspeed and zero_stage == 3
+        else (_shard(gradients, ranks) if shard_grads else gradients),
         master=_shard(master, ranks),
         states=tuple(replace(s, bytes=_shard(s.bytes, ranks)) for s in states),
         total_params=sum(t.numel for t in tensors),
@@ -352,6 +439,7 @@ def static_estimate(
         optimizer=optimizer,
         notes=tuple(notes),
         by_dtype=by_dtype,
+        zero_buffers=zero_buffers,
     )
 
 
@@ -402,49 +490,97 @@ def largest_batch(
 # ------------------------------------------------------------------- activations by formula
 
 
-def transformer_shape(params: int) -> tuple[int, int]:
-    """(layers, hidden) of a standard decoder with ``params`` parameters (~12 L h^2, h = 128 L)."""
-    layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
-    hidden = max(64, int(math.sqrt(params / (12 * layers))))
-    return layers, hidden
+@dataclass(frozen=True)
+class ModelShape:
+    """A real model family's published shape: layers, hidden size, heads, FFN width, vocabulary."""
+
+    name: str
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+
+    @property
+    def largest_layer(self) -> int:
+        """Parameters of the largest single module (the embedding or an FFN projection)."""
+        return max(self.vocab * self.hidden, self.ffn * self.hidden)
+
+
+MODEL_SHAPES = (
+    # GPT-3 (Brown et al. 2020, table 2.1): FFN 4h, vocabulary 50257; nominal parameter counts
+    ModelShape("GPT-3 Small", 125_000_000, 12, 768, 12, 3072, 50257),
+    ModelShape("GPT-3 Medium", 350_000_000, 24, 1024, 16, 4096, 50257),
+    ModelShape("GPT-3 Large", 760_000_000, 24, 1536, 16, 6144, 50257),
+    ModelShape("GPT-3 XL", 1_300_000_000, 24, 2048, 24, 8192, 50257),
+    ModelShape("GPT-3 2.7B", 2_700_000_000, 32, 2560, 32, 10240, 50257),
+    ModelShape("GPT-3 6.7B", 6_700_000_000, 32, 4096, 32, 16384, 50257),
+    ModelShape("GPT-3 13B", 13_000_000_000, 40, 5140, 40, 20560, 50257),
+    ModelShape("GPT-3 175B", 175_000_000_000, 96, 12288, 96, 49152, 50257),
+    # Llama 2 (Touvron et al. 2023; the Hugging Face configs): SwiGLU FFN, vocabulary 32000
+    ModelShape("Llama-2-7B", 6_738_415_616, 32, 4096, 32, 11008, 32000),
+    ModelShape("Llama-2-13B", 13_015_864_320, 40, 5120, 40, 13824, 32000),
+    ModelShape("Llama-2-70B", 68_976_648_192, 80, 8192, 64, 28672, 32000),
+)
+"""The real configurations a bare parameter count is given the shape of (the nearest one)."""
+
+
+def nearest_shape(params: int) -> ModelShape:
+    """The real model whose parameter count is nearest ``params`` (by ratio)."""
+    return min(MODEL_SHAPES, key=lambda shape: abs(math.log(max(params, 1) / shape.params)))
+
+
+ATTENTION_KINDS = ("sdpa", "flash", "eager")
+"""How the run computes attention (``memtui estimate --attention``)."""
 
 
 @dataclass(frozen=True)
 class FormulaActivations:
-    """Activations from the Korthikanti et al. (2022) formula, as a low-high range per sample."""
+    """Activations from the Korthikanti et al. (2022) formula, per sample, for one attention kind."""
 
-    per_sample_low: int
-    per_sample_high: int
+    per_sample: int
     layers: int
     hidden: int
     heads: int
     explanation: str
 
 
+def korthikanti_bytes(seq_len: int, hidden: int, layers: int, heads: int, eager: bool) -> int:
+    """``s h L (34 + 5 a s / h)`` bytes (eager), ``34 s h L`` (fused / flash), at 16-bit, b = 1."""
+    scores = 5 * heads * seq_len / hidden if eager else 0
+    return int(seq_len * hidden * layers * (34 + scores))
+
+
 def formula_activations(
     params: int,
     seq_len: int,
     activation_bytes: int = 2,
+    attention: str = "sdpa",
     layers: int | None = None,
     hidden: int | None = None,
     heads: int | None = None,
 ) -> FormulaActivations:
-    """Per-sample activations of a transformer: ``s h L (34 + 5 a s / h)`` bytes at 16-bit.
+    """Per-sample activations of a transformer by Korthikanti et al. (2022), eq. 2 and 3.
 
-    Low: fused/flash attention (no ``a s^2`` score matrices kept, the 34 term only). High:
-    eager attention (scores and softmax kept). Scaled by ``activation_bytes / 2`` for fp32
-    activations. Not modelled: the logits over a large vocabulary (``s V`` per sample, often
-    the single largest tensor), gradient checkpointing, tensor/sequence parallelism.
+    Eager attention keeps the ``a s^2`` scores, softmax and dropout (``34 + 5 a s / h``);
+    flash and SDPA's fused kernels keep none of them (the ``34`` term, as the paper's selective
+    recomputation). Scaled by ``activation_bytes / 2`` for fp32 activations. Shapes not given
+    come from the nearest real model (``MODEL_SHAPES``). Not modelled: the logits over the
+    vocabulary, gradient checkpointing, tensor/sequence parallelism.
     """
-    guessed_layers, guessed_hidden = transformer_shape(params)
-    layers = layers or guessed_layers
-    hidden = hidden or guessed_hidden
-    heads = heads or max(1, hidden // 128)
-    scale = activation_bytes / 2
-    low = seq_len * hidden * layers * 34 * scale
-    high = seq_len * hidden * layers * (34 + 5 * heads * seq_len / hidden) * scale
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention is one of {', '.join(ATTENTION_KINDS)}, not {attention!r}")
+    shape = nearest_shape(params)
+    guessed = not (layers and hidden)
+    layers = layers or shape.layers
+    hidden = hidden or shape.hidden
+    heads = heads or (shape.heads if guessed else max(1, hidden // 128))
+    eager = attention == "eager"
+    per_sample = korthikanti_bytes(seq_len, hidden, layers, heads, eager) * activation_bytes // 2
+    source = f"the shape of {shape.name} ({shape.params:,} parameters), " if guessed else ""
     explanation = (
-        f"formula s*h*L*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022) with L={layers}, "
-        f"h={hidden}, a={heads}, s={seq_len}; low = flash attention, high = eager attention"
+        f"formula s*h*L*(34{' + 5*a*s/h' if eager else ''}) bytes (Korthikanti et al. 2022, "
+        f"{attention} attention) with {source}L={layers}, h={hidden}, a={heads}, s={seq_len}"
     )
-    return FormulaActivations(int(low), int(high), layers, hidden, heads, explanation)
+    return FormulaActivations(per_sample, layers, hidden, heads, explanation)

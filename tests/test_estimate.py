@@ -400,3 +400,171 @@ def test_hf_config_without_transformers_says_so(tmp_path: Any) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 2
     assert "needs the transformers package" in result.stderr
+
+
+def cli_in_process(*args: str) -> Any:
+    """``memtui <args>`` in this process (no torch import per call): exit code, stdout, stderr."""
+    from click.testing import CliRunner
+
+    from memtui.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    return type(
+        "Result",
+        (),
+        {"returncode": result.exit_code, "stdout": result.stdout, "stderr": result.stderr},
+    )
+
+
+@pytest.mark.parametrize(
+    ("attention", "dtype"),
+    [
+        ("sdpa", torch.float32),
+        ("flash", torch.float32),
+        ("eager", torch.float32),
+        ("sdpa", torch.bfloat16),
+    ],
+)
+def test_meta_and_cpu_measure_the_same(attention: str, dtype: torch.dtype) -> None:
+    """TinyGPT measured on the CPU and on the meta device with the same attention kind agree.
+
+    Exactly in fp32. In bf16 the CPU's LayerNorm keeps its mean and rstd in bf16 where the
+    meta device (and CUDA) keep fp32: 16 bytes per token per LayerNorm, under 1% here.
+    """
+    cpu = TinyGPT().to(dtype)
+    with torch.device("meta"):
+        meta = TinyGPT().to(dtype)
+    on_cpu = estimate.measure_activations(cpu, 64, attention=attention)
+    on_meta = estimate.measure_activations(meta, 64, attention=attention)
+    assert "on the meta device" in on_meta.explanation and "on the CPU" in on_cpu.explanation
+    assert f"{attention} attention (2 scaled_dot_product_attention calls" in on_meta.explanation
+    if dtype == torch.float32:
+        assert on_cpu.measured == on_meta.measured
+    else:
+        assert on_meta.per_sample == pytest.approx(on_cpu.per_sample, rel=0.01)
+        assert on_meta.per_sample - on_cpu.per_sample == 5 * 2 * 64 * 2  # 5 norms, 2 stats
+
+
+def test_sdpa_stand_in_keeps_what_torch_keeps() -> None:
+    """On the CPU torch's own SDPA kernel keeps q, k, v, out and the lse: the stand-in the same."""
+    model = TinyGPT()
+    assert estimate.saved_bytes(model, 2, 64) == estimate.saved_bytes(model, 2, 64, None, "sdpa")
+
+
+def test_meta_bf16_no_longer_counts_fp32_scores() -> None:
+    """The meta device's SDPA falls back to math in fp32 (s x s scores at 4 bytes): not counted."""
+    with torch.device("meta"):
+        model = TinyGPT().to(torch.bfloat16)
+    fallback = estimate.saved_bytes(model, 2, 64)
+    flash = estimate.saved_bytes(model, 2, 64, None, "flash")
+    eager = estimate.saved_bytes(model, 2, 64, None, "eager")
+    assert flash < eager < fallback
+    # per block the bf16 eager softmax keeps b a s^2 x 2 bytes; the fallback's fp32 ones more
+    assert eager - flash >= 2 * (2 * 4 * 64 * 64 * 2)
+
+
+def test_korthikanti_per_layer_fast() -> None:
+    """One layer of GPT-3 6.7B's shape at s=2048 (two layers less one, on meta): within 1%.
+
+    The difference leaves out what is kept once per model (the loss's fp32 copy of the output).
+    The README's rows measure all 32 layers (tests/test_estimate_refs.py, -m slow).
+    """
+    from benchmarks.estimate_refs import PaperStack, korthikanti
+
+    with torch.device("meta"):
+        models = [PaperStack(layers, 4096, 32).to(torch.bfloat16) for layers in (1, 2)]
+    for attention, eager in (("eager", True), ("flash", False), ("sdpa", False)):
+        one, two = (estimate.measure_activations(m, 2048, attention=attention) for m in models)
+        layer = two.at(1) - one.at(1)
+        assert layer == pytest.approx(korthikanti(2048, 4096, 1, 32, eager), rel=0.01)
+
+
+class ManyOutputs(torch.nn.Module):
+    """A model returning a dict of tensors, like a ModelOutput without logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"count": 3, "hidden": self.net(x)}
+
+
+def test_output_without_logits_is_measured() -> None:
+    """The first floating tensor of a mapping or tuple is backpropagated through."""
+    line = estimate.measure_activations(ManyOutputs(), None)
+    assert line.per_sample > 0
+    with pytest.raises(estimate.EstimateError, match="no floating tensor"):
+        estimate.output_tensor({"count": 3})
+
+
+def test_params_alone_gives_the_static_part() -> None:
+    """``--params 7B`` alone: exit 0, the static parts, activations unknown (not a refusal)."""
+    result = cli_in_process("estimate", "--params", "7B", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["activations"]["method"] == "unknown"
+    assert data["parts"]["activations"] is None
+    assert data["total_includes_activations"] is False
+    static = 7 * GB * 16  # fp32 params, grads and two moments
+    assert data["total_bytes"] == static + memmath.CUDA_CONTEXT_BYTES
+    table = cli_in_process("estimate", "--params", "7B", "--gpu-memory", "80GB")
+    assert table.returncode == 0, table.stderr
+    assert "unknown (not in the total): give --seq-len" in table.stdout
+    assert "largest micro-batch under 85%: unknown without activations" in table.stdout
+
+
+def test_params_take_the_shape_of_the_nearest_real_model() -> None:
+    """A bare count gets a real family's shape, named: 7B is Llama-2-7B, 175B GPT-3 175B."""
+    assert memmath.nearest_shape(7 * GB).name == "Llama-2-7B"
+    assert memmath.nearest_shape(175 * GB).name == "GPT-3 175B"
+    assert memmath.nearest_shape(1_300_000_000).name == "GPT-3 XL"
+    assert memmath.nearest_shape(70 * GB).name == "Llama-2-70B"
+    formula = memmath.formula_activations(7 * GB, 2048, attention="eager")
+    assert (formula.layers, formula.hidden, formula.heads) == (32, 4096, 32)
+    assert "Llama-2-7B (6,738,415,616 parameters)" in formula.explanation
+    assert formula.per_sample == 2048 * 4096 * 32 * (34 + 5 * 32 * 2048 / 4096)
+    flash = memmath.formula_activations(7 * GB, 2048, attention="flash")
+    assert flash.per_sample == 34 * 2048 * 4096 * 32
+
+
+def test_grad_dtype_fp32_accumulation() -> None:
+    """``--grad-dtype fp32`` with bf16 params and a master copy: 18 bytes per parameter."""
+    specs = memmath.uniform_tensors(7 * GB, "bfloat16")
+    static = memmath.static_estimate(specs, "adamw", master_weights=True, grad_dtype="float32")
+    assert static.gradients == 28 * GB
+    assert static.by_dtype["gradients"] == {"float32": 28 * GB}
+    assert static.total == 7 * GB * 18
+    assert "gradients kept in float32 (--grad-dtype)" in static.notes
+    result = cli_in_process(
+        "estimate", "--params", "7B", "--mixed-precision", "master", "--grad-dtype", "fp32",
+        "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["grad_dtype"] == "float32" and data["parts"]["gradients"] == 28 * GB
+    bad = cli_in_process("estimate", "--params", "7B", "--grad-dtype", "int8")
+    assert bad.returncode == 2 and "--grad-dtype is float32" in bad.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_counts_name_what_they_count(stage: int) -> None:
+    """Both ZeRO counts say what is sharded, kept whole and left out; DeepSpeed's is larger."""
+    specs = memmath.uniform_tensors(7 * GB, "bfloat16")
+    paper = memmath.static_estimate(specs, "adam", True, stage, 8, zero_count="paper")
+    deepspeed = memmath.static_estimate(
+        specs, "adam", True, stage, 8, zero_count="deepspeed", largest_layer=131_072_000
+    )
+    assert deepspeed.total > paper.total
+    assert any("reduce / all-gather buckets" in n for n in paper.notes)
+    assert any("--zero-count deepspeed counts them" in n for n in paper.notes)
+    note = next(n for n in deepspeed.notes if n.startswith(f"ZeRO-{stage}"))
+    assert "DeepSpeed's estimate_zero" in note and "left out" in note
+    names = [b.name for b in deepspeed.zero_buffers]
+    assert names == (["fp32 grads", "gathered layer"] if stage == 3 else names[:1])
+    assert names[0] == "fp32 grads"
+    plain = memmath.static_estimate(
+        memmath.uniform_tensors(GB, "float32"), "adam", False, stage, 8, zero_count="deepspeed"
+    )
+    assert not plain.zero_buffers, "fp32 params without a master copy: the paper's count"
+    assert any("counted as the ZeRO paper does" in n for n in plain.notes)
