@@ -64,6 +64,17 @@ class DeviceTracker:
             index = int(os.environ.get("LOCAL_RANK", "0") or 0) % count
         self.cuda_index = index
 
+    def reset_peaks(self) -> None:
+        """Reset torch's peak memory counters of the CUDA device (a no-op on CPU); a host-side
+        call into the allocator, no device synchronisation."""
+        torch = sys.modules.get("torch")
+        if self.cuda_index is None or torch is None:
+            return
+        try:
+            torch.cuda.reset_peak_memory_stats(self.cuda_index)
+        except Exception as exc:
+            self._report(exc, "reset peaks")
+
     def note_baseline(self) -> None:
         """Take the install baseline: device allocated (CUDA) or the main process's RSS (CPU)."""
         try:

@@ -80,8 +80,13 @@ class Options:
     the allocator's and the kernel's high-water marks), and each wake-up takes the GIL."""
     host_period_s: float = 1.0
     """How often host memory is sampled (psutil)."""
-    reset_peaks: bool = True
-    """Reset the torch allocator's peak counters after each read (per-interval peaks)."""
+    reset_peaks: bool = field(
+        default_factory=lambda: os.environ.get("MEMTUI_RESET_PEAKS", "") in ("1", "true", "yes")
+    )
+    """Reset torch's CUDA peak counters after every device sample (``MEMTUI_RESET_PEAKS=1``):
+    per-sample peaks, but the training's own ``torch.cuda.max_memory_allocated()`` then covers
+    only the last sample period. Off (the default), memtui resets them only when it applies a
+    change or rolls one back, and reads them untouched in between."""
     publish: bool = True
     """Start the sampler and agent threads (False: changes and timing only, nothing sent)."""
     boundary_timeout_s: float = field(
@@ -185,6 +190,7 @@ class Tuner:
             rollback_steps=self.options.rollback_steps,
             zero_grad=self._zero_grad,
             report=self.report,
+            reset_peaks=self.device.reset_peaks,
         )
         self.resumed: dict[str, KnobDiff] = {}
         """What ``resume`` changed in the script's config."""
@@ -584,6 +590,8 @@ class Tuner:
             self._refresh_static()
             step = ledger.step
             applied = self.boundary.run(step)
+            if applied is not None:  # the peak so far was the old config's
+                self.device.reset_peaks()
             if self.rank == 0 and applied is None:  # an applied change has just saved it all
                 self.tuned.save_again(step)
             taken = self.control.taken_time if self.rank == 0 else time.time()
