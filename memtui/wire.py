@@ -380,6 +380,10 @@ class RunInfo(Struct, omit_defaults=True):
     cancel, and leaves out the command line, cwd and paths."""
     requeue: str = ""
     """The command that queues again what the resumed run queued and never applied ("")."""
+    alloc_conf: str | None = None
+    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``'s
+    form, e.g. ``expandable_segments:True``; "" when none are set); None from an older hook that
+    does not send it, or a run not on CUDA."""
 
 
 # --------------------------------------------------------------------------- messages

@@ -13,7 +13,7 @@ from memtui.advice.breakdown import breakdown
 from memtui.advice.effect import describe, measure, speedup
 from memtui.advice.oom import is_oom, parse_oom
 from memtui.advice.predict import Observation, confidence, fit, max_batch, predict_peak
-from memtui.advice.recommend import Inputs, recommend
+from memtui.advice.recommend import Inputs, expandable_segments_on, recommend
 from memtui.advice.verdict import (
     THRESHOLDS,
     State,
@@ -284,6 +284,50 @@ def test_near_oom_recommends_a_smaller_micro_batch_and_expandable_segments() -> 
     assert any("expandable_segments" in t and "restart" in t for t in titles)
     assert any("gradient checkpointing" in t for t in titles)
     assert all(not o.applicable for o in options if o.needs_restart)
+
+
+@pytest.mark.parametrize(
+    ("conf", "on"),
+    [
+        (None, False),
+        ("", False),
+        ("max_split_size_mb:128", False),
+        ("expandable_segments:True", True),
+        (" max_split_size_mb:128 , expandable_segments : True ", True),
+        ("expandable_segments:False", False),
+        ("expandable_segments:True,expandable_segments:False", False),
+        ("backend:native,expandable_segments:True,garbage_collection_threshold:0.6", True),
+    ],
+)
+def test_expandable_segments_read_from_the_allocator_settings(conf: str | None, on: bool) -> None:
+    assert expandable_segments_on(conf) is on
+
+
+@pytest.mark.parametrize(
+    ("conf", "recommended"),
+    [
+        (None, True),  # an older hook that does not say: recommended, as before
+        ("max_split_size_mb:128", True),
+        ("expandable_segments:True", False),
+        ("max_split_size_mb:128,expandable_segments:True", False),
+    ],
+)
+def test_expandable_segments_recommended_only_where_not_already_set(
+    conf: str | None, recommended: bool
+) -> None:
+    memory = MemoryStats(
+        "cuda", 24 * GIB, 18 * GIB, 20 * GIB, int(22 * GIB), int(19 * GIB), 3 * GIB, 22 * GIB, 0, 1
+    )
+    inputs = Inputs(
+        config=Knobs(batch_size=32, grad_accum=2, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        memory=memory,
+        model=_model(32, 0.92),  # type: ignore[arg-type]
+        device_kind="cuda",
+        alloc_conf=conf,
+    )
+    titles = [o.title for o in recommend(inputs)]
+    assert any("expandable_segments" in t for t in titles) is recommended
 
 
 def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:

@@ -68,9 +68,11 @@ def advise(
     host: HostSample | None,
     verdict: Verdict,
     thresholds: Thresholds | None = None,
+    alloc_conf: str | None = None,
 ) -> Advice:
     """Breakdown, recommendations and limits from one rank's live numbers (``memtui status
-    --json`` and the viewer both use this), against the verdict's thresholds in force."""
+    --json`` and the viewer both use this), against the verdict's thresholds in force and the
+    run's CUDA allocator settings (``RunInfo.alloc_conf``)."""
     limits = thresholds or THRESHOLDS
     model = control.model
     split = breakdown(memory, control.static, model) if memory is not None else None
@@ -91,6 +93,7 @@ def advise(
             memory_edge_fraction=limits.memory_edge_fraction,
             memory_danger_fraction=limits.memory_danger_fraction,
             applied=tuple(control.applied),
+            alloc_conf=alloc_conf,
         )
     )
     return Advice(
@@ -227,6 +230,7 @@ def assess(
         snapshot.host[-1] if snapshot.host else None,
         verdict,
         thresholds,
+        snapshot.info.alloc_conf,
     )
     return Assessment(
         verdict=verdict,

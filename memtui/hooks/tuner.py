@@ -36,7 +36,7 @@ from memtui import registry
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.boundary import Applied, Boundary
 from memtui.hooks.control import Control
-from memtui.hooks.device import DeviceTracker
+from memtui.hooks.device import DeviceTracker, allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
@@ -471,6 +471,7 @@ class Tuner:
             return info
         if isinstance(probe, CudaDeviceProbe):
             info.device, info.capacity_bytes = f"cuda:{probe.index} {probe.name}", probe.capacity
+            info.alloc_conf = allocator_settings()
         else:
             info.device, info.capacity_bytes = "cpu", probe.host.limit_bytes
         info.device_kind = probe.kind

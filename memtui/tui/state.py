@@ -840,7 +840,14 @@ class RunState:
         samples = float(last.samples) if last is not None and last.samples else None
         own_host = series.host if series is not None and series.host is not None else host
         return advise(
-            self.control, memory, steps, samples, own_host, verdict, self.thresholds.thresholds
+            self.control,
+            memory,
+            steps,
+            samples,
+            own_host,
+            verdict,
+            self.thresholds.thresholds,
+            self.info.alloc_conf if self.info is not None else None,
         )
 
     def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
