@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks lint bench bench-gil bench-instructions bench-tui bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu lint bench bench-gil bench-instructions bench-tui bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench-hf: $(FRAMEWORKS_STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# the real CUDA paths (tests/gpu): on a machine with a CUDA device and a CUDA build of torch
+# (the CPU build above sees none, and they are skipped, each with the reason)
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check memtui tests benchmarks screenshots

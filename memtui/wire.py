@@ -61,7 +61,8 @@ class DeviceSample(Struct, frozen=True, omit_defaults=True):
     """The training device's memory at one moment (on CPU runs the host is the device).
 
     On CUDA, ``allocated``/``reserved`` are the torch caching allocator's and the peaks are the
-    allocator's peak counters since the previous sample. On CPU, ``allocated`` and ``reserved``
+    allocator's peak counters: since the hook's last applied change or rollback (or the
+    training's own reset), or since the previous sample where ``MEMTUI_RESET_PEAKS=1``. On CPU, ``allocated`` and ``reserved``
     are the RSS of the process tree (main process plus loader workers) and the peak is the main
     process's RSS high-water mark since the previous sample plus the workers' RSS.
     """
@@ -410,6 +411,10 @@ class RunInfo(Struct, omit_defaults=True):
     """The command that queues again what the resumed run queued and never applied ("")."""
     cpus: int = 0
     """CPUs the training process may use (its affinity, within its cgroup's quota; 0: unknown)."""
+    alloc_conf: str | None = None
+    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``'s
+    form, e.g. ``expandable_segments:True``; "" when none are set); None from an older hook that
+    does not send it, or a run not on CUDA."""
 
 
 # --------------------------------------------------------------------------- messages

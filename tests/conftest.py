@@ -40,6 +40,30 @@ def private_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+def skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped, each with the reason, where torch sees no CUDA device
+    (kept in the run as skips, not deselected: the report says what did not run)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    reason = no_cuda_reason() if gpu else None
+    for item in gpu if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def no_cuda_reason() -> str | None:
+    """Why the gpu tests cannot run here (None: a CUDA device is available)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if torch.cuda.is_available():
+        return None
+    build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+    return (
+        f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, {build}); "
+        "the gpu tests run the real CUDA paths on a machine with one (make test-gpu)"
+    )
+
+
 def wait_for(
     predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = ""
 ) -> object:
@@ -290,6 +314,8 @@ workers in collection order, and a long file handed out last keeps one worker bu
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put the heaviest files first (stable: every file's own order is kept)."""
+    """Put the heaviest files first (stable: every file's own order is kept); skip the gpu tests
+    where there is no CUDA device."""
     rank = {path: index for index, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    skip_gpu_tests_without_cuda(items)

@@ -20,7 +20,7 @@ from memtui.advice.predict import (
     predict_high,
     predict_peak,
 )
-from memtui.advice.recommend import Inputs, recommend
+from memtui.advice.recommend import Inputs, expandable_segments_on, recommend
 from memtui.advice.verdict import (
     THRESHOLDS,
     State,
@@ -75,6 +75,51 @@ def test_parse_older_and_other_processes() -> None:
         and not is_oom(ValueError("x"))
     )
     assert parse_oom(MemoryError("CPU out of memory. Tried to allocate 1 GiB.")).kind == "cpu"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # torch >= 2.3, as a real GPU test run raises it (tests/gpu: the huge micro-batch)
+        "CUDA out of memory. Tried to allocate 36.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+        "of which 41.56 GiB is free. Including non-PyTorch memory, this process has 37.62 GiB "
+        "memory in use. Of the allocated memory 36.25 GiB is allocated by PyTorch, and 870.00 MiB "
+        "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+        # torch 2.1-2.2: "capacty", and the hint names max_split_size_mb
+        "CUDA out of memory. Tried to allocate 36.00 GiB. GPU 0 has a total capacty of 79.19 GiB "
+        "of which 41.56 GiB is free. Including non-PyTorch memory, this process has 37.62 GiB "
+        "memory in use. Of the allocated memory 36.25 GiB is allocated by PyTorch, and 870.00 MiB "
+        "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting max_split_size_mb to avoid fragmentation.",
+    ],
+)
+def test_parse_recorded_cuda_messages(message: str) -> None:
+    """Messages in the forms torch raises (numbers of a huge micro-batch on an 80 GB card)."""
+    report = parse_oom(message)
+    assert report.kind == "cuda" and report.device_index == 0
+    assert report.tried_bytes == 36 * GIB
+    assert report.capacity_bytes == pytest.approx(79.19 * GIB, rel=1e-6)
+    assert report.free_bytes == pytest.approx(41.56 * GIB, rel=1e-6)
+    assert report.process_in_use_bytes == pytest.approx(37.62 * GIB, rel=1e-6)
+    assert report.allocated_bytes == pytest.approx(36.25 * GIB, rel=1e-6)
+    assert report.reserved_unallocated_bytes == 870 * MIB
+    assert report.reserved_bytes == pytest.approx(36.25 * GIB + 870 * MIB, rel=1e-6)
+
+
+def test_parse_a_container_message_and_no_free_bytes() -> None:
+    """In a container torch cannot tell its own process from others: every one is "Process N"."""
+    report = parse_oom(
+        "CUDA out of memory. Tried to allocate 204.00 MiB. GPU 1 has a total capacity of 47.53 GiB "
+        "of which 0 bytes is free. Process 4711 has 47.43 GiB memory in use. Of the allocated "
+        "memory 47.03 GiB is allocated by PyTorch, and 83.38 MiB is reserved by PyTorch but "
+        "unallocated."
+    )
+    assert report.device_index == 1 and report.free_bytes == 0
+    assert report.other_processes == {4711: int(47.43 * GIB)}
+    assert report.process_in_use_bytes is None and report.tried_bytes == 204 * MIB
 
 
 def test_one_point_model_and_the_seed_004_mistake() -> None:
@@ -295,6 +340,50 @@ def test_near_oom_recommends_a_smaller_micro_batch_and_expandable_segments() -> 
     assert any("expandable_segments" in t and "restart" in t for t in titles)
     assert any("gradient checkpointing" in t for t in titles)
     assert all(not o.applicable for o in options if o.needs_restart)
+
+
+@pytest.mark.parametrize(
+    ("conf", "on"),
+    [
+        (None, False),
+        ("", False),
+        ("max_split_size_mb:128", False),
+        ("expandable_segments:True", True),
+        (" max_split_size_mb:128 , expandable_segments : True ", True),
+        ("expandable_segments:False", False),
+        ("expandable_segments:True,expandable_segments:False", False),
+        ("backend:native,expandable_segments:True,garbage_collection_threshold:0.6", True),
+    ],
+)
+def test_expandable_segments_read_from_the_allocator_settings(conf: str | None, on: bool) -> None:
+    assert expandable_segments_on(conf) is on
+
+
+@pytest.mark.parametrize(
+    ("conf", "recommended"),
+    [
+        (None, True),  # an older hook that does not say: recommended, as before
+        ("max_split_size_mb:128", True),
+        ("expandable_segments:True", False),
+        ("max_split_size_mb:128,expandable_segments:True", False),
+    ],
+)
+def test_expandable_segments_recommended_only_where_not_already_set(
+    conf: str | None, recommended: bool
+) -> None:
+    memory = MemoryStats(
+        "cuda", 24 * GIB, 18 * GIB, 20 * GIB, int(22 * GIB), int(19 * GIB), 3 * GIB, 22 * GIB, 0, 1
+    )
+    inputs = Inputs(
+        config=Knobs(batch_size=32, grad_accum=2, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        memory=memory,
+        model=_model(32, 0.92),  # type: ignore[arg-type]
+        device_kind="cuda",
+        alloc_conf=conf,
+    )
+    titles = [o.title for o in recommend(inputs)]
+    assert any("expandable_segments" in t for t in titles) is recommended
 
 
 def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:

@@ -3,6 +3,7 @@ the one Prediction, each through its public methods (no threads, no sockets, no 
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from memtui.advice.measure import EFFECT_STEPS, effects_due, model_moved, observ
 from memtui.advice.predict import fit
 from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds
+from memtui.hooks.device import allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
@@ -298,3 +300,27 @@ def test_accuracy_counts_a_change_that_ran_out_of_memory_as_a_miss() -> None:
     assert "1 change ran out of memory" in found.describe()
     assert accuracy(history[:2], [oom]).out_of_memory == 0, "an OOM after no change of theirs"
     assert accuracy(history, []).out_of_memory == 0 and accuracy([], []).mean_abs_error is None
+
+
+# ---------------------------------------------------------------------- the allocator settings
+
+
+def test_allocator_settings_as_torch_holds_them_else_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the hook sends as ``RunInfo.alloc_conf`` (the expandable_segments advice reads it)."""
+    import torch
+
+    getter = torch._C._accelerator_getAllocatorSettings
+    assert allocator_settings() == getter()
+    # a torch without the getter (before 2.9) stands in: the environment, the CUDA variable first
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(_C=SimpleNamespace()))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_settings() == ""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    assert allocator_settings() == "max_split_size_mb:64"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_settings() == "expandable_segments:True"
+    monkeypatch.delitem(sys.modules, "torch")
+    assert allocator_settings() is None

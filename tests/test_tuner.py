@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -266,6 +267,9 @@ class FakeCuda:
     def reset_peak_memory_stats(self, index: int) -> None:
         self.resets += 1
 
+    def is_initialized(self) -> bool:
+        return False
+
 
 class FakeNvml:
     """Stands in for pynvml: no NVML on this machine."""
@@ -303,12 +307,58 @@ def test_cuda_probe_reads_allocator_and_nvml() -> None:
     cuda = FakeCuda()
     probe = CudaDeviceProbe(cuda, 0, FakeNvml())
     sample = probe.sample(step=12)
-    assert cuda.resets == 1
+    assert cuda.resets == 0, "the training's own peak readings are left alone by default"
     assert sample.kind == "cuda" and sample.name == "Fake GPU" and sample.step == 12
     assert sample.peak_reserved_bytes == 19 << 30 and sample.inactive_split_bytes == 3 << 30
     assert sample.nvml_used_bytes == 21 << 30 and sample.utilization_pct == 97.0
     assert sample.ooms == 1 and sample.alloc_retries == 2
     assert [p.pid for p in sample.other_processes] == [1]
+
+
+def test_cuda_probe_resets_the_peaks_at_every_sample_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``MEMTUI_RESET_PEAKS=1`` (or ``Options(reset_peaks=True)``): per-sample peaks, as before;
+    FakeCuda stands in for the CUDA device this machine lacks."""
+    cuda = FakeCuda()
+    probe = CudaDeviceProbe(cuda, 0, reset_peaks=True)
+    probe.sample(step=1)
+    probe.sample(step=2)
+    assert cuda.resets == 2
+    assert not Options().reset_peaks
+    monkeypatch.setenv("MEMTUI_RESET_PEAKS", "1")
+    assert Options().reset_peaks
+
+
+def test_peaks_are_reset_only_at_an_applied_change_and_after_a_rollback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Between memtui's own changes the training's ``max_memory_allocated()`` stays its own; a
+    fake torch (FakeCuda for the CUDA device this machine lacks) counts the resets."""
+    cuda = FakeCuda()
+    config = Config()
+    tuner = quiet(config, tmp_path)
+    tuner.device.cuda_index = 0
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    for _ in range(3):
+        tuner.step()
+    assert tuner.checkpoint() is None and cuda.resets == 0, "no change, no reset"
+    queue(tuner, batch_size=32)
+    assert tuner.checkpoint() is not None
+    assert cuda.resets == 1, "the peak so far was the old micro-batch's"
+    tuner.step()
+    guard = tuner.guard()
+    with guard:
+        raise MemoryError("out of memory")
+    assert guard.rolled_back and config.batch_size == 16
+    monkeypatch.setattr("memtui.hooks.oom.release_caches", lambda: None)
+    with guard:
+        pass
+    assert cuda.resets == 2, "after the rollback's caches are given back"
+    with guard:
+        pass
+    assert cuda.resets == 2
+    tuner.close()
 
 
 def test_cpu_probe_reports_rss_against_the_limit(tmp_path: Path) -> None:

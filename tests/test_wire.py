@@ -99,6 +99,18 @@ def test_unknown_fields_are_ignored() -> None:
     assert Decoder().decode(frame) == Hello(client="x")
 
 
+def test_run_info_allocator_settings_are_optional_both_ways() -> None:
+    """``alloc_conf`` came later: an older hook's RunInfo decodes to None, a newer one's keeps it,
+    and an older viewer ignores it (unknown fields are ignored)."""
+    old = msgspec.msgpack.encode({"run": "r", "pid": 1, "host": "h", "started": 0.0})
+    assert msgspec.msgpack.decode(old, type=RunInfo).alloc_conf is None
+    new = msgspec.msgpack.encode(RunInfo(run="r", pid=1, host="h", started=0.0, alloc_conf=""))
+    assert b"alloc_conf" in new, "an empty setting is sent: it says none are set"
+    for conf in ("", "expandable_segments:True"):
+        info = RunInfo(run="r", pid=1, host="h", started=0.0, alloc_conf=conf)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=RunInfo) == info
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_raise(frame: bytes) -> None:

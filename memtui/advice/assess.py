@@ -18,7 +18,7 @@ from memtui.advice.recommend import Recommendation, recommend
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
 from memtui.advice.verdict import Inputs as VerdictInputs
 from memtui.stats import MemoryStats, StepStats, ram_fraction, summarize_device, summarize_steps
-from memtui.wire import ControlState, HostSample, Snapshot
+from memtui.wire import ControlState, HostSample, RunInfo, Snapshot
 
 STATE_NAMES = {state: state.name for state in State}
 """The scripting names of the states (``OOM_RISK``, not ``OOM RISK``)."""
@@ -68,11 +68,11 @@ def advise(
     host: HostSample | None,
     verdict: Verdict,
     thresholds: Thresholds | None = None,
-    cpus: int = 0,
+    run: RunInfo | None = None,
 ) -> Advice:
     """Breakdown, recommendations and limits from one rank's live numbers (``memtui status
-    --json`` and the viewer both use this), against the verdict's thresholds in force; ``cpus``
-    is what the run may use (its RunInfo's; 0: unknown)."""
+    --json`` and the viewer both use this), against the verdict's thresholds in force and what
+    the run says of itself (``run``: the CPUs it may use, its CUDA allocator settings)."""
     limits = thresholds or THRESHOLDS
     model = control.model
     split = breakdown(memory, control.static, model) if memory is not None else None
@@ -94,7 +94,8 @@ def advise(
             memory_danger_fraction=limits.memory_danger_fraction,
             applied=tuple(control.applied),
             ceiling=control.ceiling,
-            cpus=cpus,
+            cpus=run.cpus if run is not None else 0,
+            alloc_conf=run.alloc_conf if run is not None else None,
         )
     )
     return Advice(
@@ -237,7 +238,7 @@ def assess(
         snapshot.host[-1] if snapshot.host else None,
         verdict,
         thresholds,
-        snapshot.info.cpus,
+        snapshot.info,
     )
     return Assessment(
         verdict=verdict,

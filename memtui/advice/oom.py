@@ -30,6 +30,11 @@ def _find(pattern: str, text: str) -> int | None:
     return parse_size(match.group(1), match.group(2)) if match else None
 
 
+def _first(*values: int | None) -> int | None:
+    """The first value found (0 included: "0 bytes is free" is the usual case)."""
+    return next((v for v in values if v is not None), None)
+
+
 @dataclass(frozen=True)
 class OomReport:
     """The numbers in one out-of-memory message (None where the message does not say)."""
@@ -91,10 +96,13 @@ def parse_oom(exc: BaseException | str) -> OomReport:
         int(pid): parse_size(number, unit)
         for pid, number, unit in re.findall(r"Process (\d+) has " + _SIZE + r" memory in use", text)
     }
-    capacity = _find(r"total capacity of " + _SIZE, text) or _find(_SIZE + r" total capacity", text)
-    free = _find(r"of which " + _SIZE + r" is free", text) or _find(_SIZE + r" free", text)
-    allocated = _find(_SIZE + r" is allocated by PyTorch", text) or _find(
-        _SIZE + r" already allocated", text
+    # the newer form first, then the older; torch 2.1 and 2.2 spell it "capacty"
+    capacity = _first(
+        _find(r"total capac(?:i)?ty of " + _SIZE, text), _find(_SIZE + r" total capacity", text)
+    )
+    free = _first(_find(r"of which " + _SIZE + r" is free", text), _find(_SIZE + r" free", text))
+    allocated = _first(
+        _find(_SIZE + r" is allocated by PyTorch", text), _find(_SIZE + r" already allocated", text)
     )
     unallocated = _find(_SIZE + r" is reserved by PyTorch but unallocated", text)
     reserved_total = _find(_SIZE + r" reserved in total by PyTorch", text)

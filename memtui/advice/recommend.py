@@ -78,6 +78,8 @@ class Inputs:
     """The verdict's danger band in force (named in the reasons)."""
     applied: tuple[AppliedChange, ...] = ()
     """The run's applied changes, oldest first: their measured effects time other micro-batches."""
+    alloc_conf: str | None = None
+    """The run's CUDA allocator settings (``RunInfo.alloc_conf``; None: the hook did not say)."""
 
 
 @dataclass(frozen=True)
@@ -507,13 +509,26 @@ def _friendly(batch: int, target: int | None) -> int:
 # ----------------------------------------------------------------------------- advice only
 
 
+def expandable_segments_on(conf: str | None) -> bool:
+    """Whether allocator settings in ``PYTORCH_CUDA_ALLOC_CONF``'s form (``key:value,...``; torch
+    takes ``True`` and ``False`` only, spaces allowed, the last one wins) turn on
+    expandable segments."""
+    on = False
+    for item in (conf or "").split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            on = value.strip() == "True"
+    return on
+
+
 def _memory_advice(inputs: Inputs) -> list[Recommendation]:
     memory, model = inputs.memory, inputs.model
     out: list[Recommendation] = []
     if memory is None or memory.capacity_bytes <= 0:
         return out
     peak_fraction = memory.peak_used_fraction
-    if inputs.device_kind == "cuda" and memory.reserved_bytes > 0:
+    expandable = expandable_segments_on(inputs.alloc_conf)
+    if inputs.device_kind == "cuda" and memory.reserved_bytes > 0 and not expandable:
         share = memory.fragmentation_bytes / memory.reserved_bytes
         if share >= FRAGMENTED or memory.fragmentation_bytes >= 1 << 30:
             out.append(

@@ -110,10 +110,13 @@ class Boundary:
             ).peak_bytes,
         )
         control.record_applied(applied)
-        if any(shrank(k, d) for k, d in diffs.items()):
-            release_caches()  # else the allocators keep what the smaller config frees
         if self._placement.rank == 0:
             self._tuned.write(store.knobs, step)
+        if any(shrank(k, d) for k, d in diffs.items()):
+            try:  # else the allocators keep what the smaller config frees
+                release_caches()
+            except Exception as exc:
+                self._report(exc, "releasing caches")
         log.info("%s", describe_applied(applied))
         return applied
 

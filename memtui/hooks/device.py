@@ -27,6 +27,26 @@ def _model_device(model: Any) -> int | None:
     return None
 
 
+def allocator_settings() -> str | None:
+    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``,
+    ``PYTORCH_ALLOC_CONF`` or set at run time), else the environment's; None without torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    # torch >= 2.9 keeps the string it parsed (the environment's, or the last one set at run time)
+    getter = getattr(getattr(torch, "_C", None), "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return str(getter())
+        except Exception:
+            pass
+    # older torch: the environment (the CUDA variable wins where both are set)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in os.environ:
+            return os.environ[name]
+    return ""
+
+
 class DeviceTracker:
     """The CUDA device index (None on CPU), the install baseline, and the static memory."""
 
@@ -63,6 +83,17 @@ class DeviceTracker:
             count = max(1, torch.cuda.device_count())
             index = int(os.environ.get("LOCAL_RANK", "0") or 0) % count
         self.cuda_index = index
+
+    def reset_peaks(self) -> None:
+        """Reset torch's peak memory counters of the CUDA device (a no-op on CPU); a host-side
+        call into the allocator, no device synchronisation."""
+        torch = sys.modules.get("torch")
+        if self.cuda_index is None or torch is None:
+            return
+        try:
+            torch.cuda.reset_peak_memory_stats(self.cuda_index)
+        except Exception as exc:
+            self._report(exc, "reset peaks")
 
     def note_baseline(self) -> None:
         """Take the install baseline: device allocated (CUDA) or the main process's RSS (CPU)."""

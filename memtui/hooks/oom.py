@@ -68,6 +68,7 @@ class OomHandler:
         rollback_steps: int,
         zero_grad: Callable[[], None],
         report: Report,
+        reset_peaks: Callable[[], None] = lambda: None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -79,6 +80,8 @@ class OomHandler:
         """A change applied within this many steps before a guarded OOM is reverted (0: never)."""
         self._zero_grad = zero_grad
         self.report = report
+        self._reset_peaks = reset_peaks
+        """Resets the allocator's peak counters once a rollback's caches are given back."""
         self.empty_cache_pending = False
         """A rollback happened: the next guarded block starts by emptying the caches."""
 
@@ -87,10 +90,12 @@ class OomHandler:
         return Guard(self)
 
     def empty_cache_if_pending(self) -> None:
-        """Give the caches back if a rollback asked for it (at the start of a guarded block)."""
+        """Give the caches back if a rollback asked for it (at the start of a guarded block), and
+        start the peak counters afresh: the peak before was the reverted config's."""
         if self.empty_cache_pending:
             self.empty_cache_pending = False
             release_caches()
+            self._reset_peaks()
 
     def _rollback_target(self, step: int) -> AppliedChange | None:
         """The recent change that grew the run, if a rollback may revert it."""

@@ -364,12 +364,15 @@ class CudaDeviceProbe:
 
     ``cuda`` is ``torch.cuda`` and ``nvml`` the ``pynvml`` module; tests on machines without a
     GPU pass stand-ins with the same calls (the only fakes in the suite: no CUDA, no NVML here).
+    The peaks are torch's counters as they stand: since memtui's last applied change or rollback
+    (or the training's own ``reset_peak_memory_stats``), or since the previous sample when
+    ``reset_peaks`` resets them after each read.
     """
 
     kind = "cuda"
     NVML_PERIOD_S = 1.0
 
-    def __init__(self, cuda: Any, index: int, nvml: Any = None, reset_peaks: bool = True) -> None:
+    def __init__(self, cuda: Any, index: int, nvml: Any = None, reset_peaks: bool = False) -> None:
         self.cuda = cuda
         self.index = index
         self.reset_peaks = reset_peaks
@@ -389,7 +392,7 @@ class CudaDeviceProbe:
             self.handle = _nvml_handle(nvml, props, index)
 
     def sample(self, step: int) -> DeviceSample:
-        """One sample; the allocator's peaks are reset after the read (``reset_peaks``)."""
+        """One sample; the allocator's peaks are reset after the read only with ``reset_peaks``."""
         stats = self.cuda.memory_stats(self.index)
         if self.reset_peaks:
             self.cuda.reset_peak_memory_stats(self.index)
@@ -462,7 +465,7 @@ def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
 
 
 def make_device_probe(
-    cuda_index: int | None, host: HostProbe, reset_peaks: bool = True
+    cuda_index: int | None, host: HostProbe, reset_peaks: bool = False
 ) -> CpuDeviceProbe | CudaDeviceProbe:
     """The CUDA probe if the training process has initialised CUDA, else the CPU one."""
     torch = sys.modules.get("torch")
@@ -488,7 +491,7 @@ class Sampler(threading.Thread):
         model: Callable[[], Any] = lambda: None,
         watched: Callable[[], bool] = lambda: False,
         memory_limit: int | None = None,
-        reset_peaks: bool = True,
+        reset_peaks: bool = False,
         device_period_s: float = 0.2,
         host_period_s: float = 1.0,
         idle_device_period_s: float | None = None,

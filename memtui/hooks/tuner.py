@@ -36,7 +36,7 @@ from memtui import registry
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.boundary import Applied, Boundary
 from memtui.hooks.control import Control
-from memtui.hooks.device import DeviceTracker
+from memtui.hooks.device import DeviceTracker, allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
@@ -81,8 +81,13 @@ class Options:
     the allocator's and the kernel's high-water marks), and each wake-up takes the GIL."""
     host_period_s: float = 1.0
     """How often host memory is sampled (psutil)."""
-    reset_peaks: bool = True
-    """Reset the torch allocator's peak counters after each read (per-interval peaks)."""
+    reset_peaks: bool = field(
+        default_factory=lambda: os.environ.get("MEMTUI_RESET_PEAKS", "") in ("1", "true", "yes")
+    )
+    """Reset torch's CUDA peak counters after every device sample (``MEMTUI_RESET_PEAKS=1``):
+    per-sample peaks, but the training's own ``torch.cuda.max_memory_allocated()`` then covers
+    only the last sample period. Off (the default), memtui resets them only when it applies a
+    change or rolls one back, and reads them untouched in between."""
     publish: bool = True
     """Start the sampler and agent threads (False: changes and timing only, nothing sent)."""
     boundary_timeout_s: float = field(
@@ -188,6 +193,7 @@ class Tuner:
             rollback_steps=self.options.rollback_steps,
             zero_grad=self._zero_grad,
             report=self.report,
+            reset_peaks=self.device.reset_peaks,
         )
         self.resumed: dict[str, KnobDiff] = {}
         """What ``resume`` changed in the script's config."""
@@ -469,6 +475,7 @@ class Tuner:
             return info
         if isinstance(probe, CudaDeviceProbe):
             info.device, info.capacity_bytes = f"cuda:{probe.index} {probe.name}", probe.capacity
+            info.alloc_conf = allocator_settings()
         else:
             info.device, info.capacity_bytes = "cpu", probe.host.limit_bytes
         info.device_kind = probe.kind
@@ -594,6 +601,8 @@ class Tuner:
             self._refresh_static()
             step = ledger.step
             applied = self.boundary.run(step)
+            if applied is not None:  # the peak so far was the old config's
+                self.device.reset_peaks()
             if self.rank == 0 and applied is None:  # an applied change has just saved it all
                 self.tuned.save_again(step)
             taken = self.control.taken_time if self.rank == 0 else time.time()

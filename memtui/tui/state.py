@@ -839,7 +839,6 @@ class RunState:
         last = series.steps[-1] if series is not None and series.steps else None
         samples = float(last.samples) if last is not None and last.samples else None
         own_host = series.host if series is not None and series.host is not None else host
-        cpus = self.info.cpus if self.info is not None else 0
         return advise(
             self.control,
             memory,
@@ -848,7 +847,7 @@ class RunState:
             own_host,
             verdict,
             self.thresholds.thresholds,
-            cpus,
+            self.info,
         )
 
     def _verdict_host(self, ranks: Sequence[RankSummary]) -> tuple[HostSample | None, int]:
