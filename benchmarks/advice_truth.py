@@ -81,7 +81,7 @@ SCRIPTS: dict[str, Script] = {
             [PYTHON, "-m", "memtui.demo", "--seq-len", "128", "--width", "32", "--vocab", "4096",
              "--layers", "1", "--grad-accum", "1", "--slow-data-ms", "4", "--progress-every",
              "1000"],
-            limit="760MiB",
+            limit="640MiB",
             batch=8,
             plan=("batch=16", "rec", "batch=4", "workers", "max_safe", "over"),
         ),
@@ -173,6 +173,8 @@ class Run:
         self.run_id = self._wait_run_id()
         self.client = ControlClient(registry.find_run(self.run_id).control, timeout_s=10.0)
         self.thresholds = load_thresholds()
+        self.last: StatusReport | None = None
+        """The last report the run answered with (what a run that died said last)."""
 
     def _wait_run_id(self, timeout: float = 120.0) -> str:
         deadline = time.monotonic() + timeout
@@ -195,7 +197,8 @@ class Run:
             snapshot = self.client.hello(history=64)
         except ClientError:
             return None
-        return build_status(snapshot, None, self.thresholds)
+        self.last = build_status(snapshot, None, self.thresholds)
+        return self.last
 
     def until(self, check: Callable[[StatusReport], T | None], timeout: float) -> T | None:
         """Poll the status once a second until ``check`` returns something (None on timeout or
@@ -289,9 +292,11 @@ def drive(script: Script, workdir: Path, quick: bool) -> tuple[list[Row], dict[s
             if report is None or not run.alive():
                 break
             rows.append(step(run, report, index, kind, timeout))
-            if rows[-1].run_died:
+            if not run.alive():
+                rows[-1].run_died = True
+                rows[-1].reason = rows[-1].reason or "the run ended: " + run.tail(1)
                 break
-        final = run.status()
+        final = run.status() if run.alive() else run.last
     finally:
         run.stop()
     if final is not None:
@@ -340,7 +345,7 @@ def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) 
         if measured is None:
             return row
     else:
-        row.outcome = "measured"
+        row.outcome = "measured" if measured.observed_peak_bytes else "out of memory"
     row.step_applied = measured.step
     row.predicted_bytes = measured.predicted_peak_bytes
     row.observed_bytes = measured.observed_peak_bytes
@@ -437,7 +442,11 @@ def table(rows: list[Row]) -> str:
 def summarize(rows: list[Row]) -> dict[str, Any]:
     """Mean and max |error|, OOMs of changes accepted without --force, max-safe landing."""
     errors = [abs(r.error) for r in rows if r.error is not None and not r.oom]
-    safe = [r for r in rows if r.kind == "max_safe" and r.outcome in ("measured", "unmeasured")]
+    safe = [
+        r
+        for r in rows
+        if r.kind == "max_safe" and r.outcome in ("measured", "unmeasured", "out of memory")
+    ]
     speeds = [
         abs((1 + r.speed_measured) / (1 + r.speed_predicted) - 1)
         for r in rows

@@ -49,7 +49,7 @@ class TinyLM(nn.Module):
         tokens, targets = padded[:, :-1], padded[:, 1:]
         length = tokens.shape[1]
         hidden = self.embed(tokens) + self.position[:length]
-        causal = nn.Transformer.generate_square_subsequent_mask(length)
+        causal = torch.ones(length, length, dtype=torch.bool).triu(1)  # True: masked
         hidden = self.block(hidden, src_mask=causal, src_key_padding_mask=tokens == 0)
         logits = self.head(hidden)
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=0)
