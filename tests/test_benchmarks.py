@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,8 +34,8 @@ def test_hook_overhead_quick() -> None:
     assert 0 < result["hook_us_per_step_best"] + 5 < 55
 
 
-def _run_json(*args: str) -> dict[str, Any]:
-    """Run a benchmark script and return its last stdout line, parsed."""
+def _run(*args: str) -> str:
+    """Run a benchmark script and return its stdout."""
     out = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -43,7 +44,12 @@ def _run_json(*args: str) -> dict[str, Any]:
         timeout=180,
         check=True,
     )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout
+
+
+def _run_json(*args: str) -> dict[str, Any]:
+    """Run a benchmark script and return its last stdout line, parsed."""
+    result: dict[str, Any] = json.loads(_run(*args).strip().splitlines()[-1])
     return result
 
 
@@ -119,3 +125,15 @@ def test_hook_gil_quick() -> None:
         assert report["profiled_cpu_ms_per_s"] >= 0
         for row in report["top_own_cpu"]:
             assert row["function"] and _is_number(row["own_cpu_share_pct"])
+
+
+def test_advice_truth_quick(tmp_path: Path) -> None:
+    """One script through two changes: the benchmark completes and prints its table (the
+    accuracy is measured by the full run, not asserted here)."""
+    rows = tmp_path / "rows.json"
+    out = _run("benchmarks/advice_truth.py", "--scripts", "cnn", "--quick", "--json", str(rows))
+    assert "predicted" in out and "observed" in out, out
+    assert "verdict against the issue's bar" in out
+    result = json.loads(rows.read_text())
+    assert [r["kind"] for r in result["rows"]] == ["batch=16", "max_safe"]
+    assert result["rows"][0]["outcome"] in ("measured", "refused", "rejected"), result["rows"][0]
