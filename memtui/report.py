@@ -16,6 +16,7 @@ from msgspec import UNSET, Struct, UnsetType
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, prediction_error
+from memtui.advice.predict import safe_batch
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.knobs import (
     KNOBS,
@@ -29,6 +30,8 @@ from memtui.security import exposure, tcp_endpoints
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
 from memtui.wire import (
     AppliedChange,
+    Ceiling,
+    ControlState,
     Effect,
     HookCounters,
     HostSample,
@@ -220,9 +223,23 @@ class StatusReport(Struct):
     """How the run's sockets are protected (``ipc``, ``curve``, ...)."""
     exposure: str = ""
     """A warning when the run listens on TCP without protection (empty when it does not)."""
+    max_safe: str = ""
+    """``max_safe_batch_size`` in words: a guess far past the micro-batches measured, or under
+    one that ran out of memory."""
+    ceiling: Ceiling | None = None
+    """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
 
 
 # ---------------------------------------------------------------------------- building
+
+
+def _max_safe_words(control: ControlState, edge: float) -> str:
+    """The largest safe micro-batch in words ("" without a model)."""
+    if control.model is None:
+        return ""
+    ceiling = control.ceiling.batch_size if control.ceiling is not None else None
+    found = safe_batch(control.model, edge, ceiling)
+    return found.describe() if found is not None else ""
 
 
 def _config(snapshot: Snapshot) -> Config:
@@ -362,6 +379,8 @@ def build_status(
         static_memory=control.static,
         recommendations=[_option_of(r) for r in found.recommendations],
         max_safe_batch_size=found.max_safe_batch_size,
+        max_safe=_max_safe_words(control, config.thresholds.memory_edge_fraction),
+        ceiling=control.ceiling,
         model=model,
         prediction_accuracy=Accuracy(
             changes_measured=scored.measured,
@@ -395,6 +414,18 @@ def status_json(report: StatusReport) -> str:
 
 
 # ---------------------------------------------------------------------------- text
+
+
+def _ceiling_words(ceiling: Ceiling) -> str:
+    """``micro-batch 32 and 8 loader workers ran out of memory (out of memory at step ...)``."""
+    parts = []
+    if ceiling.batch_size is not None:
+        parts.append(f"micro-batch {ceiling.batch_size}")
+    if ceiling.num_workers is not None:
+        parts.append(f"{ceiling.num_workers} loader workers")
+    if ceiling.pin_memory:
+        parts.append("pin_memory on")
+    return " and ".join(parts) + f" ran out of memory; stays under it ({ceiling.note})"
 
 
 def render_status(report: StatusReport, now: float | None = None) -> str:
@@ -447,8 +478,14 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(
             f"memory model: {format_bytes(model.steady_bytes)} steady + "
             f"{format_bytes(model.per_sample_bytes)} per sample ({model.confidence})"
-            + (f"; largest micro-batch under {edge:.0%}: {safe}" if safe is not None else "")
+            + (
+                f"; largest micro-batch under {edge:.0%}: {report.max_safe or safe}"
+                if safe is not None
+                else ""
+            )
         )
+    if report.ceiling is not None:
+        lines.append(f"out-of-memory ceiling: {_ceiling_words(report.ceiling)}")
     host = report.host_memory
     if host:
         lines.append(

@@ -43,7 +43,8 @@ class Observation:
 
 
 def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryModel:
-    """The model from the current observation and the points seen at other micro-batches."""
+    """The model from the current observation and the points seen before (the observation
+    replaces the point at its micro-batch, unless it is left out)."""
     now = ModelPoint(
         observation.batch_size,
         observation.peak_allocated_bytes,

@@ -18,7 +18,7 @@ from memtui.advice.predict import (
 )
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.stats import format_bytes
-from memtui.wire import Ceiling, MemoryModel
+from memtui.wire import Ceiling, Knobs, MemoryModel
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,24 @@ class Prediction:
             peak_high_bytes=low_high[1],
             safe=safe,
             ran_out=ran_out,
+        )
+
+    @classmethod
+    def of_config(
+        cls,
+        model: MemoryModel | None,
+        config: Knobs,
+        thresholds: Thresholds = THRESHOLDS,
+        ceiling: Ceiling | None = None,
+    ) -> Prediction:
+        """The prediction for a whole config: its micro-batch, workers and pinning."""
+        return cls.of(
+            model,
+            config.batch_size,
+            thresholds,
+            workers=config.num_workers,
+            pin_memory=config.pin_memory,
+            ceiling=ceiling,
         )
 
     @property

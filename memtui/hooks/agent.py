@@ -576,7 +576,7 @@ class Agent(threading.Thread):
                 host=publisher.host[-1] if publisher.host else None,
             )
             if observation is not None:
-                model = fit(observation, [p for b, p in self._points.items() if b != batch])
+                model = fit(observation, list(self._points.values()))
                 # the points the fit used are the history: one it left out (a CPU peak after a
                 # decrease) does not replace the one measured at that batch before
                 self._points = {p.batch_size: p for p in model.points}

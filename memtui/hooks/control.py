@@ -254,7 +254,7 @@ class Control:
     def _predict(self, projected: Knobs) -> Prediction:
         """The memory model's prediction for a config (empty without a model or a batch size),
         checked against what ran out of memory."""
-        return predict(self.model, projected, self.thresholds, self.ceiling)
+        return Prediction.of_config(self.model, projected, self.thresholds, self.ceiling)
 
     def cancel(self, request: CancelRequest) -> CancelReply:
         """Remove one pending change (or all of them with id 0)."""
@@ -420,20 +420,6 @@ def _reply(prediction: Prediction, **fields: Any) -> SetReply:
         predicted_high_bytes=prediction.peak_high_bytes,
         max_safe=prediction.safe_words,
         **fields,
-    )
-
-
-def predict(
-    model: MemoryModel | None, config: Knobs, thresholds: Thresholds, ceiling: Ceiling | None
-) -> Prediction:
-    """The prediction for a whole config: its micro-batch, workers and pinning."""
-    return Prediction.of(
-        model,
-        config.batch_size,
-        thresholds,
-        workers=config.num_workers,
-        pin_memory=config.pin_memory,
-        ceiling=ceiling,
     )
 
 

@@ -18,6 +18,7 @@ from textual.widgets import Input, Label, Static
 
 from memtui.advice.prediction import Prediction
 from memtui.knobs import (
+    GROWING_KNOBS,
     KnobError,
     Resolved,
     format_changes,
@@ -40,13 +41,16 @@ class EditResult:
 
 
 def predict_change(resolved: Resolved, state: RunState) -> Prediction | None:
-    """The predicted peak once ``resolved`` lands (None: no model, or the micro-batch stays)."""
+    """The predicted peak once ``resolved`` lands, against what ran out of memory (None: no
+    model, or no knob that takes memory changes)."""
     control = state.control
-    model = control.model if control is not None else None
-    batch = resolved.changes.get("batch_size")
-    if model is None or not model.capacity_bytes or batch is None or isinstance(batch, bool):
+    if control is None or not set(resolved.changes) & set(GROWING_KNOBS):
         return None
-    return Prediction.of(model, batch, state.thresholds.thresholds)
+    model = control.model
+    if model is None or not model.capacity_bytes:
+        return None
+    projected = knobs_with(knobs_with(control.config, state.pending_values()), resolved.changes)
+    return Prediction.of_config(model, projected, state.thresholds.thresholds, control.ceiling)
 
 
 def text_key(text: str) -> str:
@@ -156,8 +160,12 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
                 style = "bold yellow"
             shown.append("\n").append_text(as_text(prediction.describe(), style))
             if prediction.over_danger:
-                safe = prediction.max_safe_batch_size
-                shown.append(f"\nover the {prediction.danger:.0%} danger band", "bold red")
+                safe = prediction.safe_words
+                if prediction.ran_out:
+                    shown.append("\n").append_text(as_text(prediction.ran_out, "bold red"))
+                if prediction.high_fraction > prediction.danger:
+                    where = f"\nhigh end over the {prediction.danger:.0%} danger band"
+                    shown.append(where, "bold red")
                 if safe:
                     shown.append(f" (largest under {prediction.edge:.0%}: {safe})")
                 if self.confirming == text_key(text):
