@@ -17,6 +17,7 @@ from memtui.advice.predict import (
     confidence,
     fit,
     max_batch,
+    predict_allocated,
     predict_high,
     predict_peak,
 )
@@ -153,7 +154,10 @@ def test_model_fits_a_line_through_observed_batches() -> None:
     assert [p.batch_size for p in model.points] == [8, 16, 32]
     assert model.fit_error is not None and model.fit_error < 0.05
     assert "3 micro-batches" in confidence(model)
-    assert predict_peak(model, 24) == pytest.approx(757 * MIB, rel=0.05)
+    assert predict_allocated(model, 24) == pytest.approx(757 * MIB, rel=0.05)
+    # a CPU run going down to 24 keeps half of what it frees at first (RETAINED_ON_DECREASE)
+    line, now = predict_allocated(model, 24), 899 * MIB
+    assert predict_peak(model, 24) == pytest.approx(line + (now - line) / 2, rel=1e-6)
 
 
 def test_a_cpu_peak_seen_after_a_decrease_does_not_flatten_the_line() -> None:

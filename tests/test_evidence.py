@@ -15,6 +15,7 @@ from memtui.advice.measure import observe
 from memtui.advice.predict import (
     GUESS_MULTIPLE,
     WORKER_GUESS_BYTES,
+    WORKER_PRIOR_BYTES,
     Observation,
     fit,
     max_batch,
@@ -132,11 +133,12 @@ def test_the_noise_of_the_peak_readings_is_measured() -> None:
 
 def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
     """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
-    worker's measured memory now counts per worker; before it is measured, the high end counts
-    WORKER_GUESS_BYTES for each new one (so such a jump needs --force)."""
+    worker's measured memory now counts per worker; before it is measured, the prediction counts
+    WORKER_PRIOR_BYTES and the high end WORKER_GUESS_BYTES for each new one (so such a jump
+    needs --force)."""
     base = line_model([8])
     none_yet = msgspec.structs.replace(base, workers=0, per_worker_bytes=0)
-    assert predict_peak(none_yet, 8, 64) == predict_peak(none_yet, 8)
+    assert predict_peak(none_yet, 8, 64) == predict_peak(none_yet, 8) + 64 * WORKER_PRIOR_BYTES
     assert predict_high(none_yet, 8, 64) >= predict_high(none_yet, 8) + 64 * WORKER_GUESS_BYTES
     assert Prediction.of(none_yet, 8, workers=64).over_danger
     measured = msgspec.structs.replace(base, workers=2, per_worker_bytes=8 * MIB)
@@ -160,6 +162,24 @@ def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
 
 
 # ----------------------------------------------------------------------------- the ceiling
+
+
+def test_a_decrease_on_the_cpu_keeps_part_of_what_it_frees_and_is_never_risky() -> None:
+    """Issue 15: decreases were seen 27-34% over their prediction (the heap stays). Half the
+    freed memory is predicted kept, the interval spans none to all of it, and a change that
+    makes the run smaller never needs --force, even from over the danger band."""
+    model = line_model([8, 16, 32], capacity=520 * MIB)  # at 32: 432 MiB, 83%
+    line = 400 * MIB + 6 * MIB
+    low, high = predict_range(model, 6)
+    assert low <= line and high >= 432 * MIB
+    assert predict_peak(model, 6) == pytest.approx(line + (432 * MIB - line) / 2, rel=1e-6)
+    # at 32: 428 MiB, 93%, over the danger band
+    hot = line_model([8, 16, 32], capacity=460 * MIB, steady=300 * MIB, per=4 * MIB)
+    assert not Prediction.of(hot, 6).over_danger
+    assert Prediction.of(hot, 33).over_danger
+    assert 0 < (max_batch(hot, 0.85) or 0) < 32, "from the line: what a smaller batch needs"
+    safe = max_batch(line_model([8, 16, 32], capacity=600 * MIB), 0.85)
+    assert safe is not None and safe > 32, "the max safe batch is not lowered by what is kept"
 
 
 def test_an_oom_sets_a_ceiling_that_binds_and_survives_a_restart(tmp_path: Path) -> None:

@@ -135,8 +135,14 @@ Z = 2.0
 """Standard errors in the interval where the noise is the measured spread (about 95%)."""
 GUESS_MULTIPLE = 4
 """A max safe batch beyond this multiple of the largest micro-batch measured is a guess."""
-WORKER_GUESS_BYTES = 256 * 2**20
-"""Before a worker's memory is measured, the upper bound counts this much per new worker."""
+WORKER_PRIOR_BYTES = 16 * 2**20
+"""Before a worker's memory is measured, the prediction counts this much per new worker (its own
+memory, USS: measured at 8-36 MiB a worker on the demo and the benchmark scripts)."""
+WORKER_GUESS_BYTES = 64 * 2**20
+"""Before a worker's memory is measured, the high end counts this much per new worker."""
+RETAINED_ON_DECREASE = 0.5
+"""On the CPU, after a smaller micro-batch, the share of the memory it frees that the process is
+predicted to keep anyway (glibc's heap, even trimmed, kept 40-70% of it in the benchmark)."""
 
 
 def predict_allocated(model: MemoryModel, batch_size: int) -> int:
@@ -152,15 +158,26 @@ def _workers_bytes(model: MemoryModel, workers: int | None, high: bool) -> int:
         return 0
     count = model.workers if workers is None else workers
     total = model.per_worker_bytes * count
-    if high and model.per_worker_bytes <= 0 and count > model.workers:
-        total += WORKER_GUESS_BYTES * (count - model.workers)
+    if model.per_worker_bytes <= 0 and count > model.workers:
+        total += (WORKER_GUESS_BYTES if high else WORKER_PRIOR_BYTES) * (count - model.workers)
     return int(total)
+
+
+def _retained(model: MemoryModel, batch_size: int) -> int:
+    """On the CPU, what a smaller micro-batch will not give back at once: ``RETAINED_ON_DECREASE``
+    of the drop from the peak at the current batch (on CUDA ``empty_cache`` gives it back)."""
+    if model.kind != "cpu" or batch_size >= model.batch_size:
+        return 0
+    now = next((p.peak_bytes for p in model.points if p.batch_size == model.batch_size), None)
+    if now is None:
+        now = predict_allocated(model, model.batch_size)
+    return int(RETAINED_ON_DECREASE * max(0, now - predict_allocated(model, batch_size)))
 
 
 def predict_peak(model: MemoryModel, batch_size: int, workers: int | None = None) -> int:
     """The device total at peak with ``batch_size`` (and ``workers`` loader workers): allocated
     x overhead + memory beyond torch."""
-    allocated = predict_allocated(model, batch_size)
+    allocated = predict_allocated(model, batch_size) + _retained(model, batch_size)
     return (
         int(allocated * model.overhead_ratio)
         + model.beyond_bytes
@@ -206,11 +223,14 @@ def margin(model: MemoryModel, batch_size: int) -> int:
 
 
 def predict_range(
-    model: MemoryModel, batch_size: int, workers: int | None = None
+    model: MemoryModel, batch_size: int, workers: int | None = None, *, kept: bool = True
 ) -> tuple[int, int]:
-    """The device total at peak, low and high ends of its interval."""
-    allocated = predict_allocated(model, batch_size)
-    width = margin(model, batch_size)
+    """The device total at peak, low and high ends of its interval (after a decrease on the CPU,
+    from none to all of the freed memory kept; without it where not ``kept``: what the smaller
+    batch needs once the process reuses what it keeps)."""
+    retained = _retained(model, batch_size) if kept else 0
+    allocated = predict_allocated(model, batch_size) + retained
+    width = margin(model, batch_size) + retained
     beyond = model.beyond_bytes
     low = int(max(0, allocated - width) * model.overhead_ratio) + beyond
     low += _workers_bytes(model, workers, high=False)
@@ -219,9 +239,11 @@ def predict_range(
     return low, high
 
 
-def predict_high(model: MemoryModel, batch_size: int, workers: int | None = None) -> int:
+def predict_high(
+    model: MemoryModel, batch_size: int, workers: int | None = None, *, kept: bool = True
+) -> int:
     """The high end of the interval of the device total at peak (what the gate and max safe use)."""
-    return predict_range(model, batch_size, workers)[1]
+    return predict_range(model, batch_size, workers, kept=kept)[1]
 
 
 def fraction(model: MemoryModel, batch_size: int) -> float:
@@ -266,11 +288,11 @@ def safe_batch(model: MemoryModel, band: float, ceiling: int | None = None) -> S
     budget_allocated = (budget - model.beyond_bytes) / model.overhead_ratio
     top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
     low, high = 0, top  # the high end grows with the batch: the largest under the budget
-    if predict_high(model, 0) > budget:
+    if predict_high(model, 0, kept=False) > budget:
         high = 0
     while low < high:
         middle = (low + high + 1) // 2
-        if predict_high(model, middle) <= budget:
+        if predict_high(model, middle, kept=False) <= budget:
             low = middle
         else:
             high = middle - 1

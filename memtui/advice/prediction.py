@@ -40,6 +40,9 @@ class Prediction:
     """The largest safe micro-batch, and whether it is a guess or the OOM ceiling."""
     ran_out: str = ""
     """The change reaches a value that ran out of memory in this run, in words ("": it does not)."""
+    grows: bool = True
+    """The config takes more memory than the run's now (a bigger micro-batch, more workers,
+    pinning): only such a change can be risky."""
 
     @classmethod
     def of(
@@ -61,6 +64,9 @@ class Prediction:
             return cls(edge=edge, danger=danger, ran_out=ran_out)
         low_high = predict_range(model, batch_size, workers)
         safe = safe_batch(model, edge, ceiling.batch_size if ceiling is not None else None)
+        grows = batch_size > model.batch_size or bool(pin_memory)
+        if workers is not None and model.workers is not None and workers > model.workers:
+            grows = True
         return cls(
             predict_peak(model, batch_size, workers),
             model.capacity_bytes,
@@ -71,6 +77,7 @@ class Prediction:
             peak_high_bytes=low_high[1],
             safe=safe,
             ran_out=ran_out,
+            grows=grows,
         )
 
     @classmethod
@@ -113,9 +120,9 @@ class Prediction:
 
     @property
     def over_danger(self) -> bool:
-        """Risky: the high end over the danger band, or a value that ran out of memory; the
-        hook refuses it unless forced."""
-        return self.high_fraction > self.danger or bool(self.ran_out)
+        """Risky: a change that grows the run with its high end over the danger band, or one that
+        reaches a value that ran out of memory; the hook refuses it unless forced."""
+        return (self.grows and self.high_fraction > self.danger) or bool(self.ran_out)
 
     @property
     def safe_words(self) -> str:
