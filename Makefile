@@ -30,12 +30,13 @@ demo: $(STAMP)
 demo-no-tui: $(STAMP)
 	$(VENV)/bin/memtui demo --no-tui
 
+# the linters run beside pytest (they take one core for ~15 s while the suite leaves some
+# idle), their output after the suite's; either failing fails the target
 test: $(STAMP)
-	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
-	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
-	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q $(PYTEST_WORKERS)
+	@$(MAKE) --no-print-directory lint > .lint.log 2>&1 & lint=$$!; \
+	$(PY) -m pytest -q $(PYTEST_WORKERS); suite=$$?; \
+	wait $$lint; linted=$$?; cat .lint.log; rm -f .lint.log; \
+	[ $$suite -eq 0 ] && [ $$linted -eq 0 ]
 
 # transformers, accelerate and Lightning on top of the same venv (torch stays 2.13.0 CPU)
 FRAMEWORKS_STAMP := $(VENV)/.installed-frameworks

@@ -127,6 +127,7 @@ def test_hook_gil_quick() -> None:
             assert row["function"] and _is_number(row["own_cpu_share_pct"])
 
 
+@pytest.mark.slow  # a training of its own for 20 s; the full run is the evidence (README)
 def test_advice_truth_quick(tmp_path: Path) -> None:
     """One script through two changes: the benchmark completes and prints its table (the
     accuracy is measured by the full run, not asserted here)."""

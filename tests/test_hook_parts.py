@@ -232,11 +232,12 @@ def test_prediction_against_the_bands_in_force() -> None:
     model = fit(observe([sample(s, 100 * MIB, peak=400 * MIB) for s in range(5, 10)], 8, 0, None))  # type: ignore[arg-type]
     assert not Prediction.of(None, 8).known and Prediction.of(model, None).warning == ""
     tight = Thresholds(memory_edge_fraction=0.30, memory_danger_fraction=0.35)
-    prediction = Prediction.of(model, 8, tight)
+    prediction = Prediction.of(model, 9, tight)  # a change that grows the run
     assert prediction.known and prediction.over_danger
+    assert not Prediction.of(model, 4, tight).over_danger, "one that shrinks it is never risky"
     assert "over the 35% danger band" in prediction.warning
     assert prediction.describe().startswith("predicted peak")
-    assert not Prediction.of(model, 8).over_danger, "the default bands"
+    assert not Prediction.of(model, 9).over_danger, "the default bands"
 
 
 # ---------------------------------------------------------------------- the facade
