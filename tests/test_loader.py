@@ -246,3 +246,42 @@ def test_a_loop_that_never_calls_step_stays_bounded() -> None:
         assert not tuner.ledger._batches
     finally:
         tuner.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ({"batch_size": 0, "num_workers": 0}, "batch_size should be a positive integer value"),
+        ({"batch_size": 4, "num_workers": -1}, "num_workers option should be non-negative"),
+    ],
+)
+def test_a_bad_starting_value_gets_torchs_own_error_not_memtuis(
+    config: dict[str, int], error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 16: ``num_workers=-1`` or ``batch_size=0`` in the user's config ended in a
+    TypeError from memtui's loader (a missing argument). The value now reaches the user's
+    factory as it is, torch says what is wrong, and memtui says once that it cannot tune it."""
+    tuner = make_tuner(**config)
+    try:
+        (knob,) = tuner.store.untunable
+        assert knob not in tuner.store.tunable()
+        assert f"{knob}={config[knob]} in your config is not a value memtui can use" in caplog.text
+
+        def factory(batch_size: int, num_workers: int) -> DataLoader:
+            return DataLoader(Indices(8), batch_size=batch_size, num_workers=num_workers)
+
+        with pytest.raises(ValueError, match=error):
+            tuner.loader(factory)
+    finally:
+        tuner.close()
+
+
+def test_the_demo_refuses_bad_starting_values() -> None:
+    """Issue 16: ``memtui demo --workers -1`` passed ``--dry-run`` and crashed in training."""
+    from memtui.demo.options import build_parser
+
+    parser = build_parser()
+    for argv in (["--workers", "-1"], ["--batch-size", "0"], ["--grad-accum", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    assert parser.parse_args(["--workers", "0", "--seed", "-3"]).workers == 0

@@ -8,7 +8,9 @@ lines cannot drift apart.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from memtui.stats import parse_bytes
 
@@ -25,23 +27,40 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-NUMBERS: tuple[tuple[str, type, float, str, str], ...] = (
-    ("--steps", int, 2000, "N", "optimizer steps to run"),
-    ("--checkpoint-every", int, 50, "K", "steps between checkpoints"),
-    ("--batch-size", int, 16, "B", "micro-batch size"),
-    ("--grad-accum", int, 2, "A", "gradient accumulation steps"),
-    ("--workers", int, 0, "W", "data loader workers"),
-    ("--slow-data-ms", float, 2.0, "MS", "wait per sample, in ms"),
-    ("--seq-len", int, 32, "N", "tokens per sample"),
-    ("--width", int, 64, "N", "model width"),
-    ("--layers", int, 2, "N", "transformer layers"),
-    ("--heads", int, 4, "N", "attention heads"),
-    ("--vocab", int, 256, "N", "vocabulary size: the logits' memory grows with it"),
-    ("--threads", int, 1, "N", "torch CPU threads"),
-    ("--progress-every", float, 5.0, "SECONDS", "seconds between progress lines"),
-    ("--seed", int, 0, "N", "random seed"),
+NUMBERS: tuple[tuple[str, type, float, str, str, float | None], ...] = (
+    ("--steps", int, 2000, "N", "optimizer steps to run", 1),
+    ("--checkpoint-every", int, 50, "K", "steps between checkpoints", 1),
+    ("--batch-size", int, 16, "B", "micro-batch size", 1),
+    ("--grad-accum", int, 2, "A", "gradient accumulation steps", 1),
+    ("--workers", int, 0, "W", "data loader workers", 0),
+    ("--slow-data-ms", float, 2.0, "MS", "wait per sample, in ms", 0),
+    ("--seq-len", int, 32, "N", "tokens per sample", 1),
+    ("--width", int, 64, "N", "model width", 1),
+    ("--layers", int, 2, "N", "transformer layers", 1),
+    ("--heads", int, 4, "N", "attention heads", 1),
+    ("--vocab", int, 256, "N", "vocabulary size: the logits' memory grows with it", 2),
+    ("--threads", int, 1, "N", "torch CPU threads", 1),
+    ("--progress-every", float, 5.0, "SECONDS", "seconds between progress lines", 0),
+    ("--seed", int, 0, "N", "random seed", None),
 )
-"""The numeric options: name, type, default, metavar, help."""
+"""The numeric options: name, type, default, metavar, help, the least value accepted."""
+
+
+def bounded(kind: type, least: float | None) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of the text, refused below ``least``."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if least is not None and value < least:
+            raise argparse.ArgumentTypeError(f"{text} is below {least:g}, the least it can be")
+        return value
+
+    convert.__name__ = kind.__name__  # argparse names the type in its messages
+    return convert
 
 
 def build_parser(
@@ -49,10 +68,10 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """The demo's argument parser (``prog`` names the command in its messages)."""
     parser = argparse.ArgumentParser(prog=prog, usage=usage, description=DESCRIPTION)
-    for flag, kind, default, metavar, text in NUMBERS:
+    for flag, kind, default, metavar, text, least in NUMBERS:
         parser.add_argument(
             flag,
-            type=kind,
+            type=bounded(kind, least),
             default=kind(default),
             metavar=metavar,
             help=f"{text} (default {default:g})",

@@ -16,6 +16,7 @@ from typing import Any
 from memtui.hooks.binding import ConfigBinding
 from memtui.hooks.errors import Report
 from memtui.knobs import KNOBS, KnobError, as_dict, diff, format_diffs, knobs_with, parse_value
+from memtui.stats import shown
 from memtui.wire import KnobDiff, Knobs, KnobValue
 
 log = logging.getLogger("memtui")
@@ -31,6 +32,15 @@ def _parsed(knob: str, value: Any) -> KnobValue | None:
         return None
 
 
+def _why(knob: str, value: Any) -> str:
+    """Why ``value`` is not a value of ``knob``, in words."""
+    try:
+        parse_value(knob, value)
+    except KnobError as exc:
+        return str(exc)
+    return "unknown"
+
+
 class KnobStore:
     """The current knob values, the tunable set, and the config object they are written into."""
 
@@ -39,6 +49,20 @@ class KnobStore:
         self._report = report
         found = {k: _parsed(k, self.binding.read(k)) for k in KNOBS if self.binding.has(k)}
         self._knobs = knobs_with(Knobs(), found)
+        self.untunable: dict[str, Any] = {
+            k: self.binding.read(k) for k, v in found.items() if v is None
+        }
+        """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
+        code as they are (torch says what is wrong with them), and not tunable."""
+        for knob, value in self.untunable.items():
+            log.warning(
+                "memtui: %s=%s in your config is not a value memtui can use (%s); it is passed to "
+                "your code as it is and %s is not tunable in this run",
+                knob,
+                shown(value),
+                _why(knob, value),
+                knob,
+            )
         self._loader_generation = 0
         self.batch_since_step = 0
         """The step at which the current micro-batch size began (the memory model's window)."""

@@ -187,7 +187,10 @@ class TunedLoader:
         from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
         wanted = dict(zip(LOADER_KNOBS, self._store.loader_knobs(), strict=True))
-        template = self._factory(**self._factory_kwargs(wanted))
+        # the config's own values memtui cannot take go to the factory as they are: the user's
+        # code (or torch) says what is wrong with them, not a missing argument in memtui
+        given = {**self._store.untunable, **self._factory_kwargs(wanted)}
+        template = self._factory(**{k: v for k, v in given.items() if k in self._accepts})
         if not isinstance(template, DataLoader):
             raise TypeError(
                 f"the loader factory returned {type(template).__name__}, not a DataLoader"
