@@ -24,10 +24,14 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --quiet -e ".[test]"
 	touch $(STAMP)
 
+ON_PATH = @echo "memtui is installed in $(VENV): run it as $(VENV)/bin/memtui, or 'source $(VENV)/bin/activate' first"
+
 demo: $(STAMP)
+	$(ON_PATH)
 	$(VENV)/bin/memtui demo
 
 demo-no-tui: $(STAMP)
+	$(ON_PATH)
 	$(VENV)/bin/memtui demo --no-tui
 
 # the linters run beside pytest (they take one core for ~15 s while the suite leaves some
