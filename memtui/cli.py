@@ -38,9 +38,12 @@ def _fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
-def _target(run: str | None) -> registry.Target:
+def _target(run: str | None, *, changes: bool = False) -> registry.Target:
     try:
-        target = registry.find_run(run)
+        target = registry.find_run(run, changes=changes)
+    except registry.AmbiguousRun as exc:
+        _fail(str(exc), 2)
+        raise  # unreachable
     except registry.RunNotFound as exc:
         _fail(str(exc))
         raise  # unreachable
@@ -181,7 +184,8 @@ def set_command(
     except KnobError as exc:
         _fail(f"rejected: {exc}", 2)
         return
-    target = _target(run)
+    target = _target(run, changes=True)
+    where = f" on {target.run}" if target.run else ""
     try:
         reply = _client(target, timeout).set(
             dict(raw), keep_effective_batch=keep_effective_batch, dry_run=dry_run, force=force
@@ -196,7 +200,7 @@ def set_command(
         _fail(f"rejected: {reply.reason}", 2)
     bands = load_thresholds().thresholds  # the run reads the same config file at install
     if dry_run:
-        click.echo(f"would queue {format_changes(reply.changes)}")
+        click.echo(f"would queue {format_changes(reply.changes)}{where}")
         click.echo(_prediction_line(reply, bands.memory_edge_fraction))
         if reply.needs_force:
             click.echo(
@@ -206,7 +210,8 @@ def set_command(
     else:
         click.echo(str(reply.id))
         click.echo(
-            f"queued #{reply.id}: {format_changes(reply.changes)} (applies at the next checkpoint)",
+            f"queued #{reply.id}{where}: {format_changes(reply.changes)} (applies at the next "
+            "checkpoint)",
             err=True,
         )
         click.echo(_prediction_line(reply, bands.memory_edge_fraction), err=True)
@@ -248,7 +253,7 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
     if which != "all" and not which.lstrip("#").isdigit():
         _fail(f"expected a change id or 'all', got {which!r}", 2)
     change_id = 0 if which == "all" else int(which.lstrip("#"))
-    target = _target(run)
+    target = _target(run, changes=True)
     try:
         reply = _client(target, timeout).cancel(change_id)
     except ClientError as exc:
@@ -256,7 +261,8 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
         return
     if not reply.ok:
         _fail(reply.reason, 2)
-    click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled))
+    where = f" on {target.run}" if target.run else ""
+    click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled) + where)
 
 
 # ---------------------------------------------------------------------------- demo

@@ -36,6 +36,10 @@ class RunNotFound(LookupError):
     """No live run matches what the user asked for; the message says what is live."""
 
 
+class AmbiguousRun(RunNotFound):
+    """Several runs are live and the command changes one: the user must name it."""
+
+
 def runtime_dir(create: bool = True) -> Path:
     """The per-user runtime directory, created 0700 (and tightened to 0700) when ``create``."""
     env = os.environ.get("MEMTUI_RUNTIME_DIR")
@@ -200,14 +204,21 @@ class Target:
     record: RunRecord | None = None
 
 
-def find_run(selector: str | None = None) -> Target:
-    """Resolve a run id (or prefix), pid or endpoint to a Target; raise RunNotFound."""
+def find_run(selector: str | None = None, *, changes: bool = False) -> Target:
+    """Resolve a run id (or prefix), pid or endpoint to a Target; raise RunNotFound. Without a
+    selector the newest live run is taken, unless several are live and the command ``changes``
+    one (``set``, ``cancel``): then AmbiguousRun, which lists them."""
     if selector and ("://" in selector):
         return Target(control=selector, ranks=[], run="")
     runs = list_runs()
     if not selector:
         if not runs:
             raise RunNotFound("no live memtui run (start one, or run `memtui demo --no-tui`)")
+        if changes and len(runs) > 1:
+            listed = "; ".join(f"{r.run} (pid {r.pid}, {r.cwd or '?'})" for r in runs)
+            raise AmbiguousRun(
+                f"{len(runs)} live runs: name the one to change (memtui set RUN ...): {listed}"
+            )
         newest = runs[-1]
         note = ""
         if len(runs) > 1:
