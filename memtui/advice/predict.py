@@ -18,7 +18,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memtui.stats import t975
 from memtui.wire import MemoryModel, ModelPoint
 
 
@@ -205,16 +204,16 @@ def margin(model: MemoryModel, batch_size: int) -> int:
         n = len(points)
         mean_x = sum(xs) / n
         sxx = sum((x - mean_x) ** 2 for x in xs)
-        sigma, k = noise, Z
+        sigma = noise
         if n > 2:  # the residuals say how well a line fits: the larger of the two counts
             residuals = [
                 p.peak_bytes - (model.steady_bytes + model.per_sample_bytes * p.batch_size)
                 for p in points
             ]
-            spread = math.sqrt(sum(r * r for r in residuals) / (n - 2))
-            if spread > sigma:
-                sigma, k = spread, max(Z, t975(n - 2))
-        width = k * sigma * math.sqrt(1 + 1 / n + (batch_size - mean_x) ** 2 / sxx)
+            sigma = max(sigma, math.sqrt(sum(r * r for r in residuals) / (n - 2)))
+        # Z, not Student's t: with 3 points (1 degree of freedom) t is 12.7, and one noisy point
+        # made the max safe batch 0 in the benchmark; the noise floor keeps sigma honest instead
+        width = Z * sigma * math.sqrt(1 + 1 / n + (batch_size - mean_x) ** 2 / sxx)
     largest = max(xs)
     if len(points) > 1 and batch_size > largest:  # (one point's spread covers it already)
         doublings = math.log2(batch_size / largest)
