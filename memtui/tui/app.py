@@ -70,6 +70,9 @@ class MemtuiApp(App[int]):
         Binding("space", "toggle_pause", "pause", key_display="␣"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
+        # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); a priority
+        # binding, so it quits from the editor and its input too
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("r", "reconnect", "reconnect", show=False),
         Binding("g", "gpus", "GPUs", show=False),
         Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),

@@ -269,3 +269,19 @@ def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:
     from memtui.tui.app import run_replay
 
     assert run_replay(str(bad)) == 1
+
+
+def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
+    """Issue 16: Ctrl-C quits the viewer (Textual's own only said "press ctrl+q"), from the main
+    screen and from the knob editor's input alike."""
+    for keys in (["ctrl+c"], ["w", "3", "ctrl+c"]):
+        app = replay_app(STARVING)
+
+        async def check(pilot: Pilot[Any], keys: list[str] = keys) -> None:
+            await settle(pilot)
+            await pilot.press(*keys)
+            await pilot.pause()
+            assert pilot.app.return_code == 0, keys
+
+        run(app, check, WIDE)
+        assert app.return_code == 0
