@@ -16,7 +16,7 @@ from msgspec import UNSET, Struct, UnsetType
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, prediction_error
-from memtui.advice.predict import safe_batch
+from memtui.advice.prediction import ceiling_words
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.knobs import (
     KNOBS,
@@ -31,7 +31,6 @@ from memtui.stats import format_bytes, format_duration, summarize_device, summar
 from memtui.wire import (
     AppliedChange,
     Ceiling,
-    ControlState,
     Effect,
     HookCounters,
     HostSample,
@@ -233,15 +232,6 @@ class StatusReport(Struct):
 # ---------------------------------------------------------------------------- building
 
 
-def _max_safe_words(control: ControlState, edge: float) -> str:
-    """The largest safe micro-batch in words ("" without a model)."""
-    if control.model is None:
-        return ""
-    ceiling = control.ceiling.batch_size if control.ceiling is not None else None
-    found = safe_batch(control.model, edge, ceiling)
-    return found.describe() if found is not None else ""
-
-
 def _config(snapshot: Snapshot) -> Config:
     return {k: getattr(snapshot.control.config, k) for k in KNOBS}
 
@@ -379,7 +369,7 @@ def build_status(
         static_memory=control.static,
         recommendations=[_option_of(r) for r in found.recommendations],
         max_safe_batch_size=found.max_safe_batch_size,
-        max_safe=_max_safe_words(control, config.thresholds.memory_edge_fraction),
+        max_safe=found.max_safe,
         ceiling=control.ceiling,
         model=model,
         prediction_accuracy=Accuracy(
@@ -414,18 +404,6 @@ def status_json(report: StatusReport) -> str:
 
 
 # ---------------------------------------------------------------------------- text
-
-
-def _ceiling_words(ceiling: Ceiling) -> str:
-    """``micro-batch 32 and 8 loader workers ran out of memory (out of memory at step ...)``."""
-    parts = []
-    if ceiling.batch_size is not None:
-        parts.append(f"micro-batch {ceiling.batch_size}")
-    if ceiling.num_workers is not None:
-        parts.append(f"{ceiling.num_workers} loader workers")
-    if ceiling.pin_memory:
-        parts.append("pin_memory on")
-    return " and ".join(parts) + f" ran out of memory; stays under it ({ceiling.note})"
 
 
 def render_status(report: StatusReport, now: float | None = None) -> str:
@@ -485,7 +463,10 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             )
         )
     if report.ceiling is not None:
-        lines.append(f"out-of-memory ceiling: {_ceiling_words(report.ceiling)}")
+        ceiling = report.ceiling
+        lines.append(
+            f"out-of-memory ceiling: {ceiling_words(ceiling)}; stays under it ({ceiling.note})"
+        )
     host = report.host_memory
     if host:
         lines.append(

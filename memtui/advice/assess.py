@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from memtui.advice.breakdown import Breakdown, breakdown
-from memtui.advice.predict import confidence, max_batch
+from memtui.advice.predict import confidence, safe_batch
 from memtui.advice.recommend import Inputs as RecommendInputs
 from memtui.advice.recommend import Recommendation, recommend
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
@@ -33,6 +33,8 @@ class Assessment:
     recommendations: list[Recommendation]
     max_safe_batch_size: int | None
     model_confidence: str
+    max_safe: str = ""
+    """The largest safe micro-batch in words (a guess, or under what ran out of memory)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Advice:
     recommendations: list[Recommendation]
     max_safe_batch_size: int | None
     model_confidence: str
+    max_safe: str = ""
+    """The largest safe micro-batch in words (a guess, or under what ran out of memory)."""
 
 
 def capacity_is_limit(memory: MemoryStats | None, host: HostSample | None) -> bool:
@@ -98,19 +102,17 @@ def advise(
             alloc_conf=run.alloc_conf if run is not None else None,
         )
     )
+    safe = (
+        safe_batch(model, limits.memory_edge_fraction, control.ceiling)
+        if model is not None
+        else None
+    )
     return Advice(
         breakdown=split,
         recommendations=options,
-        max_safe_batch_size=(
-            max_batch(
-                model,
-                limits.memory_edge_fraction,
-                control.ceiling.batch_size if control.ceiling is not None else None,
-            )
-            if model is not None
-            else None
-        ),
+        max_safe_batch_size=safe.size if safe is not None else None,
         model_confidence=confidence(model) if model is not None else "no model yet",
+        max_safe=safe.describe() if safe is not None else "",
     )
 
 
@@ -246,4 +248,5 @@ def assess(
         recommendations=advice.recommendations,
         max_safe_batch_size=advice.max_safe_batch_size,
         model_confidence=advice.model_confidence,
+        max_safe=advice.max_safe,
     )

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memtui.wire import MemoryModel, ModelPoint
+from memtui.wire import Ceiling, MemoryModel, ModelPoint
 
 
 @dataclass(frozen=True)
@@ -275,32 +275,31 @@ class SafeBatch:
         return str(self.size)
 
 
-def safe_batch(model: MemoryModel, band: float, ceiling: int | None = None) -> SafeBatch | None:
+def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) -> SafeBatch | None:
     """The largest micro-batch whose predicted peak's high end stays under ``band`` x capacity,
-    below the smallest micro-batch that ran out of memory (``ceiling``); None: no bound known."""
+    below the smallest micro-batch that ran out of memory (the ``ceiling``'s); None: no bound."""
     largest = max((p.batch_size for p in model.points), default=model.batch_size)
+    limit = ceiling.batch_size if ceiling is not None else None
     if model.capacity_bytes <= 0 or model.per_sample_bytes <= 0:
-        if ceiling is None:
+        if limit is None:
             return None
-        return SafeBatch(max(0, ceiling - 1), False, largest, capped_by_oom=True)
+        return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     budget = band * model.capacity_bytes
     budget_allocated = (budget - model.beyond_bytes) / model.overhead_ratio
     top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
     low, high = 0, top  # the high end grows with the batch: the largest under the budget
-    if predict_high(model, 0, kept=False) > budget:
-        high = 0
     while low < high:
         middle = (low + high + 1) // 2
         if predict_high(model, middle, kept=False) <= budget:
             low = middle
         else:
             high = middle - 1
-    if ceiling is not None and low >= ceiling:
-        return SafeBatch(max(0, ceiling - 1), False, largest, capped_by_oom=True)
+    if limit is not None and low >= limit:
+        return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     return SafeBatch(low, low > GUESS_MULTIPLE * largest, largest)
 
 
-def max_batch(model: MemoryModel, band: float, ceiling: int | None = None) -> int | None:
+def max_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) -> int | None:
     """The largest micro-batch predicted (high end) to stay under ``band`` x capacity."""
     found = safe_batch(model, band, ceiling)
     return found.size if found is not None else None

@@ -63,7 +63,7 @@ class Prediction:
         if model is None or batch_size is None or isinstance(batch_size, bool):
             return cls(edge=edge, danger=danger, ran_out=ran_out)
         low_high = predict_range(model, batch_size, workers)
-        safe = safe_batch(model, edge, ceiling.batch_size if ceiling is not None else None)
+        safe = safe_batch(model, edge, ceiling)
         grows = batch_size > model.batch_size or bool(pin_memory)
         if workers is not None and model.workers is not None and workers > model.workers:
             grows = True
@@ -185,11 +185,15 @@ def reached(
         and not isinstance(batch_size, bool)
         and batch_size >= ceiling.batch_size
     ):
-        parts.append(f"micro-batch {ceiling.batch_size} ran out of memory")
+        parts.append(f"micro-batch {ceiling.batch_size}")
     if ceiling.num_workers is not None and workers is not None and workers >= ceiling.num_workers:
-        parts.append(f"{ceiling.num_workers} loader workers ran out of memory")
+        parts.append(f"{ceiling.num_workers} loader workers")
     if ceiling.pin_memory and pin_memory:
-        parts.append("pin_memory on ran out of memory")
-    if not parts:
-        return ""
-    return " and ".join(parts) + f" at step {ceiling.step}"
+        parts.append("pin_memory on")
+    said = " and ".join(f"{part} ran out of memory" for part in parts)
+    return f"{said} at step {ceiling.step}" if parts else ""
+
+
+def ceiling_words(ceiling: Ceiling) -> str:
+    """Everything a ceiling holds in words: ``micro-batch 32 ran out of memory at step 40``."""
+    return reached(ceiling, ceiling.batch_size, ceiling.num_workers, ceiling.pin_memory)

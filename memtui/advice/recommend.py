@@ -346,8 +346,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
     edge = inputs.memory_edge_fraction
     underused = inputs.underused_memory_fraction
-    ceiling = inputs.ceiling.batch_size if inputs.ceiling is not None else None
-    safe = max_batch(model, edge, ceiling)
+    safe = max_batch(model, edge, inputs.ceiling)
     starved = (
         inputs.steps is not None and inputs.steps.data_wait_fraction >= inputs.starved_wait_fraction
     )

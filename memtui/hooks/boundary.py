@@ -98,16 +98,14 @@ class Boundary:
         note = (
             "the data loader is rebuilt at the next batch" if set(diffs) & set(LOADER_KNOBS) else ""
         )
-        batch = store.value("batch_size")
         applied = Applied(
             ids=[c.id for c in pending],
             step=step,
             time=time.time(),
             changes=diffs,
             note=note,
-            predicted_peak_bytes=Prediction.of(
-                control.model, batch if isinstance(batch, int) else None
-            ).peak_bytes,
+            # the gate's prediction for the whole new config (workers and pinning included)
+            predicted_peak_bytes=Prediction.of_config(control.model, store.knobs).peak_bytes,
         )
         control.record_applied(applied)
         if self._placement.rank == 0:

@@ -128,12 +128,7 @@ class OomHandler:
         if isinstance(batch, int) and batch > 1:
             model = self._control.model
             edge = self._control.thresholds.memory_edge_fraction
-            ceiling = self._control.ceiling
-            safer = (
-                max_batch(model, edge, ceiling.batch_size if ceiling is not None else None)
-                if model is not None
-                else None
-            )
+            safer = max_batch(model, edge, self._control.ceiling) if model is not None else None
             new_batch = safer if safer and safer < batch else max(1, batch // 2)
             changes: dict[str, int] = {"batch_size": new_batch}
             accum = current.grad_accum

@@ -292,9 +292,9 @@ class TunedConfig:
         self._run = run
         self._report = report
         self.audit = audit
+        """Rank 0's audit log, whose unwritten lines are flushed with the retries."""
         self._sections = sections
         """What every write keeps besides the knobs (the control's ceiling), read at the write."""
-        """Rank 0's audit log, whose unwritten lines are flushed with the retries."""
         self.unsaved_step: int | None = None
         """The step since which the tuned config could not be written (None: it is on disk)."""
         self._retry: tuple[Knobs, dict[str, Any]] | None = None

@@ -19,7 +19,7 @@ from memtui.recording import read_recording
 from memtui.tui.palette import SEVERITY_STYLES
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.widgets.config import safe_batch_lines
-from memtui.wire import MemoryModel, ModelPoint, Telemetry
+from memtui.wire import Ceiling, MemoryModel, ModelPoint, Telemetry
 from tests.tui.conftest import ADVICE, OOM, STARVING, replay_app, run, settle
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
 
@@ -210,11 +210,13 @@ def test_max_safe_batch_stays_under_what_ran_out_of_memory() -> None:
     """An out-of-memory error at micro-batch 30 caps the max safe batch at 29, whatever the
     model says, and the panel says why."""
     model = cpu_model([4, 8, 16], capacity=500 * MIB)
-    assert max_batch(model, 0.85, ceiling=30) == 29
-    assert plain(safe_batch_lines(model, 0.85, 48, 2, ceiling=30)) == [
+    assert max_batch(model, 0.85, ceiling=Ceiling(batch_size=30)) == 29
+    assert plain(safe_batch_lines(model, 0.85, 48, 2, ceiling=Ceiling(batch_size=30))) == [
         "max safe batch  29 (30 ran out of memory)"
     ]
-    assert max_batch(model, 0.85, ceiling=100) == 42  # a ceiling above the model's: no effect
+    assert (
+        max_batch(model, 0.85, ceiling=Ceiling(batch_size=100)) == 42
+    )  # a ceiling above the model's: no effect
 
 
 @pytest.mark.parametrize("size", [WIDE, NARROW], ids=["wide", "narrow"])

@@ -12,7 +12,7 @@ from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
 from memtui.knobs import KNOBS, format_value
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
-from memtui.wire import MemoryModel
+from memtui.wire import Ceiling, MemoryModel
 
 KNOB_KEYS: dict[str, str] = {
     "batch_size": "b",
@@ -42,7 +42,7 @@ def _confidences(model: MemoryModel) -> list[str]:
 
 
 def _safe_batch_layouts(
-    model: MemoryModel, edge: float, ceiling: int | None = None
+    model: MemoryModel, edge: float, ceiling: Ceiling | None = None
 ) -> list[list[Segments]]:
     """The max safe batch line(s), from the most to the least spelt out: the figure (past
     ``GUESS_MULTIPLE`` x the largest micro-batch seen, that floor: the rest is a guess; under a
@@ -76,7 +76,7 @@ def _safe_batch_layouts(
 
 
 def safe_batch_lines(
-    model: MemoryModel, edge: float, width: int, max_lines: int, ceiling: int | None = None
+    model: MemoryModel, edge: float, width: int, max_lines: int, ceiling: Ceiling | None = None
 ) -> list[Text]:
     """The largest micro-batch predicted under ``edge`` x capacity with how sure that is, in the
     most words that fit ``width`` columns in at most ``max_lines`` lines (else the fewest, cut)."""
@@ -138,7 +138,6 @@ class ConfigPanel(StateView):
         if model is not None and "batch_size" in control.tunable:
             edge = state.thresholds.thresholds.memory_edge_fraction
             # a side pane is taller than wide: one line there, two in the wide layout's column
-            ceiling = control.ceiling.batch_size if control.ceiling is not None else None
-            lines += safe_batch_lines(model, edge, width, 1 if self.narrow else 2, ceiling)
+            lines += safe_batch_lines(model, edge, width, 1 if self.narrow else 2, control.ceiling)
         lines.append(keep)
         return Text("\n").join(lines)
