@@ -200,6 +200,10 @@ class AppliedChange(Struct, omit_defaults=True):
     """Measured effect, once enough steps ran after the change."""
     rollback: bool = False
     """True for a rollback after an out-of-memory error (it reverts an earlier change)."""
+    predicted_speed_delta: float | None = None
+    """The change of samples/s predicted from the steps before it (None: no estimate)."""
+    speed_note: str = ""
+    """How that speed was predicted, or why it could not be ('': not predicted yet)."""
 
 
 class ModelPoint(Struct, array_like=True, frozen=True):

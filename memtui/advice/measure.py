@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
+from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
+from memtui.knobs import knobs_with
+from memtui.stats import summarize_steps
 from memtui.wire import (
     AppliedChange,
     DeviceSample,
     Effect,
     HostSample,
+    Knobs,
     MemoryModel,
     OomEvent,
     StaticMemory,
@@ -161,6 +165,37 @@ def effects_due(
         if effect is not None:
             found.append(Measured(change, effect, peak_after))
     return found
+
+
+def speed_prediction_due(
+    applied: Sequence[AppliedChange],
+    steps: Sequence[RawStepT],
+    records: Callable[[Iterable[RawStepT]], list[StepRecord]],
+    knobs: Knobs,
+    starved_wait_fraction: float,
+) -> tuple[AppliedChange, SpeedEstimate] | None:
+    """The speed prediction of the latest applied change if it has none yet, made from the steps
+    before it and the earlier changes' effects only (``knobs``: the config it left; a rollback
+    predicts nothing)."""
+    if not applied:
+        return None
+    latest = applied[-1]
+    if latest.rollback or latest.speed_note or not latest.changes:
+        return None
+    before = records(r for r in steps if latest.step - EFFECT_STEPS < r[0] <= latest.step)
+    stats = summarize_steps(before, window=len(before) or 1)
+    timed = [r for r in before if r.step_time_s > 0]
+    if stats is None or not timed:
+        return latest, SpeedEstimate(None, "speed unknown: no steps timed before it")
+    was = knobs_with(knobs, {k: d.old for k, d in latest.changes.items()})
+    basis = SpeedBasis(
+        was,
+        stats,
+        sum(r.samples for r in timed) / len(timed),
+        tuple(applied[:-1]),
+        starved_wait_fraction,
+    )
+    return latest, predict_speed(basis, {k: d.new for k, d in latest.changes.items()})
 
 
 @dataclass(frozen=True)
