@@ -170,6 +170,7 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     assert line["prediction_error"] == error
     assert line["effect"]["peak_bytes_after"] == applied["observed_peak_bytes"]
     assert line["effect"]["samples_per_s_before"] > 0 and line["effect"]["samples_per_s_after"] > 0
+    assert line["speed_note"] == applied["speed_note"] != "", "and the speed it was predicted at"
     assert "samples/s" in line["summary"] and "peak" in line["summary"], line["summary"]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from memtui.advice.effect import describe
 from memtui.advice.measure import Measured
 from memtui.advice.prediction import Prediction
-from memtui.advice.speed import SpeedEstimate
+from memtui.advice.speed import SpeedEstimate, speed_error
 from memtui.advice.verdict import Thresholds, load_thresholds
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.persist import AuditLog
@@ -346,23 +346,19 @@ class Control:
         }
         if applied.predicted_peak_bytes and peak:
             record["prediction_error"] = applied.predicted_peak_bytes / peak - 1
+        if applied.speed_note:
+            record["predicted_speed_delta"] = applied.predicted_speed_delta
+            record["speed_note"] = applied.speed_note
+            record["speed_error"] = speed_error(applied)
         self.audit_event("measured", record)
 
     def record_speed_prediction(self, applied: AppliedChange, estimate: SpeedEstimate) -> None:
-        """Publish and audit the speed predicted for an applied change from the steps before it."""
+        """Publish the speed predicted for an applied change from the steps before it (the audit
+        log keeps it in the change's ``measured`` line, beside the effect it is checked against)."""
         with self._lock:
             applied.predicted_speed_delta = estimate.delta
             applied.speed_note = estimate.note or "speed unknown"
             self.seq += 1
-        self.audit_event(
-            "predicted_speed",
-            {
-                "ids": applied.ids,
-                "step": applied.step,
-                "delta": estimate.delta,
-                "note": estimate.note,
-            },
-        )
 
     def record_oom(self, event: OomEvent, grown: Mapping[str, KnobDiff] | None = None) -> None:
         """Publish and audit an out-of-memory error, and lower the ceiling to the values it ran
