@@ -154,6 +154,20 @@ def is_alive(record: RunRecord) -> bool:
     return created > 0 and abs(created - record.create_time) < 1.0
 
 
+def process_exited(pid: int, host: str, started: float) -> bool:
+    """True when a run's process is known gone: it ran on this host and no process with its
+    pid started before the run did (a reused pid starts later; a zombie has exited)."""
+    if pid <= 0 or host != _hostname():
+        return False
+    try:
+        process = psutil.Process(pid)
+        return process.status() == psutil.STATUS_ZOMBIE or process.create_time() > started + 1.0
+    except psutil.NoSuchProcess:  # a zombie too
+        return True
+    except (psutil.Error, OSError):  # not ours to read: it may live
+        return False
+
+
 def list_runs(clean: bool = True) -> list[RunRecord]:
     """Live runs, oldest first; entries of dead processes are skipped and (``clean``) removed."""
     root = runtime_dir(create=False)
