@@ -16,9 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner
 from textual.pilot import Pilot
 
 from memtui import registry
+from memtui.cli import main
 from memtui.hooks import Options, Tuner
 from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
@@ -148,3 +150,12 @@ def test_process_exited_tells_a_gone_or_reused_pid_from_a_live_one() -> None:
     assert not registry.process_exited(os.getpid(), host, now)
     assert registry.process_exited(os.getpid(), host, now - 3600 * 24 * 365)
     assert not registry.process_exited(os.getpid(), "another-host", 0.0)
+
+
+def test_attach_without_a_terminal_or_with_a_run_not_live_exits_at_once() -> None:
+    """Nothing to wait for by default off a terminal, or for a RUN that is not live (a typo
+    fails fast): exit status 1, with the way to wait."""
+    for words in (["attach"], ["attach", "demo-000000"], ["attach", "--no-wait"]):
+        result = CliRunner().invoke(main, words)
+        assert result.exit_code == 1, (words, result.output)
+        assert "--wait waits for one" in result.output, result.output
