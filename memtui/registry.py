@@ -141,9 +141,10 @@ def run_dir(run_id: str) -> RunDir:
 
 
 def process_create_time(pid: int) -> float:
-    """The start time of ``pid`` as psutil reports it (0.0 if it is gone)."""
+    """The start time of ``pid`` as psutil reports it (0.0 if it is gone, a zombie included)."""
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return 0.0 if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except (psutil.Error, OSError):
         return 0.0
 
@@ -159,13 +160,8 @@ def process_exited(pid: int, host: str, started: float) -> bool:
     pid started before the run did (a reused pid starts later; a zombie has exited)."""
     if pid <= 0 or host != _hostname():
         return False
-    try:
-        process = psutil.Process(pid)
-        return process.status() == psutil.STATUS_ZOMBIE or process.create_time() > started + 1.0
-    except psutil.NoSuchProcess:  # a zombie too
-        return True
-    except (psutil.Error, OSError):  # not ours to read: it may live
-        return False
+    created = process_create_time(pid)
+    return created == 0.0 or created > started + 1.0
 
 
 def list_runs(clean: bool = True) -> list[RunRecord]:

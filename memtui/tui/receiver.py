@@ -1,7 +1,8 @@
 """The one worker that owns the sockets: it reads a Source, decodes, and reports in batches.
 
 The receiver runs on a thread of its own (a Textual thread worker). It connects the source (and
-reconnects it when the run ends, goes quiet or comes back), decodes every frame with a
+reconnects it when the run goes quiet or comes back: the same run only; once the run is gone it
+may offer another, followed only when the user says so), decodes every frame with a
 ``FrameDecoder`` (bad frames are counted, never raised; step records beyond a budget are
 sampled), makes the operator's set/cancel requests
 on the same thread, and hands the app one :class:`~memtui.tui.events.ReceivedBatch` at a time
