@@ -161,10 +161,11 @@ class LiveSource:
         self.client = client or client_name("tui")
         self.request_timeout_s = request_timeout_s
         self.run = ""
-        """The run this source is attached to (set by the first connection, or by ``follow``):
-        the only run it connects to."""
+        """The run this source is attached to, as the registry knows it (set by the first
+        connection, or by ``follow``): the only run it looks for."""
         self._info: wire.RunInfo | None = None
-        """The run's identity, from its latest snapshot (pid, host, state dir, cwd)."""
+        """The run's identity, from its latest snapshot (pid, host, state dir, cwd): a snapshot
+        of another run is refused."""
         self._control = ""
         self._sockets: dict[bytes, zmq.Socket] = {}
         """SUB sockets by security domain (``security.client_domain``): b"" for the plain ipc
@@ -396,9 +397,10 @@ class LiveSource:
         except ClientError as exc:
             raise SourceUnavailable(str(exc))
         if isinstance(reply, Snapshot):
-            if self.run and reply.info.run != self.run:  # an endpoint that another run took
-                raise SourceUnavailable(f"{reply.info.run} answers there now, not {self.run}")
-            self.run = reply.info.run
+            known = self._info.run if self._info is not None else ""
+            if known and reply.info.run != known:  # an endpoint that another run took
+                raise SourceUnavailable(f"{reply.info.run} answers there now, not {known}")
+            self.run = self.run or reply.info.run
             self._info = reply.info
             self._control_rank = reply.info.rank
             self.subscribe(*reply.ranks)
