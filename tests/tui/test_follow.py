@@ -123,7 +123,11 @@ def test_cancellations_from_another_shell_show_in_the_change_log_newest_first(
 
         await until(pilot, cancelled, 10, "the cancellation")
         await pilot.press("w", "5", "enter")
-        await until(pilot, lambda: len(state.pending_values()) == 1 and state.notices, 10, "#3")
+
+        def pending() -> list[int]:
+            return [c.id for c in state.control.pending] if state.control is not None else []
+
+        await until(pilot, lambda: pending() == [2, 3] and state.notices, 10, "#3 queued")
         app.refresh_view()
         await pilot.pause()
         lines = [line.strip("│ ") for line in screen_text(app).splitlines()]
