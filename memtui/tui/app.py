@@ -421,8 +421,11 @@ def run_app(
     if not wait and (not selector or "://" not in selector):
         try:
             target = registry.find_run(selector)
-        except (registry.RunNotFound, registry.RegistryError) as exc:
+        except registry.RunNotFound as exc:
             print(f"memtui: {exc}; --wait waits for one", file=sys.stderr)
+            return 1
+        except registry.RegistryError as exc:
+            print(f"memtui: {exc}", file=sys.stderr)
             return 1
         if target.note:
             print(f"memtui: {target.note}", file=sys.stderr)
