@@ -141,9 +141,10 @@ def run_dir(run_id: str) -> RunDir:
 
 
 def process_create_time(pid: int) -> float:
-    """The start time of ``pid`` as psutil reports it (0.0 if it is gone)."""
+    """The start time of ``pid`` as psutil reports it (0.0 if it is gone, a zombie included)."""
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return 0.0 if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except (psutil.Error, OSError):
         return 0.0
 
@@ -152,6 +153,15 @@ def is_alive(record: RunRecord) -> bool:
     """True when the record's process still runs (and is the same process, not a reused pid)."""
     created = process_create_time(record.pid)
     return created > 0 and abs(created - record.create_time) < 1.0
+
+
+def process_exited(pid: int, host: str, started: float) -> bool:
+    """True when a run's process is known gone: it ran on this host and no process with its
+    pid started before the run did (a reused pid starts later; a zombie has exited)."""
+    if pid <= 0 or host != _hostname():
+        return False
+    created = process_create_time(pid)
+    return created == 0.0 or created > started + 1.0
 
 
 def list_runs(clean: bool = True) -> list[RunRecord]:

@@ -32,6 +32,7 @@ from memtui.knobs import (
 )
 from memtui.wire import (
     AppliedChange,
+    CancelledChange,
     CancelReply,
     CancelRequest,
     Ceiling,
@@ -121,6 +122,7 @@ class Control:
         self.pending: list[PendingChange] = []
         self.applied: deque[AppliedChange] = deque(maxlen=HISTORY)
         self.rejected: deque[RejectedChange] = deque(maxlen=HISTORY)
+        self.cancelled: deque[CancelledChange] = deque(maxlen=HISTORY)
         self._next_id = 1
         self.model: MemoryModel | None = None
         """The memory model (set by the agent thread as the run shows more)."""
@@ -164,6 +166,7 @@ class Control:
                 pending=list(self.pending),
                 applied=list(self.applied),
                 rejected=list(self.rejected),
+                cancelled=list(self.cancelled),
                 disabled=self.disabled,
                 model=self.model,
                 static=self.static,
@@ -264,13 +267,13 @@ class Control:
         except RequestRefused as exc:
             self.refused += 1
             return CancelReply(ok=False, reason=str(exc))
+        client, step, now = clip(request.client), self._step(), time.time()
         with self._lock:
-            if request.id == 0:
-                gone = [c.id for c in self.pending]
-                self.pending.clear()
-            else:
-                gone = [c.id for c in self.pending if c.id == request.id]
-                self.pending = [c for c in self.pending if c.id != request.id]
+            removed = [c for c in self.pending if request.id in (0, c.id)]
+            self.pending = [c for c in self.pending if c not in removed]
+            gone = [c.id for c in removed]
+            for change in removed:
+                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, client))
             if gone:
                 self.seq += 1
         if not gone:
@@ -278,9 +281,7 @@ class Control:
                 "no change is pending" if request.id == 0 else f"no pending change #{request.id}"
             )
             return CancelReply(ok=False, reason=known)
-        self.audit_event(
-            "cancelled", {"ids": gone, "client": clip(request.client), "step": self._step()}
-        )
+        self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
         return CancelReply(ok=True, cancelled=gone)
 
     # ------------------------------------------------------------- boundary (training thread)
