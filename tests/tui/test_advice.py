@@ -35,6 +35,7 @@ from tests.tui.conftest import (
 )
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
 
+
 def recorded_requests(app: MemtuiApp) -> list[SetRequest]:
     """Keep every SetRequest the app hands its receiver (which still answers it: a replay
     takes no changes)."""
