@@ -206,10 +206,11 @@ def test_timed_batches_count_a_batch_function_and_follow_a_change(tmp_path: Path
     assert tuner.checkpoint() is not None and config["batch_size"] == 6
     train_step()
     train_step(tuner.timed_batches(lambda split: get_batch(split)[0].flatten()))
+    train_step(tuner.timed_batches(lambda split: [get_batch(split)[0].tolist()]))  # len() of a list
     train_step(tuner.timed_batches(get_batch, samples=lambda xy: xy[0].numel() // 8 - 1))
     records = tuner.ledger.records(tuner.ledger.drain_steps())
     assert [(r.samples, r.micro_batches) for r in records] == [
-        (8, 2), (8, 2), (12, 2), (6 * 8 * 2, 2), (10, 2)
+        (8, 2), (8, 2), (12, 2), (6 * 8 * 2, 2), (12, 2), (10, 2)
     ]  # fmt: skip
     assert all(r.data_wait_s >= 2 * 0.002 for r in records), records
     assert all(r.step_time_s >= r.data_wait_s for r in records), records

@@ -574,8 +574,8 @@ class Tuner:
         self, fetch: Callable[Args, BatchT], samples: Callable[[BatchT], int] | None = None
     ) -> Callable[Args, BatchT]:
         """Wrap a batch function (a loop without a DataLoader, like nanoGPT's ``get_batch``):
-        each call is timed as one micro-batch's data wait and its samples counted (``len`` of
-        the first tensor it returns, or ``samples(batch)``)."""
+        each call is timed as one micro-batch's data wait and its samples counted (the first
+        dimension of the first tensor it returns, or ``samples(batch)``)."""
         return timed_batches(fetch, self.ledger, self.report, samples)
 
     def _workers_changed(self) -> None:
