@@ -82,11 +82,11 @@ def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path
 
         def timed() -> StatusReport | None:
             status = live_status()
-            metrics = status.metrics if status else None
-            if metrics and metrics.samples_per_s > 0 and metrics.data_wait_s > 0:
-                return status
             assert proc.poll() is None, log.read_text()
-            return None
+            metrics = status.metrics if status else None
+            if not status or not metrics or status.step < 2:  # step 1 also trained on the batch
+                return None  # fetched before the loop
+            return status if metrics.samples_per_s > 0 and metrics.data_wait_s > 0 else None
 
         before = cast(StatusReport, wait_for(timed, 90, 0.5, "samples/s and the data wait"))
         assert {"batch_size", "grad_accum"} <= set(before.tunable), before.tunable
