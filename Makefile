@@ -3,7 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
+
+# torch is the user's: the package does not depend on it, the tests and the demo need it. The
+# pin is the CPU build here only because this machine's pip finds it on local disk; from PyPI on
+# Linux the same pin is the CUDA build (~2.8 GB of wheels). TORCH_INDEX picks the index it comes
+# from: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` on a box without a GPU.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 
 # the suite runs in one worker more than there are cores (its tests wait on trainings about a
 # quarter of the time), a file's tests on one worker (its shared training starts once), the
@@ -17,20 +25,25 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# torch is the user's: the package does not depend on it, the tests and the demo need it.
-# torch==2.13.0 is the CPU build on this machine's local disk; a looser pin pulls CUDA wheels.
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+# the runtime: torch (kept if the venv has one) and the package with its own dependencies only
+# (what `make demo` needs); the test stamp adds the test and lint toolchain on top
+$(RUNTIME_STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || \
+		$(PIP) install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP) pyproject.toml
 	$(PIP) install --quiet -e ".[test]"
 	touch $(STAMP)
 
 ON_PATH = @echo "memtui is installed in $(VENV): run it as $(VENV)/bin/memtui, or 'source $(VENV)/bin/activate' first"
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(ON_PATH)
 	$(VENV)/bin/memtui demo
 
-demo-no-tui: $(STAMP)
+demo-no-tui: $(RUNTIME_STAMP)
 	$(ON_PATH)
 	$(VENV)/bin/memtui demo --no-tui
 

@@ -4,17 +4,20 @@ Wall-clock timings of a few microseconds move by ±1 µs from one block to the n
 2-core VM, so they cannot tell a 10% change of the hook's code. Valgrind's callgrind counts the
 instructions (and simulated cache misses) of the training thread alone, in a window opened with
 ``callgrind_control`` after a warm-up, for four runs: bare DataLoader iteration and iteration
-through the tuner's loader with ``tuner.step()``, each at two lengths; the difference of the two
-lengths is the per-step cost, free of start-up and of the window's own calls. The hook's own
-threads run under valgrind too and take the GIL from the training thread now and then, so the
-figure still moves by a few percent between runs (against ±30% for the wall clock).
+through the tuner's loader with ``tuner.step()``, each at two lengths (``--loop function``: a
+batch function bare and through ``tuner.timed_batches`` with ``tuner.step()``, a loop without a
+DataLoader; ``both``, the default: eight runs); the difference of the two lengths is the
+per-step cost, free of start-up and of the window's own calls. The hook's own threads run under
+valgrind too and take the GIL from the training thread now and then, so the figure still moves
+by a few percent between runs (against ±30% for the wall clock).
 
 Prints one JSON line: ``instructions_per_step_bare``, ``instructions_per_step_hooked``,
 ``hook_instructions_per_step`` (the difference) and the same for first-level instruction-cache
-and data-cache misses. Needs ``valgrind`` on the PATH (not installed by ``make``); without it,
-says so and exits 0.
+and data-cache misses (for the batch function: ``timed_batches_instructions_per_step`` and its
+kin). Needs ``valgrind`` on the PATH (not installed by ``make``); without it, says so and exits
+0.
 
-Usage: python benchmarks/hook_instructions.py [--steps N]
+Usage: python benchmarks/hook_instructions.py [--steps N] [--loop loader|function|both]
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ def factory(batch_size):
 tuner = hooks.install(SimpleNamespace(batch_size=1), state_dir=tempfile.mkdtemp(), name="bench")
 wrapped = tuner.loader(factory)
 plain = factory(1)
+batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+
+
+def get_batch(split):
+    return batch
+
+
+timed = tuner.timed_batches(get_batch)
 
 
 def run(n):
@@ -58,11 +69,18 @@ def run(n):
         for index, _ in enumerate(plain):
             if index == n:
                 break
-    else:
+    elif mode == "hooked":
         for index, _ in enumerate(wrapped):
             tuner.step()
             if index == n:
                 break
+    elif mode == "function-bare":
+        for _ in range(n):
+            get_batch("train")
+    else:  # function-timed
+        for _ in range(n):
+            timed("train")
+            tuner.step()
 
 
 run(300)  # warm-up: the interpreter's specialisation settles
@@ -75,6 +93,12 @@ tuner.close()
 """
 
 EVENTS = {"Ir": "instructions", "I1mr": "i1_misses", "D1mr": "d1_read_misses"}
+LOOPS = {
+    "loader": ("bare", "hooked"),
+    "function": ("function-bare", "function-timed"),
+    "both": ("bare", "hooked", "function-bare", "function-timed"),
+}
+"""The runs of each ``--loop``: a bare loop and the same through the hook."""
 
 
 def _main_thread_totals(mode: str, steps: int, workdir: Path) -> dict[str, int]:
@@ -117,6 +141,12 @@ def main() -> None:
     """Run the four callgrind runs and print one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="the longer run's extra steps")
+    parser.add_argument(
+        "--loop",
+        choices=["loader", "function", "both"],
+        default="both",
+        help="the DataLoader wrapper's path, a batch function's through tuner.timed_batches, or both",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print(json.dumps({"skipped": "valgrind is not installed"}))
@@ -125,16 +155,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         per_step: dict[str, dict[str, float]] = {}
-        for mode in ("bare", "hooked"):
+        for mode in LOOPS[args.loop]:
             a = _main_thread_totals(mode, short, workdir)
             b = _main_thread_totals(mode, long, workdir)
             per_step[mode] = {key: (b[key] - a[key]) / (long - short) for key in EVENTS}
     result: dict[str, float | int | str] = {}
     for key, name in EVENTS.items():
-        bare, hooked = per_step["bare"][key], per_step["hooked"][key]
-        result[f"{name}_per_step_bare"] = round(bare)
-        result[f"{name}_per_step_hooked"] = round(hooked)
-        result[f"hook_{name}_per_step"] = round(hooked - bare)
+        if "hooked" in per_step:
+            bare, hooked = per_step["bare"][key], per_step["hooked"][key]
+            result[f"{name}_per_step_bare"] = round(bare)
+            result[f"{name}_per_step_hooked"] = round(hooked)
+            result[f"hook_{name}_per_step"] = round(hooked - bare)
+        if "function-timed" in per_step:
+            bare, timed = per_step["function-bare"][key], per_step["function-timed"][key]
+            result[f"function_{name}_per_step_bare"] = round(bare)
+            result[f"function_{name}_per_step_timed"] = round(timed)
+            result[f"timed_batches_{name}_per_step"] = round(timed - bare)
     result["steps"] = long - short
     result["python"] = sys.version.split()[0]
     print(json.dumps(result))

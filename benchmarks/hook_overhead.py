@@ -7,6 +7,8 @@ Three measurements, printed as one JSON line:
    ``tuner.step()`` (B); the median per-step difference. ``hook_us_per_step_best`` is the
    difference of the fastest blocks (timeit's convention: the rest is interference), which on
    a noisy VM is the steadier estimate of what the hook's code itself costs.
+   ``timed_batches_us_per_step`` (and ``_best``): the same for a loop without a DataLoader, a
+   batch function bare (A) and through ``tuner.timed_batches`` with ``tuner.step()`` (B).
 2. ``background_cpu_pct``: CPU time of the hook's two Python threads (agent and sampler) while
    a real training loop runs for ``--background-s`` seconds under one hook, in percent of one
    core (per thread, from /proc's schedstat), with nobody watching (the threads wake once a
@@ -106,6 +108,37 @@ def hot_path(
                 tuner.step()
                 if index == steps:
                     break
+            hooked.append((clock() - t0) / steps * 1e6)
+    finally:
+        tuner.close()
+    return bare, hooked
+
+
+def batch_function_path(
+    rounds: int, steps: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], list[float]]:
+    """Per-step microseconds of a bare batch function (A) and of the same function through
+    ``tuner.timed_batches`` with ``tuner.step()`` (B): nanoGPT's ``get_batch`` loop, one
+    micro-batch a step, the batch a ready-made pair of tensors."""
+    batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+
+    def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch
+
+    bare: list[float] = []
+    hooked: list[float] = []
+    tuner = hooks.install(SimpleNamespace(batch_size=8), state_dir=_state_dir(), name="bench")
+    timed = tuner.timed_batches(get_batch)
+    try:
+        for _ in range(rounds):
+            t0 = clock()
+            for _ in range(steps):
+                get_batch("train")
+            bare.append((clock() - t0) / steps * 1e6)
+            t0 = clock()
+            for _ in range(steps):
+                timed("train")
+                tuner.step()
             hooked.append((clock() - t0) / steps * 1e6)
     finally:
         tuner.close()
@@ -246,6 +279,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bare, hooked = hot_path(rounds * 10, hot_steps)
     hot_us = statistics.median(h - b for h, b in zip(hooked, bare, strict=True))
     best_us = min(hooked) - min(bare)
+    bare_fn, timed_fn = batch_function_path(rounds * 10, hot_steps)
+    timed_us = statistics.median(h - b for h, b in zip(timed_fn, bare_fn, strict=True))
 
     loop = Loop.calibrated(1.0)
     loop.run(50, False)
@@ -269,6 +304,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "hook_us_per_step": round(hot_us, 3),
         "hook_us_per_step_best": round(best_us, 3),
+        "timed_batches_us_per_step": round(timed_us, 3),
+        "timed_batches_us_per_step_best": round(min(timed_fn) - min(bare_fn), 3),
         "background_cpu_pct": round(background_pct, 3),
         "background_cpu_pct_watched": round(watched_pct, 3),
         "background_cpu_pct_all": round(background_all, 3),
@@ -311,7 +348,9 @@ def repeated(args: argparse.Namespace, repeat: int) -> dict[str, Any]:
         runs.append(run)
         print(
             f"run {index + 1}/{repeat}: hook {run['hook_us_per_step']} us/step"
-            f" (best {run['hook_us_per_step_best']}), overhead {run['overhead_pct']}%"
+            f" (best {run['hook_us_per_step_best']}), timed batch function"
+            f" {run['timed_batches_us_per_step']} (best {run['timed_batches_us_per_step_best']}),"
+            f" overhead {run['overhead_pct']}%"
             f" / watched {run['overhead_pct_watched']}%, A/B {run['ab_overhead_pct']}%"
             f" +- {run['ab_overhead_ci95_pct']}; load {load_before[0]} -> {run['loadavg_after'][0]}",
             file=sys.stderr,
@@ -332,6 +371,8 @@ def repeated(args: argparse.Namespace, repeat: int) -> dict[str, Any]:
 SPREAD_KEYS = [
     "hook_us_per_step",
     "hook_us_per_step_best",
+    "timed_batches_us_per_step",
+    "timed_batches_us_per_step_best",
     "background_cpu_pct",
     "background_cpu_pct_watched",
     "background_cpu_pct_all",

@@ -1,4 +1,5 @@
-"""The README's plain-loop example runs as written, takes a change, and resumes with it."""
+"""The README's examples run as written: the plain loop takes a change and resumes with it, the
+loop without a DataLoader times its batches and follows a change."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import os
 import re
 import shlex
 from pathlib import Path
+from typing import cast
 
+import msgspec
 import yaml
 
+from memtui.report import StatusReport
 from tests.conftest import ROOT, launch_script, memtui_cli, wait_for
 
 
-def readme_example() -> str:
+def readme_example(name: str = "plain-loop") -> str:
+    """The README's code block marked ``<!-- example: NAME -->``."""
     text = (ROOT / "README.md").read_text()
-    match = re.search(r"<!-- example: plain-loop -->\n```python\n(.*?)```", text, re.S)
-    assert match, "the README has the plain-loop example"
+    match = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
+    assert match, f"the README has the {name} example"
     return match.group(1)
 
 
@@ -56,6 +61,58 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     assert code == 0, log.read_text()
     assert "resumed the tuned config" in log.read_text()
     assert "batch_size 32 -> 64" in log.read_text()
+
+
+def live_status() -> StatusReport | None:
+    """``memtui status --json`` of the only live run, typed (None while it does not answer)."""
+    result = memtui_cli("status", "--json")
+    return msgspec.json.decode(result.stdout, type=StatusReport) if result.returncode == 0 else None
+
+
+def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path: Path) -> None:
+    """The README's nanoGPT-shaped loop (module globals, ``get_batch`` over a tensor, no
+    DataLoader) publishes samples/s and the data wait, and ``memtui set batch_size=4`` lands at a
+    checkpoint: the global changes and every step's samples follow."""
+    script = tmp_path / "train_gpt.py"
+    script.write_text(readme_example("no-dataloader"))
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    argv = ["--max_iters=1000000", "--eval_interval=10", "--eval_iters=2", f"--out_dir={out}"]
+    proc = launch_script(script, argv, dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
+    try:
+
+        def timed() -> StatusReport | None:
+            status = live_status()
+            assert proc.poll() is None, log.read_text()
+            metrics = status.metrics if status else None
+            if not status or not metrics or status.step < 2:  # step 1 also counts the batch
+                return None  # fetched before the loop
+            return status if metrics.samples_per_s > 0 and metrics.data_wait_s > 0 else None
+
+        before = cast(StatusReport, wait_for(timed, 90, 0.5, "samples/s and the data wait"))
+        assert {"batch_size", "grad_accum"} <= set(before.tunable), before.tunable
+        assert before.config["batch_size"] == 8
+        assert before.last_step and before.last_step.samples == 8 * 4, before.last_step
+        assert before.last_step.micro_batches == 4
+        result = memtui_cli("set", "batch_size=4")
+        assert result.returncode == 0, result.stdout + result.stderr
+
+        def followed() -> StatusReport | None:
+            status = live_status()
+            if not status or not status.applied:
+                return None
+            # the step after the boundary fetched its batches after it (its first came before)
+            return status if status.step > status.applied[0].step else None
+
+        after = cast(StatusReport, wait_for(followed, 90, 0.5, "the change and a step after it"))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert after.config["batch_size"] == 4
+    assert after.last_step and after.last_step.samples == 4 * 4, after.last_step
+    assert after.metrics and after.metrics.samples_per_s > 0 and after.metrics.data_wait_s > 0
+    output = log.read_text()
+    assert re.search(r"applied at step \d*0: batch_size 8 -> 4", output), output
+    assert re.search(r"step \d+: train loss [\d.]+, val loss [\d.]+, batch_size 4", output), output
 
 
 def readme_demo_commands() -> list[str]:

@@ -177,6 +177,54 @@ def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
     assert tuner.step_count == 3, "close() removes the hook"
 
 
+def test_timed_batches_count_a_batch_function_and_follow_a_change(tmp_path: Path) -> None:
+    """A batch function over a tensor (nanoGPT's ``get_batch``, its config in ``globals()``): each
+    call is a micro-batch whose wait and samples the step records, a ``batch_size`` change lands
+    in the globals and the count follows, and memtui's own failures never reach training."""
+    config = {"batch_size": 4, "gradient_accumulation_steps": 2}  # a module's globals()
+    data = torch.arange(1000)
+
+    def get_batch(split: str, as_dict: bool = False) -> Any:
+        if split not in ("train", "val"):
+            raise ValueError(f"no split {split!r}")
+        time.sleep(0.002)  # a slow disk: the wait is at least this
+        x = data[: config["batch_size"]].unsqueeze(1).expand(-1, 8)
+        return {"input_ids": x} if as_dict else (x, x + 1)
+
+    tuner = quiet(config, tmp_path)
+    timed = tuner.timed_batches(get_batch)
+    assert timed.__name__ == "get_batch" and timed.__wrapped__ is get_batch
+
+    def train_step(fetch: Any = timed, **kwargs: Any) -> None:
+        for _ in range(config["gradient_accumulation_steps"]):
+            fetch("train", **kwargs)
+        tuner.step()
+
+    train_step()
+    train_step(as_dict=True)
+    queue(tuner, batch_size=6)
+    assert tuner.checkpoint() is not None and config["batch_size"] == 6
+    train_step()
+    train_step(tuner.timed_batches(lambda split: get_batch(split)[0].flatten()))
+    train_step(tuner.timed_batches(lambda split: [get_batch(split)[0].tolist()]))  # len() of a list
+    train_step(tuner.timed_batches(get_batch, samples=lambda xy: xy[0].numel() // 8 - 1))
+    records = tuner.ledger.records(tuner.ledger.drain_steps())
+    assert [(r.samples, r.micro_batches) for r in records] == [
+        (8, 2), (8, 2), (12, 2), (6 * 8 * 2, 2), (12, 2), (10, 2)
+    ]  # fmt: skip
+    assert all(r.data_wait_s >= 2 * 0.002 for r in records), records
+    assert all(r.step_time_s >= r.data_wait_s for r in records), records
+
+    failing = tuner.timed_batches(get_batch, samples=lambda xy: xy[2])
+    assert failing("val")[0].shape == (6, 8), "the batch is returned all the same"
+    tuner.step()
+    (record,) = tuner.ledger.records(tuner.ledger.drain_steps())
+    assert (record.samples, record.micro_batches) == (0, 1) and record.data_wait_s >= 0.002
+    assert tuner.errors.count == 1 and "counting a batch's samples" in tuner.errors.last
+    with pytest.raises(ValueError, match="no split 'test'"):  # the script's own error is its own
+        timed("test")
+
+
 def test_memory_stays_bounded_over_1e5_steps_with_no_viewer(tmp_path: Path) -> None:
     options = Options(flush_period_s=0.01, idle_flush_s=0.01)
     tuner = Tuner(Config(), state_dir=tmp_path, options=options).start()

@@ -34,6 +34,7 @@ from typing import Any
 import memtui
 from memtui import registry
 from memtui.hooks.agent import Agent, HookParts
+from memtui.hooks.batches import Args, BatchT, timed_batches
 from memtui.hooks.boundary import Applied, Boundary
 from memtui.hooks.control import Control
 from memtui.hooks.device import DeviceTracker, allocator_settings
@@ -568,6 +569,14 @@ class Tuner:
     def loaders(self) -> list[TunedLoader]:
         """The loaders made by ``loader()`` that are still alive."""
         return [loader for ref in self._loaders if (loader := ref()) is not None]
+
+    def timed_batches(
+        self, fetch: Callable[Args, BatchT], samples: Callable[[BatchT], int] | None = None
+    ) -> Callable[Args, BatchT]:
+        """Wrap a batch function (a loop without a DataLoader, like nanoGPT's ``get_batch``):
+        each call is timed as one micro-batch's data wait and its samples counted (the first
+        dimension of the first tensor it returns, or ``samples(batch)``)."""
+        return timed_batches(fetch, self.ledger, self.report, samples)
 
     def _workers_changed(self) -> None:
         if self.sampler is not None:
