@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -271,6 +272,24 @@ def memtui_cli(
         cwd=ROOT,
         env=env,
     )
+
+
+def memtui_here(*args: str) -> Any:
+    """``memtui ARGS`` run by click in this process (its ``Result``): the command's own code,
+    for tests that poll it (a subprocess per poll cost ~0.27 CPU seconds, 100 times this; the
+    suite's ``memtui_cli`` calls keep the real command line covered)."""
+    from click.testing import CliRunner
+
+    from memtui.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def status_json(run: str | None = None) -> dict[str, Any]:
+    """``memtui status [RUN] --json``, run in this process (``memtui_here``)."""
+    result = memtui_here("status", *([run] if run else []), "--json")
+    assert result.exit_code == 0, result.stderr or result.output
+    return dict(json.loads(result.stdout))
 
 
 if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one line per test

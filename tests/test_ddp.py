@@ -22,7 +22,16 @@ import zmq
 from memtui import registry
 from memtui.client import ControlClient, hello_many
 from memtui.wire import Decoder, Snapshot, Telemetry
-from tests.conftest import LIGHT, ROOT, DemoRun, SharedDemo, memtui_cli, shared_demo, wait_for
+from tests.conftest import (
+    LIGHT,
+    ROOT,
+    DemoRun,
+    SharedDemo,
+    memtui_cli,
+    shared_demo,
+    status_json,
+    wait_for,
+)
 
 EVERY = 4
 CHANGES = [
@@ -138,9 +147,7 @@ def test_two_ranks_one_view_one_decision(
 
     keep = memtui_cli("set", "batch_size=16", "--keep-effective-batch")
     assert keep.returncode == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
-    wait_for(
-        lambda: json.loads(memtui_cli("status", "--json").stdout)["applied"], 60, 0.2, "the change"
-    )
+    wait_for(lambda: status_json()["applied"], 60, 0.2, "the change")
     run_trials(demo, 5, seed=1)
     applied = check_one_decision(demo)
     assert len(applied) == 6

@@ -11,13 +11,11 @@ import yaml
 
 from memtui import registry
 from memtui.client import ControlClient
-from tests.conftest import LIGHT, PLUMBING, DemoRun, memtui_cli, wait_for
+from tests.conftest import LIGHT, PLUMBING, DemoRun, memtui_cli, status_json, wait_for
 
 
 def status(run: str) -> dict[str, Any]:
-    result = memtui_cli("status", run, "--json")
-    assert result.returncode == 0, result.stderr
-    return dict(json.loads(result.stdout))
+    return status_json(run)
 
 
 def audit(demo: DemoRun) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import msgspec
 import yaml
 
 from memtui.report import StatusReport
-from tests.conftest import ROOT, launch_script, memtui_cli, wait_for
+from tests.conftest import ROOT, launch_script, memtui_cli, memtui_here, wait_for
 
 
 def readme_example(name: str = "plain-loop") -> str:
@@ -65,8 +65,8 @@ def test_plain_loop_example(tmp_path: Path) -> None:
 
 def live_status() -> StatusReport | None:
     """``memtui status --json`` of the only live run, typed (None while it does not answer)."""
-    result = memtui_cli("status", "--json")
-    return msgspec.json.decode(result.stdout, type=StatusReport) if result.returncode == 0 else None
+    result = memtui_here("status", "--json")
+    return msgspec.json.decode(result.stdout, type=StatusReport) if result.exit_code == 0 else None
 
 
 def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path: Path) -> None:
@@ -100,10 +100,12 @@ def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path
             status = live_status()
             if not status or not status.applied:
                 return None
-            # the step after the boundary fetched its batches after it (its first came before)
-            return status if status.step > status.applied[0].step else None
+            # a whole step after the boundary: every batch of it fetched at the new size
+            return status if status.step > status.applied[0].step + 1 else None
 
         after = cast(StatusReport, wait_for(followed, 90, 0.5, "the change and a step after it"))
+        printed = r"step \d+: train loss [\d.]+, val loss [\d.]+, batch_size 4"
+        wait_for(lambda: re.search(printed, log.read_text()), 60, 0.2, "the script's own line")
     finally:
         proc.terminate()
         proc.wait(30)
@@ -112,7 +114,6 @@ def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path
     assert after.metrics and after.metrics.samples_per_s > 0 and after.metrics.data_wait_s > 0
     output = log.read_text()
     assert re.search(r"applied at step \d*0: batch_size 8 -> 4", output), output
-    assert re.search(r"step \d+: train loss [\d.]+, val loss [\d.]+, batch_size 4", output), output
 
 
 def readme_demo_commands() -> list[str]:

@@ -15,7 +15,7 @@ import yaml
 
 from memtui.advice.predict import fraction, max_batch
 from memtui.wire import MemoryModel
-from tests.conftest import DemoRun, memtui_cli, wait_for
+from tests.conftest import DemoRun, memtui_cli, memtui_here, status_json, wait_for
 
 MIB = 1 << 20
 # a model whose logits dominate memory, so the micro-batch matters (~20 MiB per sample)
@@ -34,9 +34,7 @@ HEAVY = [
 
 
 def status(run: str) -> dict[str, Any]:
-    result = memtui_cli("status", run, "--json")
-    assert result.returncode == 0, result.stderr
-    return dict(json.loads(result.stdout))
+    return status_json(run)
 
 
 def until(
@@ -215,7 +213,7 @@ def check_workers_uss(run: str, workers: int) -> None:
     lines: list[str] = []
 
     def host_line() -> str | None:
-        text = memtui_cli("status", run).stdout
+        text = memtui_here("status", run).stdout
         lines.append(next((x for x in text.splitlines() if x.startswith("host: ")), ""))
         return lines[-1] if shown.search(lines[-1]) else None
 
