@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import stat
 import sys
@@ -73,6 +72,8 @@ def state_home() -> Path:
 
 def new_run_id(name: str | None = None) -> str:
     """A short, readable, unique run id: ``<script name>-<6 hex digits>``."""
+    import secrets  # the hook's alone: the commands that read the registry start without it
+
     if not name:
         argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
         name = Path(argv0).stem if argv0 not in ("-c", "-m") else "python"

@@ -1,0 +1,121 @@
+"""How long the ``memtui`` command takes, start to exit: ``--version`` and ``status --json``.
+
+``status --json`` asks a live run (a light demo training started here, in a runtime directory
+of its own) and prints its report, so it times the imports, the request and the report. The
+commands run interleaved, ``--runs`` times each, with Python's own start (``python -c pass``)
+beside them as the floor; it prints the median, min-max and quartiles of each and the load
+average before and after. Bytecode is cached as in an install (``PYTHONDONTWRITEBYTECODE`` is
+dropped and one warm-up run writes it). ``--source DIR`` times another checkout's code (its
+directory first on ``PYTHONPATH``), e.g. a worktree of main, with this venv.
+
+    python benchmarks/cli_startup.py [--runs 20] [--source DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ("--seq-len", "16", "--width", "32", "--layers", "1", "--vocab", "64")
+"""A light demo training (the tests' plumbing model): a live run that takes little CPU."""
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def timed(command: list[str], env: dict[str, str], cwd: Path) -> float:
+    """Seconds from start to exit of ``command``; fails loudly if it fails."""
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({result.returncode}): {result.stderr}")
+    return elapsed
+
+
+def start_demo(env: dict[str, str], out: Path) -> subprocess.Popen[str]:
+    """The live run ``status`` asks, once it has printed its run id."""
+    log = out / "demo.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memtui.demo", "--out", str(out), "--steps", "1000000", *DEMO],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=out,
+        )
+    deadline = time.monotonic() + 120
+    while not log.read_text().startswith("run "):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the demo did not start: {log.read_text()}")
+        time.sleep(0.2)
+    return proc
+
+
+def summary(name: str, times: list[float]) -> str:
+    """One line: median, min-max and the quartiles, in milliseconds."""
+    ms = sorted(t * 1000 for t in times)
+    q1, _, q3 = statistics.quantiles(ms, n=4)
+    return (
+        f"{name:<22} median {statistics.median(ms):6.0f} ms  [min {ms[0]:.0f} - max {ms[-1]:.0f}]"
+        f"  quartiles {q1:.0f}-{q3:.0f}  (n={len(ms)})"
+    )
+
+
+def main() -> None:
+    """Time the commands against a live run and print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="runs of each command")
+    parser.add_argument("--source", type=Path, help="time this checkout's memtui instead")
+    args = parser.parse_args()
+    memtui = str(Path(sys.executable).parent / "memtui")
+    base = Path(tempfile.mkdtemp(prefix="mtb", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env |= {"MEMTUI_RUNTIME_DIR": str(base / "rt"), "XDG_STATE_HOME": str(base / "state")}
+    if args.source:
+        env["PYTHONPATH"] = str(args.source.resolve())
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "memtui --version": [memtui, "--version"],
+        "memtui status --json": [memtui, "status", "--json"],
+    }
+    code = subprocess.run(
+        [sys.executable, "-c", "import memtui.cli; print(memtui.cli.__file__)"],
+        env=env,
+        cwd=base,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    print(f"memtui from {Path(code.stdout.strip()).parent.parent}, python {sys.version.split()[0]}")
+    print(f"load average before: {load()}")
+    (base / "out").mkdir()
+    demo = start_demo(env, base / "out")
+    try:
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for command in commands.values():  # warm-up: bytecode written, page cache filled
+            timed(command, env, base)
+        for _ in range(args.runs):
+            for name, command in commands.items():
+                times[name].append(timed(command, env, base))
+    finally:
+        demo.terminate()
+        demo.wait(30)
+    for name, values in times.items():
+        print(summary(name, values))
+    print(f"load average after: {load()}  ({os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()
