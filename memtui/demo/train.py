@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 with guard, sync:  # an out-of-memory error here is reported (and maybe rolled back)
                     loss = model(tokens, targets) / config.gradient_accumulation_steps
                     loss.backward()
-                if guard.rolled_back:  # the step starts over with the old config
-                    say(_describe_oom(tuner), flush=True)
+                if guard.rolled_back:  # the hook said what it rolled back; the step starts over
                     micro = 0
                     continue
                 samples_seen += tokens.shape[0]
@@ -295,14 +294,6 @@ def _peak_rss() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _describe_oom(tuner: hooks.Tuner) -> str:
-    """The last out-of-memory event, in one line."""
-    if not tuner.control.ooms:
-        return "out of memory: rolled back"
-    event = tuner.control.ooms[-1]
-    return f"out of memory at step {event.step}: rolled back the change; {event.batch}"
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:
