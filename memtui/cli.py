@@ -360,7 +360,7 @@ def demo_command(
 
     Every option of the training (python -m memtui.demo) is accepted too, as listed below.
     """
-    from memtui.demo.options import parse_args
+    from memtui.demo.options import default_out, out_in_use, parse_args
 
     argv = list(ctx.args)
     # a wrong training option: argparse's message and exit status 2, before anything starts
@@ -373,6 +373,9 @@ def demo_command(
     if dry_run:
         click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
         return
+    busy = out_in_use(args.out or default_out())
+    if busy:
+        _fail(busy, 2)
     if no_tui:
         if ranks == 1:
             from memtui.demo.train import main as demo_main
@@ -438,9 +441,9 @@ def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
     except ImportError:
         _fail("the viewer is not available in this build; use --no-tui")
         return
-    from memtui import registry
+    from memtui.demo.options import default_out
 
-    out_dir = out or registry.state_home().parent / "demo"
+    out_dir = out or default_out()
     log_path = out_dir / "demo.log"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")

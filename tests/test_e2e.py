@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -217,3 +218,19 @@ def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) 
     assert memtui_cli("cancel", first.run_id, queued.stdout.strip()).stdout.startswith(
         "cancelled #1"
     )
+
+
+def test_a_second_demo_in_a_live_runs_directory_is_refused(
+    start_demo: Callable[..., DemoRun], tmp_path: Path
+) -> None:
+    """Two demos in one state directory would overwrite each other's checkpoint, tuned config and
+    audit log: the second is refused, by ``memtui demo`` and by ``python -m memtui.demo``."""
+    shared = tmp_path / "shared"
+    first = start_demo("--steps", "1000000", *PLUMBING, out=shared)
+    second = memtui_cli("demo", "--no-tui", "--out", str(shared), *PLUMBING)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"state directory of the live run {first.run_id}" in second.stderr
+    module = start_demo(*PLUMBING, out=shared, wait=False)  # the training's own command line
+    assert module.wait_exit(60) == 2, module.output()
+    assert "give this demo its own --out DIR, or stop that run first" in module.output()
+    assert first.proc.poll() is None, "the first demo trains on"

@@ -29,8 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
-from memtui.demo.options import parse_args
-from memtui.registry import state_home
+from memtui.demo.options import default_out, out_in_use, parse_args
 
 
 @dataclass
@@ -137,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    out = args.out or state_home().parent / "demo"
+    out = args.out or default_out()
+    if rank == 0 and (busy := out_in_use(out)):  # the job's other ranks share rank 0's directory
+        print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
 
