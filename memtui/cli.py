@@ -602,12 +602,31 @@ def gpus_command(
     type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw", "adam8bit"]),
     default="adamw",
     show_default=True,
+    help="The optimizer whose state is counted.",
 )
 @click.option("--freeze", multiple=True, help="Freeze parameters matching a glob or prefix.")
 @click.option("--lora-rank", default=0, show_default=True, help="LoRA rank r (0: no LoRA).")
-@click.option("--lora-modules", default="q_proj,v_proj", show_default=True)
-@click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--lora-modules",
+    default="q_proj,v_proj",
+    show_default=True,
+    help="With --lora-rank: the modules that get adapters, comma-separated.",
+)
+@click.option(
+    "--zero-stage",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="ZeRO stage: 1 shards the optimizer state over --world-size ranks, 2 the gradients "
+    "too, 3 the parameters too.",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Ranks ZeRO shards over.",
+)
 @click.option("--batch-size", default=1, show_default=True, help="Micro-batch per GPU.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--gpu-memory", default=None, help="Card size for the fit, e.g. 24GiB.")
