@@ -6,7 +6,7 @@ commands run interleaved, ``--runs`` times each, with Python's own start (``pyth
 beside them as the floor; it prints the median, min-max and quartiles of each and the load
 average before and after. Bytecode is cached as in an install (``PYTHONDONTWRITEBYTECODE`` is
 dropped and one warm-up run writes it). ``--source DIR`` times another checkout's code (its
-directory first on ``PYTHONPATH``), e.g. a worktree of main, with this venv.
+directory first on ``PYTHONPATH``), e.g. a worktree of main, interleaved with this checkout's.
 
     python benchmarks/cli_startup.py [--runs 20] [--source DIR]
 """
@@ -73,47 +73,54 @@ def summary(name: str, times: list[float]) -> str:
     )
 
 
+def which_memtui(env: dict[str, str], cwd: Path) -> str:
+    """The checkout whose ``memtui`` package ``env`` imports."""
+    code = subprocess.run(
+        [sys.executable, "-c", "import memtui.cli; print(memtui.cli.__file__)"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(Path(code.stdout.strip()).parent.parent)
+
+
 def main() -> None:
     """Time the commands against a live run and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="runs of each command")
-    parser.add_argument("--source", type=Path, help="time this checkout's memtui instead")
+    parser.add_argument(
+        "--source", type=Path, help="also time this checkout's memtui, interleaved with this one"
+    )
     args = parser.parse_args()
     memtui = str(Path(sys.executable).parent / "memtui")
     base = Path(tempfile.mkdtemp(prefix="mtb", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env |= {"MEMTUI_RUNTIME_DIR": str(base / "rt"), "XDG_STATE_HOME": str(base / "state")}
+    envs = {which_memtui(env, base): env}
     if args.source:
-        env["PYTHONPATH"] = str(args.source.resolve())
-    commands = {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "memtui --version": [memtui, "--version"],
-        "memtui status --json": [memtui, "status", "--json"],
-    }
-    code = subprocess.run(
-        [sys.executable, "-c", "import memtui.cli; print(memtui.cli.__file__)"],
-        env=env,
-        cwd=base,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    print(f"memtui from {Path(code.stdout.strip()).parent.parent}, python {sys.version.split()[0]}")
-    print(f"load average before: {load()}")
+        other = env | {"PYTHONPATH": str(args.source.resolve())}
+        envs[which_memtui(other, base)] = other
+    commands = {("python", "python -c pass"): ([sys.executable, "-c", "pass"], env)}
+    for source, source_env in envs.items():
+        for words in (["--version"], ["status", "--json"]):
+            commands[(source, " ".join(["memtui", *words]))] = ([memtui, *words], source_env)
+    print(f"python {sys.version.split()[0]}; load average before: {load()}")
     (base / "out").mkdir()
     demo = start_demo(env, base / "out")
     try:
-        times: dict[str, list[float]] = {name: [] for name in commands}
-        for command in commands.values():  # warm-up: bytecode written, page cache filled
-            timed(command, env, base)
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in commands}
+        for command, command_env in commands.values():  # warm-up: bytecode, page cache
+            timed(command, command_env, base)
         for _ in range(args.runs):
-            for name, command in commands.items():
-                times[name].append(timed(command, env, base))
+            for key, (command, command_env) in commands.items():
+                times[key].append(timed(command, command_env, base))
     finally:
         demo.terminate()
         demo.wait(30)
-    for name, values in times.items():
-        print(summary(name, values))
+    for (source, name), values in times.items():
+        print(f"{source}: {summary(name, values)}")
     print(f"load average after: {load()}  ({os.cpu_count()} CPUs)")
 
 

@@ -6,14 +6,9 @@ errors go to stderr, and the exit status says whether the request succeeded.
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -21,6 +16,9 @@ import click
 from memtui import __version__
 
 if TYPE_CHECKING:  # the commands import what they use: `memtui --version` loads no zmq or psutil
+    import subprocess
+    from pathlib import Path
+
     from memtui import registry
     from memtui.advice.verdict import ThresholdConfig, Thresholds
     from memtui.client import ControlClient
@@ -72,6 +70,8 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 def ls_command(as_json: bool) -> None:
     """List live runs on this host."""
+    import json
+
     from memtui import registry
     from memtui.security import exposure, tcp_endpoints
     from memtui.wire import to_builtins
@@ -188,6 +188,8 @@ def set_command(
     Keys: batch_size, grad_accum, num_workers, pin_memory (aliases such as
     per_device_train_batch_size or gradient_accumulation_steps work too). Prints the change id.
     """
+    import json
+
     from memtui.advice.verdict import load_thresholds
     from memtui.client import ClientError
     from memtui.knobs import KnobError, format_changes, names_knob, parse_assignments, parse_changes
@@ -360,6 +362,8 @@ def demo_command(
 
     Every option of the training (python -m memtui.demo) is accepted too, as listed below.
     """
+    import shlex
+
     from memtui.demo.options import default_out, out_in_use, parse_args
 
     argv = list(ctx.args)
@@ -410,6 +414,9 @@ def _run_forwarding_signals(command: list[str]) -> int:
     torchrun passes them on to its ranks, so stopping ``memtui demo --ranks N --no-tui`` stops
     the whole job instead of leaving the ranks running.
     """
+    import signal
+    import subprocess
+
     proc = subprocess.Popen(command)
 
     def forward(signum: int, frame: object) -> None:
@@ -436,6 +443,8 @@ def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
 def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
     """Start the demo training in a subprocess and attach the viewer to it (its output goes to
     ``demo.log`` in ``out``, the demo's own default directory without it)."""
+    import subprocess
+
     try:
         from memtui.tui.app import run_app
     except ImportError:
@@ -550,6 +559,8 @@ def gpus_command(
 
     Without an NVIDIA driver it says so on stderr and exits 1 (with or without --pick).
     """
+    import json
+
     from memtui.gpus import NoDriver, format_gpus, host_gpus, pick
     from memtui.stats import format_bytes
 
@@ -657,6 +668,8 @@ def gpus_command(
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def estimate_command(**kwargs: Any) -> None:
     """The memory a training job needs per GPU, by part, and the largest micro-batch that fits."""
+    import json
+
     from memtui.estimate import EstimateError, Options, as_dict, estimate, format_table
     from memtui.stats import parse_bytes
 
