@@ -3,8 +3,9 @@
 ``status --json`` asks a live run (a light demo training started here, in a runtime directory
 of its own) and prints its report, so it times the imports, the request and the report. The
 commands run interleaved, ``--runs`` times each, with Python's own start (``python -c pass``)
-beside them as the floor; it prints the median, min-max and quartiles of each and the load
-average before and after. Bytecode is cached as in an install (``PYTHONDONTWRITEBYTECODE`` is
+beside them as the floor; it prints the median, min-max and quartiles of each, of the wall time
+and of the CPU time (which a busy machine does not stretch), and the load average before and
+after. Bytecode is cached as in an install (``PYTHONDONTWRITEBYTECODE`` is
 dropped and one warm-up run writes it). ``--source DIR`` times another checkout's code (its
 directory first on ``PYTHONPATH``), e.g. a worktree of main, interleaved with this checkout's.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,14 +34,18 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def timed(command: list[str], env: dict[str, str], cwd: Path) -> float:
-    """Seconds from start to exit of ``command``; fails loudly if it fails."""
+def timed(command: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Seconds from start to exit of ``command``, and the CPU seconds it used (user + system:
+    what the load cannot stretch); fails loudly if it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({result.returncode}): {result.stderr}")
-    return elapsed
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return elapsed, cpu
 
 
 def start_demo(env: dict[str, str], out: Path) -> subprocess.Popen[str]:
@@ -63,13 +69,13 @@ def start_demo(env: dict[str, str], out: Path) -> subprocess.Popen[str]:
     return proc
 
 
-def summary(name: str, times: list[float]) -> str:
-    """One line: median, min-max and the quartiles, in milliseconds."""
+def summary(times: list[float]) -> str:
+    """Median, min-max and the quartiles, in milliseconds."""
     ms = sorted(t * 1000 for t in times)
     q1, _, q3 = statistics.quantiles(ms, n=4)
     return (
-        f"{name:<22} median {statistics.median(ms):6.0f} ms  [min {ms[0]:.0f} - max {ms[-1]:.0f}]"
-        f"  quartiles {q1:.0f}-{q3:.0f}  (n={len(ms)})"
+        f"median {statistics.median(ms):4.0f} ms [{ms[0]:.0f}-{ms[-1]:.0f}, quartiles "
+        f"{q1:.0f}-{q3:.0f}]"
     )
 
 
@@ -110,7 +116,7 @@ def main() -> None:
     (base / "out").mkdir()
     demo = start_demo(env, base / "out")
     try:
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in commands}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in commands}
         for command, command_env in commands.values():  # warm-up: bytecode, page cache
             timed(command, command_env, base)
         for _ in range(args.runs):
@@ -119,8 +125,10 @@ def main() -> None:
     finally:
         demo.terminate()
         demo.wait(30)
+    print(f"{args.runs} runs each, interleaved; wall time from start to exit, then CPU time")
     for (source, name), values in times.items():
-        print(f"{source}: {summary(name, values)}")
+        wall, cpu = summary([w for w, _ in values]), summary([c for _, c in values])
+        print(f"{source}: {name:<20} wall {wall}  cpu {cpu}")
     print(f"load average after: {load()}  ({os.cpu_count()} CPUs)")
 
 

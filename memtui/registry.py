@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from memtui.wire import RankInfo, RunRecord, decode_run_record, encode_run_record
 
 RUN_FILE = "run.json"
@@ -142,7 +140,24 @@ def run_dir(run_id: str) -> RunDir:
 
 
 def process_create_time(pid: int) -> float:
-    """The start time of ``pid`` as psutil reports it (0.0 if it is gone)."""
+    """The start time of ``pid`` as psutil reports it (0.0 if it is gone): on Linux psutil's own
+    sum, read from /proc without importing psutil (the commands that list runs start sooner)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        with open("/proc/stat", "rb") as system:
+            boot = next(line for line in system if line.startswith(b"btime"))
+        # starttime (field 22 of /proc/PID/stat) in clock ticks since boot, plus the boot time
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK") + float(boot.split()[1])
+    except FileNotFoundError:
+        return 0.0 if os.path.isdir("/proc/self") else _psutil_create_time(pid)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return _psutil_create_time(pid)
+
+
+def _psutil_create_time(pid: int) -> float:
+    import psutil
+
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):

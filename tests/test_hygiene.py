@@ -79,14 +79,15 @@ def test_cli_import_loads_no_transport_and_no_parsers() -> None:
     assert not loaded & {"zmq", "psutil", "yaml", "textual", "rich", "msgspec"}, loaded
 
 
-def test_status_without_a_config_file_loads_no_yaml() -> None:
-    """The verdict's thresholds need the YAML parser only when there is a config file."""
+def test_status_loads_no_psutil_and_without_a_config_file_no_yaml() -> None:
+    """What ``memtui status`` imports: the registry reads start times from /proc, and the
+    verdict's thresholds need the YAML parser only when there is a config file."""
     loaded = loaded_after(
         "import os\nos.environ['MEMTUI_CONFIG'] = '/nonexistent/memtui.yaml'\n"
         "import memtui.report, memtui.client, memtui.registry\n"
         "from memtui.advice.verdict import load_thresholds\nload_thresholds()"
     )
-    assert "zmq" in loaded and "yaml" not in loaded
+    assert "zmq" in loaded and not loaded & {"yaml", "psutil"}, loaded
 
 
 def test_hooks_import_no_framework() -> None:
