@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,7 +102,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     memtui = str(Path(sys.executable).parent / "memtui")
-    base = Path(tempfile.mkdtemp(prefix="mtb", dir="/tmp"))
+    base = Path(tempfile.mkdtemp(prefix="mtcli", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env |= {"MEMTUI_RUNTIME_DIR": str(base / "rt"), "XDG_STATE_HOME": str(base / "state")}
     envs = {which_memtui(env, base): env}
@@ -125,6 +126,7 @@ def main() -> None:
     finally:
         demo.terminate()
         demo.wait(30)
+        shutil.rmtree(base, ignore_errors=True)
     print(f"{args.runs} runs each, interleaved; wall time from start to exit, then CPU time")
     for (source, name), values in times.items():
         wall, cpu = summary([w for w, _ in values]), summary([c for _, c in values])
