@@ -15,8 +15,9 @@ would.
 For each change it records the predicted peak (the applied change's ``predicted_peak_bytes``,
 and the set reply's), the observed peak (``observed_peak_bytes``), the error (predicted /
 observed - 1), whether the run ran out of memory before the next change landed, and the speed
-predicted (``speed_delta`` of a recommendation with the same changes, when there is one)
-against the measured samples/s change. It prints a table, a summary per script and the verdict
+the hook predicted for the change from the steps before it (``predicted_speed_delta``, the
+estimate the recommendations use) against the measured samples/s change, in points, and
+whether the prediction lies inside the measured effect's 95% interval. It prints a table, a summary per script and the verdict
 against the issue's bar: mean |error| <= 5% and max |error| <= 10% on every change, no out of
 memory from a change accepted without ``--force``, and the max safe batch's observed peak under
 the edge band (``memory_edge_fraction``) every time.
@@ -145,6 +146,7 @@ class Row:
     speed_predicted: float | None = None
     speed_note: str = ""
     speed_measured: float | None = None
+    speed_margin: float | None = None
     effect: str = ""
 
 
@@ -254,14 +256,6 @@ def resolve(kind: str, report: StatusReport) -> tuple[dict[str, Any] | None, str
     raise ValueError(f"unknown step {kind!r}")
 
 
-def _speed_for(report: StatusReport, changes: dict[str, Any]) -> tuple[float | None, str]:
-    """The speed a recommendation with exactly these changes predicts, and how."""
-    for option in report.recommendations:
-        if option.changes == changes:
-            return option.speed_delta, option.speed_note
-    return None, "no recommendation with these changes"
-
-
 def _applied(report: StatusReport, change_id: int) -> Applied | None:
     return next((a for a in report.applied if change_id in a.ids and not a.rollback), None)
 
@@ -323,7 +317,6 @@ def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) 
         row.outcome, row.reason = "skipped", why
         return row
     row.changes, row.reason = changes, why
-    row.speed_predicted, row.speed_note = _speed_for(report, changes)
     reply = run.client.set(changes)
     row.predicted_reply_bytes = reply.predicted_peak_bytes
     row.capacity_bytes = reply.capacity_bytes
@@ -350,6 +343,8 @@ def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) 
     row.predicted_bytes = measured.predicted_peak_bytes
     row.observed_bytes = measured.observed_peak_bytes
     row.error = measured.prediction_error
+    # the hook's own speed prediction, made from the steps before the change
+    row.speed_predicted, row.speed_note = measured.predicted_speed_delta, measured.speed_note
     if row.observed_bytes and row.capacity_bytes:
         row.observed_fraction = row.observed_bytes / row.capacity_bytes
         if kind == "max_safe":
@@ -359,6 +354,7 @@ def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) 
         row.effect = effect.summary
         if effect.samples_per_s_before > 0:
             row.speed_measured = effect.samples_per_s_after / effect.samples_per_s_before - 1
+            row.speed_margin = effect.speedup_margin
     return row
 
 
@@ -447,10 +443,12 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
         for r in rows
         if r.kind == "max_safe" and r.outcome in ("measured", "unmeasured", "out of memory")
     ]
-    speeds = [
-        abs((1 + r.speed_measured) / (1 + r.speed_predicted) - 1)
-        for r in rows
-        if r.speed_measured is not None and r.speed_predicted is not None
+    checked = [r for r in rows if r.speed_measured is not None and r.speed_predicted is not None]
+    speeds = [abs(r.speed_predicted - r.speed_measured) for r in checked]  # type: ignore[operator]
+    inside = [
+        r
+        for r, off in zip(checked, speeds, strict=True)
+        if r.speed_margin is not None and off <= r.speed_margin
     ]
     return {
         "changes": len(rows),
@@ -463,6 +461,11 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
         "max_safe_under_edge": [r.under_edge for r in safe],
         "speed_checked": len(speeds),
         "speed_mean_abs_error": sum(speeds) / len(speeds) if speeds else None,
+        "speed_max_abs_error": max(speeds) if speeds else None,
+        "speed_inside_noise": len(inside),
+        "speed_unknown": sum(
+            r.speed_measured is not None and r.speed_predicted is None for r in rows
+        ),
     }
 
 
@@ -499,8 +502,14 @@ def print_summary(summaries: dict[str, dict[str, Any]], result: dict[str, Any]) 
             f"max {_pct(s['max_abs_error']).lstrip('+')} over {s['measured']} changes; "
             f"OOMs after unforced changes {s['ooms_unforced']}; refused (needs --force) "
             f"{s['refused_needs_force']}; max safe landed at {fractions} of the limit; "
-            f"speed |pred vs meas| "
-            + ("-" if speed is None else f"{speed:.1%} over {s['speed_checked']}")
+            "speed |pred - meas| "
+            + (
+                "-"
+                if speed is None
+                else f"mean {speed * 100:.0f} max {s['speed_max_abs_error'] * 100:.0f} points "
+                f"over {s['speed_checked']} ({s['speed_inside_noise']} inside the noise)"
+            )
+            + f"; no speed estimate {s['speed_unknown']}"
         )
     bar = f"mean |error| <= {MEAN_BAR:.0%}, max <= {MAX_BAR:.0%}, 0 OOMs unforced, max safe under the edge"
     print(f"\nverdict against the issue's bar ({bar}): {'PASS' if result['pass'] else 'FAIL'}")

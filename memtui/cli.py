@@ -509,7 +509,13 @@ def _wait_for_run_id(log_path: Any, proc: subprocess.Popen[bytes], timeout: floa
 
 @main.command("replay")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
-@click.option("--speed", default=1.0, show_default=True, help="Playback speed (x real time).")
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Playback speed (x real time, above 0).",
+)
 def replay_command(path: str, speed: float) -> None:
     """Show a recorded stream (.mtrec) in the viewer, with pause and speed controls."""
     from memtui.tui.app import run_replay
@@ -711,14 +717,21 @@ def estimate_command(**kwargs: Any) -> None:
     help="Reach plain (keyless) TCP endpoints, on loopback only (read-only unless the run "
     "was started with --insecure-control).",
 )
-def attach_command(run: str | None, readonly: bool, insecure: bool) -> None:
-    """Open the viewer on a run (RUN: id, prefix, pid or endpoint; default: the newest)."""
+@click.option(
+    "--wait/--no-wait",
+    default=None,
+    help="Wait for a run if none matches (default: wait without RUN on a terminal).",
+)
+def attach_command(run: str | None, readonly: bool, insecure: bool, wait: bool | None) -> None:
+    """Open the viewer on a run (RUN: id, prefix, pid or endpoint; default: the newest) and stay
+    on it; without RUN, f follows another run once this one is gone."""
     from memtui.tui.app import run_app
 
     if insecure:
         os.environ["MEMTUI_INSECURE"] = "1"  # read by every client socket the viewer makes
-
-    sys.exit(run_app(run, readonly=readonly))
+    if wait is None:
+        wait = run is None and sys.stdout.isatty()
+    sys.exit(run_app(run, readonly=readonly, wait=wait))
 
 
 if __name__ == "__main__":

@@ -140,11 +140,13 @@ def run_dir(run_id: str) -> RunDir:
 
 
 def process_create_time(pid: int) -> float:
-    """The start time of ``pid`` as psutil reports it (0.0 if it is gone): on Linux psutil's own
-    sum, read from /proc without importing psutil (the commands that list runs start sooner)."""
+    """The start time of ``pid`` as psutil reports it (0.0 if it is gone, a zombie included): on
+    Linux psutil's own sum, read from /proc without importing psutil (the commands start sooner)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rpartition(b")")[2].split()
+        if fields[0] == b"Z":
+            return 0.0
         with open("/proc/stat", "rb") as system:
             boot = next(line for line in system if line.startswith(b"btime"))
         # starttime (field 22 of /proc/PID/stat) in clock ticks since boot, plus the boot time
@@ -159,7 +161,8 @@ def _psutil_create_time(pid: int) -> float:
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return 0.0 if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except (psutil.Error, OSError):
         return 0.0
 
@@ -168,6 +171,15 @@ def is_alive(record: RunRecord) -> bool:
     """True when the record's process still runs (and is the same process, not a reused pid)."""
     created = process_create_time(record.pid)
     return created > 0 and abs(created - record.create_time) < 1.0
+
+
+def process_exited(pid: int, host: str, started: float) -> bool:
+    """True when a run's process is known gone: it ran on this host and no process with its
+    pid started before the run did (a reused pid starts later; a zombie has exited)."""
+    if pid <= 0 or host != _hostname():
+        return False
+    created = process_create_time(pid)
+    return created == 0.0 or created > started + 1.0
 
 
 def list_runs(clean: bool = True) -> list[RunRecord]:

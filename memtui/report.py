@@ -17,6 +17,7 @@ from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.prediction import ceiling_words
+from memtui.advice.speed import describe_speed, speed_accuracy, speed_error
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.knobs import (
     KNOBS,
@@ -105,6 +106,12 @@ class Applied(Struct):
     prediction_error: float | None
     """Predicted over observed peak, minus one (None until both are known)."""
     effect: EffectReport | None
+    predicted_speed_delta: float | None = None
+    """The change of samples/s predicted from the steps before it (None: no estimate)."""
+    speed_note: str = ""
+    """How that speed was predicted, or why not."""
+    speed_error: float | None = None
+    """Predicted minus measured change of samples/s (None until both are known)."""
 
 
 class VerdictReport(Struct):
@@ -147,6 +154,18 @@ class Accuracy(Struct):
     changes_measured: int
     mean_abs_error: float | None
     changes_out_of_memory: int = 0
+    note: str = ""
+
+
+class SpeedAccuracyReport(Struct):
+    """How far the speed predictions of applied changes were from their measured effects."""
+
+    changes_measured: int
+    mean_abs_error: float | None
+    """Mean |predicted - measured| change of samples/s (0.05: 5 points)."""
+    within_noise: int
+    """Predictions inside the measured effect's 95% interval."""
+    no_estimate: int
     note: str = ""
 
 
@@ -227,6 +246,8 @@ class StatusReport(Struct):
     one that ran out of memory."""
     ceiling: Ceiling | None = None
     """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
+    speed_accuracy: SpeedAccuracyReport | None = None
+    """How the speed predictions of the applied changes fared (None: an older report)."""
 
 
 # ---------------------------------------------------------------------------- building
@@ -254,6 +275,9 @@ def _applied(applied: AppliedChange) -> Applied:
         observed_peak_bytes=applied.observed_peak_bytes,
         prediction_error=error,
         effect=effect,
+        predicted_speed_delta=applied.predicted_speed_delta,
+        speed_note=applied.speed_note,
+        speed_error=speed_error(applied),
     )
 
 
@@ -331,6 +355,7 @@ def build_status(
     rank_infos = snapshot.ranks or []
     per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
     scored = accuracy(control.applied, control.ooms)
+    speeds = speed_accuracy(control.applied)
     model = None
     if control.model is not None:
         model = ModelReport(
@@ -377,6 +402,13 @@ def build_status(
             mean_abs_error=scored.mean_abs_error,
             changes_out_of_memory=scored.out_of_memory,
             note=scored.describe(),
+        ),
+        speed_accuracy=SpeedAccuracyReport(
+            changes_measured=speeds.measured,
+            mean_abs_error=speeds.mean_abs_error,
+            within_noise=speeds.within_noise,
+            no_estimate=speeds.unknown,
+            note=describe_speed(speeds),
         ),
         ooms=list(control.ooms),
         disabled=control.disabled,
@@ -496,6 +528,10 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
                 f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
                 f"({applied.prediction_error:+.0%})"
             )
+        if applied.predicted_speed_delta is not None:
+            line += f"; predicted speed {applied.predicted_speed_delta:+.0%} samples/s"
+            if applied.speed_error is not None:
+                line += f" (off by {applied.speed_error * 100:+.0f} points)"
         lines.append(line)
     scored = report.prediction_accuracy
     if scored.mean_abs_error is not None or scored.changes_out_of_memory:
@@ -509,6 +545,9 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(
             "predicted peaks: " + "; ".join([*parts, *([scored.note] if scored.note else [])])
         )
+    speeds = report.speed_accuracy
+    if speeds is not None and speeds.note:
+        lines.append("predicted speeds: " + speeds.note)
     for oom in report.ooms[-3:]:
         lines.append(
             f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"

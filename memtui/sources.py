@@ -23,7 +23,7 @@ from typing import Literal, Protocol, TypeVar
 
 import zmq
 
-from memtui import registry
+from memtui import registry, wire
 from memtui.client import ClientError, ControlClient, client_name, send_request
 from memtui.recording import (
     CONTROL_RANK,
@@ -108,14 +108,28 @@ class Source(Protocol):
         """The source's wall clock: real time live, the recording's time in a replay."""
         ...
 
+    def exited(self) -> str:
+        """Words for the run's process known gone ("" while it may live, or nobody can tell)."""
+        ...
+
+    def offer(self) -> tuple[wire.RunRecord, str] | None:
+        """Another live run to offer the user once the run is gone, and why that one (None:
+        none, or the user named the run)."""
+        ...
+
+    def follow(self, run: str) -> None:
+        """Attach to ``run`` from the next ``connect`` on (the user chose it)."""
+        ...
+
 
 class LiveSource:
     """A live run: SUB sockets on every rank's telemetry, a ControlClient for rank 0's control.
 
     ``selector`` is what the user gave ``memtui attach`` (run id or prefix, pid, endpoint, or
-    None for the newest live run). After the run is lost, ``connect`` looks for it again: the
-    same endpoint or selector, or else a live run with the same state directory (the run,
-    resumed from its checkpoint under a new id).
+    None for the newest live run). Once a run has answered, the source is attached to that run
+    alone (``run``): after it is lost, ``connect`` finds only the same run again (an endpoint
+    that answers for another run is refused), never another one on its own; ``offer`` names a
+    run the user may choose to ``follow`` (only without a selector: a named run is a promise).
 
     Every rank the registry or a snapshot lists is subscribed to (ranks that appear later too:
     the registry record is read again every ``ranks_refresh_s``): ranks on this host over ipc,
@@ -147,9 +161,12 @@ class LiveSource:
         self.client = client or client_name("tui")
         self.request_timeout_s = request_timeout_s
         self.run = ""
-        """The run id of the current (or last) connection."""
+        """The run this source is attached to, as the registry knows it (set by the first
+        connection, or by ``follow``): the only run it looks for."""
+        self._info: wire.RunInfo | None = None
+        """The run's identity, from its latest snapshot (pid, host, state dir, cwd): a snapshot
+        of another run is refused."""
         self._control = ""
-        self._state_dir = ""
         self._sockets: dict[bytes, zmq.Socket] = {}
         """SUB sockets by security domain (``security.client_domain``): b"" for the plain ipc
         (and insecure loopback) ranks, else the CURVE server key; each is connected to the
@@ -194,19 +211,18 @@ class LiveSource:
         if selector and "://" in selector:
             return registry.Target(control=selector, ranks=[], run="")
         try:
-            runs = registry.list_runs()
+            if self.run:  # attached: this run only (a run id is never reused)
+                return registry.find_run(self.run)
+            return registry.find_run(selector)
+        except registry.RunNotFound as exc:
+            if self.run:
+                raise SourceUnavailable(f"run {self.run} is not running")
+            if selector:
+                raise SourceUnavailable(f"waiting for a run matching {selector!r} ({exc})")
+            where = registry.runtime_dir(create=False)
+            raise SourceUnavailable(f"waiting for a run in {where} (ctrl+c to quit)")
         except registry.RegistryError as exc:
             raise SourceUnavailable(str(exc))
-        if self._state_dir:  # the run we lost, back under a new id (resumed)
-            same = [r for r in runs if r.state_dir == self._state_dir]
-            if same:
-                newest = same[-1]
-                return registry.Target(newest.control, list(newest.ranks), newest.run, "", newest)
-        try:
-            target = registry.find_run(selector)
-        except (registry.RunNotFound, registry.RegistryError) as exc:
-            raise SourceUnavailable(str(exc))
-        return target
 
     def connect(self) -> None:
         """Resolve the run and subscribe to its ranks' telemetry (before any hello)."""
@@ -215,8 +231,6 @@ class LiveSource:
         self._control = target.control
         if target.run:
             self.run = target.run
-        if target.record is not None:
-            self._state_dir = target.record.state_dir or self._state_dir
         self.subscribe(*target.ranks)
         self._apply_wanted(strict=True)
         self._next_refresh = time.monotonic() + self.ranks_refresh_s
@@ -383,8 +397,11 @@ class LiveSource:
         except ClientError as exc:
             raise SourceUnavailable(str(exc))
         if isinstance(reply, Snapshot):
-            self.run = reply.info.run
-            self._state_dir = reply.info.state_dir or self._state_dir
+            known = self._info.run if self._info is not None else ""
+            if known and reply.info.run != known:  # an endpoint that another run took
+                raise SourceUnavailable(f"{reply.info.run} answers there now, not {known}")
+            self.run = self.run or reply.info.run
+            self._info = reply.info
             self._control_rank = reply.info.rank
             self.subscribe(*reply.ranks)
         return reply
@@ -415,6 +432,43 @@ class LiveSource:
     def now(self) -> float:
         """Real wall time."""
         return time.time()
+
+    def exited(self) -> str:
+        """Words for the run's process known gone: it ran on this host and no process with its
+        pid started before the run did ("" otherwise: alive, or on another host)."""
+        info = self._info
+        if info is None or not registry.process_exited(info.pid, info.host, info.started):
+            return ""
+        return f"process {info.pid} exited without ending the run (killed or crashed)"
+
+    def offer(self) -> tuple[wire.RunRecord, str] | None:
+        """The live run most like the lost one (same state dir, then same working directory,
+        then the newest), and why; None when the user named the run or none is live."""
+        if self.selector or not self.run:
+            return None
+        try:
+            others = [r for r in registry.list_runs() if r.run != self.run]
+        except registry.RegistryError:
+            return None
+        if not others:
+            return None
+        info = self._info
+        state_dir = info.state_dir if info is not None else ""
+        cwd = info.cwd if info is not None else ""
+
+        def likeness(record: wire.RunRecord) -> tuple[bool, bool, float]:
+            same_dir = bool(state_dir) and record.state_dir == state_dir
+            return same_dir, bool(cwd) and record.cwd == cwd, record.started
+
+        best = max(others, key=likeness)
+        same_dir, same_cwd, _started = likeness(best)
+        why = "same state dir" if same_dir else "same working directory" if same_cwd else "newest"
+        return best, why
+
+    def follow(self, run: str) -> None:
+        """Attach to ``run`` from the next ``connect`` on (the user chose it)."""
+        self.run = run
+        self._info = None
 
 
 ReplayEnd = Literal["hold", "disconnect"]
@@ -558,6 +612,17 @@ class ReplaySource:
         """The recording's time at the last frame delivered (plus the silence, at the end)."""
         now = self.recording.header.started + self._offset
         return now + self.silence_s if self._silent else now
+
+    def exited(self) -> str:
+        """A recording has no process."""
+        return ""
+
+    def offer(self) -> tuple[wire.RunRecord, str] | None:
+        """A recording offers no other run."""
+        return None
+
+    def follow(self, run: str) -> None:
+        """A recording follows no other run."""
 
 
 # --------------------------------------------------------------------------- recorder

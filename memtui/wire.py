@@ -200,6 +200,10 @@ class AppliedChange(Struct, omit_defaults=True):
     """Measured effect, once enough steps ran after the change."""
     rollback: bool = False
     """True for a rollback after an out-of-memory error (it reverts an earlier change)."""
+    predicted_speed_delta: float | None = None
+    """The change of samples/s predicted from the steps before it (None: no estimate)."""
+    speed_note: str = ""
+    """How that speed was predicted, or why it could not be ('': not predicted yet)."""
 
 
 class ModelPoint(Struct, array_like=True, frozen=True):
@@ -297,6 +301,16 @@ class RejectedChange(Struct, omit_defaults=True):
     client: str = ""
 
 
+class CancelledChange(Struct, omit_defaults=True):
+    """A pending change a client cancelled before its boundary (from any shell or viewer)."""
+
+    id: int
+    changes: dict[str, KnobValue]
+    time: float
+    step: int
+    client: str = ""
+
+
 class Ceiling(Struct, omit_defaults=True):
     """What ran out of memory in this run (or before its restart): values to stay under."""
 
@@ -333,6 +347,8 @@ class ControlState(Struct, omit_defaults=True):
     """Out-of-memory errors seen, most recent last."""
     ceiling: Ceiling | None = None
     """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
+    cancelled: list[CancelledChange] = []
+    """Pending changes cancelled, most recent last, capped (an older hook sends none)."""
 
 
 class HookCounters(Struct, omit_defaults=True):

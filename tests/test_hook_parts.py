@@ -225,6 +225,23 @@ def test_effects_due_compares_before_and_after_once_enough_ran() -> None:
     assert effects_due([rollback], before + after, samples, ledger.records) == []
 
 
+def test_a_fast_run_s_effect_waits_for_device_samples_at_the_new_config() -> None:
+    """Steps faster than the sampler: the 20 steps compared fall between two samples, so the
+    peak after is taken over the samples at the new config once three have come."""
+    ledger = StepLedger()
+    change = AppliedChange(ids=[1], step=200, time=0.0, changes={"batch_size": KnobDiff(8, 16)})
+    steps = [raw(s, 0.02) for s in range(150, 260)]
+    before = [sample(s, 100 * MIB) for s in (120, 160, 199)]
+    one_after = [sample(270, 180 * MIB)]
+    assert effects_due([change], steps, before + one_after, ledger.records) == [], "waits"
+    three_after = [*one_after, sample(310, 190 * MIB), sample(350, 185 * MIB)]
+    (measured,) = effects_due([change], steps, before + three_after, ledger.records)
+    assert measured.peak_after == 190 * MIB and measured.effect.peak_bytes_before == 100 * MIB
+    later = AppliedChange(ids=[2], step=300, time=0.0, changes={"batch_size": KnobDiff(16, 4)})
+    (first,) = effects_due([change, later], steps, before + three_after, ledger.records, final=True)
+    assert first.peak_after == 180 * MIB, "the peak stops at the next change (not measured yet)"
+
+
 # ---------------------------------------------------------------------- one prediction
 
 

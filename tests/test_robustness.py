@@ -230,6 +230,8 @@ def test_a_process_start_time_is_psutils_without_psutil() -> None:
             assert registry.process_create_time(pid) == pytest.approx(
                 psutil.Process(pid).create_time(), abs=0.01
             )
+        sleeper.kill()  # not waited for yet: a zombie, which has exited
+        wait_for(lambda: registry.process_create_time(sleeper.pid) == 0.0, 30, what="a zombie")
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -79,6 +79,12 @@ def test_seed_003_starving_more_workers_measurably_faster(
     assert effect["samples_per_s_after"] > effect["samples_per_s_before"], effect["summary"]
     assert effect["data_wait_s_after"] < 0.5 * effect["data_wait_s_before"], effect["summary"]
     assert effect["speedup_margin"] is not None, "the effect carries its interval"
+    # the hook predicted its speed from the steps before it, as the recommendation did, and
+    # status checks that prediction against the measured effect (issue 15)
+    applied = measured["applied"][0]
+    assert applied["predicted_speed_delta"] > 0.2, applied["speed_note"]
+    assert applied["speed_error"] is not None
+    assert measured["speed_accuracy"]["changes_measured"] == 1, measured["speed_accuracy"]
     until(run, lambda s: s["verdict"]["state"] != "STARVED", 60, "the starvation to go away")
     check_workers_uss(run, workers)
 
@@ -166,6 +172,7 @@ def test_prediction_is_within_10_percent_when_the_micro_batch_doubles(
     assert line["prediction_error"] == error
     assert line["effect"]["peak_bytes_after"] == applied["observed_peak_bytes"]
     assert line["effect"]["samples_per_s_before"] > 0 and line["effect"]["samples_per_s_after"] > 0
+    assert line["speed_note"] == applied["speed_note"] != "", "and the speed it was predicted at"
     assert "samples/s" in line["summary"] and "peak" in line["summary"], line["summary"]
 
 

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
+from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
+from memtui.knobs import knobs_with
+from memtui.stats import summarize_steps
 from memtui.wire import (
     AppliedChange,
     DeviceSample,
     Effect,
     HostSample,
+    Knobs,
     MemoryModel,
     OomEvent,
     StaticMemory,
@@ -28,6 +32,8 @@ from memtui.wire import (
 EFFECT_STEPS = 20
 """Steps compared before and after an applied change for its measured effect."""
 
+PEAK_SAMPLES = 3
+"""Device samples at a change's new config before its peak is taken (its effect waits for them)."""
 RawStepT = tuple[int, float, float, float, int, int, int]
 """A step as the hook's ledger keeps it (its first field is the step number)."""
 
@@ -109,7 +115,11 @@ def model_moved(old: MemoryModel | None, new: MemoryModel, batch_size: int) -> b
 
 def peak_between(samples: Iterable[DeviceSample], first_step: int, last_step: int) -> int | None:
     """The device total at peak over samples taken in steps (first, last]."""
-    window = [s for s in samples if first_step < s.step <= last_step]
+    return peak_of([s for s in samples if first_step < s.step <= last_step])
+
+
+def peak_of(window: Sequence[DeviceSample]) -> int | None:
+    """The device total at peak over ``window`` (None: no samples)."""
     if not window:
         return None
     if window[-1].kind == "cuda":
@@ -141,26 +151,67 @@ def effects_due(
     """The effects of the applied changes not measured yet whose steps after have run (all that
     can be measured at all when ``final``); ``records`` makes wire records of raw steps."""
     later = {id(a): b.step for a, b in itertools.pairwise(applied)}
+    earlier = {id(b): a.step for a, b in itertools.pairwise(applied)}
     found: list[Measured] = []
     for change in applied:
         if change.effect is not None or change.rollback:
             continue
         start = change.step + SETTLE_STEPS
-        end = min(start + EFFECT_STEPS, later.get(id(change), start + EFFECT_STEPS))
+        next_change = later.get(id(change))
+        end = min(start + EFFECT_STEPS, next_change or start + EFFECT_STEPS)
         after = records(r for r in steps if start < r[0] <= end)
         if len(after) < min(EFFECT_STEPS, end - start) and not final:
             continue
         if len(after) < 3:
             continue
+        # The peaks: every device sample at each config, not only those within the steps
+        # compared (the sampler is timed, steps may be fast: 20 steps of a fast run can fall
+        # between two samples), and the after side waits for PEAK_SAMPLES of them. A sample
+        # carries the step count when it was taken: samples counted ``step`` ran during the
+        # step after it, so the last one before the change is ``step - 1``.
+        peak_end = next_change - 1 if next_change is not None else None
+        at_new = [s for s in samples if start < s.step and (peak_end is None or s.step <= peak_end)]
+        if len(at_new) < PEAK_SAMPLES and next_change is None and not final:
+            continue
         before = records(r for r in steps if change.step - EFFECT_STEPS < r[0] <= change.step)
-        # a sample carries the step count when it was taken: samples counted ``step`` ran
-        # during the step after it, so the last one before the change is ``step - 1``
-        peak_before = peak_between(samples, change.step - EFFECT_STEPS - 1, change.step - 1)
-        peak_after = peak_between(samples, start, after[-1].step)
+        since = earlier.get(id(change), -1) + SETTLE_STEPS
+        peak_before = peak_between(samples, since, change.step - 1)
+        peak_after = peak_of(at_new)
         effect = measure(before, after, peak_before, peak_after)
         if effect is not None:
             found.append(Measured(change, effect, peak_after))
     return found
+
+
+def speed_prediction_due(
+    applied: Sequence[AppliedChange],
+    steps: Sequence[RawStepT],
+    records: Callable[[Iterable[RawStepT]], list[StepRecord]],
+    knobs: Knobs,
+    starved_wait_fraction: float,
+) -> tuple[AppliedChange, SpeedEstimate] | None:
+    """The speed prediction of the latest applied change if it has none yet, made from the steps
+    before it and the earlier changes' effects only (``knobs``: the config it left; a rollback
+    predicts nothing)."""
+    if not applied:
+        return None
+    latest = applied[-1]
+    if latest.rollback or latest.speed_note or not latest.changes:
+        return None
+    before = records(r for r in steps if latest.step - EFFECT_STEPS < r[0] <= latest.step)
+    stats = summarize_steps(before, window=len(before) or 1)
+    timed = [r for r in before if r.step_time_s > 0]
+    if stats is None or not timed:
+        return latest, SpeedEstimate(None, "speed unknown: no steps timed before it")
+    was = knobs_with(knobs, {k: d.old for k, d in latest.changes.items()})
+    basis = SpeedBasis(
+        was,
+        stats,
+        sum(r.samples for r in timed) / len(timed),
+        tuple(applied[:-1]),
+        starved_wait_fraction,
+    )
+    return latest, predict_speed(basis, {k: d.new for k, d in latest.changes.items()})
 
 
 @dataclass(frozen=True)

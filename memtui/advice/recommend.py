@@ -6,18 +6,8 @@ numbers allow an estimate (``None``: not known until measured, and the option sa
 resulting effective batch, and whether memtui can apply it (a queued change) or it is advice
 the operator must act on (a restart, a code change).
 
-The data-loader estimate assumes loading is waiting (storage, network, decoding in C) that
-workers overlap: with ``W`` workers a micro-batch of ``n`` samples is ready after
-``n * d / W`` seconds, where ``d`` is the measured per-sample load time. A step then takes
-``max(compute, load)``. Loading that burns the CPU scales no further than the free cores.
-
-The micro-batch estimate needs the compute time at two micro-batch sizes at least: the compute
-of one micro-batch is taken as a line, a fixed cost (the optimizer step, kernel launches, Python)
-plus a cost per sample, through the sizes the run has been timed at (now, and before and after
-every measured change of the micro-batch). With one size timed the two parts cannot be told
-apart, and the option says so instead of giving a number. The data wait per sample is kept as it
-is (a loader that starves with workers stays as slow per sample: the step is then the longer of
-compute and loading).
+The expected samples/s of an option comes from ``memtui.advice.speed``, the same estimate
+the hook records for every applied change and checks against its measured effect.
 """
 
 from __future__ import annotations
@@ -27,14 +17,14 @@ from dataclasses import dataclass
 
 from memtui.advice.effect import measurable, speedup
 from memtui.advice.measure import per_worker_bytes
-from memtui.advice.predict import line_fit, max_batch, predict_peak
+from memtui.advice.predict import max_batch, predict_peak
+from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
 from memtui.advice.verdict import THRESHOLDS
 from memtui.knobs import accumulation_for, effective_batch, format_diffs, knobs_with, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
 from memtui.wire import (
     AppliedChange,
     Ceiling,
-    Effect,
     HostSample,
     KnobDiff,
     Knobs,
@@ -80,6 +70,18 @@ class Inputs:
     """The run's applied changes, oldest first: their measured effects time other micro-batches."""
     alloc_conf: str | None = None
     """The run's CUDA allocator settings (``RunInfo.alloc_conf``; None: the hook did not say)."""
+
+    def speed_basis(self) -> SpeedBasis | None:
+        """What the speed estimates are made from (None: no timed steps yet)."""
+        if self.steps is None or not self.samples_per_step:
+            return None
+        return SpeedBasis(
+            self.config,
+            self.steps,
+            self.samples_per_step,
+            self.applied,
+            self.starved_wait_fraction,
+        )
 
 
 @dataclass(frozen=True)
@@ -192,21 +194,6 @@ def _per_worker_bytes(inputs: Inputs) -> int | None:
     return per_worker_bytes(inputs.host) or None
 
 
-def _loader_model(inputs: Inputs) -> tuple[float, float, float] | None:
-    """(compute s per step, load s per sample, samples per micro-batch), or None if unknown."""
-    steps, config = inputs.steps, inputs.config
-    if steps is None or not inputs.samples_per_step or config.num_workers is None:
-        return None
-    samples = inputs.samples_per_step
-    compute = steps.compute_s
-    workers = max(config.num_workers, 0)
-    if workers == 0:
-        per_sample = steps.data_wait_s / samples
-    else:  # the wait is what the workers' supply falls short of the compute time
-        per_sample = (steps.data_wait_s + compute) * workers / samples
-    return compute, per_sample, samples
-
-
 def _workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
     """``wanted`` workers within the CPUs the run may use, under a worker count that ran out of
     memory, and within the host RAM free for their measured memory; with why it was capped."""
@@ -227,29 +214,22 @@ def _workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tup
     return wanted, note
 
 
-def _step_time(compute: float, per_sample: float, samples: float, workers: int) -> float:
-    load = per_sample * samples / workers if workers else per_sample * samples
-    return max(compute, load) if workers else compute + load
-
-
 def _loader_options(inputs: Inputs) -> list[Recommendation]:
     config, steps = inputs.config, inputs.steps
     out: list[Recommendation] = []
     if steps is None or config.num_workers is None or "num_workers" not in inputs.tunable:
         return out
-    model = _loader_model(inputs)
+    basis = inputs.speed_basis()
+    model = loader_model(basis) if basis is not None else None
     wait = steps.data_wait_fraction
     per_worker = _per_worker_bytes(inputs)
     workers = config.num_workers
     wanted, limit_note = workers, ""
     if wait >= inputs.starved_wait_fraction and model is not None and not inputs.host_pressure:
-        compute, per_sample, samples = model
-        wanted = math.ceil(per_sample * samples / compute - 1e-9) if compute > 0 else workers + 2
+        compute, load = model.compute_s, model.load_per_sample_s * model.samples
+        wanted = math.ceil(load / compute - 1e-9) if compute > 0 else workers + 2
         wanted, limit_note = _workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
-    if wanted > workers and model is not None:  # starved, and a worker more is allowed
-        compute, per_sample, samples = model
-        before = _step_time(compute, per_sample, samples, workers)
-        after = _step_time(compute, per_sample, samples, wanted)
+    if wanted > workers and model is not None and basis is not None:  # starved, a worker allowed
         host_delta = per_worker * (wanted - workers) if per_worker else None
         out.append(
             Recommendation(
@@ -257,12 +237,13 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                 changes={"num_workers": wanted},
                 why=(
                     f"{wait:.0%} of each step waits for data; loading takes "
-                    f"{per_sample * 1000:.2f} ms per sample, compute {compute * 1000:.1f} ms per step"
+                    f"{model.load_per_sample_s * 1000:.2f} ms per sample, "
+                    f"compute {model.compute_s * 1000:.1f} ms per step"
                 ),
                 # on a CPU run the host is the device: the new workers' memory is its memory
                 memory_delta_bytes=host_delta if inputs.device_kind == "cpu" else 0,
                 host_delta_bytes=host_delta,
-                speed_delta=before / after - 1 if after > 0 else None,
+                speed_delta=workers_speed(basis, wanted).delta,
                 effective_batch=_effective(config, inputs.world_size),
                 score=3.0 + wait,
             )
@@ -287,14 +268,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
             )
     if inputs.host_pressure and workers > 0:
         fewer = workers // 2
-        speed = None
-        if model is not None:
-            compute, per_sample, samples = model
-            speed = (
-                _step_time(compute, per_sample, samples, workers)
-                / _step_time(compute, per_sample, samples, fewer)
-                - 1
-            )
+        speed = workers_speed(basis, fewer).delta if basis is not None else None
         out.append(
             Recommendation(
                 title=f"fewer loader workers: num_workers {workers} -> {fewer}",
@@ -415,84 +389,13 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     return out
 
 
-def _compute_per_sample(effect: Effect, after: bool) -> float | None:
-    """Compute seconds per sample on one side of a measured effect (samples per step is
-    samples/s x step time: both are totals over the same steps)."""
-    step = effect.step_time_s_after if after else effect.step_time_s_before
-    wait = effect.data_wait_s_after if after else effect.data_wait_s_before
-    rate = effect.samples_per_s_after if after else effect.samples_per_s_before
-    if step <= 0 or rate <= 0:
-        return None
-    return max(0.0, step - wait) / (rate * step)
-
-
-def _timed_micro_batches(inputs: Inputs) -> dict[int, float]:
-    """Compute seconds of one micro-batch, by micro-batch size, as the run has measured them."""
-    points: dict[int, float] = {}
-    for applied in inputs.applied:
-        diff = applied.changes.get("batch_size")
-        if applied.rollback or applied.effect is None or diff is None:
-            continue
-        for size, after in ((diff.old, False), (diff.new, True)):
-            per_sample = _compute_per_sample(applied.effect, after)
-            if isinstance(size, int) and not isinstance(size, bool) and size > 0 and per_sample:
-                points[size] = per_sample * size
-    steps, batch = inputs.steps, inputs.config.batch_size
-    if steps is not None and inputs.samples_per_step and batch:
-        points[batch] = steps.compute_s / inputs.samples_per_step * batch  # now: the latest
-    return points
-
-
-def _compute_line(points: dict[int, float]) -> tuple[float, float] | None:
-    """(fixed seconds, seconds per sample) of one micro-batch: a least-squares line through the
-    timed sizes (None: fewer than two sizes, or times that do not grow with the size)."""
-    if len(points) < 2:
-        return None
-    xs, ys = [float(x) for x in points], list(points.values())
-    fixed, slope = line_fit(xs, ys)
-    if fixed < 0:  # no negative fixed cost: a line through the origin
-        fixed, slope = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
-    if slope <= 0:
-        return None
-    return fixed, slope
-
-
 def _batch_speed(inputs: Inputs, batch: int, accum: int | None) -> tuple[float | None, str]:
-    """The expected change of samples/s at micro-batch ``batch`` x ``accum``, and how it was
-    estimated (or why it is unknown)."""
-    steps, now = inputs.steps, inputs.config.batch_size
-    if steps is None or not inputs.samples_per_step or not now or steps.step_time_s <= 0:
+    """The expected change of samples/s at micro-batch ``batch`` x ``accum``, and its note."""
+    basis = inputs.speed_basis()
+    if basis is None:
         return None, "speed unknown until measured: no timed steps yet"
-    points = _timed_micro_batches(inputs)
-    line = _compute_line(points)
-    if line is None:
-        sizes = ", ".join(map(str, sorted(points)))
-        why = (
-            f"only micro-batch {sizes} has been timed, and one size cannot tell a micro-batch's "
-            "fixed cost from its cost per sample"
-            if len(points) < 2
-            else f"the compute timed at micro-batches {sizes} does not grow with the size (noise)"
-        )
-        return None, f"speed unknown until measured: {why}"
-    fixed, per_sample = line
-    accum_now = inputs.config.grad_accum or 1
-    new_accum = accum or 1
-    growth = batch * new_accum / (now * accum_now)  # samples per step, new over now
-    modelled_now = accum_now * (fixed + per_sample * now)
-    compute = steps.compute_s * new_accum * (fixed + per_sample * batch) / modelled_now
-    wait = steps.data_wait_s * growth
-    starved = steps.data_wait_fraction >= inputs.starved_wait_fraction
-    if (inputs.config.num_workers or 0) > 0 and starved:  # the workers' loading bounds the step
-        step = max(compute, steps.step_time_s * growth)
-    else:
-        step = compute + wait
-    speed = growth * steps.step_time_s / step - 1 if step > 0 else None
-    sizes = ", ".join(map(str, sorted(points)))
-    return speed, (
-        f"speed estimated from the compute timed at micro-batches {sizes}: "
-        f"{fixed * 1000:.1f} ms per micro-batch + {per_sample * 1000:.2f} ms per sample; "
-        "data wait per sample as now"
-    )
+    estimate = batch_speed(basis, batch, accum)
+    return estimate.delta, estimate.note
 
 
 def _friendly(batch: int, target: int | None) -> int:

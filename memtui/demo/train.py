@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 last_micro = micro >= config.gradient_accumulation_steps
                 # DDP all-reduces on the last micro-batch of a step only: every rank must run the
                 # same number of micro-batches per step, which is why changes land on all at once
-                sync = nullcontext() if last_micro or world == 1 else model.no_sync()  # type: ignore[operator]
+                sync = nullcontext() if last_micro or world == 1 else model.no_sync()
                 with guard, sync:  # an out-of-memory error here is reported (and maybe rolled back)
                     loss = model(tokens, targets) / config.gradient_accumulation_steps
                     loss.backward()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from memtui import registry
-from memtui.advice.measure import effects_due, model_moved, observe
+from memtui.advice.measure import effects_due, model_moved, observe, speed_prediction_due
 from memtui.advice.predict import fit
 from memtui.hooks.control import Control
 from memtui.hooks.errors import ErrorLog
@@ -581,6 +581,15 @@ class Agent(threading.Thread):
                 # decrease) does not replace the one measured at that batch before
                 self._points = {p.batch_size: p for p in model.points}
                 control.offer_model(model, lambda old: model_moved(old, model, batch))
+        due = speed_prediction_due(
+            control.applied_changes(),
+            list(publisher.steps),
+            parts.ledger.records,
+            parts.store.knobs,
+            control.thresholds.starved_wait_fraction,
+        )
+        if due is not None:
+            control.record_speed_prediction(*due)
         for measured in effects_due(
             control.applied_changes(),
             list(publisher.steps),

@@ -16,6 +16,7 @@ from typing import Any
 from memtui.advice.effect import describe
 from memtui.advice.measure import Measured
 from memtui.advice.prediction import Prediction
+from memtui.advice.speed import SpeedEstimate, speed_error
 from memtui.advice.verdict import Thresholds, load_thresholds
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.persist import AuditLog
@@ -31,6 +32,7 @@ from memtui.knobs import (
 )
 from memtui.wire import (
     AppliedChange,
+    CancelledChange,
     CancelReply,
     CancelRequest,
     Ceiling,
@@ -128,6 +130,7 @@ class Control:
         self.pending: list[PendingChange] = []
         self.applied: deque[AppliedChange] = deque(maxlen=HISTORY)
         self.rejected: deque[RejectedChange] = deque(maxlen=HISTORY)
+        self.cancelled: deque[CancelledChange] = deque(maxlen=HISTORY)
         self._next_id = 1
         self.model: MemoryModel | None = None
         """The memory model (set by the agent thread as the run shows more)."""
@@ -171,6 +174,7 @@ class Control:
                 pending=list(self.pending),
                 applied=list(self.applied),
                 rejected=list(self.rejected),
+                cancelled=list(self.cancelled),
                 disabled=self.disabled,
                 model=self.model,
                 static=self.static,
@@ -274,13 +278,13 @@ class Control:
         except RequestRefused as exc:
             self.refused += 1
             return CancelReply(ok=False, reason=str(exc))
+        client, step, now = clip(request.client), self._step(), time.time()
         with self._lock:
-            if request.id == 0:
-                gone = [c.id for c in self.pending]
-                self.pending.clear()
-            else:
-                gone = [c.id for c in self.pending if c.id == request.id]
-                self.pending = [c for c in self.pending if c.id != request.id]
+            removed = [c for c in self.pending if request.id in (0, c.id)]
+            self.pending = [c for c in self.pending if c not in removed]
+            gone = [c.id for c in removed]
+            for change in removed:
+                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, client))
             if gone:
                 self.seq += 1
         if not gone:
@@ -288,9 +292,7 @@ class Control:
                 "no change is pending" if request.id == 0 else f"no pending change #{request.id}"
             )
             return CancelReply(ok=False, reason=known)
-        self.audit_event(
-            "cancelled", {"ids": gone, "client": clip(request.client), "step": self._step()}
-        )
+        self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
         return CancelReply(ok=True, cancelled=gone)
 
     # ------------------------------------------------------------- boundary (training thread)
@@ -356,7 +358,19 @@ class Control:
         }
         if applied.predicted_peak_bytes and peak:
             record["prediction_error"] = applied.predicted_peak_bytes / peak - 1
+        if applied.speed_note:
+            record["predicted_speed_delta"] = applied.predicted_speed_delta
+            record["speed_note"] = applied.speed_note
+            record["speed_error"] = speed_error(applied)
         self.audit_event("measured", record)
+
+    def record_speed_prediction(self, applied: AppliedChange, estimate: SpeedEstimate) -> None:
+        """Publish the speed predicted for an applied change from the steps before it (the audit
+        log keeps it in the change's ``measured`` line, beside the effect it is checked against)."""
+        with self._lock:
+            applied.predicted_speed_delta = estimate.delta
+            applied.speed_note = estimate.note or "speed unknown"
+            self.seq += 1
 
     def record_oom(self, event: OomEvent, grown: Mapping[str, KnobDiff] | None = None) -> None:
         """Publish and audit an out-of-memory error, and lower the ceiling to the values it ran

@@ -74,6 +74,7 @@ class MemtuiApp(App[int]):
         # binding, so it quits from the editor and its input too
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("r", "reconnect", "reconnect", show=False),
+        Binding("f", "follow", "follow new run"),  # shown only while a run is offered
         Binding("g", "gpus", "GPUs", show=False),
         Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),
         Binding("minus", "replay_speed(0.5)", "slower", key_display="-"),
@@ -122,6 +123,7 @@ class MemtuiApp(App[int]):
         self._ticks = 0
         self._demo_reported = False
         self._error_told = ""
+        self._offered = ""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,7 +141,9 @@ class MemtuiApp(App[int]):
     @property
     def view(self) -> ViewOptions:
         """The viewer's switches, as the widgets show them."""
-        return ViewOptions(self.paused, self.readonly, self.keep_effective_batch)
+        source = self.receiver.source
+        speed = source.speed if self.replay_controls and isinstance(source, ReplaySource) else None
+        return ViewOptions(self.paused, self.readonly, self.keep_effective_batch, speed)
 
     def on_mount(self) -> None:
         """Start the receiver and the refresh timer."""
@@ -173,6 +177,9 @@ class MemtuiApp(App[int]):
             for event in batch.events:
                 if isinstance(event, Notice):
                     self.say(event.text, severity="information" if event.ok else "error")
+        if self.state.offer.run != self._offered:  # the follow key shows only with an offer
+            self._offered = self.state.offer.run
+            self.refresh_bindings()
         info = self.state.info
         if info is not None and info.readonly and not self.readonly:
             # attached over plain TCP without the run's control opt-in: nothing can be sent
@@ -239,6 +246,8 @@ class MemtuiApp(App[int]):
         """Hide and disable the actions that change the run in a read-only view."""
         if action == "replay_speed":
             return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
+        if action == "follow":
+            return bool(self.state.offer.run)
         return not (self.readonly and action in EDIT_ACTIONS)
 
     def action_edit(self, knob: str) -> None:
@@ -341,6 +350,13 @@ class MemtuiApp(App[int]):
 
         self.push_screen(GpusScreen())
 
+    def action_follow(self) -> None:
+        """Follow the run offered (the header names it) now that the one shown is lost."""
+        run = self.state.offer.run
+        if run:
+            self.receiver.follow(run)
+            self.say(f"following {run}", timeout=3)
+
     def action_reconnect(self) -> None:
         """Drop the connection and look for the run again."""
         self.receiver.reconnect()
@@ -395,16 +411,20 @@ def run_app(
     *,
     readonly: bool = False,
     demo_process: subprocess.Popen[Any] | None = None,
+    wait: bool = False,
 ) -> int:
     """Attach the viewer to a live run (id, prefix, pid or endpoint; None: the newest).
 
-    Fails at once (status 1) when no live run matches; once attached, it waits for the run to
-    come back whenever it is lost.
+    Fails at once (status 1) when no live run matches, unless ``wait``: then the viewer opens
+    and waits for one; once attached, it stays on that run and waits for it whenever it is lost.
     """
-    if not selector or "://" not in selector:
+    if not wait and (not selector or "://" not in selector):
         try:
             target = registry.find_run(selector)
-        except (registry.RunNotFound, registry.RegistryError) as exc:
+        except registry.RunNotFound as exc:
+            print(f"memtui: {exc}; --wait waits for one", file=sys.stderr)
+            return 1
+        except registry.RegistryError as exc:
             print(f"memtui: {exc}", file=sys.stderr)
             return 1
         if target.note:

@@ -27,6 +27,8 @@ class Status(enum.Enum):
     LIVE = "live"
     QUIET = "quiet"
     ENDED = "ended"
+    EXITED = "exited"
+    """The run's process is gone (on this host) without ending the run: killed or crashed."""
     DISCONNECTED = "disconnected"
 
 
@@ -48,9 +50,23 @@ class Notice:
     ok: bool
     """False for refusals and failures (shown in red)."""
     text: str
+    time: float = 0.0
+    """When it happened, on the source's clock (0: when the state folds it)."""
 
 
-Event: TypeAlias = Message | ConnectionEvent | Notice
+@dataclass(frozen=True)
+class RunOffer:
+    """Another live run the viewer could follow now that its own run is gone (``run`` "": no
+    offer any more); only a key press follows it, never the receiver on its own."""
+
+    run: str = ""
+    pid: int = 0
+    cwd: str = ""
+    why: str = ""
+    """Why this one, in words: ``same state dir``, ``same working directory`` or ``newest``."""
+
+
+Event: TypeAlias = Message | ConnectionEvent | Notice | RunOffer
 """One thing the receiver reports, in the order it happened."""
 
 

@@ -17,6 +17,7 @@ STATUS_STYLES: dict[Status, str] = {
     Status.LIVE: "bold green",
     Status.QUIET: "bold yellow",
     Status.ENDED: "bold magenta",
+    Status.EXITED: "bold red",
     Status.DISCONNECTED: "bold red",
 }
 """How each connection status is shown."""

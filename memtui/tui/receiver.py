@@ -1,7 +1,8 @@
 """The one worker that owns the sockets: it reads a Source, decodes, and reports in batches.
 
 The receiver runs on a thread of its own (a Textual thread worker). It connects the source (and
-reconnects it when the run ends, goes quiet or comes back), decodes every frame with a
+reconnects it when the run goes quiet or comes back: the same run only; once the run is gone it
+may offer another, followed only when the user says so), decodes every frame with a
 ``FrameDecoder`` (bad frames are counted, never raised; step records beyond a budget are
 sampled), makes the operator's set/cancel requests
 on the same thread, and hands the app one :class:`~memtui.tui.events.ReceivedBatch` at a time
@@ -23,7 +24,15 @@ import msgspec
 from memtui.client import client_name
 from memtui.knobs import format_changes
 from memtui.sources import Source, SourceUnavailable
-from memtui.tui.events import MANY_RANKS, ConnectionEvent, Event, Notice, ReceivedBatch, Status
+from memtui.tui.events import (
+    MANY_RANKS,
+    ConnectionEvent,
+    Event,
+    Notice,
+    ReceivedBatch,
+    RunOffer,
+    Status,
+)
 from memtui.tui.frames import FrameDecoder
 from memtui.tui.plausible import MAX_RANKS, rank_limit
 from memtui.wire import (
@@ -52,6 +61,8 @@ RESUBSCRIBE_MAX_S = 30.0
 answers (the first comes after ``quiet_after_s``, each next one waits twice as long)."""
 ALL_RANKS = -1
 """The key of the whole run in the receiver's resubscription times."""
+GONE = frozenset({Status.ENDED, Status.EXITED, Status.DISCONNECTED})
+"""The run is lost: another live run may be offered (never followed without a key press)."""
 
 
 class Inbox:
@@ -136,6 +147,8 @@ class Receiver:
         """Exceptions the receiver caught (and survived)."""
         self.batches_posted = 0
         """Batches handed to the app."""
+        self.attempts = 0
+        """Times the receiver looked for its run (found or not)."""
         self.bad_values = 0
         """Messages (or their control states) dropped for values the run cannot have sent: a
         rank past its world size, a control seq that jumps or goes back."""
@@ -154,6 +167,9 @@ class Receiver:
         self._stop = threading.Event()
         self._requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._reconnect = threading.Event()
+        self._follow: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._offered = RunOffer()
+        """The run offered last (``run`` "": none)."""
         self._events: list[Event] = []
         self._urgent = False
         self._connected = False
@@ -187,6 +203,11 @@ class Receiver:
         """Drop the connection and look for the run again (thread-safe)."""
         self._reconnect.set()
 
+    def follow(self, run: str) -> None:
+        """Attach to another run, the one the user chose (thread-safe)."""
+        self._follow.put(run)
+        self._reconnect.set()
+
     def stop(self) -> None:
         """Ask the thread to end (thread-safe); it closes the source on its way out."""
         self._stop.set()
@@ -213,12 +234,14 @@ class Receiver:
     def _cycle(self) -> None:
         if self._reconnect.is_set():
             self._reconnect.clear()
+            self._take_follow()
             if self._connected:
                 self._drop(Status.CONNECTING, "reconnecting")
             self._next_retry = 0.0
         if not self._connected:
             if time.monotonic() >= self._next_retry:
                 self._try_connect()
+                self._check_gone()
             if not self._connected:
                 self._serve_requests()
                 self._stop.wait(self.poll_s)
@@ -282,8 +305,45 @@ class Receiver:
 
     # ------------------------------------------------------------------ connection
 
+    def _take_follow(self) -> None:
+        """Attach the source to the run the user chose last, if any (the offer is withdrawn)."""
+        run = ""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                run = self._follow.get_nowait()
+        if run:
+            self.source.follow(run)
+            self._set_status(Status.CONNECTING, f"following {run}")
+            self._set_offer(RunOffer())
+
+    def _check_gone(self) -> None:
+        """While the run is lost: say so if its process exited, and offer another live run."""
+        if self._connected or self._status is None or self._status.status not in GONE:
+            return
+        if self._status.status is Status.DISCONNECTED:
+            gone = self.source.exited()
+            if gone:
+                self._set_status(Status.EXITED, gone)
+        found = self.source.offer()
+        if found is None:
+            self._set_offer(RunOffer())
+            return
+        record, why = found
+        self._set_offer(RunOffer(record.run, record.pid, record.cwd, why))
+
+    def _set_offer(self, offer: RunOffer) -> None:
+        if offer != self._offered:
+            self._offered = offer
+            self._emit(offer, urgent=True)
+
+    def _lost(self, detail: str) -> None:
+        """The run does not answer: its process exited (on this host), or it is unreachable."""
+        gone = self.source.exited()
+        self._drop(Status.EXITED if gone else Status.DISCONNECTED, gone or detail)
+
     def _try_connect(self) -> None:
         self._next_retry = time.monotonic() + self.retry_s
+        self.attempts += 1
         try:
             self.source.connect()
             if self.source.serves_requests:
@@ -302,6 +362,7 @@ class Receiver:
         self._heard.clear()
         self._retry.clear()
         self._set_status(Status.LIVE)
+        self._set_offer(RunOffer())
 
     def _drop(self, status: Status, detail: str) -> None:
         self._connected = False
@@ -339,7 +400,7 @@ class Receiver:
         try:
             snapshot = self.source.request(Hello(client=self.client, history=HISTORY), Snapshot)
         except SourceUnavailable as exc:
-            self._drop(Status.DISCONNECTED, f"no answer from the run ({exc})")
+            self._lost(f"no answer from the run ({exc})")
             return
         self._take_snapshot(snapshot)
 
@@ -352,6 +413,9 @@ class Receiver:
                     self.bad_values += 1  # a rank the run does not have
                     return
                 self._emit(message)  # that rank's history and config only
+            elif self._run and info.run != self._run and self.source.serves_requests:
+                self._want_snapshot()  # another run's word: ask ours (never switch to it)
+                return
             else:
                 self._take_snapshot(message)
             if self._is_silent(info.rank):  # it answers (probed), but its telemetry stopped
@@ -412,6 +476,10 @@ class Receiver:
             self._check_ranks()
             return
         quiet = f"no data for {silence:.0f} s"
+        gone = self.source.exited()
+        if gone:  # no need to ask: its process is not there
+            self._drop(Status.EXITED, gone)
+            return
         if not self.source.serves_requests:
             if silence >= self.disconnect_after_s:
                 self._drop(Status.DISCONNECTED, quiet)
@@ -426,7 +494,7 @@ class Receiver:
         try:
             snapshot = self.source.request(Hello(client=self.client, history=0), Snapshot)
         except SourceUnavailable as exc:
-            self._drop(Status.DISCONNECTED, f"{quiet}, and no answer ({exc})")
+            self._lost(f"{quiet}, and no answer ({exc})")
             return
         self._take_snapshot(snapshot)
         self._set_status(Status.QUIET, f"{quiet}; the run answers")

@@ -50,7 +50,7 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
-from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, Status
+from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
 from memtui.tui.plausible import check_snapshot, check_telemetry, is_time, rank_limit
 from memtui.wire import (
     AppliedChange,
@@ -102,6 +102,8 @@ class ViewOptions:
     """Nothing is sent to the run."""
     keep_effective_batch: bool = False
     """A batch_size change recomputes grad_accum to keep micro x accum."""
+    replay_speed: float | None = None
+    """``memtui replay``: the replay's speed (x real time); None in a live view."""
 
 
 # --------------------------------------------------------------------------- buckets
@@ -501,7 +503,10 @@ class RunState:
     connection_clock: float = 0.0
     """The clock when the connection status last changed."""
     notices: deque[Notice] = field(default_factory=lambda: deque(maxlen=NOTICES))
-    """Outcomes of the operator's requests (and the receiver's notes), newest last."""
+    """Outcomes of the operator's requests (and the receiver's notes) about this run, newest
+    last, each with its time."""
+    offer: RunOffer = field(default_factory=RunOffer)
+    """Another live run the user may follow (a key), now that this one is lost ("": none)."""
     data_version: int = 0
     """Bumped when steps, memory or host samples arrive."""
     control_version: int = 0
@@ -545,6 +550,9 @@ class RunState:
                 self.set_connection(event)
             elif isinstance(event, Notice):
                 self.add_notice(event)
+            elif isinstance(event, RunOffer):
+                self.offer = event
+                self.connection_version += 1
 
     def note_viewer_error(self, what: str, error: BaseException) -> None:
         """Count an exception the viewer survived while doing ``what`` (shown in the header)."""
@@ -558,8 +566,9 @@ class RunState:
             self.connection_version += 1
 
     def add_notice(self, notice: Notice) -> None:
-        """Keep a line for the operator (shown in the change log)."""
-        self.notices.append(notice)
+        """Keep a line for the operator (shown in the change log), timed by the clock now if it
+        has no time of its own."""
+        self.notices.append(notice if notice.time else dataclasses.replace(notice, time=self.clock))
         self.control_version += 1
 
     def set_connection(self, event: ConnectionEvent) -> None:
@@ -581,6 +590,7 @@ class RunState:
         self.step = 0
         self.ended = False
         self.ignored_batches = 0
+        self.notices.clear()  # "queued #1" was about the previous run
 
     def rank_series(self, rank: int) -> RankSeries:
         """The series of ``rank`` (created on first use)."""

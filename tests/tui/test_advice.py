@@ -35,9 +35,6 @@ from tests.tui.conftest import (
 )
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
 
-HEAVY = ["--seq-len", "256", "--width", "64", "--vocab", "8192", "--layers", "1"]
-"""A demo model whose logits dominate memory, so the micro-batch matters (as tests/test_seeds.py)."""
-
 
 def recorded_requests(app: MemtuiApp) -> list[SetRequest]:
     """Keep every SetRequest the app hands its receiver (which still answers it: a replay
@@ -247,10 +244,13 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
     """A real CPU demo (torch, in a subprocess) under a 1100 MiB limit at micro-batch 4 x 2:
     UNDERUSED; ``o`` queues the bigger micro-batch it recommends (accumulation lowered to keep
     the effective batch); the pending line shows its predicted peak; it lands, and the change
-    log shows the measured effect and the prediction error."""
+    log shows the measured effect and the prediction error. The default model: the flow is what
+    is tested here (that a doubled micro-batch's peak is predicted within 10% when the batch
+    dominates memory is tests/test_seeds.py's seed 004, on the heavy model at a third of the
+    CPU this test took on it)."""
     demo = start_demo(
-        "--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "0",
-        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", *HEAVY, fork=False
+        "--steps", "100000", "--checkpoint-every", "40", "--slow-data-ms", "0",
+        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", fork=False
     )  # fmt: skip
     app = MemtuiApp(LiveSource(demo.run_id))
 
@@ -288,9 +288,7 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
         assert applied.predicted_peak_bytes and applied.observed_peak_bytes
         error = applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
         assert abs(error) < 0.10, error
-        # the micro-batch mattered: 4 more samples of ~20 MiB (about 1.2x here, idle or loaded)
         assert applied.effect is not None and applied.effect.peak_bytes_before
-        assert applied.observed_peak_bytes > 1.1 * applied.effect.peak_bytes_before
 
     run(app, check, WIDE)
     check_measured(demo, first_batch=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,19 +93,39 @@ def test_readonly_keys_send_nothing(start_hook_loop: Callable[..., HookLoop]) ->
     assert status["pending"] == [] and status["applied"] == [] and status["rejected"] == []
 
 
-def test_ended_then_a_new_run_reconnects(start_hook_loop: Callable[..., HookLoop]) -> None:
-    first = start_hook_loop(rate=100, seconds=3)
+def test_a_plain_attach_offers_the_next_run_and_follows_it_on_f(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    """``memtui attach`` without a run: once its run ends and another starts, the viewer stays on
+    the ended run and offers the new one (it used to switch silently); ``f`` follows it, and the
+    change log forgets what was queued on the previous run (issue 16, parts 1 and 8)."""
+    first = start_hook_loop(rate=100, seconds=60, checkpoint_every=1_000_000)
     app = live_app(None)  # `memtui attach` without a run: the newest live one
 
     async def check(pilot: Pilot[Any]) -> None:
         state = app.state
         await until(pilot, lambda: state.info is not None and state.info.run == first.run_id, 20,
                     "the first run")  # fmt: skip
-        await until(pilot, lambda: state.connection.status is Status.ENDED, 20, "the run's end")
+        await until(pilot, lambda: state.control is not None, 20, "its config")
+        await pilot.press("w", "4", "enter")
+        await until(pilot, lambda: bool(state.notices), 10, "the change queued")
         app.refresh_view()
         await pilot.pause()
-        assert f"● ended: run ended at step {state.step}" in screen_text(app)
+        assert "you      queued #1" in screen_text(app)
+        first.proc.send_signal(signal.SIGINT)  # the loop ends the run on its way out
+        await until(pilot, lambda: state.connection.status is Status.ENDED, 20, "the run's end")
         second = start_hook_loop(rate=100, seconds=60)
+        await until(pilot, lambda: state.offer.run == second.run_id, 20, "the offer")
+        start = app.receiver.attempts
+        await until(pilot, lambda: app.receiver.attempts >= start + 2, 20, "two more looks")
+        app.refresh_view()
+        await pilot.pause()
+        text = screen_text(app)
+        assert state.info is not None and state.info.run == first.run_id, "not switched"
+        assert f"f: follow {second.run_id} (pid {second.proc.pid}" in text
+        assert "● ended" in text and "you      queued #1" in text
+
+        await pilot.press("f")
         await until(pilot, lambda: state.info is not None and state.info.run == second.run_id, 20,
                     "the new run")  # fmt: skip
         await until(pilot, lambda: state.connection.status is Status.LIVE and state.step > 0, 20,
@@ -112,7 +133,8 @@ def test_ended_then_a_new_run_reconnects(start_hook_loop: Callable[..., HookLoop
         app.refresh_view()
         await pilot.pause()
         text = screen_text(app)
-        assert second.run_id in text and "● live" in text
+        assert second.run_id in text and "● live" in text and first.run_id not in text
+        assert "queued #1" not in text and "f: follow" not in text and not state.offer.run
 
     run(app, check, (120, 40))
 

@@ -7,9 +7,11 @@ import sys
 import time
 from typing import Any
 
+from click.testing import CliRunner
 from textual.pilot import Pilot
 from textual.widgets import Input
 
+from memtui.cli import main
 from memtui.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.events import Status
@@ -243,13 +245,18 @@ def test_the_demo_process_exit_is_reported() -> None:
 
 
 def test_replay_keys_pause_the_clock_and_change_speed() -> None:
-    source = ReplaySource(STARVING, speed=1.0)
+    """The keys change the replay's clock, and the header says it is a replay at that speed
+    (issue 16: it said "live" and showed no speed)."""
+    source = ReplaySource(STARVING, speed=2.0)
     app = MemtuiApp(source, readonly=True, replay_controls=True)
 
     async def check(pilot: Pilot[Any]) -> None:
         await until(pilot, lambda: app.state.step > 0, 20, "the first steps")
-        await pilot.press("plus", "plus")
+        await until(pilot, lambda: "● replay 2x" in text_of(pilot, "#header"), 5, "replay 2x")
+        assert "live" not in text_of(pilot, "#header")
+        await pilot.press("plus")
         assert source.speed == 4.0
+        await until(pilot, lambda: "● replay 4x" in text_of(pilot, "#header"), 5, "replay 4x")
         await pilot.press("minus")
         assert source.speed == 2.0
         await pilot.press("space")
@@ -261,6 +268,14 @@ def test_replay_keys_pause_the_clock_and_change_speed() -> None:
         assert not source.paused
 
     run(app, check, WIDE)
+
+
+def test_memtui_replay_refuses_a_speed_of_zero_or_less() -> None:
+    """Issue 16: ``--speed 0`` sat at step 0 forever; now click refuses it (exit status 2)."""
+    for speed in ("0", "-1"):
+        result = CliRunner().invoke(main, ["replay", str(STARVING), "--speed", speed])
+        assert result.exit_code == 2, result.output
+        assert "--speed" in result.output and "not in the range x>0" in result.output
 
 
 def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:

@@ -28,6 +28,7 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("space", "pause / resume the view (data keeps arriving; a replay's clock stops)"),
     ("+ / -", "replay faster / slower (memtui replay only)"),
     ("r", "reconnect now"),
+    ("f", "follow the run the header offers, once this one is gone (plain memtui attach)"),
     ("g", "GPUs on this host: free memory, utilisation, other processes holding memory"),
     ("ctrl+p", "command palette: every action by name"),
     ("?", "this help"),

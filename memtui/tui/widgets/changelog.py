@@ -1,7 +1,8 @@
-"""The change log: pending changes with their predicted peak (and cancel), applied ones with their
-step, measured effect and prediction error (and on how many ranks), rollbacks and out-of-memory
-errors with what happened to the failing batch, rejected ones; and the running prediction
-accuracy."""
+"""The change log, newest first: pending changes with their predicted peak (and cancel), then
+applied ones with their step, measured effect and prediction error (and on how many ranks),
+rollbacks and out-of-memory errors with what happened to the failing batch, rejected and
+cancelled ones (by whoever cancelled them) and the operator's last request, by time; and the
+running prediction accuracy."""
 
 from __future__ import annotations
 
@@ -129,15 +130,22 @@ def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
 def change_lines(
     state: RunState, view: ViewOptions, limit: int, narrow: bool = False, width: int = 0
 ) -> list[Text]:
-    """Pending first (oldest first), then the prediction accuracy, then applied changes,
-    rollbacks, OOMs and rejected changes, newest first; each entry on lines of ``width`` (0: one
-    line, as long as it is) with, when narrow, its notes left out where they do not fit."""
+    """Pending first, then the prediction accuracy, then applied changes, rollbacks, OOMs,
+    rejected and cancelled changes and the operator's last request, all newest first; each entry
+    on lines of ``width`` (0: one line, as long as it is) with, when narrow, its notes left out
+    where they do not fit."""
     control = state.control
     lines: list[Text] = []
     bands = state.thresholds.thresholds
-    pending_lines = 0
+    history: list[tuple[float, list[Text]]] = []
+    if state.notices:
+        last = state.notices[-1]
+        said = Text(last.text, "" if last.ok else "red")
+        history.append(
+            (last.time, entry_lines(Text("you      ", "bold cyan"), [Chip(said)], width))
+        )
     if control is not None:
-        for change in control.pending:
+        for change in reversed(control.pending):
             chips = [
                 Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
                 Chip(Text(f"queued at step {change.queued_step}", "dim")),
@@ -149,7 +157,6 @@ def change_lines(
             lines += entry_lines(Text("pending  ", "bold yellow"), chips, width)
             if change.predicted_peak_bytes is not None:
                 lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
-        pending_lines = len(lines)
         found = accuracy(control.applied, control.ooms)
         if found.mean_abs_error is not None or found.out_of_memory:
             mean, count = found.mean_abs_error, found.measured
@@ -170,7 +177,6 @@ def change_lines(
                 what = "OOM" if narrow else "out of memory"
                 line.append(f"{found.out_of_memory} {what} (a miss)", "bold red")
             lines.append(line)
-        history: list[tuple[float, list[Text]]] = []
         for applied in control.applied:
             if applied.rollback:
                 head = Text("rollback ", "bold magenta")
@@ -219,13 +225,18 @@ def change_lines(
             history.append(
                 (rejected.time, entry_lines(Text("rejected ", "bold red"), chips, width))
             )
-        history.sort(key=lambda item: item[0], reverse=True)
-        lines += [line for _time, entry in history for line in entry]
-    if state.notices:
-        last = state.notices[-1]
-        said = Text(last.text, "" if last.ok else "red")
-        you = entry_lines(Text("you      ", "bold cyan"), [Chip(said)], width)
-        lines[pending_lines:pending_lines] = you
+        for cancelled in control.cancelled:
+            chips = [
+                Chip(Text(f"step {cancelled.step}", "bold")),
+                Chip(Text(f"#{cancelled.id} {format_changes(cancelled.changes)}")),
+            ]
+            if cancelled.client:
+                chips.append(Chip(Text(f"by {cancelled.client}", "dim"), optional=narrow))
+            history.append(
+                (cancelled.time, entry_lines(Text("cancelled ", "bold yellow"), chips, width))
+            )
+    history.sort(key=lambda item: item[0], reverse=True)
+    lines += [line for _time, entry in history for line in entry]
     if not lines:
         hint = "no changes yet" if view.readonly else "no changes yet: b, a, w or p to queue one"
         lines.append(Text(hint, "dim"))

@@ -65,9 +65,17 @@ class RunHeader(StateView):
         else:
             identity.append((label or "no run yet", "bold cyan"))
         status = f"● {connection.status.value}"
+        if view.replay_speed is not None:  # `memtui replay`: never "live"
+            status = f"● replay {view.replay_speed:g}x"
+            if connection.status is not Status.LIVE:
+                status += f", {connection.status.value}"
         if connection.status is not Status.LIVE and connection.detail:
             status += f": {connection.detail}"
         identity.append((status, STATUS_STYLES[connection.status]))
+        offer = state.offer
+        if offer.run:  # the run is lost: another one may be followed, with a key
+            where = f"pid {offer.pid}, {offer.cwd}" if offer.cwd else f"pid {offer.pid}"
+            identity.append((f"f: follow {offer.run} ({where}; {offer.why})", "bold black on cyan"))
         silent = state.summary().silent
         if connection.status is Status.LIVE and silent and len(state.series) > 1:
             # live, but not every rank: say which part of the run is heard
