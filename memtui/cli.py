@@ -6,31 +6,25 @@ errors go to stderr, and the exit status says whether the request succeeded.
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from memtui import registry
-from memtui.advice.verdict import ThresholdConfig, Thresholds, load_thresholds
-from memtui.client import ClientError, ControlClient, hello_many
-from memtui.knobs import (
-    KnobError,
-    format_changes,
-    parse_assignments,
-    parse_changes,
-)
-from memtui.report import build_status, render_status, status_json
-from memtui.security import exposure, tcp_endpoints
-from memtui.stats import format_bytes
-from memtui.wire import SetReply, Snapshot, to_builtins
+from memtui import __version__
+
+if TYPE_CHECKING:  # the commands import what they use: `memtui --version` loads no zmq or psutil
+    import subprocess
+    from pathlib import Path
+
+    from memtui import registry
+    from memtui.advice.verdict import ThresholdConfig, Thresholds
+    from memtui.client import ControlClient
+    from memtui.wire import SetReply, Snapshot
+
+TIMEOUT_HELP = "Seconds to wait for the run's answer."
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -39,6 +33,8 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _target(run: str | None, *, changes: bool = False) -> registry.Target:
+    from memtui import registry
+
     try:
         target = registry.find_run(run, changes=changes)
     except registry.AmbiguousRun as exc:
@@ -56,11 +52,13 @@ def _target(run: str | None, *, changes: bool = False) -> registry.Target:
 
 
 def _client(target: registry.Target, timeout: float) -> ControlClient:
+    from memtui.client import ControlClient
+
     return ControlClient(target.control, timeout_s=timeout)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="memtui")
+@click.version_option(__version__, package_name="memtui")
 def main() -> None:
     """Watch a training run starve or run out of memory, and retune it at the next checkpoint."""
 
@@ -72,6 +70,12 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 def ls_command(as_json: bool) -> None:
     """List live runs on this host."""
+    import json
+
+    from memtui import registry
+    from memtui.security import exposure, tcp_endpoints
+    from memtui.wire import to_builtins
+
     try:
         runs = registry.list_runs()
     except registry.RegistryError as exc:
@@ -119,6 +123,8 @@ def _thresholds_in_force() -> Thresholds:
 
 def _threshold_config() -> ThresholdConfig:
     """The YAML config's verdict: section, if any; what it got wrong is said on stderr."""
+    from memtui.advice.verdict import load_thresholds
+
     config = load_thresholds()
     for problem in config.problems:
         print(f"memtui: {problem}", file=sys.stderr)
@@ -127,6 +133,9 @@ def _threshold_config() -> ThresholdConfig:
 
 def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | None]:
     """Rank 0's snapshot and every other rank's (None where a rank did not answer)."""
+    from memtui import registry
+    from memtui.client import hello_many
+
     others = [r for r in snapshot.ranks if r.rank != snapshot.info.rank]
     answers = hello_many([registry.rank_control(r) for r in others], timeout_s=timeout)
     by_rank = {r.rank: a for r, a in zip(others, answers, strict=True)}
@@ -137,9 +146,12 @@ def rank_snapshots(snapshot: Snapshot, timeout: float = 2.0) -> list[Snapshot | 
 @main.command("status")
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-@click.option("--timeout", default=3.0, show_default=True, help="Seconds to wait for the run.")
+@click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def status_command(run: str | None, as_json: bool, timeout: float) -> None:
     """Show a run's step, speed, memory, config and changes (RUN: id, prefix, pid or endpoint)."""
+    from memtui.client import ClientError
+    from memtui.report import build_status, render_status, status_json
+
     target = _target(run)
     try:
         snapshot = _client(target, timeout).hello()
@@ -162,7 +174,7 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
 @click.option("--dry-run", is_flag=True, help="Validate and resolve only; queue nothing.")
 @click.option("--force", is_flag=True, help="Queue even when the change is predicted to be risky.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
-@click.option("--timeout", default=3.0, show_default=True)
+@click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def set_command(
     args: tuple[str, ...],
     keep_effective_batch: bool,
@@ -176,8 +188,15 @@ def set_command(
     Keys: batch_size, grad_accum, num_workers, pin_memory (aliases such as
     per_device_train_batch_size or gradient_accumulation_steps work too). Prints the change id.
     """
+    import json
+
+    from memtui.advice.verdict import load_thresholds
+    from memtui.client import ClientError
+    from memtui.knobs import KnobError, format_changes, names_knob, parse_assignments, parse_changes
+    from memtui.wire import to_builtins
+
     words = list(args)
-    run = words.pop(0) if words and "=" not in words[0] else None
+    run = words.pop(0) if words and "=" not in words[0] and not names_knob(words[0]) else None
     try:
         raw = parse_assignments(words)
         parse_changes(raw)  # fail early, before contacting the run, on what is wrong anyway
@@ -221,6 +240,8 @@ def set_command(
 
 def _prediction_line(reply: SetReply, edge: float) -> str:
     """The memory prediction in a reply, in one line (``edge``: the top of the safe band)."""
+    from memtui.stats import format_bytes
+
     if reply.predicted_peak_bytes is None or not reply.capacity_bytes:
         return "predicted peak: no memory model yet (it needs a few steps of samples)"
     share = reply.predicted_peak_bytes / reply.capacity_bytes
@@ -242,9 +263,11 @@ def _prediction_line(reply: SetReply, edge: float) -> str:
 
 @main.command("cancel")
 @click.argument("args", nargs=-1)
-@click.option("--timeout", default=3.0, show_default=True)
+@click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def cancel_command(args: tuple[str, ...], timeout: float) -> None:
     """Cancel a pending change: memtui cancel [RUN] ID (or 'all')."""
+    from memtui.client import ClientError
+
     words = list(args)
     if not words:
         _fail("give the change id to cancel, or 'all'", 2)
@@ -339,7 +362,9 @@ def demo_command(
 
     Every option of the training (python -m memtui.demo) is accepted too, as listed below.
     """
-    from memtui.demo.options import parse_args
+    import shlex
+
+    from memtui.demo.options import default_out, out_in_use, parse_args
 
     argv = list(ctx.args)
     # a wrong training option: argparse's message and exit status 2, before anything starts
@@ -352,6 +377,9 @@ def demo_command(
     if dry_run:
         click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
         return
+    busy = out_in_use(args.out or default_out())
+    if busy:
+        _fail(busy, 2)
     if no_tui:
         if ranks == 1:
             from memtui.demo.train import main as demo_main
@@ -386,6 +414,9 @@ def _run_forwarding_signals(command: list[str]) -> int:
     torchrun passes them on to its ranks, so stopping ``memtui demo --ranks N --no-tui`` stops
     the whole job instead of leaving the ranks running.
     """
+    import signal
+    import subprocess
+
     proc = subprocess.Popen(command)
 
     def forward(signum: int, frame: object) -> None:
@@ -412,12 +443,16 @@ def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
 def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
     """Start the demo training in a subprocess and attach the viewer to it (its output goes to
     ``demo.log`` in ``out``, the demo's own default directory without it)."""
+    import subprocess
+
     try:
         from memtui.tui.app import run_app
     except ImportError:
         _fail("the viewer is not available in this build; use --no-tui")
         return
-    out_dir = out or registry.state_home().parent / "demo"
+    from memtui.demo.options import default_out
+
+    out_dir = out or default_out()
     log_path = out_dir / "demo.log"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -530,7 +565,10 @@ def gpus_command(
 
     Without an NVIDIA driver it says so on stderr and exits 1 (with or without --pick).
     """
+    import json
+
     from memtui.gpus import NoDriver, format_gpus, host_gpus, pick
+    from memtui.stats import format_bytes
 
     def read() -> list[Any]:
         try:
@@ -581,12 +619,31 @@ def gpus_command(
     type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw", "adam8bit"]),
     default="adamw",
     show_default=True,
+    help="The optimizer whose state is counted.",
 )
 @click.option("--freeze", multiple=True, help="Freeze parameters matching a glob or prefix.")
 @click.option("--lora-rank", default=0, show_default=True, help="LoRA rank r (0: no LoRA).")
-@click.option("--lora-modules", default="q_proj,v_proj", show_default=True)
-@click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--lora-modules",
+    default="q_proj,v_proj",
+    show_default=True,
+    help="With --lora-rank: the modules that get adapters, comma-separated.",
+)
+@click.option(
+    "--zero-stage",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="ZeRO stage: 1 shards the optimizer state over --world-size ranks, 2 the gradients "
+    "too, 3 the parameters too.",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Ranks ZeRO shards over.",
+)
 @click.option("--batch-size", default=1, show_default=True, help="Micro-batch per GPU.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--gpu-memory", default=None, help="Card size for the fit, e.g. 24GiB.")
@@ -617,6 +674,8 @@ def gpus_command(
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def estimate_command(**kwargs: Any) -> None:
     """The memory a training job needs per GPU, by part, and the largest micro-batch that fits."""
+    import json
+
     from memtui.estimate import EstimateError, Options, as_dict, estimate, format_table
     from memtui.stats import parse_bytes
 

@@ -139,11 +139,20 @@ def parse_changes(raw: Mapping[str, object]) -> dict[str, KnobValue]:
     return parsed
 
 
+def names_knob(word: str) -> bool:
+    """Whether ``word`` is a knob's name or alias (``batch_size``, ``workers``), not a run."""
+    return word.strip().lower().replace("-", "_") in (*KNOBS, *CLI_ALIASES)
+
+
 def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     """Split CLI ``KEY=VALUE`` words into a mapping; raise KnobError on a malformed one."""
     raw: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        if names_knob(key) and not value.strip():
+            knob = canonical_name(key)
+            example = "true" if knob == "pin_memory" else "N"
+            raise KnobError(f"{key.strip()} needs a value: {key.strip()}={example}")
         if not sep or not key.strip() or not value.strip():
             raise KnobError(f"expected KEY=VALUE, got {item!r}")
         raw[key.strip()] = value.strip()

@@ -11,15 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import stat
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 from memtui.wire import RankInfo, RunRecord, decode_run_record, encode_run_record
 
@@ -73,6 +70,8 @@ def state_home() -> Path:
 
 def new_run_id(name: str | None = None) -> str:
     """A short, readable, unique run id: ``<script name>-<6 hex digits>``."""
+    import secrets  # the hook's alone: the commands that read the registry start without it
+
     if not name:
         argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
         name = Path(argv0).stem if argv0 not in ("-c", "-m") else "python"
@@ -141,7 +140,26 @@ def run_dir(run_id: str) -> RunDir:
 
 
 def process_create_time(pid: int) -> float:
-    """The start time of ``pid`` as psutil reports it (0.0 if it is gone, a zombie included)."""
+    """The start time of ``pid`` as psutil reports it (0.0 if it is gone, a zombie included): on
+    Linux psutil's own sum, read from /proc without importing psutil (the commands start sooner)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        if fields[0] == b"Z":
+            return 0.0
+        with open("/proc/stat", "rb") as system:
+            boot = next(line for line in system if line.startswith(b"btime"))
+        # starttime (field 22 of /proc/PID/stat) in clock ticks since boot, plus the boot time
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK") + float(boot.split()[1])
+    except FileNotFoundError:
+        return 0.0 if os.path.isdir("/proc/self") else _psutil_create_time(pid)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return _psutil_create_time(pid)
+
+
+def _psutil_create_time(pid: int) -> float:
+    import psutil
+
     try:
         process = psutil.Process(pid)
         return 0.0 if process.status() == psutil.STATUS_ZOMBIE else process.create_time()

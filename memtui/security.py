@@ -25,7 +25,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.auth
 from zmq.utils import z85
 
 from memtui.wire import RankInfo, RunInfo
@@ -72,6 +71,8 @@ def keygen(force: bool = False, directory: Path | None = None) -> Path:
     if force and authorized.exists():
         shutil.rmtree(authorized)
     authorized.mkdir(mode=0o700, exist_ok=True)
+    import zmq.auth
+
     for name in ("server", "client"):
         zmq.auth.create_certificates(root, name)
     shutil.copyfile(root / "client.key", authorized / "client.key")
@@ -95,6 +96,10 @@ class Keys:
 def load_keys(directory: Path | None = None) -> Keys | None:
     """The keys made by ``memtui keygen``, or None when there are none."""
     root = directory or key_dir()
+    if not (root / "server.key_secret").exists():
+        return None  # no keys: zmq.auth (and its logging) is not loaded, and the CLI starts sooner
+    import zmq.auth
+
     try:
         server_public, server_secret = zmq.auth.load_certificate(root / "server.key_secret")
         client_public, client_secret = zmq.auth.load_certificate(root / "client.key_secret")

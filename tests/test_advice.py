@@ -627,7 +627,10 @@ def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
     assert "over the 80% danger band" in refused.reason
     assert "largest micro-batch predicted under 75% is 16" in refused.reason
     assert refused.max_safe_batch_size == 16 and by_default.queue(bigger).max_safe_batch_size == 19
-    assert from_file.queue(SetRequest(changes={"batch_size": 20}, force=True)).ok
+    assert "queue it with --force" in refused.reason
+    forced = from_file.queue(SetRequest(changes={"batch_size": 20}, force=True))
+    assert forced.ok and "over the 80% danger band" in forced.note
+    assert "--force" not in forced.note, "a forced change is not told to use --force"
 
     # the viewer's editor asks for the confirmation at the same bands
     state = RunState(thresholds=bands)

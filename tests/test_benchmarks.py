@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,14 @@ def test_advice_truth_quick(tmp_path: Path) -> None:
     result = json.loads(rows.read_text())
     assert [r["kind"] for r in result["rows"]] == ["batch=16", "max_safe"]
     assert result["rows"][0]["outcome"] in ("measured", "refused", "rejected"), result["rows"][0]
+
+
+@pytest.mark.slow  # a demo training to ask (torch's import alone is ~7 s of CPU)
+def test_cli_startup_runs() -> None:
+    """The startup benchmark times both commands against its own demo run and prints them."""
+    out = _run("benchmarks/cli_startup.py", "--runs", "2")
+    for command in ("memtui --version", "memtui status --json", "python -c pass"):
+        assert re.search(
+            re.escape(command) + r" +wall median +\d+ ms .* cpu median +\d+ ms", out
+        ), out
+    assert "load average before" in out and "load average after" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -163,12 +164,14 @@ def test_rejections_exit_nonzero_with_a_reason_and_the_run_goes_on(
         "batch_size=0": "batch_size must be between 1 and",
         "num_workers=many": "num_workers must be an integer",
         "pin_memory=sometimes": "pin_memory must be true or false",
-        "batch_size": "expected KEY=VALUE",
+        "batch_size": "batch_size needs a value: batch_size=N",
     }
     for arg, reason in cases.items():
         result = memtui_cli("set", demo.run_id, arg)
         assert result.returncode == 2, (arg, result.stdout, result.stderr)
         assert reason in result.stderr, (arg, result.stderr)
+    bare = memtui_cli("set", "batch_size")  # a knob, not a run: it asks for the value
+    assert bare.returncode == 2 and "batch_size needs a value: batch_size=N" in bare.stderr
     result = memtui_cli("set", demo.run_id, "grad_accum=2", "--keep-effective-batch")
     assert result.returncode == 2 and "needs a batch_size change" in result.stderr
     # a change to what the run already has is refused, as the viewer refuses it (issue 15)
@@ -207,6 +210,25 @@ def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) 
     cancel = memtui_cli("cancel", first.run_id, "7")
     assert cancel.returncode == 2 and "no pending change #7" in cancel.stderr
     queued = memtui_cli("set", first.run_id, "pin_memory=true")
+    assert "note: pin_memory=true has no effect on this run: torch sees no accelerator" in (
+        queued.stderr
+    ), "a CPU run queues pinning but says it does nothing there"
     assert memtui_cli("cancel", first.run_id, queued.stdout.strip()).stdout.startswith(
         "cancelled #1"
     )
+
+
+def test_a_second_demo_in_a_live_runs_directory_is_refused(
+    start_demo: Callable[..., DemoRun], tmp_path: Path
+) -> None:
+    """Two demos in one state directory would overwrite each other's checkpoint, tuned config and
+    audit log: the second is refused, by ``memtui demo`` and by ``python -m memtui.demo``."""
+    shared = tmp_path / "shared"
+    first = start_demo("--steps", "1000000", *PLUMBING, out=shared)
+    second = memtui_cli("demo", "--no-tui", "--out", str(shared), *PLUMBING)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"state directory of the live run {first.run_id}" in second.stderr
+    module = start_demo(*PLUMBING, out=shared, wait=False)  # the training's own command line
+    assert module.wait_exit(60) == 2, module.output()
+    assert "give this demo its own --out DIR, or stop that run first" in module.output()
+    assert first.proc.poll() is None, "the first demo trains on"

@@ -90,15 +90,17 @@ def test_two_points_give_a_wide_interval_that_narrows_with_more_and_grows_with_r
 
 
 def test_a_max_safe_batch_far_past_the_points_is_called_a_guess() -> None:
-    """Past GUESS_MULTIPLE x the largest micro-batch measured the figure is a guess, and says so."""
+    """Past GUESS_MULTIPLE x the largest micro-batch measured the figure is a guess: only the
+    floor is shown, and the words say so."""
     roomy = line_model([8, 16], capacity=64 * GIB)
     found = safe_batch(roomy, 0.85)
     assert found is not None and found.guess and found.size > GUESS_MULTIPLE * 16
-    assert "a guess" in found.describe() and "largest micro-batch measured, 16" in found.describe()
+    assert found.figure == f"> {GUESS_MULTIPLE * 16}" and found.describe().startswith(found.figure)
+    assert "only guesses" in found.describe() and "micro-batch measured, 16" in found.describe()
     near = safe_batch(line_model([8, 16], capacity=500 * MIB), 0.85)
     assert near is not None and not near.guess and near.describe() == str(near.size)
     prediction = Prediction.of(roomy, 16)
-    assert prediction.safe_words.startswith("~")
+    assert prediction.safe_words.startswith("> 64 ")
 
 
 def cpu_samples(

@@ -73,6 +73,23 @@ def test_clients_import_no_torch(module: str) -> None:
     assert "torch" not in loaded_after(f"import {module}")
 
 
+def test_cli_import_loads_no_transport_and_no_parsers() -> None:
+    """``memtui --version`` starts like ``nvidia-smi``: each command imports what it uses."""
+    loaded = loaded_after("import memtui.cli")
+    assert not loaded & {"zmq", "psutil", "yaml", "textual", "rich", "msgspec"}, loaded
+
+
+def test_status_loads_no_psutil_and_without_a_config_file_no_yaml() -> None:
+    """What ``memtui status`` imports: the registry reads start times from /proc, and the
+    verdict's thresholds need the YAML parser only when there is a config file."""
+    loaded = loaded_after(
+        "import os\nos.environ['MEMTUI_CONFIG'] = '/nonexistent/memtui.yaml'\n"
+        "import memtui.report, memtui.client, memtui.registry\n"
+        "from memtui.advice.verdict import load_thresholds\nload_thresholds()"
+    )
+    assert "zmq" in loaded and not loaded & {"yaml", "psutil"}, loaded
+
+
 def test_hooks_import_no_framework() -> None:
     loaded = loaded_after("import memtui.hooks\nimport memtui.hooks.adapters")
     assert not loaded & {"transformers", "lightning", "pytorch_lightning", "accelerate"}

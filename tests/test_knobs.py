@@ -83,8 +83,12 @@ def test_parse_changes_and_assignments() -> None:
     assert parse_changes(raw) == {"batch_size": 24, "grad_accum": 3}
     with pytest.raises(KnobError, match="given twice"):
         parse_changes({"bs": "2", "batch_size": "3"})
-    with pytest.raises(KnobError, match="expected KEY=VALUE"):
+    with pytest.raises(KnobError, match="batch_size needs a value: batch_size=N"):
         parse_assignments(["batch_size"])
+    with pytest.raises(KnobError, match="pin needs a value: pin=true"):
+        parse_assignments(["pin="])
+    with pytest.raises(KnobError, match="expected KEY=VALUE"):
+        parse_assignments(["batchsize"])
     with pytest.raises(KnobError, match="no change given"):
         parse_changes({})
 

@@ -7,14 +7,26 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import msgspec
+import pytest
 import yaml
 
 from memtui.report import StatusReport
-from tests.conftest import ROOT, launch_script, memtui_cli, memtui_here, wait_for
+from tests.conftest import (
+    PLUMBING,
+    ROOT,
+    DemoRun,
+    launch_script,
+    memtui_cli,
+    memtui_here,
+    wait_for,
+)
 
 
 def readme_example(name: str = "plain-loop") -> str:
@@ -169,3 +181,94 @@ def test_readme_seed_004_command_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "done: 3 steps" in result.stdout, result.stdout
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+def readme_section(title: str) -> str:
+    """The README's section under ``## title``, up to the next ``##`` heading."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def shell_lines(section: str) -> list[str]:
+    """The ``memtui`` lines of a section's code blocks, as typed (``$ `` dropped, comments off)."""
+    found = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", section, re.S):
+        for line in block.splitlines():
+            command = line.removeprefix("$ ").split("  #", 1)[0].strip()
+            if command.startswith("memtui ") or "$(memtui " in command:
+                found.append(command)
+    return found
+
+
+def inline_commands(section: str) -> list[str]:
+    """The complete ``memtui`` commands written inline in a section (no ``...``, no demo)."""
+    spans = re.findall(r"`(memtui [^`]*)`", section)
+    return [s for s in spans if "..." not in s and not s.startswith("memtui demo")]
+
+
+def test_readme_command_line_runs_against_a_demo(start_demo: Callable[..., DemoRun]) -> None:
+    """Every ``memtui`` line of the README's CLI section, then the commands the 'Two commands'
+    section names, run as written (in that order) against one live demo run: each exits 0, the
+    confirmations in the comments come true, and ``memtui status`` prints the example's lines."""
+    demo = start_demo("--steps", "1000000", "--checkpoint-every", "1000000", *PLUMBING)
+    section = readme_section("The command line")
+    lines = [line for line in shell_lines(section) if "[" not in line]
+    comments = {
+        line.removeprefix("$ ").split("  #", 1)[0].strip(): line.split("  #", 1)[1].strip()
+        for block in re.findall(r"```sh\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+        if "  #" in line
+    }
+    assert {"memtui ls", "memtui status --json", "memtui cancel all"} <= set(lines), lines
+    two_commands = inline_commands(readme_section("Two commands"))
+    assert two_commands == ["memtui status", "memtui set num_workers=4"], two_commands
+    outputs = {}
+    for line in [*lines, *two_commands]:
+        result = memtui_cli(*shlex.split(line)[1:])
+        assert result.returncode == 0, f"{line}: {result.stdout}{result.stderr}"
+        outputs[line] = result.stdout + result.stderr
+        said = comments.get(line, "").replace("demo-...", demo.run_id)
+        if said.startswith(("queued #", "cancelled #")):
+            assert said in outputs[line], (line, outputs[line])
+    assert json.loads(outputs["memtui status --json"].strip())["run"] == demo.run_id
+    example = re.search(r"\$ memtui status\n(.*?)```", section, re.S)
+    assert example, "the CLI section shows what memtui status prints"
+    shown = outputs["memtui status"].splitlines()
+    for head in [line.split()[0] for line in example.group(1).splitlines()[:5]]:
+        assert any(line.startswith(head) for line in shown), (head, shown)
+
+
+def test_readme_gpu_pick_line_stops_where_no_gpu_is_picked(tmp_path: Path) -> None:
+    """The README's ``gpus --pick`` form, run by bash as written: without a GPU to pick it
+    stops with the reason and never starts ``python train.py`` with an empty device list."""
+    from memtui.gpus import NoDriver, load_nvml
+
+    try:
+        load_nvml()
+        pytest.skip("this host has an NVIDIA driver: the pick would succeed")
+    except NoDriver:
+        pass
+    line = next(
+        c for c in shell_lines(readme_section("Before the run: gpus and estimate")) if "--pick" in c
+    )
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(
+        ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("memtui: no NVIDIA driver") and "train.py" not in result.stderr
+
+
+def test_readme_names_a_recording_that_replays() -> None:
+    """The viewer section's ``memtui replay`` line names a recording of this repository that the
+    replay source opens whole (the viewer's replay tests play the same files)."""
+    from memtui.sources import ReplaySource
+
+    line = next(
+        c for c in shell_lines(readme_section("The viewer: `memtui attach`")) if "replay" in c
+    )
+    path = ROOT / shlex.split(line)[2]
+    source = ReplaySource(str(path))
+    assert source.recording.frames and not source.recording.cut_note, line

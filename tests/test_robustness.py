@@ -217,3 +217,22 @@ def test_last_batch_says_ended(tmp_path: Path) -> None:
     sub.close()
     assert frames and frames[-1].ended
     assert sum(len(f.steps) for f in frames) == 5
+
+
+def test_a_process_start_time_is_psutils_without_psutil() -> None:
+    """The registry tells a live run from a reused pid by the start time psutil gives (the hook
+    writes it, the commands compare it), read from /proc so the commands need not load psutil."""
+    import psutil
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (os.getpid(), sleeper.pid, 1):
+            assert registry.process_create_time(pid) == pytest.approx(
+                psutil.Process(pid).create_time(), abs=0.01
+            )
+        sleeper.kill()  # not waited for yet: a zombie, which has exited
+        wait_for(lambda: registry.process_create_time(sleeper.pid) == 0.0, 30, what="a zombie")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert registry.process_create_time(sleeper.pid) == 0.0, "a pid that is gone"

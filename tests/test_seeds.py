@@ -111,7 +111,9 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     assert after["applied"][1]["changes"] == {"batch_size": {"old": 16, "new": 8}}
     assert after["applied"][0]["predicted_peak_bytes"] > 0.9 * 720 * MIB
     assert demo.wait_exit(180) == 0, demo.output()
-    assert "rolled back the change" in demo.output()
+    said = [line for line in demo.output().splitlines() if "out of memory at step" in line]
+    assert len(said) == 1, f"one message for one rollback: {said}"
+    assert "rolled it back (batch_size 16 -> 8), training goes on; re-queued" in said[0], said
     tuned = yaml.safe_load((demo.out / "memtui-tuned.yaml").read_text())
     assert tuned["config"]["batch_size"] == 8 and tuned["oom"]["rolled_back"] is True
     assert tuned["oom"]["config"]["batch_size"] == 16

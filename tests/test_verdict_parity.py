@@ -11,6 +11,7 @@ at every point and the shown one where the one-shot verdict has been stable.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from pathlib import Path
 
@@ -188,3 +189,43 @@ def test_status_and_the_viewer_give_the_same_verdict(
         if len(set(states[i - STABLE : i + 1])) == 1:
             assert compared[i][2] == states[i], (path.name, i, compared[i])
     assert len(set(states)) >= 1
+
+
+def test_status_and_the_viewer_show_the_same_max_safe_batch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The largest safe micro-batch in the viewer's config panel and in ``memtui status`` is one
+    figure at every point of every recording with a memory model (issue 16: a CPU run showed
+    ``> 128`` in the viewer and 25016 in ``status``; a guess now shows only its floor in both)."""
+    from memtui.report import render_status
+    from memtui.tui.widgets.config import safe_batch_lines
+
+    monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "none.yaml"))  # the default bands
+    figures: dict[str, set[str]] = {}
+    for path in RECORDINGS:
+        decoder = Decoder()
+        hooks = HookHistories()
+        viewer = RunState()
+        for index, frame in enumerate(read_recording(path).frames, 1):
+            message = decoder.decode(frame.frame)
+            hooks.add(message)
+            viewer.apply(ReceivedBatch(events=[message], clock=frame.offset_s))
+            control = viewer.control
+            if index % EVERY or hooks.first is None or control.model is None:
+                continue
+            edge = viewer.thresholds.thresholds.memory_edge_fraction
+            shown = safe_batch_lines(control.model, edge, 120, 2, control.ceiling)[0].plain
+            snapshots = [hooks.hello(rank) for rank in sorted(hooks.info)]
+            ranks = snapshots if len(snapshots) > 1 else None
+            report = build_status(snapshots[0], ranks, load_thresholds())
+            printed = re.search(
+                r"largest micro-batch under \d+%: (> \d+|\d+)", render_status(report)
+            )
+            in_viewer = re.match(r"max safe batch  (> \d+|\d+|unbounded)", shown)
+            assert in_viewer, shown
+            assert (printed.group(1) if printed else "unbounded") == in_viewer.group(1), (
+                f"{path.name} at {frame.offset_s:.1f} s: status {printed}, the viewer {shown!r}"
+            )
+            figures.setdefault(path.stem, set()).add(in_viewer.group(1))
+    assert any(f.startswith(">") for f in figures.get("demo_starving", ())), figures
+    assert any(f.isdigit() for f in figures.get("demo_advice", ())), figures

@@ -261,18 +261,23 @@ class SafeBatch:
     capped_by_oom: bool = False
     """An out-of-memory error at a larger micro-batch set it (the ceiling), not the model."""
 
+    @property
+    def figure(self) -> str:
+        """The number the viewer and ``memtui status`` show: the size, or for a guess only the
+        floor that is not one (``> 32``: ``GUESS_MULTIPLE`` x the largest micro-batch measured)."""
+        return f"> {GUESS_MULTIPLE * self.largest_measured}" if self.guess else str(self.size)
+
     def describe(self) -> str:
-        """``48``, ``~300 (a guess: 37x the largest micro-batch measured, 8)`` or ``31 (under
-        the micro-batch 32 that ran out of memory)``."""
+        """``48``, ``> 32 (4x the largest micro-batch measured, 8; past it the model only
+        guesses)`` or ``31 (under micro-batch 32, which ran out of memory)``."""
         if self.capped_by_oom:
             return f"{self.size} (under micro-batch {self.size + 1}, which ran out of memory)"
         if self.guess:
-            times = self.size / max(1, self.largest_measured)
             return (
-                f"~{self.size} (a guess: {times:.0f}x the largest micro-batch measured, "
-                f"{self.largest_measured})"
+                f"{self.figure} ({GUESS_MULTIPLE}x the largest micro-batch measured, "
+                f"{self.largest_measured}; past it the model only guesses)"
             )
-        return str(self.size)
+        return self.figure
 
 
 def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) -> SafeBatch | None:

@@ -131,7 +131,17 @@ class Prediction:
 
     @property
     def warning(self) -> str:
-        """Why the change is risky, with the numbers ("" when it is not)."""
+        """Why the change is risky and how to queue it anyway ("" when it is not risky)."""
+        risk = self.risk
+        return (
+            f"{risk}; queue it with --force (or confirm in the viewer) if you mean it"
+            if risk
+            else ""
+        )
+
+    @property
+    def risk(self) -> str:
+        """Why the change is risky, with the numbers ("" when it is not): a forced change's note."""
         if not self.over_danger:
             return ""
         safe = (
@@ -139,9 +149,8 @@ class Prediction:
             if self.safe_words
             else ""
         )
-        force = "; queue it with --force (or confirm in the viewer) if you mean it"
         if self.ran_out and self.high_fraction <= self.danger:
-            return f"{self.ran_out}{safe}{force}"
+            return f"{self.ran_out}{safe}"
         why = (
             f"predicted peak {format_bytes(self.peak_bytes)}, up to "
             f"{format_bytes(self.peak_high_bytes)} = {self.high_fraction:.0%} of "
@@ -150,7 +159,7 @@ class Prediction:
         )
         if self.ran_out:
             why = f"{self.ran_out}; {why}"
-        return f"{why}{safe}{force}"
+        return f"{why}{safe}"
 
     def describe(self) -> str:
         """``predicted peak 1.3 GiB (up to 1.4 GiB) = 72% of 1.8 GiB, headroom 500 MiB (...)``."""

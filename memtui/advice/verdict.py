@@ -40,9 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from memtui import safeyaml
 from memtui.stats import format_bytes, format_duration, one_line, shown
 
 
@@ -477,14 +474,22 @@ def load_thresholds(
     """The thresholds from the config file (``path``, else :func:`config_path`); the built-in
     defaults when there is none; never raises (a bad file is reported in ``problems``)."""
     file = Path(path) if path is not None else config_path(env)
+    explicit = path is not None or bool((os.environ if env is None else env).get("MEMTUI_CONFIG"))
+    missing = ThresholdConfig(
+        THRESHOLDS,
+        "built-in defaults",
+        (f"{file}: no such file; defaults used",) if explicit else (),
+    )
+    if not os.path.lexists(file):  # no file, no YAML parser loaded: `memtui status` starts sooner
+        return missing
+    import yaml
+
+    from memtui import safeyaml
+
     try:
         data = safeyaml.read(file)
     except FileNotFoundError:
-        explicit = path is not None or bool(
-            (os.environ if env is None else env).get("MEMTUI_CONFIG")
-        )
-        problems = (f"{file}: no such file; defaults used",) if explicit else ()
-        return ThresholdConfig(THRESHOLDS, "built-in defaults", problems)
+        return missing
     except (OSError, UnicodeDecodeError) as exc:
         return ThresholdConfig(
             THRESHOLDS, "built-in defaults", (f"{file}: cannot read ({exc}); defaults used",)

@@ -107,3 +107,25 @@ def parse_args(
 ) -> argparse.Namespace:
     """Parse the demo's command line (exits 2 with argparse's message when it is wrong)."""
     return build_parser(prog, usage).parse_args(argv)
+
+
+def default_out() -> Path:
+    """The demo's checkpoint and state directory when ``--out`` is not given."""
+    from memtui.registry import state_home
+
+    return state_home().parent / "demo"
+
+
+def out_in_use(out: Path) -> str:
+    """Why ``out`` cannot take another demo ("": no live run keeps its state there): two runs in
+    one directory would overwrite each other's checkpoint, tuned config and audit log."""
+    from memtui.registry import list_runs
+
+    wanted = out.resolve()
+    for run in list_runs(clean=False):
+        if run.state_dir and (Path(run.cwd) / run.state_dir).resolve() == wanted:
+            return (
+                f"{out} is the state directory of the live run {run.run} (pid {run.pid}); give "
+                "this demo its own --out DIR, or stop that run first"
+            )
+    return ""

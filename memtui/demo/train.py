@@ -29,8 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from memtui import hooks
-from memtui.demo.options import parse_args
-from memtui.registry import state_home
+from memtui.demo.options import default_out, out_in_use, parse_args
 
 
 @dataclass
@@ -137,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    out = args.out or state_home().parent / "demo"
+    out = args.out or default_out()
+    if rank == 0 and (busy := out_in_use(out)):  # the job's other ranks share rank 0's directory
+        print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
 
@@ -217,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 with guard, sync:  # an out-of-memory error here is reported (and maybe rolled back)
                     loss = model(tokens, targets) / config.gradient_accumulation_steps
                     loss.backward()
-                if guard.rolled_back:  # the step starts over with the old config
-                    say(_describe_oom(tuner), flush=True)
+                if guard.rolled_back:  # the hook said what it rolled back; the step starts over
                     micro = 0
                     continue
                 samples_seen += tokens.shape[0]
@@ -295,14 +296,6 @@ def _peak_rss() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _describe_oom(tuner: hooks.Tuner) -> str:
-    """The last out-of-memory event, in one line."""
-    if not tuner.control.ooms:
-        return "out of memory: rolled back"
-    event = tuner.control.ooms[-1]
-    return f"out of memory at step {event.step}: rolled back the change; {event.batch}"
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:

@@ -63,6 +63,11 @@ MAX_REASON = 400
 AUDIT_REJECTIONS_PER_S = 2.0
 """Rejections written to the audit log a second, sustained (the rest are counted in the next)."""
 AUDIT_REJECTIONS_BURST = 50.0
+NO_PINNING = (
+    "pin_memory=true has no effect on this run: torch sees no accelerator (pinned memory only "
+    "speeds copies to a GPU), and it will warn at every loader rebuild"
+)
+"""The note on a change that turns pinning on in a run without an accelerator."""
 
 
 class RequestRefused(KnobError):
@@ -109,8 +114,11 @@ class Control:
         step: Callable[[], int] = lambda: 0,
         report: Callable[[BaseException, str], None] | None = None,
         thresholds: Thresholds | None = None,
+        pinning: Callable[[], bool] = lambda: True,
     ) -> None:
         self._lock = threading.Lock()
+        self._pinning = pinning
+        """Whether pinned memory has an effect here (torch sees an accelerator)."""
         self.thresholds = thresholds or _thresholds_in_force()
         """The memory bands the gate uses: the verdict's, from the YAML config file if any."""
         self._knobs = knobs
@@ -197,6 +205,9 @@ class Control:
             parsed = parse_changes(request.changes)
             if self.disabled:
                 raise KnobError(f"changes are off for this run: {self.disabled}")
+            no_effect = (
+                NO_PINNING if parsed.get("pin_memory") is True and not self._pinning() else ""
+            )
             with self._lock:
                 if len(self.pending) >= MAX_PENDING and not request.dry_run:
                     raise KnobError(f"{MAX_PENDING} changes already pending: cancel some first")
@@ -214,7 +225,7 @@ class Control:
                         prediction,
                         ok=True,
                         changes=resolved.changes,
-                        note=_join(resolved.note, prediction.warning),
+                        note=_join(resolved.note, no_effect, prediction.warning),
                         needs_force=prediction.over_danger,
                     )
                 if prediction.over_danger and not request.force:
@@ -227,7 +238,7 @@ class Control:
                     queued_step=step,
                     keep_effective_batch=request.keep_effective_batch,
                     client=client,
-                    note=_join(resolved.note, prediction.warning if request.force else ""),
+                    note=_join(resolved.note, no_effect, prediction.risk if request.force else ""),
                     predicted_peak_bytes=prediction.peak_bytes,
                     forced=bool(request.force and prediction.over_danger),
                 )

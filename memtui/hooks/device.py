@@ -56,6 +56,21 @@ class DeviceTracker:
         self.baseline_bytes = 0
         """Device allocated (CUDA) or the process's RSS (CPU) at install."""
         self._report = report
+        self._accelerator: bool | None = None
+        """Whether torch sees an accelerator (None: not asked yet)."""
+
+    def has_accelerator(self) -> bool:
+        """Whether torch sees an accelerator, as its DataLoader asks before pinning memory."""
+        if self._accelerator is None:
+            torch = sys.modules.get("torch")
+            if torch is None:
+                return True  # no torch loaded: no loader of torch's to warn; nothing to refuse
+            try:  # torch.accelerator since torch 2.6; before, CUDA was the one torch pinned for
+                self._accelerator = bool(getattr(torch, "accelerator", torch.cuda).is_available())
+            except Exception as exc:
+                self._report(exc, "device")
+                return True  # unknown: the loader decides, as without memtui
+        return self._accelerator
 
     @property
     def kind(self) -> str:

@@ -215,7 +215,8 @@ class OomHandler:
         event.safe_config = self._store.knobs
         self._record(event, f"rolled back change #{','.join(map(str, target.ids))}", grown)
         log.error(
-            "memtui: out of memory at step %d, %d step(s) after change #%s; rolled it back (%s); %s",
+            "memtui: out of memory at step %d, %d step(s) after change #%s: rolled it back (%s), "
+            "training goes on; %s",
             step,
             step - target.step,
             ",".join(map(str, target.ids)),

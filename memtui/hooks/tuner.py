@@ -172,6 +172,7 @@ class Tuner:
             world_size=self.placement.world_size,
             step=lambda: self.ledger.step,
             report=self.report,
+            pinning=self.device.has_accelerator,
         )
         self.tuned = TunedConfig(
             self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted

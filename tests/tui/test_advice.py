@@ -197,6 +197,7 @@ def test_change_log_shows_effect_error_accuracy_rollback_and_oom() -> None:
         assert "accuracy predicted vs observed peak: mean error 1.4% over 1 change" in changes
         assert "rollback step 50  batch_size 22 → 8" in changes
         assert "OOM      step 50  batch_size 22" in changes and "rolled back" in changes
+        assert "(now batch_size 8)" in changes and "restart with" not in changes, "said as done"
         assert "re-queued: the step's 1 micro-batch(es), 22 samples" in changes
         assert "reverted at step 50 (out of memory)" in changes
 

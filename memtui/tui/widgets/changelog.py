@@ -120,8 +120,8 @@ def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
     what.append("rolled back" if oom.rolled_back else "not rolled back", "bold")
     chips.append(Chip(what))
     if oom.safe_config is not None and oom.safe_config.batch_size is not None:
-        restart = f"(restart with batch_size {oom.safe_config.batch_size})"
-        chips.append(Chip(Text(restart, "dim"), " "))
+        done = "now" if oom.rolled_back else "restart with"  # rolled back: said as done
+        chips.append(Chip(Text(f"({done} batch_size {oom.safe_config.batch_size})", "dim"), " "))
     batch = Text(oom.batch or "the failing batch: not reported", "yellow")
     head = entry_lines(Text("OOM      ", "bold white on red3"), chips, width)
     return head + entry_lines(Text(INDENT), [Chip(batch)], width)

@@ -49,7 +49,6 @@ def _safe_batch_layouts(
     micro-batch that ran out of memory, that), the band and the confidence (the confidence's
     words before the band's: the last layout is the shortest)."""
     safe = safe_batch(model, edge, ceiling)
-    largest = max([model.batch_size, *(p.batch_size for p in model.points)])
     band = f"< {edge:.0%}"
     layouts: list[list[Segments]] = []
     if safe is not None and safe.capped_by_oom:
@@ -58,8 +57,9 @@ def _safe_batch_layouts(
         layouts.append([[*figure, (out, "dim")]])
         layouts.append([[*figure, (" (OOM above)", "dim")]])
         return layouts
-    if safe is not None and largest > 0 and safe.size > GUESS_MULTIPLE * largest:
-        floor: Segments = [(LABEL, "dim"), (f"> {GUESS_MULTIPLE * largest}", "bold cyan")]
+    if safe is not None and safe.guess:  # the figure is the floor, as in `memtui status`
+        largest = safe.largest_measured
+        floor: Segments = [(LABEL, "dim"), (safe.figure, "bold cyan")]
         head = [*floor, (f", {GUESS_MULTIPLE}x the largest seen ({largest})", "dim")]
         short = [*floor, (f", {GUESS_MULTIPLE}x the {largest} seen", "dim")]
         for conf in _confidences(model):
