@@ -147,8 +147,9 @@ def survived(run: Victim, seen: Before, rss_cap: int = RSS_CAP) -> None:
     info = client.hello(history=0).info
 
     def on_disk() -> bool:
-        tuned = yaml.safe_load(Path(info.tuned_path).read_text())
-        return bool(tuned["config"]["grad_accum"] == run.accum[-1])
+        path = Path(info.tuned_path)  # written at the boundary, just after the change is applied
+        tuned = yaml.safe_load(path.read_text()) if path.exists() else None
+        return bool(tuned and tuned["config"]["grad_accum"] == run.accum[-1])
 
     wait_for(on_disk, 10, 0.1, "the tuned YAML to hold the change")
     lines = Path(info.audit_path).read_text().splitlines()
