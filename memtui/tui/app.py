@@ -49,6 +49,8 @@ EDIT_ACTIONS = frozenset(
     {"edit", "toggle_keep", "cancel_change", "apply_recommendation", "pick_recommendation"}
 )
 """Actions that change the run: disabled (and hidden) in a read-only view."""
+ANYWHERE = frozenset({"interrupt"})
+"""Actions whose keys work over every screen (ctrl+c); the others only on the main screen."""
 NOTICE_LIMIT = 500
 """The most characters a notification shows (a run's reason may be any length)."""
 
@@ -58,25 +60,30 @@ class MemtuiApp(App[int]):
 
     CSS_PATH = "memtui.tcss"
     TITLE = "memtui"
+    # the main screen's keys are priority bindings, run when the app takes the key from the
+    # terminal, in the order typed: a key typed while the editor opens goes to the editor (a
+    # plain binding runs only when the key comes back from the main screen, by when the keys
+    # typed after it have been sent there too and are lost); check_action keeps them off
+    # while another screen is on top
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("b", "edit('batch_size')", "batch size", group=EDIT_GROUP),
-        Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP),
-        Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP),
-        Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP),
-        Binding("k", "toggle_keep", "keep"),
-        Binding("c", "cancel_change", "cancel"),
-        Binding("o", "apply_recommendation", "queue advice", show=False),  # the panel says "o"
-        Binding("O", "pick_recommendation", "pick advice", show=False),
-        Binding("space", "toggle_pause", "pause", key_display="␣"),
-        Binding("question_mark", "help", "help", key_display="?"),
-        Binding("q", "quit", "quit"),
-        # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); a priority
-        # binding, so it quits from the editor and its input too
-        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
-        Binding("r", "reconnect", "reconnect", show=False),
-        Binding("g", "gpus", "GPUs", show=False),
-        Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),
-        Binding("minus", "replay_speed(0.5)", "slower", key_display="-"),
+        Binding("b", "edit('batch_size')", "batch size", group=EDIT_GROUP, priority=True),
+        Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP, priority=True),
+        Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP, priority=True),
+        Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP, priority=True),
+        Binding("k", "toggle_keep", "keep", priority=True),
+        Binding("c", "cancel_change", "cancel", priority=True),
+        Binding("o", "apply_recommendation", "queue advice", show=False, priority=True),
+        Binding("O", "pick_recommendation", "pick advice", show=False, priority=True),
+        Binding("space", "toggle_pause", "pause", key_display="␣", priority=True),
+        Binding("question_mark", "help", "help", key_display="?", priority=True),
+        Binding("q", "quit", "quit", priority=True),
+        # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); from the
+        # editor and its input too
+        Binding("ctrl+c", "interrupt", "quit", show=False, priority=True),
+        Binding("r", "reconnect", "reconnect", show=False, priority=True),
+        Binding("g", "gpus", "GPUs", show=False, priority=True),
+        Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+", priority=True),
+        Binding("minus", "replay_speed(0.5)", "slower", key_display="-", priority=True),
     ]
 
     paused: var[bool] = var(False, init=False)
@@ -236,7 +243,10 @@ class MemtuiApp(App[int]):
     # ------------------------------------------------------------------ actions
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Hide and disable the actions that change the run in a read-only view."""
+        """Hide and disable the actions that change the run in a read-only view; the main
+        screen's keys wait (None: shown, not run) while another screen is on top."""
+        if action not in ANYWHERE and self.screen_stack and self.screen is not self.main:
+            return None  # the key goes to the screen on top (an editor's input, a list)
         if action == "replay_speed":
             return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
         return not (self.readonly and action in EDIT_ACTIONS)
@@ -348,6 +358,10 @@ class MemtuiApp(App[int]):
     async def action_quit(self) -> None:
         """Leave the viewer (the run goes on)."""
         self.exit(0)
+
+    async def action_interrupt(self) -> None:
+        """Ctrl+C: leave the viewer from any screen."""
+        await self.action_quit()
 
     def watch_paused(self) -> None:
         """Show the pause (or resume) at once."""
