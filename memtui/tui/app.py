@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.notifications import SeverityLevel
@@ -251,6 +251,31 @@ class MemtuiApp(App[int]):
             return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
         return not (self.readonly and action in EDIT_ACTIONS)
 
+    def on_key(self, event: events.Key) -> None:
+        """A key that changes the run, pressed in a read-only view: say why it does nothing."""
+        if not self.readonly or not self.screen_stack or self.screen is not self.main:
+            return
+        for binding in self.BINDINGS:
+            if not isinstance(binding, Binding) or event.key not in binding.key.split(","):
+                continue
+            if binding.action.split("(")[0] in EDIT_ACTIONS:
+                key = binding.key_display or binding.key
+                self.say(
+                    f"read-only: {key} ({binding.description}) sends nothing: {self.readonly_why}",
+                    severity="warning",
+                    timeout=4,
+                )
+
+    @property
+    def readonly_why(self) -> str:
+        """Why this view sends no changes, in words."""
+        if isinstance(self.receiver.source, ReplaySource):
+            return "a replay shows a recording"
+        info = self.state.info
+        if info is not None and info.readonly:
+            return "the run takes no changes over plain TCP (started without --insecure-control)"
+        return "the viewer was started with --readonly"
+
     def action_edit(self, knob: str) -> None:
         """Open the editor for ``knob``; a valid value is sent as a change."""
         control = self.state.control
@@ -429,9 +454,26 @@ def run_app(
     # graph hundreds of times a second (cycles are still collected)
     gc.set_threshold(20_000, 20, 20)
     result = app.run()
+    farewell = left_at(app.state)
+    if farewell:
+        print(f"memtui: {farewell}", file=sys.stderr, flush=True)
     if isinstance(result, int):
         return result
     return app.return_code or 0
+
+
+def left_at(state: RunState) -> str:
+    """What the viewer leaves on the terminal: the run, its last step and its tuned config."""
+    info = state.info
+    if info is None:
+        return ""
+    words = f"run {info.run}, last step {state.step:,}"
+    applied = state.control.applied if state.control is not None else []
+    if info.tuned_path and applied:
+        words += f"; the tuned config: {info.tuned_path}"
+    elif info.tuned_path:
+        words += f"; no change applied (a tuned config would go to {info.tuned_path})"
+    return clean(words, NOTICE_LIMIT)
 
 
 def run_replay(path: str, *, speed: float = 1.0) -> int:
