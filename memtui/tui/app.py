@@ -72,8 +72,9 @@ class MemtuiApp(App[int]):
         Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP, priority=True),
         Binding("k", "toggle_keep", "keep", priority=True),
         Binding("c", "cancel_change", "cancel", priority=True),
-        Binding("o", "apply_recommendation", "queue advice", show=False, priority=True),
+        Binding("o", "apply_recommendation", "queue advice", priority=True),
         Binding("O", "pick_recommendation", "pick advice", show=False, priority=True),
+        Binding("g", "gpus", "GPUs", priority=True),
         Binding("space", "toggle_pause", "pause", key_display="␣", priority=True),
         Binding("question_mark", "help", "help", key_display="?", priority=True),
         Binding("q", "quit", "quit", priority=True),
@@ -81,7 +82,6 @@ class MemtuiApp(App[int]):
         # editor and its input too
         Binding("ctrl+c", "interrupt", "quit", show=False, priority=True),
         Binding("r", "reconnect", "reconnect", show=False, priority=True),
-        Binding("g", "gpus", "GPUs", show=False, priority=True),
         Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+", priority=True),
         Binding("minus", "replay_speed(0.5)", "slower", key_display="-", priority=True),
     ]
