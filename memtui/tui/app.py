@@ -11,6 +11,7 @@ it has), and not at all while nothing changes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
@@ -49,8 +50,6 @@ EDIT_ACTIONS = frozenset(
     {"edit", "toggle_keep", "cancel_change", "apply_recommendation", "pick_recommendation"}
 )
 """Actions that change the run: disabled (and hidden) in a read-only view."""
-ANYWHERE = frozenset({"interrupt"})
-"""Actions whose keys work over every screen (ctrl+c); the others only on the main screen."""
 NOTICE_LIMIT = 500
 """The most characters a notification shows (a run's reason may be any length)."""
 
@@ -77,10 +76,10 @@ class MemtuiApp(App[int]):
         Binding("g", "gpus", "GPUs", priority=True),
         Binding("space", "toggle_pause", "pause", key_display="␣", priority=True),
         Binding("question_mark", "help", "help", key_display="?", priority=True),
-        Binding("q", "quit", "quit", priority=True),
+        Binding("q", "leave", "quit", priority=True),
         # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); from the
         # editor and its input too
-        Binding("ctrl+c", "interrupt", "quit", show=False, priority=True),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("r", "reconnect", "reconnect", show=False, priority=True),
         Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+", priority=True),
         Binding("minus", "replay_speed(0.5)", "slower", key_display="-", priority=True),
@@ -245,7 +244,7 @@ class MemtuiApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide and disable the actions that change the run in a read-only view; the main
         screen's keys wait (None: shown, not run) while another screen is on top."""
-        if action not in ANYWHERE and self.screen_stack and self.screen is not self.main:
+        if action in main_screen_actions() and self.screen_stack and self.screen is not self.main:
             return None  # the key goes to the screen on top (an editor's input, a list)
         if action == "replay_speed":
             return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
@@ -384,8 +383,8 @@ class MemtuiApp(App[int]):
         """Leave the viewer (the run goes on)."""
         self.exit(0)
 
-    async def action_interrupt(self) -> None:
-        """Ctrl+C: leave the viewer from any screen."""
+    async def action_leave(self) -> None:
+        """q on the main screen: leave the viewer (ctrl+c and ctrl+q quit from any screen)."""
         await self.action_quit()
 
     def watch_paused(self) -> None:
@@ -427,6 +426,16 @@ class MemtuiApp(App[int]):
         )
         yield SystemCommand("Reconnect", "Look for the run again now", self.action_reconnect)
         yield SystemCommand("Help: keys and thresholds", "What every key does", self.action_help)
+
+
+@functools.cache
+def main_screen_actions() -> frozenset[str]:
+    """The actions of the app's own keys but ctrl+c's: for the main screen only."""
+    return frozenset(
+        binding.action.split("(")[0]
+        for binding in MemtuiApp.BINDINGS
+        if isinstance(binding, Binding) and binding.action != "quit"
+    )
 
 
 def run_app(

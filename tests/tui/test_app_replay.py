@@ -316,7 +316,7 @@ def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:
 def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
     """Issue 16: Ctrl-C quits the viewer (Textual's own only said "press ctrl+q"), from the main
     screen and from the knob editor's input alike."""
-    for keys in (["ctrl+c"], ["w", "3", "ctrl+c"]):
+    for keys in (["ctrl+c"], ["w", "3", "ctrl+c"], ["question_mark", "ctrl+q"]):
         app = replay_app(STARVING)
 
         async def check(pilot: Pilot[Any], keys: list[str] = keys) -> None:
@@ -327,3 +327,20 @@ def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
 
         run(app, check, WIDE)
         assert app.return_code == 0
+
+
+def test_q_closes_the_screen_on_top_and_quits_from_the_main_one() -> None:
+    """The main screen's keys wait while another screen is on top: q there is that screen's."""
+    app = replay_app(STARVING)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        assert app.screen is app.main and app.return_code is None, "q closed the help only"
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.return_code == 0
+
+    run(app, check, WIDE)
