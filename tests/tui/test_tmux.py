@@ -1,7 +1,9 @@
-"""Smoke test in a real terminal: `memtui attach` in a detached 60x50 tmux pane, read back."""
+"""Smoke test in a real terminal: `memtui attach` in a detached 60x50 tmux pane, read back, and
+the README's w 4 Enter typed in one burst."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,9 +14,15 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import ROOT, DemoRun
+from tests.conftest import ROOT, DemoRun, memtui_cli, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def pending(run_id: str) -> list[dict[str, object]]:
+    """The changes the run has pending, as ``memtui status --json`` lists them."""
+    answer = json.loads(memtui_cli("status", run_id, "--json").stdout)
+    return [change["changes"] for change in answer["pending"]]
 
 
 def test_attach_in_a_tmux_side_pane(start_demo: Callable[..., DemoRun]) -> None:
@@ -44,6 +52,10 @@ def test_attach_in_a_tmux_side_pane(start_demo: Callable[..., DemoRun]) -> None:
         assert demo.run_id in pane
         lines = pane.splitlines()
         assert len(lines) <= 50 and all(len(line) <= 60 for line in lines)
+        # the README's walkthrough typed as one burst (one write to the terminal): it lands
+        subprocess.run([*tmux, "send-keys", "-t", "side", "w4", "Enter"], check=True)
+        queued = wait_for(lambda: pending(demo.run_id), 20, 0.5, what="w4 Enter to queue it")
+        assert queued == [{"num_workers": 4}]
         subprocess.run([*tmux, "send-keys", "-t", "side", "q"], check=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
