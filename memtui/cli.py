@@ -442,7 +442,8 @@ def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
 
 def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
     """Start the demo training in a subprocess and attach the viewer to it (its output goes to
-    ``demo.log`` in ``out``, the demo's own default directory without it)."""
+    ``demo.log`` in ``out``, the demo's own default directory without it), saying on stderr what
+    happens before the viewer shows and after it closes; exit non-zero if the training died."""
     import subprocess
 
     try:
@@ -456,10 +457,13 @@ def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
     log_path = out_dir / "demo.log"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    _say_demo(f"starting the demo training (its output: {log_path})...")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
+        _say_demo("waiting for the run to register (the training imports torch first)...")
         run_id = _wait_for_run_id(log_path, proc)
+        _say_demo(f"attaching to run {run_id}...")
         try:
             code = run_app(run_id, demo_process=proc)
             died = f"exit status {code}" if code else ""
@@ -468,14 +472,36 @@ def _demo_with_tui(command: list[str], out: Path | None = None) -> None:
         if died and proc.poll() is None:  # only a normal quit (q) stops the demo's training
             _viewer_died(died, run_id, log_path)
             proc.wait()  # until the training ends; Ctrl-C stops it (below), as before
+        training = proc.poll()
+        if training:  # it ended on its own, with an error or killed: the demo failed
+            _say_demo(f"the demo training died ({_exit_words(training)}); see {log_path}")
+            code = code or (training if training > 0 else 128 - training)  # as a shell says it
     finally:
         if proc.poll() is None:
+            _say_demo("stopping the demo training...")
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
     sys.exit(code)
+
+
+def _say_demo(message: str) -> None:
+    """One line on stderr about what ``memtui demo`` is doing."""
+    print(f"memtui demo: {message}", file=sys.stderr, flush=True)
+
+
+def _exit_words(status: int) -> str:
+    """A child's ``returncode`` in words: ``exit status 1``, ``killed by SIGKILL``."""
+    import signal
+
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
 
 
 def _viewer_died(why: str, run_id: str, log_path: Path) -> None:

@@ -51,10 +51,6 @@ async def shoot(source: ReplaySource, size: tuple[int, int], name: str) -> Path:
         app.refresh_view()
         for _ in range(3):  # let the layout settle (a scrollbar that is no longer needed goes)
             await pilot.pause(0.1)
-        for _ in range(10):  # in a side pane, the charts take the lines left to them
-            if not app.main.fit_charts():
-                break
-            await pilot.pause(0.1)
         return Path(app.save_screenshot(f"{name}.svg", str(OUT)))
 
 

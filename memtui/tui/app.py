@@ -11,13 +11,14 @@ it has), and not at all while nothing changes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.notifications import SeverityLevel
@@ -58,26 +59,31 @@ class MemtuiApp(App[int]):
 
     CSS_PATH = "memtui.tcss"
     TITLE = "memtui"
+    # the main screen's keys are priority bindings, run when the app takes the key from the
+    # terminal, in the order typed: a key typed while the editor opens goes to the editor (a
+    # plain binding runs only when the key comes back from the main screen, by when the keys
+    # typed after it have been sent there too and are lost); check_action keeps them off
+    # while another screen is on top
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("b", "edit('batch_size')", "batch size", group=EDIT_GROUP),
-        Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP),
-        Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP),
-        Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP),
-        Binding("k", "toggle_keep", "keep"),
-        Binding("c", "cancel_change", "cancel"),
-        Binding("o", "apply_recommendation", "queue advice", show=False),  # the panel says "o"
-        Binding("O", "pick_recommendation", "pick advice", show=False),
-        Binding("space", "toggle_pause", "pause", key_display="␣"),
-        Binding("question_mark", "help", "help", key_display="?"),
-        Binding("q", "quit", "quit"),
-        # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); a priority
-        # binding, so it quits from the editor and its input too
+        Binding("b", "edit('batch_size')", "batch size", group=EDIT_GROUP, priority=True),
+        Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP, priority=True),
+        Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP, priority=True),
+        Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP, priority=True),
+        Binding("k", "toggle_keep", "keep", priority=True),
+        Binding("c", "cancel_change", "cancel", priority=True),
+        Binding("o", "apply_recommendation", "queue advice", priority=True),
+        Binding("O", "pick_recommendation", "pick advice", show=False, priority=True),
+        Binding("g", "gpus", "GPUs", priority=True),
+        Binding("space", "toggle_pause", "pause", key_display="␣", priority=True),
+        Binding("question_mark", "help", "help", key_display="?", priority=True),
+        Binding("q", "leave", "quit", priority=True),
+        # as in htop, nvitop and k9s (Textual's own ctrl+c only says "press ctrl+q"); from the
+        # editor and its input too
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
-        Binding("r", "reconnect", "reconnect", show=False),
-        Binding("f", "follow", "follow new run"),  # shown only while a run is offered
-        Binding("g", "gpus", "GPUs", show=False),
-        Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+"),
-        Binding("minus", "replay_speed(0.5)", "slower", key_display="-"),
+        Binding("r", "reconnect", "reconnect", show=False, priority=True),
+        Binding("f", "follow", "follow new run", priority=True),  # shown while a run is offered
+        Binding("plus,equals_sign", "replay_speed(2.0)", "faster", key_display="+", priority=True),
+        Binding("minus", "replay_speed(0.5)", "slower", key_display="-", priority=True),
     ]
 
     paused: var[bool] = var(False, init=False)
@@ -243,12 +249,40 @@ class MemtuiApp(App[int]):
     # ------------------------------------------------------------------ actions
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Hide and disable the actions that change the run in a read-only view."""
+        """Hide and disable the actions that change the run in a read-only view; the main
+        screen's keys wait (None: shown, not run) while another screen is on top."""
+        if action in main_screen_actions() and self.screen_stack and self.screen is not self.main:
+            return None  # the key goes to the screen on top (an editor's input, a list)
         if action == "replay_speed":
             return self.replay_controls and isinstance(self.receiver.source, ReplaySource)
         if action == "follow":
             return bool(self.state.offer.run)
         return not (self.readonly and action in EDIT_ACTIONS)
+
+    def on_key(self, event: events.Key) -> None:
+        """A key that changes the run, pressed in a read-only view: say why it does nothing."""
+        if not self.readonly or not self.screen_stack or self.screen is not self.main:
+            return
+        for binding in self.BINDINGS:
+            if not isinstance(binding, Binding) or event.key not in binding.key.split(","):
+                continue
+            if binding.action.split("(")[0] in EDIT_ACTIONS:
+                key = binding.key_display or binding.key
+                self.say(
+                    f"read-only: {key} ({binding.description}) sends nothing: {self.readonly_why}",
+                    severity="warning",
+                    timeout=4,
+                )
+
+    @property
+    def readonly_why(self) -> str:
+        """Why this view sends no changes, in words."""
+        if isinstance(self.receiver.source, ReplaySource):
+            return "a replay shows a recording"
+        info = self.state.info
+        if info is not None and info.readonly:
+            return "the run takes no changes over plain TCP (started without --insecure-control)"
+        return "the viewer was started with --readonly"
 
     def action_edit(self, knob: str) -> None:
         """Open the editor for ``knob``; a valid value is sent as a change."""
@@ -365,6 +399,10 @@ class MemtuiApp(App[int]):
         """Leave the viewer (the run goes on)."""
         self.exit(0)
 
+    async def action_leave(self) -> None:
+        """q on the main screen: leave the viewer (ctrl+c and ctrl+q quit from any screen)."""
+        await self.action_quit()
+
     def watch_paused(self) -> None:
         """Show the pause (or resume) at once."""
         self.refresh_view()
@@ -406,6 +444,16 @@ class MemtuiApp(App[int]):
         yield SystemCommand("Help: keys and thresholds", "What every key does", self.action_help)
 
 
+@functools.cache
+def main_screen_actions() -> frozenset[str]:
+    """The actions of the app's own keys but ctrl+c's: for the main screen only."""
+    return frozenset(
+        binding.action.split("(")[0]
+        for binding in MemtuiApp.BINDINGS
+        if isinstance(binding, Binding) and binding.action != "quit"
+    )
+
+
 def run_app(
     selector: str | None,
     *,
@@ -435,9 +483,26 @@ def run_app(
     # graph hundreds of times a second (cycles are still collected)
     gc.set_threshold(20_000, 20, 20)
     result = app.run()
+    farewell = left_at(app.state)
+    if farewell:
+        print(f"memtui: {farewell}", file=sys.stderr, flush=True)
     if isinstance(result, int):
         return result
     return app.return_code or 0
+
+
+def left_at(state: RunState) -> str:
+    """What the viewer leaves on the terminal: the run, its last step and its tuned config."""
+    info = state.info
+    if info is None:
+        return ""
+    words = f"run {info.run}, last step {state.step:,}"
+    applied = state.control.applied if state.control is not None else []
+    if info.tuned_path and applied:
+        words += f"; the tuned config: {info.tuned_path}"
+    elif info.tuned_path:
+        words += f"; no change applied (a tuned config would go to {info.tuned_path})"
+    return clean(words, NOTICE_LIMIT)
 
 
 def run_replay(path: str, *, speed: float = 1.0) -> int:

@@ -120,8 +120,7 @@ async def until(
 
 async def settle(pilot: Pilot[Any]) -> None:
     """Wait until a replay has been delivered, folded and drawn, and the layout has settled (a
-    scrollbar shown while the data came in goes once the view fits, within a second; in a side
-    pane, the charts have the lines left to them)."""
+    scrollbar shown while the data came in goes once the view fits, within a second)."""
     app = pilot.app
     assert isinstance(app, MemtuiApp)
     await until(pilot, lambda: app.caught_up, 20, "the replay to be folded")
@@ -130,7 +129,7 @@ async def settle(pilot: Pilot[Any]) -> None:
     screen = app.screen
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        if not (screen.show_vertical_scrollbar or screen.max_scroll_y or app.main.fit_charts()):
+        if not (screen.show_vertical_scrollbar or screen.max_scroll_y):
             break
         await pilot.pause(0.05)
     await pilot.pause()

@@ -1,5 +1,6 @@
-"""The app's keys against a real hook in a subprocess (real zmq): cancel, pause, a run that goes
-quiet and comes back, the command palette, and how soon the history shows."""
+"""The app's keys against a real hook in a subprocess (real zmq): keys typed ahead in one burst,
+cancel, pause, a run that goes quiet and comes back, the command palette, and how soon the
+history shows."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from textual import events
 from textual.command import CommandPalette
 from textual.pilot import Pilot
 
+from memtui.tui.app import MemtuiApp
 from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from tests.conftest import memtui_cli
 from tests.tui.conftest import HookLoop, run, screen_text, until
 from tests.tui.test_app_live import live_app
-from tests.tui.test_app_replay import WIDE, text_of
+from tests.tui.test_app_replay import NARROW, WIDE, text_of
 
 NEVER = 10**9
 """A checkpoint interval the run never reaches: a queued change stays pending."""
@@ -40,6 +43,41 @@ def shown_step(pilot: Pilot[Any]) -> int:
     match = re.search(r"step ([\d,]+)", text_of(pilot, "#header"))
     assert match, screen_text(pilot.app)
     return int(match.group(1).replace(",", ""))
+
+
+def type_ahead(app: MemtuiApp, *keys: str) -> None:
+    """Send ``keys`` as a terminal's driver does for a burst: all of them queued before the app
+    has handled the first (``Pilot.press`` waits for the app to be idle after each key)."""
+    for key in keys:
+        app.post_message(events.Key(key, key if len(key) == 1 else None))
+
+
+def test_keys_typed_ahead_in_one_burst_all_land(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    """The README's w, 2, Enter as one burst, then a burst through Escape and Enter (keys
+    typed after either go to the main screen), while the run sends at its full rate."""
+    loop = start_hook_loop(rate=1000, seconds=120, checkpoint_every=NEVER)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.control is not None and state.step > 0, 20, "the run")
+        type_ahead(app, "w", "2", "enter")
+        await until(pilot, lambda: state.pending_values() == {"num_workers": 2}, 10,
+                    "w 2 Enter to queue num_workers=2")  # fmt: skip
+        assert app.screen is app.main, "the editor closed"
+
+        type_ahead(app, "b", "6", "4", "escape", "k", "w", "3", "enter", "space")
+        await until(pilot, lambda: app.paused, 10, "the space typed last")
+        await until(pilot, lambda: state.pending_values() == {"num_workers": 3}, 10,
+                    "num_workers=3 queued")  # fmt: skip
+        assert app.keep_effective_batch, "k after Escape reached the main screen"
+        assert app.screen is app.main
+        pending = (await status(loop.run_id))["pending"]
+        assert [p["changes"] for p in pending] == [{"num_workers": 2}, {"num_workers": 3}]
+
+    run(app, check, NARROW)
 
 
 def test_cancel_a_pending_change_with_keys(start_hook_loop: Callable[..., HookLoop]) -> None:

@@ -12,8 +12,8 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from memtui.cli import main
-from memtui.sources import ReplaySource
-from memtui.tui.app import MemtuiApp
+from memtui.sources import LiveSource, ReplaySource
+from memtui.tui.app import MemtuiApp, left_at
 from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
@@ -63,8 +63,27 @@ def test_the_change_lands_and_the_run_ends() -> None:
         assert "● ended: run ended at step 500" in screen_text(app)
         assert "applied  step 300  num_workers 0 → 4" in text_of(pilot, "#changes")
         assert "BALANCED" in text_of(pilot, "#verdict")
+        # what the viewer prints when it closes: the run, its last step, the tuned config
+        info = app.state.info
+        assert info is not None and info.tuned_path.endswith("memtui-tuned.yaml")
+        assert left_at(app.state) == (
+            f"run {info.run}, last step 500; the tuned config: {info.tuned_path}"
+        )
 
     run(replay_app(STARVING), check, WIDE)
+
+
+def test_the_viewer_says_no_change_was_applied_when_it_closes() -> None:
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        assert isinstance(app, MemtuiApp) and app.state.info is not None
+        words = left_at(app.state)
+        assert words.startswith(f"run {app.state.info.run}, last step ")
+        assert words.endswith(f"; no change applied (a tuned config would go to "
+                              f"{app.state.info.tuned_path})")  # fmt: skip
+
+    run(replay_app(STARVING, until_s=pending_offset()), check, WIDE)
 
 
 def test_oom_risk_shows_where_the_memory_goes() -> None:
@@ -181,8 +200,31 @@ def test_readonly_hides_and_disables_the_edit_keys() -> None:
         assert isinstance(app, MemtuiApp) and not app.keep_effective_batch
         titles = [c.title for c in app.get_system_commands(app.screen)]
         assert "Set num_workers" not in titles and "Help: keys and thresholds" in titles
+        # each key says why it did nothing (a replay: the recording's run cannot be changed)
+        told = [n.message for n in app._notifications]
+        why = "sends nothing: a replay shows a recording"
+        assert told == [
+            f"read-only: w (workers) {why}",
+            f"read-only: c (cancel) {why}",
+            f"read-only: k (keep) {why}",
+        ], told
 
     run(replay_app(STARVING, until_s=10, readonly=True), check, WIDE)
+
+
+def test_readonly_says_when_the_viewer_was_started_so() -> None:
+    """``memtui attach --readonly`` on a live run: its reason (here a live source, not a replay:
+    the app's own words for a run it may not change)."""
+    app = MemtuiApp(LiveSource("no-such-run"), readonly=True)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await pilot.press("o")
+        told = [n.message for n in app._notifications]
+        assert told == [
+            "read-only: o (queue advice) sends nothing: the viewer was started with --readonly"
+        ], told
+
+    run(app, check, NARROW)
 
 
 def test_commands_are_in_the_palette() -> None:
@@ -289,7 +331,7 @@ def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:
 def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
     """Issue 16: Ctrl-C quits the viewer (Textual's own only said "press ctrl+q"), from the main
     screen and from the knob editor's input alike."""
-    for keys in (["ctrl+c"], ["w", "3", "ctrl+c"]):
+    for keys in (["ctrl+c"], ["w", "3", "ctrl+c"], ["question_mark", "ctrl+q"]):
         app = replay_app(STARVING)
 
         async def check(pilot: Pilot[Any], keys: list[str] = keys) -> None:
@@ -300,3 +342,20 @@ def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
 
         run(app, check, WIDE)
         assert app.return_code == 0
+
+
+def test_q_closes_the_screen_on_top_and_quits_from_the_main_one() -> None:
+    """The main screen's keys wait while another screen is on top: q there is that screen's."""
+    app = replay_app(STARVING)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        assert app.screen is app.main and app.return_code is None, "q closed the help only"
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.return_code == 0
+
+    run(app, check, WIDE)

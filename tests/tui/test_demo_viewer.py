@@ -1,7 +1,8 @@
 """``memtui demo`` when its viewer dies: the real command in a subprocess, the real demo training
 under it, and a viewer made to fail (``run_app`` replaced in that process). The training goes on
 (its steps keep advancing), the operator is told how to reattach, and Ctrl-C then stops it; a
-normal quit of the viewer still ends the demo's training."""
+normal quit of the viewer still ends the demo's training, and says so; a training that died
+makes the command fail."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ import memtui.tui.app
 
 def run_app(run_id, **options):
     time.sleep(1.0)  # attached for a while
+    if {ending!r} == "training-dies":
+        options["demo_process"].kill()
+        options["demo_process"].wait()
     if {ending!r} == "raise":
         raise RuntimeError("the viewer broke [/x] \\x1b[31m")
     return 1 if {ending!r} == "crash" else 0  # Textual's status after a crash, or q
@@ -36,7 +40,7 @@ sys.argv = ["memtui", "demo", "--out", {out!r}, "--steps", "100000", "--progress
 main()
 """
 """``memtui demo`` with a stand-in viewer that, after a second, raises, ends as Textual ends an
-app that crashed (status 1), or quits normally (q)."""
+app that crashed (status 1), quits normally (q), or sees the training killed and then quits."""
 
 
 @pytest.fixture
@@ -90,7 +94,7 @@ def test_a_viewer_that_dies_leaves_the_training_running(
     proc = start_demo(out, ending, demos)
     pid = training_pid(out)
     assert proc.stderr is not None
-    told = [proc.stderr.readline() for _ in range(3)]
+    told = [proc.stderr.readline() for _ in range(6)][3:]  # after starting, waiting, attaching
     why = "RuntimeError: the viewer broke [/x] ␛[31m" if ending == "raise" else "exit status 1"
     assert f"the viewer died ({why})" in told[0], told
     assert "the training goes on" in told[1] and str(out / "demo.log") in told[1]
@@ -111,5 +115,37 @@ def test_a_normal_quit_still_ends_the_demo_s_training(
     proc = start_demo(out, "quit", demos)
     pid = training_pid(out)
     assert proc.wait(60) == 0
-    assert proc.stderr is not None and "viewer died" not in proc.stderr.read()
+    assert proc.stderr is not None
+    told = proc.stderr.read()
+    assert "viewer died" not in told
+    # what happens before the viewer shows and after it closes, in order
+    said = [line.removeprefix("memtui demo: ") for line in told.splitlines()]
+    assert said == [
+        f"starting the demo training (its output: {out / 'demo.log'})...",
+        "waiting for the run to register (the training imports torch first)...",
+        f"attaching to run {registry_run(out)}...",
+        "stopping the demo training...",
+    ], told
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 15)
+
+
+def registry_run(out: Path) -> str:
+    """The demo's run id, from its first output line."""
+    found = re.search(r"^run (\S+)", (out / "demo.log").read_text(), re.M)
+    assert found, "no run line in demo.log"
+    return found.group(1)
+
+
+def test_a_demo_whose_training_died_exits_non_zero(
+    tmp_path: Path, demos: list[subprocess.Popen[str]]
+) -> None:
+    """The training killed under the viewer, then q: ``memtui demo`` (``make demo``) fails."""
+    out = tmp_path / "demo"
+    proc = start_demo(out, "training-dies", demos)
+    code = proc.wait(60)
+    assert proc.stderr is not None
+    told = proc.stderr.read()
+    assert code == 128 + signal.SIGKILL, told
+    died = f"memtui demo: the demo training died (killed by SIGKILL); see {out / 'demo.log'}"
+    assert died in told.splitlines(), told
+    assert "stopping the demo training" not in told

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,12 +15,13 @@ from rich.text import Text
 from textual.geometry import Region
 from textual.pilot import Pilot
 
+from memtui.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.palette import Chip, flow
 from memtui.tui.widgets.advice import title_chips
 from memtui.tui.widgets.changelog import ChangeLog
 from memtui.tui.widgets.series import NARROW_MAX_ROWS, SeriesChart, narrow_rows
-from tests.tui.conftest import STARVING, replay_app, run, screen_text, settle
+from tests.tui.conftest import ADVICE, STARVING, replay_app, run, screen_text, settle, until
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
 from tests.tui.test_snapshots import (
     advice_pending,
@@ -167,3 +170,63 @@ def test_the_charts_share_the_lines_left() -> None:
     assert narrow_rows(0, host=False) == (1, 1, False)  # the least: a row each
     most = narrow_rows(100, host=False)
     assert most == (*NARROW_MAX_ROWS, True)  # a tall pane: room for the host chart too
+
+
+@dataclass
+class Frame:
+    """One frame the viewer sent to the terminal, as the side pane showed it."""
+
+    scrollbar: bool
+    overflow: int
+    text: str
+
+
+@pytest.mark.parametrize("path", [STARVING, ADVICE], ids=lambda p: p.stem)
+def test_a_long_replay_at_60x50_never_overflows_or_cuts_the_footer(path: Path) -> None:
+    """Every frame painted while a recording plays at 4x (the verdict's text changing length
+    as the run goes): no scrollbar, nothing below the screen, all 60 columns and the whole
+    footer."""
+    app = MemtuiApp(ReplaySource(path, speed=4.0, at_end="hold"))
+    frames: list[Frame] = []
+    display = app._display
+
+    def checked(screen: Any, renderable: Any) -> None:
+        display(screen, renderable)
+        if renderable is not None and not app._batch_count and screen is app.screen:
+            overflow = screen.max_scroll_y
+            frames.append(Frame(screen.show_vertical_scrollbar, overflow, screen_text(app)))
+
+    app._display = checked  # type: ignore[method-assign]
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await until(pilot, lambda: app.caught_up, 60, "the replay to end")
+        await pilot.pause(0.5)
+
+    run(app, check, NARROW)
+    # from the first frame that shows the run (before it, the screen is being put together)
+    shown = [i for i, frame in enumerate(frames) if "step " in frame.text.split("╭")[0]]
+    frames = frames[shown[0] :] if shown else []
+    assert len(frames) >= 10, "the replay was drawn frame by frame (4 Hz: ~25 frames or more)"
+    footer = frames[-1].text.splitlines()[-1].rstrip()
+    assert footer.endswith("q quit"), footer
+    for index, frame in enumerate(frames):
+        lines = frame.text.splitlines()
+        where = f"frame {index} of {len(frames)}\n{frame.text}"
+        assert not frame.scrollbar and frame.overflow == 0, where
+        assert len(lines) == NARROW[1] and lines[-1].rstrip() == footer, where
+
+
+def test_the_footer_shows_o_and_g_where_they_fit() -> None:
+    """Wide, o and g are in the footer; at 60 columns there is room for the others only (the
+    help lists every key), and the footer is whole; the width changing recomposes it."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        for size in (WIDE, NARROW, WIDE):
+            await pilot.resize_terminal(*size)
+            await settle(pilot)
+            footer = screen_text(pilot.app).splitlines()[-1].rstrip()
+            wide = size == WIDE
+            assert ("o queue advice  g GPUs" in footer) == wide, footer
+            assert footer.endswith("^p palette" if wide else "␣ pause  ? help  q quit"), footer
+
+    run(replay_app(STARVING), check, NARROW)

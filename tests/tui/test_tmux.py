@@ -1,4 +1,5 @@
-"""In a real terminal: `memtui attach` in a detached tmux pane, read back."""
+"""In a real terminal: `memtui attach` in a detached tmux pane, read back, and the README's
+w 4 Enter typed in one burst."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.conftest import ROOT, DemoRun
+from tests.conftest import ROOT, DemoRun, status_json, wait_for
 from tests.tui.conftest import HookLoop
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -62,6 +63,11 @@ def quit_pane(tmux: list[str]) -> None:
     pytest.fail("q did not quit the viewer")
 
 
+def pending(run_id: str) -> list[dict[str, object]]:
+    """The changes the run has pending, as ``memtui status --json`` lists them."""
+    return [change["changes"] for change in status_json(run_id)["pending"]]
+
+
 def test_attach_in_a_tmux_side_pane(start_demo: Callable[..., DemoRun]) -> None:
     demo = start_demo("--workers", "0", "--steps", "3000", "--checkpoint-every", "50")
     with pane(f"{sys.executable} -m memtui attach", 60, 50) as tmux:
@@ -75,6 +81,10 @@ def test_attach_in_a_tmux_side_pane(start_demo: Callable[..., DemoRun]) -> None:
         assert demo.run_id in text
         lines = text.splitlines()
         assert len(lines) <= 50 and all(len(line) <= 60 for line in lines)
+        # the README's walkthrough typed as one burst (one write to the terminal): it lands
+        subprocess.run([*tmux, "send-keys", "-t", "side", "w4", "Enter"], check=True)
+        queued = wait_for(lambda: pending(demo.run_id), 20, 0.5, what="w4 Enter to queue it")
+        assert queued == [{"num_workers": 4}]
         quit_pane(tmux)
 
 

@@ -4,6 +4,8 @@ otherwise) needs a second Enter (it is then sent with ``force``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +32,9 @@ from memtui.knobs import (
 from memtui.tui.safe import as_text
 from memtui.tui.state import RunState
 from memtui.wire import KnobValue
+
+INPUT_WAIT_S = 5.0
+"""The longest Enter waits for the input to take in the keys typed before it."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,12 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
     """Type a new value for one knob; Enter queues it for the next checkpoint (a change predicted
     over the danger band takes a second Enter, and is sent forced), Escape cancels."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss_none", "Cancel")]
+    # priority: taken when the app reads them, in the order typed, so a key typed after Enter
+    # or Escape goes to the main screen (as a plain binding, it went into this input first)
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss_none", "Cancel", priority=True),
+        Binding("enter", "submit", "Queue", priority=True),
+    ]
 
     def __init__(self, knob: str, state: RunState, keep_effective_batch: bool) -> None:
         super().__init__()
@@ -182,19 +192,26 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
             self.confirming = None  # a new value: a new confirmation
         self._preview(event.value)
 
-    @on(Input.Submitted)
-    def _submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        if not self._preview(event.value):
+    async def action_submit(self) -> None:
+        """Enter: once the input has taken in the keys typed before it, send its value (or ask
+        for the confirmation)."""
+        field = self.query_one(Input)
+        typed = asyncio.Event()
+        if field.call_later(typed.set):  # runs after the keys already sent to the input
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(typed.wait(), INPUT_WAIT_S)
+        self._submit(field.value)
+
+    def _submit(self, text: str) -> None:
+        """Send ``text`` as the new value, or ask for the confirmation a risky one takes."""
+        if not self._preview(text):
             return
-        value, resolved = check_change(
-            self.knob, event.value, self.state, self.keep_effective_batch
-        )
+        value, resolved = check_change(self.knob, text, self.state, self.keep_effective_batch)
         prediction = predict_change(resolved, self.state)
         if prediction is not None and prediction.over_danger:
-            if self.confirming != text_key(event.value):
-                self.confirming = text_key(event.value)  # the confirm step
-                self._preview(event.value)
+            if self.confirming != text_key(text):
+                self.confirming = text_key(text)  # the confirm step
+                self._preview(text)
                 return
             self.dismiss(EditResult(value, force=True))
             return

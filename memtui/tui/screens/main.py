@@ -6,7 +6,6 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widget import Widget
 from textual.widgets import Footer
 
 from memtui.tui.state import RunState, ViewOptions
@@ -30,8 +29,22 @@ TITLES = {
     "changes": "changes",
 }
 """The panels' titles, on their borders."""
+NARROW_LEFT_OUT = frozenset({"o", "g"})
+"""Keys the footer leaves out in a side pane: 60 columns hold the others only (the ``?`` help
+lists every key, and the recommendations panel says ``o: queue it``)."""
 ONE_RANK_PANELS = ("memory", "charts")
 """The panels that show one rank: with several ranks, their titles say which."""
+
+
+class KeysFooter(Footer):
+    """The footer, without the keys it has no room for in a side pane (``NARROW_LEFT_OUT``)."""
+
+    def compose(self) -> ComposeResult:
+        """Textual's footer keys, those left out in a side pane dropped."""
+        narrow = self.screen.has_class("narrow")
+        for widget in super().compose():
+            if not (narrow and getattr(widget, "key", None) in NARROW_LEFT_OUT):
+                yield widget
 
 
 class MainScreen(Screen[None]):
@@ -42,7 +55,7 @@ class MainScreen(Screen[None]):
     under them all. Narrow (a side pane): the change log right under the config panel (it is
     the feedback for a config change: the step it landed at, old → new, the measured effect),
     then the memory panel, the recommendations, and the charts in the lines left above the
-    footer (``fit_charts``)."""
+    footer (the stylesheet gives them the rest of the height)."""
 
     HORIZONTAL_BREAKPOINTS = [(0, "narrow"), (80, "wide")]  # noqa: RUF012 (Textual's attribute)
 
@@ -65,7 +78,7 @@ class MainScreen(Screen[None]):
                 yield SeriesChart(id="charts", classes="panel")
                 yield AdvicePanel(id="advice", classes="panel")
         yield ChangeLog(id="changes", classes="panel")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         """Titles on the panels' borders (with the rank, if a view came first: under load the
@@ -76,13 +89,14 @@ class MainScreen(Screen[None]):
         self._views = list(self.query(StateView))
 
     async def on_resize(self) -> None:
-        """Arrange the panels for the width; no palette key in the footer when narrow (ctrl+p
-        still works; the help lists it)."""
+        """Arrange the panels for the width; narrow, no palette key in the footer (ctrl+p still
+        works; the help lists it), nor o and g."""
         narrow = self.has_class("narrow")
-        self.query_one(Footer).show_command_palette = not narrow
+        footer = self.query_one(KeysFooter)
+        if footer.show_command_palette == narrow:  # the width crossed the breakpoint
+            footer.show_command_palette = not narrow
+            footer.refresh(recompose=True)  # (composed in its own context: Textual binds data)
         await self._arrange(narrow)
-        if narrow:
-            self.call_after_refresh(self.fit_charts)
 
     async def _arrange(self, narrow: bool) -> None:
         """Narrow: the change log under the config panel, the recommendations over the charts;
@@ -127,29 +141,3 @@ class MainScreen(Screen[None]):
             except Exception as error:  # one panel that cannot be drawn leaves the others
                 state.note_viewer_error(f"drawing the {widget.id}", error)
         return repainted
-
-    def on_state_view_resized(self) -> None:
-        """A panel has a new size: narrow, the lines left to the charts may have changed."""
-        if self.has_class("narrow"):
-            self.call_after_refresh(self.fit_charts)
-
-    def fit_charts(self) -> bool:
-        """Narrow: give the charts the lines left between the panels above them (as laid out)
-        and the footer (after a layout: a panel resized, the screen too); True if that changed
-        them."""
-        if not self.has_class("narrow") or not self.is_mounted:
-            return False
-        charts = self.query_one(SeriesChart)
-        above: list[Widget] = [self.query_one("#side")]
-        above += [self.query_one(w) for w in (RunHeader, VerdictGauge, RanksPanel, AdvicePanel)]
-        used = sum(w.outer_size.height for w in above if w.display)
-        left = self.size.height - self.query_one(Footer).outer_size.height - used - 2  # border
-        if left == charts.rows_left:
-            return False
-        charts.rows_left = left
-        if charts.state is not None:
-            try:
-                charts.show(charts.state, charts.view)
-            except Exception as error:  # as in update_view
-                charts.state.note_viewer_error("drawing the charts", error)
-        return True

@@ -7,7 +7,6 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 from rich.text import Text
 from textual.geometry import Size
-from textual.message import Message
 from textual.widget import Widget
 
 from memtui.tui.safe import sanitize
@@ -17,9 +16,6 @@ from memtui.tui.state import RunState, ViewOptions
 class StateView(Widget):
     """A widget drawn from a RunState; ``show`` repaints it only when its ``key`` changed."""
 
-    class Resized(Message):
-        """A panel has a new size (laid out anew): the screen may fit the others around it."""
-
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.state: RunState | None = None
@@ -27,7 +23,7 @@ class StateView(Widget):
         self.view = ViewOptions()
         """The viewer's options last shown (paused, read-only, keep-effective-batch)."""
         self._key: Hashable = None
-        self._cache: tuple[Hashable, tuple[int, bool, bool], RenderableType] | None = None
+        self._cache: tuple[Hashable, tuple[int, ...], RenderableType] | None = None
 
     @property
     def narrow(self) -> bool:
@@ -45,10 +41,6 @@ class StateView(Widget):
             return self.screen.has_class("multirank")
         except Exception:  # not mounted on a screen yet
             return False
-
-    def on_resize(self) -> None:
-        """Tell the screen (the message bubbles up to it)."""
-        self.post_message(self.Resized())
 
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
         """What the widget's content depends on; a new key means a repaint."""
@@ -84,11 +76,16 @@ class StateView(Widget):
                 return len(lines)
         return self.get_content_height(Size(0, 0), Size(0, 0), width)
 
+    def shape(self) -> tuple[int, ...]:
+        """What the content's layout depends on besides the key: the width, narrow, several
+        ranks (a widget that fills the height it is given adds it)."""
+        return self.content_size.width, self.narrow, self.multirank
+
     def render(self) -> RenderableType:
-        """The content, built once per key and width."""
+        """The content, built once per key and shape."""
         if self.state is None:
             return Text("")
-        shape = (self.content_size.width, self.narrow, self.multirank)
+        shape = self.shape()
         if self._cache is not None and self._cache[0] == self._key and self._cache[1] == shape:
             return self._cache[2]
         try:

@@ -28,7 +28,7 @@ HOST_NEAR = 0.10
 NARROW_MAX_ROWS = (6, 8)
 """Narrow: the most rows of the step time and memory charts (a tall side pane)."""
 NARROW_LINES = 7
-"""Narrow: the charts' lines until the lines left to them are known."""
+"""Narrow: the charts' lines until the layout has given them theirs."""
 
 
 def _merge_steps(group: list[StepBucket]) -> tuple[float, float]:
@@ -145,6 +145,18 @@ def host_pressed(state: RunState) -> bool:
     return share >= state.thresholds.thresholds.host_ram_fraction - HOST_NEAR
 
 
+def step_axis_top(columns: list[float | None]) -> float:
+    """The step time chart's scale for ``columns`` (oldest first; None: no steps): the newest
+    third's slowest column, or the 90th percentile of all of them if higher, so that one slow
+    column (a warm-up's first steps) does not set the scale for the rest."""
+    values = [v for v in columns if v is not None]
+    if not values:
+        return 0.0
+    recent = [v for v in columns[-max(1, len(columns) // 3) :] if v is not None]
+    ranked = sorted(values)
+    return max(max(recent, default=0.0), ranked[int(0.9 * (len(ranked) - 1))])
+
+
 def narrow_rows(height: int, host: bool) -> tuple[int, int, bool]:
     """The rows of the step time and memory charts in ``height`` lines (at least one each, the
     memory chart the odd one), and whether the host chart (3 lines) is shown: when ``host`` (host
@@ -161,14 +173,13 @@ class SeriesChart(StateView):
 
     DEFAULT_CSS = "SeriesChart { height: auto; }"
 
-    rows_left: int | None = None
-    """Narrow: the lines left to the charts above the footer (``MainScreen.fit_charts``)."""
-
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
-        """Repaint when data arrives, and every second (the time axis moves); narrow, when the
-        lines left to the charts change too."""
-        left = self.rows_left if self.narrow else None
-        return state.data_version, int(state.clock), state.summary().focus_rank, left
+        """Repaint when data arrives, and every second (the time axis moves)."""
+        return state.data_version, int(state.clock), state.summary().focus_rank
+
+    def shape(self) -> tuple[int, ...]:
+        """Narrow, the charts fill the lines the layout leaves them: their height counts too."""
+        return *super().shape(), self.content_size.height if self.narrow else 0
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """The three charts, stacked."""
@@ -178,8 +189,9 @@ class SeriesChart(StateView):
         chart_width = max(10, width - AXIS)
         end = state.clock or (state.info.started if state.info else 0.0)
         lines: list[Text] = []
-        if narrow:  # the lines left under the other panels; the host chart under pressure
-            left = NARROW_LINES if self.rows_left is None else self.rows_left
+        if narrow:  # the lines the layout left under the other panels (the host chart under
+            # pressure), laid out with them in one pass: no frame shows them overflowing
+            left = self.content_size.height or NARROW_LINES
             step_rows, memory_rows, host = narrow_rows(left, host_pressed(state))
         else:  # several ranks: shorter charts (room for the per-rank table)
             step_rows, memory_rows, host = (4, 5, True) if multirank else (5, 6, True)
@@ -198,7 +210,7 @@ class SeriesChart(StateView):
         columns = to_columns(
             list(series.step_buckets.buckets), lambda b: b.start, _merge_steps, width, end
         )
-        top = nice_ceiling(max((v[0] for v in columns.values if v), default=0.0))
+        top = nice_ceiling(step_axis_top([v[0] if v else None for v in columns.values]))
         bars: list[list[Layer] | None] = [
             [(v[1], palette.DATA_WAIT), (v[0], palette.COMPUTE)] if v else None
             for v in columns.values
