@@ -534,3 +534,19 @@ def test_a_queued_change_reaches_the_viewer_at_once_not_at_the_next_flush(tmp_pa
     finally:
         sub.close()
         tuner.close()
+
+
+def test_closing_an_unwatched_run_does_not_wait_for_the_agent_s_next_wake_up(
+    tmp_path: Path,
+) -> None:
+    """Issue 16: the demo took seconds to stop after ``q``; part of it was the agent thread's
+    poll, a second long while nobody watches (30 s here): ``close`` wakes it at once."""
+    options = Options(flush_period_s=30.0, idle_flush_s=30.0)
+    tuner = install(
+        SimpleNamespace(batch_size=8), state_dir=tmp_path, name="quick", options=options
+    )
+    agent = tuner.agent
+    assert agent is not None
+    time.sleep(0.2)  # the agent is in its 30 s poll
+    tuner.close()  # stop() joins the agent for 2 s at most, then goes on without it
+    assert not agent.is_alive(), "the agent sleeps out its poll after close"

@@ -129,6 +129,11 @@ class Agent(threading.Thread):
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self._stop_event = threading.Event()
+        self._waker: tuple[int, int] | None = None
+        """A pipe (read, write) whose read end the poll watches: ``stop`` writes to it, so the
+        thread ends at once instead of at its next wake-up (a second apart unwatched)."""
+        self._waker_lock = threading.Lock()
+        """Held to write to the pipe and to close it (a closed descriptor may be reused)."""
         self._context: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
@@ -147,7 +152,7 @@ class Agent(threading.Thread):
         self._recorder: Recorder | None = None
         self._points: dict[int, ModelPoint] = {}
         """The latest observed (micro-batch, peak) point of each micro-batch size."""
-        self._polled: tuple[zmq.Socket, ...] = ()
+        self._polled: tuple[zmq.Socket | int, ...] = ()
         self._poll = zmq.Poller()
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}
         """Monitor sockets of the TCP sockets (monitor -> socket watched), read at every wake-up."""
@@ -162,12 +167,18 @@ class Agent(threading.Thread):
     def stop(self, timeout: float = 2.0) -> None:
         """Send the last batch (``ended``), close the sockets and remove the registry entry."""
         self._stop_event.set()
+        with self._waker_lock:
+            if self._waker is not None:
+                with contextlib.suppress(OSError):  # full: a wake-up is pending already
+                    os.write(self._waker[1], b"x")
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
 
     def run(self) -> None:
         """Bind, then flush and serve until stopped; failures are reported, never raised."""
         try:
+            self._waker = os.pipe()
+            os.set_blocking(self._waker[1], False)
             self._context = zmq.Context()
             self._bind()
             self._bind_tcp()
@@ -190,6 +201,8 @@ class Agent(threading.Thread):
                 timeout_ms = max(0, math.ceil((self._wake(next_flush) - time.monotonic()) * 1000))
                 cpu, spent, served = time.thread_time(), budget.spent, False
                 for sock, _event in self._poller().poll(timeout_ms):
+                    if self._waker is not None and sock == self._waker[0]:
+                        continue  # stop() woke the poll: the loop's test ends it
                     if sock in self._monitors:
                         self._read_monitor(sock)
                     elif self._zap is not None and sock is self._zap.socket:
@@ -260,6 +273,7 @@ class Agent(threading.Thread):
                 self._pub,
                 self._pub_tcp,
                 *self._monitors,
+                self._waker[0] if self._waker is not None else None,
             )
             if sock is not None
         )
@@ -439,6 +453,11 @@ class Agent(threading.Thread):
             self.registered = True
 
     def _close(self) -> None:
+        with self._waker_lock:
+            waker, self._waker = self._waker, None
+        for fd in waker or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for watched in list(self._monitors.values()):
             self._unwatch(watched)
         for sock in (self._pub, self._router, self._pub_tcp, self._router_tcp):
