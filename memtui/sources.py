@@ -112,6 +112,10 @@ class Source(Protocol):
         """Words for the run's process known gone ("" while it may live, or nobody can tell)."""
         ...
 
+    def picked(self) -> str:
+        """Why this run was taken among several live ones ("" when it was named, or alone)."""
+        ...
+
     def offer(self) -> tuple[wire.RunRecord, str] | None:
         """Another live run to offer the user once the run is gone, and why that one (None:
         none, or the user named the run)."""
@@ -163,6 +167,8 @@ class LiveSource:
         self.run = ""
         """The run this source is attached to, as the registry knows it (set by the first
         connection, or by ``follow``): the only run it looks for."""
+        self._picked = ""
+        """Why the run was taken among several (the registry's note at the first connection)."""
         self._info: wire.RunInfo | None = None
         """The run's identity, from its latest snapshot (pid, host, state dir, cwd): a snapshot
         of another run is refused."""
@@ -230,6 +236,7 @@ class LiveSource:
         target = self._resolve()
         self._control = target.control
         if target.run:
+            self._picked = self._picked or target.note
             self.run = target.run
         self.subscribe(*target.ranks)
         self._apply_wanted(strict=True)
@@ -433,6 +440,11 @@ class LiveSource:
         """Real wall time."""
         return time.time()
 
+    def picked(self) -> str:
+        """The registry's words when it took the newest of several live runs (the viewer shows
+        them: on stderr they were hidden behind it)."""
+        return self._picked
+
     def exited(self) -> str:
         """Words for the run's process known gone: it ran on this host and no process with its
         pid started before the run did ("" otherwise: alive, or on another host)."""
@@ -615,6 +627,10 @@ class ReplaySource:
 
     def exited(self) -> str:
         """A recording has no process."""
+        return ""
+
+    def picked(self) -> str:
+        """A recording is the one named."""
         return ""
 
     def offer(self) -> tuple[wire.RunRecord, str] | None:

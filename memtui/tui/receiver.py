@@ -170,6 +170,8 @@ class Receiver:
         self._follow: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._offered = RunOffer()
         """The run offered last (``run`` "": none)."""
+        self._said_picked = False
+        """The note that the newest of several live runs was taken has been shown."""
         self._events: list[Event] = []
         self._urgent = False
         self._connected = False
@@ -363,6 +365,10 @@ class Receiver:
         self._retry.clear()
         self._set_status(Status.LIVE)
         self._set_offer(RunOffer())
+        picked = self.source.picked()
+        if picked and not self._said_picked:  # several runs live: say which, once
+            self._said_picked = True
+            self._emit(Notice(True, picked), urgent=True)
 
     def _drop(self, status: Status, detail: str) -> None:
         self._connected = False

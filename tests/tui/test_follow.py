@@ -25,7 +25,7 @@ from memtui.hooks import Options, Tuner
 from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.events import Status
-from tests.conftest import memtui_cli
+from tests.conftest import memtui_cli, wait_for
 from tests.test_tuner import Config
 from tests.tui.conftest import HookLoop, run, screen_text, until
 
@@ -140,6 +140,29 @@ def test_cancellations_from_another_shell_show_in_the_change_log_newest_first(
         ], entries
         assert "#1 num_workers=2" in entries[3] and "by cli:" in entries[3]
         assert other.run_id not in screen_text(app)
+
+    run(app, check, WIDE)
+
+
+def test_a_plain_attach_among_two_live_runs_says_which_it_took(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    """``memtui attach`` with two live runs takes the newest and says so in the viewer (the
+    note went to stderr, behind the viewer's screen), naming the other."""
+    older = start_hook_loop(rate=100, seconds=60, checkpoint_every=NEVER)
+    wait_for(lambda: listed(older.run_id), 20, 0.2, "the first run in memtui ls")
+    newer = start_hook_loop(rate=100, seconds=60, checkpoint_every=NEVER)
+    wait_for(lambda: listed(newer.run_id), 20, 0.2, "the second run in memtui ls")
+    app = MemtuiApp(LiveSource(None))
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: bool(state.notices), 20, "the note of the run taken")
+        app.refresh_view()
+        await pilot.pause()
+        text = " ".join(screen_text(app).split())
+        assert f"2 live runs; picked the newest, {newer.run_id} (others: {older.run_id})" in text
+        assert state.info is not None and state.info.run == newer.run_id
 
     run(app, check, WIDE)
 
