@@ -31,6 +31,7 @@ from memtui.security import exposure, tcp_endpoints
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
 from memtui.wire import (
     AppliedChange,
+    CancelledChange,
     Ceiling,
     Effect,
     HookCounters,
@@ -248,6 +249,8 @@ class StatusReport(Struct):
     """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
     speed_accuracy: SpeedAccuracyReport | None = None
     """How the speed predictions of the applied changes fared (None: an older report)."""
+    cancelled: list[CancelledChange] = []
+    """Pending changes cancelled, from any shell or viewer, most recent last."""
 
 
 # ---------------------------------------------------------------------------- building
@@ -380,6 +383,7 @@ def build_status(
         pending=list(control.pending),
         applied=[_applied(a) for a in control.applied],
         rejected=list(control.rejected),
+        cancelled=list(control.cancelled),
         metrics=_metrics(snapshot),
         memory=_memory(snapshot),
         verdict=VerdictReport(
@@ -560,6 +564,11 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(f"option {index}: {option.title}{speed}  ({option.why})")
     for rejected in report.rejected[-3:]:
         lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")
+    for gone in report.cancelled[-3:]:
+        who = f" by {gone.client}" if gone.client else ""
+        lines.append(
+            f"cancelled #{gone.id} {format_changes(gone.changes)} at step {gone.step}{who}"
+        )
     if report.disabled:
         lines.append(f"changes are OFF: {report.disabled}")
     if len(report.ranks) > 1:

@@ -56,8 +56,10 @@ def test_keys_typed_ahead_in_one_burst_all_land(
     start_hook_loop: Callable[..., HookLoop],
 ) -> None:
     """The README's w, 2, Enter as one burst, then a burst through Escape and Enter (keys
-    typed after either go to the main screen), while the run sends at its full rate."""
+    typed after either go to the main screen), while the run sends at its full rate; a second
+    live run on the host, started after it (the newest), gets none of them."""
     loop = start_hook_loop(rate=1000, seconds=120, checkpoint_every=NEVER)
+    other = start_hook_loop(rate=100, seconds=120, checkpoint_every=NEVER)
     app = live_app(loop.run_id)
 
     async def check(pilot: Pilot[Any]) -> None:
@@ -76,6 +78,7 @@ def test_keys_typed_ahead_in_one_burst_all_land(
         assert app.screen is app.main
         pending = (await status(loop.run_id))["pending"]
         assert [p["changes"] for p in pending] == [{"num_workers": 2}, {"num_workers": 3}]
+        assert (await status(other.run_id))["pending"] == [], "the other run got no key"
 
     run(app, check, NARROW)
 

@@ -122,6 +122,8 @@ def test_cancellations_from_another_shell_show_in_the_change_log_newest_first(
             return state.control is not None and [c.id for c in state.control.cancelled] == [1]
 
         await until(pilot, cancelled, 10, "the cancellation")
+        told = memtui_cli("status", watched.run_id).stdout
+        assert "cancelled #1 num_workers=2 at step" in told and "by cli:" in told, told
         await pilot.press("w", "5", "enter")
 
         def pending() -> list[int]:
