@@ -285,3 +285,10 @@ def test_the_demo_refuses_bad_starting_values() -> None:
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
     assert parser.parse_args(["--workers", "0", "--seed", "-3"]).workers == 0
+    from click.testing import CliRunner
+
+    from memtui.cli import main
+
+    refused = CliRunner().invoke(main, ["demo", "--workers", "-1", "--dry-run"])
+    assert refused.exit_code == 2, refused.output
+    assert "--workers" in refused.output and "-1" in refused.output, refused.output

@@ -82,8 +82,10 @@ def test_a_named_run_is_kept_after_it_ends_and_another_starts_in_its_state_dir(
 
 def test_a_killed_run_is_said_to_have_exited(start_hook_loop: Callable[..., HookLoop]) -> None:
     """``kill -9`` of the run: the header says its process exited (it said "disconnected ... no
-    answer" forever), since the process was on this host and is gone."""
+    answer" forever), since the process was on this host and is gone; another live run on the
+    host is neither taken nor offered (the run was named)."""
     loop = start_hook_loop(rate=100, seconds=60)
+    other = start_hook_loop(rate=100, seconds=60)
     app = MemtuiApp(LiveSource(loop.run_id))
 
     async def check(pilot: Pilot[Any]) -> None:
@@ -96,6 +98,7 @@ def test_a_killed_run_is_said_to_have_exited(start_hook_loop: Callable[..., Hook
         pid = loop.proc.pid
         assert f"● exited: process {pid} exited without ending the run (killed or crashed)" in text
         assert "no answer" not in text and state.connection.status is Status.EXITED
+        assert other.run_id not in text and not state.offer.run
 
     run(app, check, WIDE)
 
