@@ -128,3 +128,22 @@ def test_rollbacks_and_unpredicted_changes_are_not_scored() -> None:
     scored = speed_accuracy([rollback, blind])
     assert scored.measured == 0 and scored.unknown == 1
     assert describe_speed(scored) == "1 change(s) with no estimate"
+
+
+def test_the_change_log_shows_the_expected_speed_and_how_far_off_it_was() -> None:
+    """The viewer's change log: ``expected +67% samples/s (+24 pts)``, bold where the miss is
+    outside the measured noise."""
+    from memtui.tui.widgets.changelog import effect_chips
+
+    change = AppliedChange(
+        ids=[1], step=20, time=0.0, changes={"num_workers": KnobDiff(0, 2)},
+        predicted_speed_delta=0.67, speed_note="loading ...",
+    )  # fmt: skip
+    before = effect_chips(change, 21)
+    assert before is not None and "expected +67% samples/s" in "".join(c.text.plain for c in before)
+    change.effect = effect(100, 143, margin=0.05)
+    chips = effect_chips(change, 60)
+    assert chips is not None
+    (shown,) = [c.text for c in chips if "expected" in c.text.plain]
+    assert shown.plain == "expected +67% samples/s (+24 pts)"
+    assert any("bold" in str(span.style) for span in shown.spans), "a miss outside the noise"

@@ -14,6 +14,7 @@ from rich.text import Text
 from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.predict import confidence
+from memtui.advice.speed import speed_error
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_diffs, format_value
 from memtui.stats import format_bytes
@@ -77,10 +78,12 @@ MEASURED_WITHIN = 40
 
 
 def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
-    """``+41% samples/s, peak 9.6 GiB -> 15.2 GiB · predicted 15.0 GiB (-1%)`` (None: nothing
-    measured nor predicted, and no longer expected: a hook that does not measure)."""
+    """``+41% samples/s, peak 9.6 GiB -> 15.2 GiB · predicted 15.0 GiB (-1%) · expected +35%
+    samples/s (+6 pts)`` (None: nothing measured nor predicted, and no longer expected: a hook
+    that does not measure)."""
     effect: Effect | None = applied.effect
-    if effect is None and applied.predicted_peak_bytes is None:
+    foretold = applied.predicted_peak_bytes is not None or applied.predicted_speed_delta is not None
+    if effect is None and not foretold:
         if step - applied.step > MEASURED_WITHIN:
             return None
         return [Chip(Text("measuring the effect…", "dim"))]
@@ -102,6 +105,14 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
             style = "bold yellow" if abs(error) > ACCURACY_TARGET else "dim"
             predicted.append(f"({error:+.0%})", style)
         chips.append(Chip(predicted, " · "))
+    if applied.predicted_speed_delta is not None:  # the hook's estimate from the steps before
+        expected = Text(f"expected {applied.predicted_speed_delta:+.0%} samples/s", "dim")
+        off = speed_error(applied)
+        if off is not None:
+            margin = effect.speedup_margin if effect is not None else None
+            inside = margin is not None and abs(off) <= margin
+            expected.append(f" ({off * 100:+.0f} pts)", "dim" if inside else "bold yellow")
+        chips.append(Chip(expected, " · "))
     return chips
 
 
