@@ -316,20 +316,23 @@ if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one lin
 
 HEAVY_FIRST = (
     "tests/test_seeds.py",
-    "tests/test_ddp.py",
-    "tests/test_e2e.py",
-    "tests/tui/test_advice.py",
-    "tests/test_faults.py",
     "tests/test_readme.py",
-    "tests/test_rank_faults.py",
-    "tests/tui/test_app_ranks_live.py",
-    "tests/test_hook_runs.py",
+    "tests/test_ddp.py",
     "tests/tui/test_hostile_text.py",
-    "tests/tui/test_demo_viewer.py",
+    "tests/test_estimate.py",
     "tests/test_security.py",
+    "tests/test_faults.py",
+    "tests/tui/test_advice.py",
+    "tests/test_rank_faults.py",
+    "tests/test_e2e.py",
+    "tests/tui/test_app_ranks_live.py",
+    "tests/tui/test_demo_viewer.py",
+    "tests/tui/test_app_live_keys.py",
+    "tests/test_hook_runs.py",
 )
 """The files with the most training to do, run first: ``make test`` hands whole files to its
-workers in collection order, and a long file handed out last keeps one worker busy alone."""
+workers in collection order, and a long file handed out last keeps one worker busy alone
+(ordered by their wall time in a suite run with ``MEMTUI_TEST_CPU_LOG`` set)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
