@@ -133,6 +133,15 @@ async def settle(pilot: Pilot[Any]) -> None:
             break
         await pilot.pause(0.05)
     await pilot.pause()
+    # and the screen has stopped changing: a panel that grew (a status line, a notice) lays the
+    # charts out again in the next pass, and under load a capture fell between the two
+    shown, deadline = screen_text(app), time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        now = screen_text(app)
+        if now == shown:
+            break
+        shown = now
 
 
 def run(
