@@ -200,17 +200,11 @@ def speed_prediction_due(
         return None
     before = records(r for r in steps if latest.step - EFFECT_STEPS < r[0] <= latest.step)
     stats = summarize_steps(before, window=len(before) or 1)
-    timed = [r for r in before if r.step_time_s > 0]
-    if stats is None or not timed:
+    if stats is None:
         return latest, SpeedEstimate(None, "speed unknown: no steps timed before it")
     was = knobs_with(knobs, {k: d.old for k, d in latest.changes.items()})
-    basis = SpeedBasis(
-        was,
-        stats,
-        sum(r.samples for r in timed) / len(timed),
-        tuple(applied[:-1]),
-        starved_wait_fraction,
-    )
+    samples_per_step = stats.samples_per_s * stats.step_time_s  # total samples / steps
+    basis = SpeedBasis(was, stats, samples_per_step, tuple(applied[:-1]), starved_wait_fraction)
     return latest, predict_speed(basis, {k: d.new for k, d in latest.changes.items()})
 
 

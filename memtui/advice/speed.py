@@ -30,7 +30,7 @@ from memtui.advice.verdict import THRESHOLDS
 from memtui.stats import StepStats
 from memtui.wire import AppliedChange, Effect, Knobs, KnobValue
 
-LOADER_KNOBS = frozenset({"num_workers"})
+WORKER_KNOBS = frozenset({"num_workers"})
 BATCH_KNOBS = frozenset({"batch_size", "grad_accum"})
 
 
@@ -74,7 +74,7 @@ def predict_speed(basis: SpeedBasis, changes: Mapping[str, KnobValue]) -> SpeedE
         if accum is not None and (not isinstance(accum, int) or not _count(accum)):
             return SpeedEstimate(None, "speed unknown: the accumulation is not a count")
         return batch_speed(basis, batch, accum)
-    if moved <= LOADER_KNOBS:
+    if moved <= WORKER_KNOBS:
         workers = changes.get("num_workers")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             return SpeedEstimate(None, "speed unknown: num_workers is not a count")
@@ -245,6 +245,13 @@ def speed_error(applied: AppliedChange) -> float | None:
     return applied.predicted_speed_delta - measured
 
 
+def inside_noise(applied: AppliedChange) -> bool:
+    """The speed prediction lies inside the measured effect's 95% interval."""
+    error = speed_error(applied)
+    margin = applied.effect.speedup_margin if applied.effect is not None else None
+    return error is not None and margin is not None and abs(error) <= margin
+
+
 def speed_accuracy(applied: Sequence[AppliedChange]) -> SpeedAccuracy:
     """The accuracy of the speed predictions behind ``applied`` (rollbacks left out)."""
     errors: list[float] = []
@@ -257,8 +264,7 @@ def speed_accuracy(applied: Sequence[AppliedChange]) -> SpeedAccuracy:
             unknown += 1
             continue
         errors.append(abs(error))
-        margin = change.effect.speedup_margin
-        within += int(margin is not None and abs(error) <= margin)
+        within += inside_noise(change)
     mean = sum(errors) / len(errors) if errors else None
     return SpeedAccuracy(len(errors), mean, within, unknown)
 

@@ -25,20 +25,12 @@ LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
 """The knobs a data loader is built with (a change rebuilds it)."""
 
 
-def _parsed(knob: str, value: Any) -> KnobValue | None:
+def _parsed(knob: str, value: Any) -> tuple[KnobValue | None, str]:
+    """``value`` as a value of ``knob``, or None and why it is not one."""
     try:
-        return parse_value(knob, value)
-    except KnobError:
-        return None
-
-
-def _why(knob: str, value: Any) -> str:
-    """Why ``value`` is not a value of ``knob``, in words."""
-    try:
-        parse_value(knob, value)
+        return parse_value(knob, value), ""
     except KnobError as exc:
-        return str(exc)
-    return "unknown"
+        return None, str(exc)
 
 
 class KnobStore:
@@ -47,11 +39,10 @@ class KnobStore:
     def __init__(self, config: Any, names: Mapping[str, str] | None, report: Report) -> None:
         self.binding = ConfigBinding(config, names)
         self._report = report
-        found = {k: _parsed(k, self.binding.read(k)) for k in KNOBS if self.binding.has(k)}
-        self._knobs = knobs_with(Knobs(), found)
-        self.untunable: dict[str, Any] = {
-            k: self.binding.read(k) for k, v in found.items() if v is None
-        }
+        read = {k: self.binding.read(k) for k in KNOBS if self.binding.has(k)}
+        parsed = {k: _parsed(k, v) for k, v in read.items()}
+        self._knobs = knobs_with(Knobs(), {k: v for k, (v, _) in parsed.items()})
+        self.untunable: dict[str, Any] = {k: read[k] for k, (v, _) in parsed.items() if v is None}
         """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
         code as they are (torch says what is wrong with them), and not tunable."""
         for knob, value in self.untunable.items():
@@ -60,7 +51,7 @@ class KnobStore:
                 "your code as it is and %s is not tunable in this run",
                 knob,
                 shown(value),
-                _why(knob, value),
+                parsed[knob][1],
                 knob,
             )
         self._loader_generation = 0

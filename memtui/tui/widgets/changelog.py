@@ -14,7 +14,7 @@ from rich.text import Text
 from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.predict import confidence
-from memtui.advice.speed import speed_error
+from memtui.advice.speed import inside_noise, speed_error
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_diffs, format_value
 from memtui.stats import format_bytes
@@ -109,9 +109,8 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
         expected = Text(f"expected {applied.predicted_speed_delta:+.0%} samples/s", "dim")
         off = speed_error(applied)
         if off is not None:
-            margin = effect.speedup_margin if effect is not None else None
-            inside = margin is not None and abs(off) <= margin
-            expected.append(f" ({off * 100:+.0f} pts)", "dim" if inside else "bold yellow")
+            style = "dim" if inside_noise(applied) else "bold yellow"
+            expected.append(f" ({off * 100:+.0f} pts)", style)
         chips.append(Chip(expected, " · "))
     return chips
 
