@@ -135,8 +135,11 @@ async def settle(pilot: Pilot[Any]) -> None:
     await pilot.pause()
     # and the screen has stopped changing: a panel that grew (a status line, a notice) lays the
     # charts out again in the next pass, and under load a capture fell between the two
-    shown, deadline = screen_text(app), time.monotonic() + 2.0
+    # (a repaint between the two looks: under load one frame showed the header and verdict of
+    # a summary made before the last records were folded, then never redrawn)
+    shown, deadline = screen_text(app), time.monotonic() + 3.0
     while time.monotonic() < deadline:
+        app.refresh_view()
         await pilot.pause(0.05)
         now = screen_text(app)
         if now == shown:
