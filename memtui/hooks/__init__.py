@@ -41,6 +41,7 @@ def install(
     auto_step: bool = False,
     options: Options | None = None,
     record: str | os.PathLike[str] | None = None,
+    lr_scale: str = "none",
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
 
@@ -54,6 +55,8 @@ def install(
     ``auto_step=True`` with ``optimizer`` counts steps from the optimizer's post-step hook.
     ``record`` also writes the published stream to this file (``memtui replay`` shows it); the
     same as ``options=Options(record=...)`` or ``MEMTUI_RECORD``, and it wins over both.
+    ``lr_scale`` is the run's rule for the LR when a change moves the effective batch and names
+    no rule of its own: ``linear``, ``sqrt`` or ``none`` (see "Changing the effective batch").
     """
     if record is not None:
         options = dataclasses.replace(options or Options(), record=os.fspath(record))
@@ -65,6 +68,7 @@ def install(
         "resume": resume,
         "name": name,
         "options": options,
+        "lr_scale": lr_scale,
     }
     framework = framework_of(trainer)
     if framework == "transformers":
@@ -91,4 +95,5 @@ def install(
         name=name,
         auto_step=auto_step,
         options=options,
+        lr_scale=lr_scale,
     ).start()

@@ -42,6 +42,7 @@ from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.lr import LR_SECTION, LearningRate
 from memtui.hooks.oom import Guard, OomHandler
 from memtui.hooks.persist import (
     AUDIT_FILE,
@@ -50,6 +51,7 @@ from memtui.hooks.persist import (
     TunedConfig,
     read_audit,
     read_ceiling,
+    read_section,
     read_tuned,
     unapplied,
 )
@@ -137,6 +139,7 @@ class Tuner:
         auto_step: bool = False,
         options: Options | None = None,
         placement: tuple[int, int, int] | None = None,
+        lr_scale: str = "none",
     ) -> None:
         # the hot path's owner first, so ``step()`` works whatever fails later
         self.errors = ErrorLog()
@@ -167,15 +170,21 @@ class Tuner:
         self._tuned_path_given = Path(tuned_path) if tuned_path else None
         self._resume_from = resume
         self._auto_step = auto_step
+        self.lr = LearningRate(lr_scale)
+        """The LR's owner: the optimizers and schedulers that follow the effective batch."""
         self.control = Control(
             lambda: self.store.knobs,
             world_size=self.placement.world_size,
             step=lambda: self.ledger.step,
             report=self.report,
             pinning=self.device.has_accelerator,
+            lr=self.lr,
         )
         self.tuned = TunedConfig(
-            self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted
+            self.tuned_paths,
+            lambda: self.run_id,
+            self.report,
+            sections=lambda: {**self.control.persisted(), **self.lr.persisted()},
         )
         self.boundary = Boundary(
             self.store,
@@ -184,6 +193,7 @@ class Tuner:
             self.tuned,
             self.report,
             on_ranks_changed=self._register,
+            lr=self.lr,
         )
         self.oom = OomHandler(
             ledger=self.ledger,
@@ -234,6 +244,8 @@ class Tuner:
         self.device.refresh(self.model)
         self.device.note_baseline()
         self._refresh_static()
+        if self.optimizer is not None:
+            self.lr.watch_optimizer(self.optimizer)
         if self.optimizer is not None and self._auto_step:
             self.watch_optimizer(self.optimizer)
         self.oom.install_excepthook(lambda: self._closed)
@@ -494,6 +506,13 @@ class Tuner:
         try:
             values = read_tuned(path)
             self.resumed = self.store.resume(values, path)
+            factor = self.lr.resume(read_section(path, LR_SECTION))
+            if factor != 1.0:
+                log.warning(
+                    "memtui: kept the LR factor x%s from %s (the tuned batch's learning rate)",
+                    round(factor, 4),
+                    path,
+                )
             ceiling = read_ceiling(path)
             if ceiling is not None:
                 self.control.restore_ceiling(ceiling)
@@ -591,11 +610,21 @@ class Tuner:
         self.ledger.close_step(samples)
 
     def watch_optimizer(self, optimizer: Any) -> None:
-        """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook)."""
+        """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook); its
+        LR follows a change of the effective batch."""
+        self.lr.watch_optimizer(optimizer)
         try:
             self._hook_handle = optimizer.register_step_post_hook(lambda *_args: self.step())
         except Exception as exc:
             self.report(exc, "watch_optimizer")
+
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """Make an LR scheduler's ``base_lrs`` (and its optimizer's LR) follow a change of the
+        effective batch."""
+        try:
+            self.lr.watch_scheduler(scheduler)
+        except Exception as exc:
+            self.report(exc, "watch_scheduler")
 
     def checkpoint(self) -> Applied | None:
         """The checkpoint boundary: call it on every rank right after the checkpoint is saved.

@@ -102,6 +102,8 @@ class ViewOptions:
     """Nothing is sent to the run."""
     keep_effective_batch: bool = False
     """A batch_size change recomputes grad_accum to keep micro x accum."""
+    lr_scale: str = ""
+    """How the LR follows an edit that moves the effective batch ('': the run's rule)."""
     replay_speed: float | None = None
     """``memtui replay``: the replay's speed (x real time); None in a live view."""
 

@@ -1,0 +1,129 @@
+"""The learning rate's owner: the optimizers and LR schedulers memtui knows, the run's rule for
+a change of the effective batch, and the factor applied since the script's own LR.
+
+A boundary that changes the effective batch (micro-batch x accumulation x ranks) multiplies
+every known optimizer param group's ``lr`` and ``initial_lr`` and every known scheduler's
+``base_lrs`` by the factor rank 0 decided (``scale``); an out-of-memory rollback divides by it
+again. The product of those factors is written with the tuned config (``persisted``), and a
+resumed run multiplies the optimizers and schedulers it is given by it (``resume``), so a
+restart keeps the LR that went with the tuned batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memtui.knobs import lr_rule
+
+LR_SECTION = "lr"
+"""The tuned config's section that keeps the LR factor."""
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    """An optimizer's param groups (an accelerate or HF wrapper's inner optimizer's)."""
+    inner = getattr(optimizer, "optimizer", None)
+    groups = getattr(inner if inner is not None else optimizer, "param_groups", None)
+    return list(groups) if isinstance(groups, list) else []
+
+
+class LearningRate:
+    """The optimizers and schedulers whose LR follows the effective batch, and by how much."""
+
+    def __init__(self, rule: str = "none") -> None:
+        self.rule = lr_rule(rule)
+        """The run's rule for a change that names none (``hooks.install(..., lr_scale=...)``)."""
+        self._optimizers: list[Any] = []
+        self._schedulers: list[Any] = []
+        self.factor = 1.0
+        """The product of the factors applied since the script's own LR (1.0: untouched)."""
+        self._owed = 1.0
+        """The resumed factor, applied to each optimizer and scheduler as it is made known."""
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """Make an optimizer's LR follow the effective batch (once; a resumed factor applies)."""
+        if optimizer is None or any(o is optimizer for o in self._optimizers):
+            return
+        self._optimizers.append(optimizer)
+        if self._owed != 1.0:
+            _scale_groups(optimizer, self._owed)
+
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """Make an LR scheduler's ``base_lrs`` follow the effective batch (and its optimizer's)."""
+        if scheduler is None or any(s is scheduler for s in self._schedulers):
+            return
+        self._schedulers.append(scheduler)
+        self.watch_optimizer(getattr(_inner(scheduler), "optimizer", None))
+        if self._owed != 1.0:  # its optimizer's initial LRs carry the resumed factor now
+            _rebase(scheduler)
+
+    def known(self) -> bool:
+        """Whether an optimizer is known: a change of the effective batch can move its LR."""
+        return bool(self._optimizers)
+
+    def resolve(self, requested: str) -> str:
+        """The rule a change follows: the one it names, else the run's (raise KnobError)."""
+        return lr_rule(requested) if requested else self.rule
+
+    def scale(self, factor: float) -> None:
+        """Multiply every known LR by ``factor`` (param groups, initial LRs, schedulers' bases)."""
+        for optimizer in self._optimizers:
+            _scale_groups(optimizer, factor)
+        for scheduler in self._schedulers:
+            _scale_base(scheduler, factor)
+        self.factor *= factor
+
+    def lrs(self) -> list[float]:
+        """Every known param group's LR now, in order (for logs and tests)."""
+        return [float(g["lr"]) for o in self._optimizers for g in _groups(o) if "lr" in g]
+
+    def persisted(self) -> dict[str, Any]:
+        """The tuned config's LR section (empty while the LR is the script's own)."""
+        if self.factor == 1.0:
+            return {}
+        return {LR_SECTION: {"factor": self.factor}}
+
+    def resume(self, section: Any) -> float:
+        """Start from a tuned config's LR section: the optimizers and schedulers made known from
+        now on are multiplied by its factor; return it (1.0: none)."""
+        raw = section.get("factor") if isinstance(section, dict) else None
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1e6:
+            return 1.0
+        self._owed = self.factor = float(raw)
+        for optimizer in self._optimizers:
+            _scale_groups(optimizer, self._owed)
+        for scheduler in self._schedulers:
+            _rebase(scheduler)
+        return self.factor
+
+
+def _scale_groups(optimizer: Any, factor: float) -> None:
+    """Multiply each param group's ``lr`` and ``initial_lr`` (a scheduler's start) by ``factor``."""
+    for group in _groups(optimizer):
+        for key in ("lr", "initial_lr"):
+            if isinstance(group.get(key), (int, float)):
+                group[key] = group[key] * factor
+
+
+def _inner(scheduler: Any) -> Any:
+    """The torch scheduler inside an accelerate wrapper (or the scheduler itself)."""
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if inner is not None else scheduler
+
+
+def _scale_base(scheduler: Any, factor: float) -> None:
+    """Multiply a scheduler's ``base_lrs`` by ``factor`` (what it computes each step from)."""
+    target = _inner(scheduler)
+    base = getattr(target, "base_lrs", None)
+    if isinstance(base, list):
+        target.base_lrs = [b * factor for b in base]
+
+
+def _rebase(scheduler: Any) -> None:
+    """Set a scheduler's ``base_lrs`` from its optimizer's ``initial_lr``s, as torch does when
+    it builds one (whether it was built before or after the optimizer was scaled)."""
+    target = _inner(scheduler)
+    base = getattr(target, "base_lrs", None)
+    starts = [g.get("initial_lr") for g in _groups(getattr(target, "optimizer", None))]
+    if isinstance(base, list) and len(starts) == len(base) and None not in starts:
+        target.base_lrs = list(starts)
+
