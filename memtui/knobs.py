@@ -358,7 +358,9 @@ def format_lr(factor: float, rule: str) -> str:
     return f"lr x{round(factor, 4)} ({rule})"
 
 
-def lr_words(old: Knobs, new: Knobs, rule: str, *, optimizer_known: bool, world_size: int = 1) -> str:
+def lr_words(
+    old: Knobs, new: Knobs, rule: str, *, optimizer_known: bool, world_size: int = 1
+) -> str:
     """What a change from ``old`` to ``new`` does to the LR under ``rule``, in words: ``lr x2.0
     (linear)``, a warning that it does not follow the effective batch, or "" if that stays."""
     before, after = samples_per_rank_step(old), samples_per_rank_step(new)

@@ -19,10 +19,15 @@ LR_SECTION = "lr"
 """The tuned config's section that keeps the LR factor."""
 
 
-def _groups(optimizer: Any) -> list[dict[str, Any]]:
-    """An optimizer's param groups (an accelerate or HF wrapper's inner optimizer's)."""
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside an accelerate or HF wrapper (or the optimizer itself)."""
     inner = getattr(optimizer, "optimizer", None)
-    groups = getattr(inner if inner is not None else optimizer, "param_groups", None)
+    return inner if hasattr(inner, "param_groups") else optimizer
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    """An optimizer's param groups."""
+    groups = getattr(_unwrapped(optimizer), "param_groups", None)
     return list(groups) if isinstance(groups, list) else []
 
 
@@ -41,6 +46,7 @@ class LearningRate:
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """Make an optimizer's LR follow the effective batch (once; a resumed factor applies)."""
+        optimizer = _unwrapped(optimizer)
         if optimizer is None or any(o is optimizer for o in self._optimizers):
             return
         self._optimizers.append(optimizer)
@@ -66,11 +72,25 @@ class LearningRate:
 
     def scale(self, factor: float) -> None:
         """Multiply every known LR by ``factor`` (param groups, initial LRs, schedulers' bases)."""
+        self._multiply(factor)
+        self.factor *= factor
+
+    def _multiply(self, factor: float) -> None:
         for optimizer in self._optimizers:
             _scale_groups(optimizer, factor)
         for scheduler in self._schedulers:
             _scale_base(scheduler, factor)
-        self.factor *= factor
+
+    def replace(self, optimizer: Any, scheduler: Any, unsaved: float) -> None:
+        """Follow an optimizer and scheduler loaded from a checkpoint instead of the ones known
+        (a Trainer resuming in-process): ``unsaved`` is the factor applied since that checkpoint
+        was saved, which its state lacks."""
+        self._optimizers, self._schedulers = [], []
+        self._owed = 1.0  # the checkpoint's state carries the resumed factor already
+        self.watch_optimizer(optimizer)
+        self.watch_scheduler(scheduler)
+        if unsaved != 1.0:
+            self._multiply(unsaved)
 
     def lrs(self) -> list[float]:
         """Every known param group's LR now, in order (for logs and tests)."""
@@ -126,4 +146,3 @@ def _rebase(scheduler: Any) -> None:
     starts = [g.get("initial_lr") for g in _groups(getattr(target, "optimizer", None))]
     if isinstance(base, list) and len(starts) == len(base) and None not in starts:
         target.base_lrs = list(starts)
-

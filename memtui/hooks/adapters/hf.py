@@ -145,6 +145,9 @@ class HFAdapter:
         """(checkpoint directory, epoch, consumed): set by a boundary that changed something."""
         self.sampler: EpochOrderSampler | None = None
         self.restarts = 0
+        self.lr_unsaved = 1.0
+        """The LR factor applied at the boundary the loop resumes from: the checkpoint saved
+        there lacks it, so the optimizer and scheduler loaded from it get it again."""
         """In-process resumes done to apply changes."""
         self.refusal = ""
         """Why the boundary now running refuses the pending changes (rank 0); empty: it may apply."""
@@ -310,6 +313,13 @@ class HFAdapter:
         state.train_batch_size = self.trainer._train_batch_size  # noqa: SLF001
         optimizer = getattr(self.trainer, "optimizer", None)
         tuner.optimizer = getattr(optimizer, "optimizer", optimizer)
+        scheduler = getattr(self.trainer, "lr_scheduler", None)
+        if self.restarts:  # loaded from the checkpoint saved before the change's LR factor
+            tuner.lr.replace(tuner.optimizer, scheduler, self.lr_unsaved)
+        else:
+            tuner.lr.watch_optimizer(tuner.optimizer)
+            tuner.watch_scheduler(scheduler)
+        self.lr_unsaved = 1.0
         tuner.model = self.trainer.model
         if self.resume_at is not None:
             self.epoch = self.resume_at[0] - 1
@@ -340,6 +350,7 @@ class HFAdapter:
                 log.info("memtui: %s; the run is at its last step: kept for a resume", applied)
                 return
             self.restart = (checkpoint, self.epoch, self.consumed)
+            self.lr_unsaved *= applied.lr_factor or 1.0
             control.should_training_stop = True
             self._suspend_end_of_train()
             log.info("memtui: resuming from %s with the new settings", checkpoint)

@@ -203,6 +203,10 @@ class LightningAdapter:
         self.tuner.model = module
         optimizers = getattr(trainer, "optimizers", None) or []
         self.tuner.optimizer = optimizers[0] if optimizers else None
+        for optimizer in optimizers:  # their LR follows a change of the effective batch
+            self.tuner.lr.watch_optimizer(optimizer)
+        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+            self.tuner.watch_scheduler(getattr(config, "scheduler", None))
         if self.planned is None:
             try:
                 self.planned = float(trainer.estimated_stepping_batches)
