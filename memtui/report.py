@@ -113,6 +113,10 @@ class Applied(Struct):
     """How that speed was predicted, or why not."""
     speed_error: float | None = None
     """Predicted minus measured change of samples/s (None until both are known)."""
+    lr_factor: float | None = None
+    """What the LR was multiplied by with the change (None: it stayed)."""
+    lr_note: str = ""
+    """The LR change in words, or the warning that it did not follow the effective batch."""
 
 
 class VerdictReport(Struct):
@@ -281,6 +285,8 @@ def _applied(applied: AppliedChange) -> Applied:
         predicted_speed_delta=applied.predicted_speed_delta,
         speed_note=applied.speed_note,
         speed_error=speed_error(applied),
+        lr_factor=applied.lr_factor,
+        lr_note=applied.lr_note,
     )
 
 
@@ -536,6 +542,8 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             line += f"; predicted speed {applied.predicted_speed_delta:+.0%} samples/s"
             if applied.speed_error is not None:
                 line += f" (off by {applied.speed_error * 100:+.0f} points)"
+        if applied.lr_note:
+            line += f"; {applied.lr_note}"
         lines.append(line)
     scored = report.prediction_accuracy
     if scored.mean_abs_error is not None or scored.changes_out_of_memory:

@@ -68,6 +68,7 @@ def test_prefetch_factor_and_the_lr_rule_on_a_live_run_and_across_a_restart(
     doubled = memtui_cli("set", "batch_size=16", "--allow-effective-batch", "--lr-scale", "linear")
     assert doubled.returncode == 0 and "lr x2.0 (linear)" in doubled.stderr, doubled.stderr
     first = applied_count(run, 1)[0]
+    assert (first["lr_factor"], first["lr_note"]) == (2.0, "lr x2.0 (linear)")
     assert lrs(saved_after(demo.out, max(first["step"], 9))) == DOUBLED
 
     unscaled = memtui_cli("set", "grad_accum=2", "num_workers=1", "prefetch_factor=4")
