@@ -369,12 +369,8 @@ def lr_words(
     factor = lr_factor(old, new, rule)
     if factor is not None and optimizer_known:
         return format_lr(factor, rule)
-    why = (
-        "memtui knows no optimizer (pass it to hooks.install or tuner.watch_optimizer)"
-        if factor is not None
-        else "lr rule none"
-    )
+    why = "no optimizer known to memtui" if factor is not None else "rule none"
     return (
-        f"warning: the effective batch changes {before * world_size} -> {after * world_size} "
-        f"and the LR does not follow ({why})"
+        f"warning: effective batch {before * world_size} -> {after * world_size}, the LR does "
+        f"not follow ({why})"
     )

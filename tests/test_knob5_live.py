@@ -73,7 +73,7 @@ def test_prefetch_factor_and_the_lr_rule_on_a_live_run_and_across_a_restart(
 
     unscaled = memtui_cli("set", "grad_accum=2", "num_workers=1", "prefetch_factor=4")
     assert unscaled.returncode == 0, unscaled.stderr
-    assert "effective batch changes 16 -> 32 and the LR does not follow" in unscaled.stderr
+    assert "effective batch 16 -> 32, the LR does not follow (rule none)" in unscaled.stderr
     second = applied_count(run, 2)[1]
     assert status_json(run)["config"] == {
         "batch_size": 16,

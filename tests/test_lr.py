@@ -74,7 +74,7 @@ def test_linear_doubles_every_lr_the_scheduler_computes_from_and_the_audit_says_
 def test_rule_none_and_an_unknown_optimizer_leave_the_lr_and_warn(tmp_path: Path) -> None:
     tuner, optimizer, _ = training(tmp_path)  # the run's rule: none
     note = change(tuner, grad_accum=2)
-    assert "the effective batch changes 8 -> 16 and the LR does not follow (lr rule none)" in note
+    assert "effective batch 8 -> 16, the LR does not follow (rule none)" in note
     applied = tuner.checkpoint()
     assert applied is not None and applied.lr_factor is None
     assert "LR does not follow" in applied.lr_note
@@ -85,7 +85,7 @@ def test_rule_none_and_an_unknown_optimizer_leave_the_lr_and_warn(tmp_path: Path
         SimpleNamespace(batch_size=8), options=Options(publish=False), lr_scale="linear"
     ).start()
     reply = blind.control.queue(SetRequest(changes={"batch_size": 4}))
-    assert "memtui knows no optimizer" in reply.note
+    assert "no optimizer known to memtui" in reply.note
     blind.close()
 
 
