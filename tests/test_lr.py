@@ -56,6 +56,7 @@ def test_linear_doubles_every_lr_the_scheduler_computes_from_and_the_audit_says_
     assert "lr x2.0 (linear)" in str(applied)
     group = optimizer.param_groups[0]
     assert group["lr"] == group["initial_lr"] == scheduler.base_lrs[0] == pytest.approx(0.2)
+    assert scheduler.get_last_lr() == [pytest.approx(0.2)], "what a Trainer logs"
     optimizer.step()
     scheduler.step()  # the schedule computes from the new base
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
@@ -138,7 +139,7 @@ def test_a_restart_keeps_the_scaled_lr_from_the_tuned_yaml(
     restarted.watch_scheduler(scheduler)
     assert config.batch_size == 24
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3)
-    assert scheduler.base_lrs == [pytest.approx(0.3)]
+    assert scheduler.base_lrs == scheduler.get_last_lr() == [pytest.approx(0.3)]
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3)

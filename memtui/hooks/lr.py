@@ -131,11 +131,21 @@ def _inner(scheduler: Any) -> Any:
 
 
 def _scale_base(scheduler: Any, factor: float) -> None:
-    """Multiply a scheduler's ``base_lrs`` by ``factor`` (what it computes each step from)."""
+    """Multiply a scheduler's ``base_lrs`` (what it computes each step from) and the last LRs it
+    reports (``get_last_lr``, which a Trainer logs) by ``factor``."""
     target = _inner(scheduler)
     base = getattr(target, "base_lrs", None)
     if isinstance(base, list):
         target.base_lrs = [b * factor for b in base]
+    _set_last(target, [lr * factor for lr in getattr(target, "_last_lr", None) or []])
+
+
+def _set_last(scheduler: Any, lrs: list[float]) -> None:
+    """Make a torch scheduler's ``get_last_lr()`` say ``lrs`` (when it has as many)."""
+    last = getattr(scheduler, "_last_lr", None)
+    if isinstance(last, list) and lrs and len(lrs) == len(last):
+        # torch keeps the reported LRs here; no public setter
+        scheduler._last_lr = lrs  # noqa: SLF001
 
 
 def _rebase(scheduler: Any) -> None:
@@ -146,3 +156,4 @@ def _rebase(scheduler: Any) -> None:
     starts = [g.get("initial_lr") for g in _groups(getattr(target, "optimizer", None))]
     if isinstance(base, list) and len(starts) == len(base) and None not in starts:
         target.base_lrs = list(starts)
+    _set_last(target, [g["lr"] for g in _groups(getattr(target, "optimizer", None))])
