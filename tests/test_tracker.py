@@ -1,17 +1,21 @@
 """The user's tracker in a plain loop: the README's ``tuner.on_event`` example, run inside a real
-CPU training that takes a change from ``memtui set``, runs out of memory with it and rolls it
-back, writes each event into a TensorBoard event file at the step it landed (read back with
-the tensorboard package's reader); a callback that raises is counted in ``memtui status``'s
-errors and training goes on.
+CPU training that takes a change from ``memtui set`` and runs out of memory with it, writes each
+event into a TensorBoard event file at the step it landed (read back with the tensorboard
+package's reader): the change, the post-mortem and the rollback while training goes on, or the
+change and the post-mortem of a run that dies of it (no rollback); a callback that raises is
+counted in ``memtui status``'s errors and training goes on.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from tests.conftest import launch_script, memtui_here, status_json, wait_for
+from tests.forkserver import ForkedDemo
 from tests.tbevents import read_events
 from tests.test_readme import readme_example
 
@@ -81,20 +85,56 @@ print("done", tuner.step_count, flush=True)
 """
 
 
-def test_events_reach_tensorboard_and_a_raising_callback_is_an_error(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SETUP + readme_example("tracker") + LOOP)
-    out, log = tmp_path / "out", tmp_path / "train.log"
-    proc = launch_script(script, [str(out)], dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
-    try:
-        run = str(wait_for(lambda: run_id(log, proc), 60, 0.1, "the run id"))
-        result = memtui_here("set", run, "batch_size=16")
+REBUILT = "(the data loader is rebuilt at the next batch)"
+AT_16 = "batch_size=16 grad_accum=1 num_workers=0 pin_memory=false"
+"""The config the script runs out of memory at."""
+
+
+@dataclass
+class Training:
+    """The script above in a subprocess, its run id, and a change to 16 queued by ``memtui set``."""
+
+    proc: subprocess.Popen[str] | ForkedDemo
+    log: Path
+    run: str
+
+    @classmethod
+    def grown(cls, tmp_path: Path, env: dict[str, str] | None = None) -> Training:
+        """Start the training and queue batch_size 8 -> 16 (which runs out of memory)."""
+        script = tmp_path / "train.py"
+        script.write_text(SETUP + readme_example("tracker") + LOOP)
+        log = tmp_path / "train.log"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        proc = launch_script(script, [str(tmp_path / "out")], full_env, tmp_path, log)
+        training = cls(proc, log, "")
+        training.run = str(wait_for(training.run_id, 60, 0.1, "the run id"))
+        result = memtui_here("set", training.run, "batch_size=16")
         assert result.exit_code == 0, result.output
+        return training
+
+    def run_id(self) -> str | None:
+        """The ``run <id>`` line the script prints (the test fails if it exits first)."""
+        for line in self.log.read_text().splitlines():
+            if line.startswith("run "):
+                return line.split()[1]
+        assert self.proc.poll() is None, self.log.read_text()
+        return None
+
+    def stop(self) -> None:
+        """Kill the training if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def test_events_reach_tensorboard_and_a_raising_callback_is_an_error(tmp_path: Path) -> None:
+    training = Training.grown(tmp_path)
+    proc, log = training.proc, training.log
+    try:
         wait_for(lambda: "rolled back" in log.read_text(), 60, 0.1, "the rollback")
 
         def errors_counted() -> dict[str, Any] | None:
             assert proc.poll() is None, log.read_text()
-            status = status_json(run)
+            status = status_json(training.run)
             counted = status["counters"]["errors"] >= 3 and status["applied"]
             return status if counted and status["step"] > status["applied"][-1]["step"] else None
 
@@ -107,21 +147,19 @@ def test_events_reach_tensorboard_and_a_raising_callback_is_an_error(tmp_path: P
         counters = status["counters"]
         assert counters["errors"] == 3, counters  # the change, the OOM and the rollback
         assert counters["last_error"].startswith("on_event callback broken: RuntimeError"), counters
-        (out / "stop").touch()
+        (tmp_path / "out" / "stop").touch()
         assert proc.wait(60) == 0, log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        training.stop()
     step = int(status["applied"][0]["step"])
     assert step % 5 == 0 and [a["step"] for a in status["applied"]] == [step, step], status
     logged = read_events(tmp_path / "runs")
     assert logged.texts["memtui"] == [
-        (step, f"batch_size 8 -> 16 at step {step} (the data loader is rebuilt at the next batch)"),
+        (step, f"batch_size 8 -> 16 at step {step} {REBUILT}"),
         (
             step,
-            f"out of memory at step {step} with batch_size=16 grad_accum=1 num_workers=0 "
-            "pin_memory=false: rolled back; re-queued: the step's 1 micro-batch(es), 16 samples, "
-            "are trained on again after the rollback",
+            f"out of memory at step {step} with {AT_16}: rolled back; re-queued: the step's 1 "
+            "micro-batch(es), 16 samples, are trained on again after the rollback",
         ),
         (
             step,
@@ -131,10 +169,19 @@ def test_events_reach_tensorboard_and_a_raising_callback_is_an_error(tmp_path: P
     assert logged.scalars == {"memtui/batch_size": [(step, 16.0), (step, 8.0)]}
 
 
-def run_id(log: Path, proc: Any) -> str | None:
-    """The ``run <id>`` line the script prints (the test fails if it exits first)."""
-    for line in log.read_text().splitlines():
-        if line.startswith("run "):
-            return line.split()[1]
-    assert proc.poll() is None, log.read_text()
-    return None
+def test_a_post_mortem_without_rollback_reaches_tensorboard_before_the_run_dies(
+    tmp_path: Path,
+) -> None:
+    training = Training.grown(tmp_path, {"MEMTUI_ROLLBACK_STEPS": "0"})
+    try:
+        assert training.proc.wait(60) == 1, training.log.read_text()
+    finally:
+        training.stop()
+    assert "MemoryError: CPU out of memory" in training.log.read_text()
+    logged = read_events(tmp_path / "runs")
+    ((step, applied), (oom_step, oom)) = logged.texts["memtui"]
+    assert applied == f"batch_size 8 -> 16 at step {step} {REBUILT}"
+    assert oom_step == step and oom.startswith(
+        f"out of memory at step {step} with {AT_16}: no rollback; lost with the run"
+    ), oom
+    assert logged.scalars == {"memtui/batch_size": [(step, 16.0)]}
