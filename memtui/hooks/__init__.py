@@ -14,15 +14,19 @@ from typing import Any
 from memtui.hooks.adapters import UnsupportedTrainer, framework_of
 from memtui.hooks.binding import BindingError
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.tracker import TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Applied, Options, Tuner
 
 __all__ = [
     "Applied",
     "BindingError",
     "Options",
+    "TrackerEvent",
     "TunedLoader",
     "Tuner",
     "UnsupportedTrainer",
+    "event_text",
+    "event_values",
     "install",
 ]
 

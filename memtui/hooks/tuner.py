@@ -9,6 +9,7 @@ Each piece of state has one owner, reached through its public methods:
 * ``boundary`` (``Boundary``): the checkpoint boundary that applies changes;
 * ``tuned`` (``TunedConfig``): the tuned config on disk; ``device`` (``DeviceTracker``);
 * ``oom`` (``OomHandler``): post-mortems and rollbacks; ``errors`` (``ErrorLog``);
+* ``tracker`` (``Tracker``): the user's event callbacks (``on_event``);
 * the sampler and agent threads (``Sampler``, ``Agent``), started by ``start``.
 
 The constructor builds the parts and touches nothing outside the process; ``start()`` joins the
@@ -57,6 +58,7 @@ from memtui.hooks.persist import (
 )
 from memtui.hooks.placement import Placement
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
+from memtui.hooks.tracker import EventCallback, Tracker
 from memtui.knobs import format_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import parse_bytes
@@ -166,6 +168,7 @@ class Tuner:
             warn_every_s=self.options.boundary_warn_s,
         )
         self.device = DeviceTracker(self.report)
+        self.tracker = Tracker(self.report)
         self._state_dir_given = Path(state_dir) if state_dir else None
         self._tuned_path_given = Path(tuned_path) if tuned_path else None
         self._resume_from = resume
@@ -206,6 +209,7 @@ class Tuner:
             zero_grad=self._zero_grad,
             report=self.report,
             reset_peaks=self.device.reset_peaks,
+            notify=self.tracker.emit,
         )
         self.resumed: dict[str, KnobDiff] = {}
         """What ``resume`` changed in the script's config."""
@@ -642,6 +646,7 @@ class Tuner:
             applied = self.boundary.run(step)
             if applied is not None:  # the peak so far was the old config's
                 self.device.reset_peaks()
+                self.tracker.emit(applied, step)
             if self.rank == 0 and applied is None:  # an applied change has just saved it all
                 self.tuned.save_again(step)
             taken = self.control.taken_time if self.rank == 0 else time.time()
@@ -650,6 +655,11 @@ class Tuner:
             self.report(exc, "checkpoint")
             ledger.restart_clock()
         return applied
+
+    def on_event(self, callback: EventCallback) -> EventCallback:
+        """Call ``callback(event, step)`` on the training thread for every applied change,
+        rollback (``AppliedChange``) and out-of-memory post-mortem (``OomEvent``); returns it."""
+        return self.tracker.add(callback)
 
     def guard(self) -> Guard:
         """A context manager for the allocating part of a step: OOM post-mortem and rollback."""

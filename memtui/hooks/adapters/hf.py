@@ -39,6 +39,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Options, Tuner
 
 log = logging.getLogger("memtui")
@@ -166,6 +167,12 @@ class HFAdapter:
         self.callback = MemtuiCallback(self)
         trainer.add_callback(self.callback)
         self._wrap()
+        self.tuner.on_event(self.log_event)
+
+    def log_event(self, event: TrackerEvent, step: int) -> None:
+        """Log a memtui event with ``trainer.log`` (every ``report_to`` gets it at the Trainer's
+        global step, the save it landed at): each knob's new value and the line as text."""
+        self.trainer.log({**event_values(event), TAG: event_text(event)})
 
     def _refuse_when_told(self) -> None:
         """Make the boundary's taking of the pending changes refuse them while ``refusal`` says so.
