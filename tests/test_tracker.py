@@ -86,7 +86,7 @@ print("done", tuner.step_count, flush=True)
 
 
 REBUILT = "(the data loader is rebuilt at the next batch)"
-AT_16 = "batch_size=16 grad_accum=1 num_workers=0 pin_memory=false"
+AT_16 = "batch_size=16 grad_accum=1 num_workers=0 pin_memory=false prefetch_factor=2"
 """The config the script runs out of memory at."""
 
 
