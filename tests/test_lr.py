@@ -103,16 +103,21 @@ def test_the_runs_rule_applies_and_keeping_the_effective_batch_moves_nothing(
     tuner.close()
 
 
-def test_a_rollback_reverts_the_lr_too(tmp_path: Path) -> None:
+def test_an_out_of_memory_rollback_reverts_the_lr_too(tmp_path: Path) -> None:
     tuner, optimizer, scheduler = training(tmp_path)
     change(tuner, "linear", batch_size=32)
-    applied = tuner.checkpoint()
-    assert applied is not None and optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
-    rollback = tuner.boundary.revert(applied, tuner.step_count, "rollback after out of memory")
-    assert not isinstance(rollback, str) and rollback.lr_note == "lr x0.25 (rollback)"
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(BASE_LR)
-    assert scheduler.base_lrs[0] == pytest.approx(BASE_LR)
-    assert tuner.lr.persisted() == {}, "the factor is back to 1: nothing to keep"
+    assert tuner.checkpoint() is not None
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
+    tuner.step()
+    guard = tuner.guard()
+    with guard:  # the bigger batch runs out of memory: memtui rolls it back
+        raise MemoryError("out of memory")
+    assert guard.rolled_back and tuner.knobs().batch_size == 8
+    rollback = tuner.control.applied_changes()[-1]
+    assert rollback.rollback and rollback.lr_note == "lr x0.25 (rollback)"
+    assert optimizer.param_groups[0]["lr"] == scheduler.base_lrs[0] == pytest.approx(BASE_LR)
+    tuned = yaml.safe_load((tmp_path / TUNED_FILE).read_text())
+    assert "lr" not in tuned, "the factor is back to 1: the tuned YAML keeps none"
     tuner.close()
 
 
