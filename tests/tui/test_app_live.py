@@ -84,6 +84,13 @@ def test_queue_a_change_with_keys_and_see_it_land(start_demo: Callable[..., Demo
         assert applied.step % CHECKPOINT_EVERY == 0
         assert queued <= applied.step <= queued + CHECKPOINT_EVERY, "the next checkpoint"
 
+        await pilot.press("P")  # the fifth knob, now that the loader has workers
+        assert isinstance(app.screen, EditKnobScreen)
+        await pilot.press("3", "enter")
+        await until(pilot, lambda: state.knob_value("prefetch_factor") == 3, 60, "prefetch 3")
+        landed = state.control.applied[-1]  # type: ignore[union-attr]
+        assert {k: (d.old, d.new) for k, d in landed.changes.items()} == {"prefetch_factor": (2, 3)}
+
     run(app, check, (120, 40))
 
 
