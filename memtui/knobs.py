@@ -52,6 +52,8 @@ CLI_ALIASES: dict[str, str] = {
 MAX_BATCH_SIZE = 1 << 20
 MAX_GRAD_ACCUM = 1 << 16
 MAX_PREFETCH_FACTOR = 1 << 10
+DEFAULT_PREFETCH_FACTOR = 2
+"""torch's own ``prefetch_factor`` with workers (and the value a loader without workers has)."""
 PREFETCH_NEEDS_WORKERS = (
     "prefetch_factor is only used with num_workers > 0 (torch refuses it without workers): "
     "set num_workers too"

@@ -33,12 +33,10 @@ from typing import Any
 
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
+from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")
-
-DEFAULT_PREFETCH_FACTOR = 2
-"""torch's own ``prefetch_factor`` with workers: the value a loader built without workers has."""
 
 
 class _EpochStream:
