@@ -178,7 +178,7 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
 )
 @click.option(
     "--lr-scale",
-    type=click.Choice(["linear", "sqrt", "none"]),
+    type=click.Choice(["linear", "sqrt", "none"]),  # knobs.LR_RULES: not imported at start-up
     help="How the LR follows the effective batch (default: the run's install(lr_scale=...)).",
 )
 @click.option("--dry-run", is_flag=True, help="Validate and resolve only; queue nothing.")

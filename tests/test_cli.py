@@ -6,6 +6,7 @@ import click
 from click.testing import CliRunner
 
 from memtui.cli import main
+from memtui.knobs import LR_RULES
 
 
 def test_every_option_of_every_command_has_help() -> None:
@@ -31,6 +32,8 @@ def test_set_refuses_an_lr_rule_without_allowing_the_effective_batch_to_change()
         main, ["set", "batch_size=16", "--keep-effective-batch", "--allow-effective-batch"]
     )
     assert both.exit_code == 2 and "contradict" in both.output
+    choices = next(p for p in main.commands["set"].params if p.name == "lr_scale").type
+    assert tuple(choices.choices) == LR_RULES  # type: ignore[attr-defined]
     rule = runner.invoke(
         main, ["set", "batch_size=16", "--allow-effective-batch", "--lr-scale", "cube"]
     )

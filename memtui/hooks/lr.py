@@ -76,6 +76,7 @@ class LearningRate:
         self.factor *= factor
 
     def _multiply(self, factor: float) -> None:
+        """Multiply every known LR by ``factor`` without counting it (it was counted before)."""
         for optimizer in self._optimizers:
             _scale_groups(optimizer, factor)
         for scheduler in self._schedulers:
@@ -91,10 +92,6 @@ class LearningRate:
         self.watch_scheduler(scheduler)
         if unsaved != 1.0:
             self._multiply(unsaved)
-
-    def lrs(self) -> list[float]:
-        """Every known param group's LR now, in order (for logs and tests)."""
-        return [float(g["lr"]) for o in self._optimizers for g in _groups(o) if "lr" in g]
 
     def persisted(self) -> dict[str, Any]:
         """The tuned config's LR section (empty while the LR is the script's own)."""
