@@ -69,7 +69,8 @@ class MemtuiApp(App[int]):
         Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP, priority=True),
         Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP, priority=True),
         Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP, priority=True),
-        Binding("P", "edit('prefetch_factor')", "prefetch", group=EDIT_GROUP, priority=True),
+        # left out of the footer (a 60-column pane has no room): the help and the config panel name it
+        Binding("P", "edit('prefetch_factor')", "prefetch", show=False, priority=True),
         Binding("k", "toggle_keep", "keep", priority=True),
         Binding("l", "cycle_lr_scale", "lr rule", show=False, priority=True),
         Binding("c", "cancel_change", "cancel", priority=True),
