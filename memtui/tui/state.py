@@ -196,6 +196,8 @@ class RankSeries:
     control: ControlState | None = None
     """The rank's own config and applied changes, as it last reported them (None: not yet)."""
     control_seq: int = 0
+    counters: HookCounters | None = None
+    """What the rank's hook counts about itself, as it last reported it (None: not yet)."""
     reported: bool = False
     """The rank has sent something (it may be listed by the run before it does)."""
     reported_step: int = 0
@@ -633,6 +635,7 @@ class RunState:
         series.add_device(snapshot.device)
         series.last_seq = max(series.last_seq, snapshot.seq)
         series.take_control(snapshot.control, snapshot.control_seq)
+        series.counters = snapshot.counters or series.counters
         if snapshot.host:
             series.host = snapshot.host[-1]
         self._add_host(snapshot.host)
@@ -647,6 +650,7 @@ class RunState:
         series.last_seq = max(series.last_seq, snapshot.seq)
         if series.take_control(snapshot.control, snapshot.control_seq):
             self.control_version += 1
+        series.counters = snapshot.counters or series.counters
         if snapshot.host:
             series.host = snapshot.host[-1]
         self.step = max(self.step, snapshot.step)
@@ -700,6 +704,7 @@ class RunState:
                 self.control = batch.control
                 self.control_seq = batch.control_seq
                 self.control_version += 1
+        series.counters = batch.counters or series.counters
         if batch.counters is not None and batch.counters != self.counters:
             self.counters = batch.counters
             self.connection_version += 1
