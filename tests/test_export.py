@@ -286,6 +286,12 @@ def test_listen_addresses() -> None:
     assert result.exit_code == 2 and "HOST:PORT" in result.stderr
     shown = CliRunner().invoke(main, ["export", "--help"]).output
     assert "127.0.0.1:9464" in shown
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = CliRunner().invoke(main, ["export", "--listen", f"127.0.0.1:{port}"])
+    assert busy.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
 
 
 def test_the_dashboard_queries_only_metrics_the_exporter_serves() -> None:
