@@ -82,7 +82,7 @@ class RunWatch:
 
     def __init__(self, run: str, thresholds: ThresholdConfig, context: zmq.Context) -> None:
         self.run = run
-        self.state = RunState(thresholds=thresholds)
+        self.state = RunState(thresholds=thresholds, chart_seconds=1)  # it draws no chart
         self._lock = threading.Lock()
         self._inbox = Inbox()
         self._applied_seen: dict[int, set[tuple[int, tuple[int, ...], bool]]] = {}

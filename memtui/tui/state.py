@@ -524,6 +524,8 @@ class RunState:
     hold_summary: bool = False
     """Keep the summary already made even if the data changed, until ``refresh_summary`` (the
     app makes it anew at the charts' rate: with many ranks it is the costliest thing it draws)."""
+    chart_seconds: int = MAX_BUCKETS
+    """One-second chart buckets kept per rank (``memtui export`` draws no chart: it keeps one)."""
     _summary: Summary | None = field(default=None, repr=False)
     _summary_version: tuple[int, int, int] = field(default=(-1, 0, 0), repr=False)
 
@@ -598,7 +600,11 @@ class RunState:
         """The series of ``rank`` (created on first use)."""
         series = self.series.get(rank)
         if series is None:
-            series = self.series[rank] = RankSeries(rank)
+            series = self.series[rank] = RankSeries(
+                rank,
+                step_buckets=BucketSeries(StepBucket, self.chart_seconds),
+                memory_buckets=BucketSeries(MemoryBucket, self.chart_seconds),
+            )
         return series
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
