@@ -35,7 +35,7 @@ finds the run in the registry as it finds any, and the benchmark scrapes ``/metr
 ``--scrape-every`` seconds (15 by default, Prometheus's usual interval) over the window, for
 ``--rounds`` rounds; one JSON line per round, then the median with its min and max::
 
-    {"exporter_cpu_pct_of_core_median": 3.25, "min": 3.12, "max": 3.47, "rounds": 5, ...}
+    {"exporter_cpu_pct_of_core_median": 3.72, "min": 3.68, "max": 3.85, "rounds": 5, ...}
 """
 
 from __future__ import annotations

@@ -142,7 +142,11 @@ def check_rank_against_status(
 
 def check_run_against_status(samples: Samples, run: str, status: dict[str, Any]) -> None:
     """The run's verdict and pending changes against ``memtui status --json``."""
-    states = {dict(ls)["memtui_verdict"]: v for (n, ls), v in samples.items() if n == "memtui_verdict" and dict(ls)["run"] == run}  # fmt: skip
+    states = {
+        labels["memtui_verdict"]: on
+        for (name, pairs), on in samples.items()
+        if name == "memtui_verdict" and (labels := dict(pairs))["run"] == run
+    }
     assert [s for s, on in states.items() if on] == [status["verdict"]["state"]], states
     assert set(states) >= {"STARVED", "OOM_RISK", "BALANCED", "NO_DATA"}
     assert value(samples, "memtui_pending_changes", run=run) == len(status["pending"])
