@@ -1,4 +1,4 @@
-"""The ``memtui`` command: ls, status, set, cancel, demo, attach.
+"""The ``memtui`` command: ls, status, set, cancel, demo, attach, export.
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
@@ -751,6 +751,38 @@ def estimate_command(**kwargs: Any) -> None:
         click.echo(json.dumps(as_dict(result), indent=2))
     else:
         click.echo(format_table(result))
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@main.command("export")
+@click.option(
+    "--listen",
+    default="127.0.0.1:9464",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Where to serve /metrics; :PORT listens on every interface (see the README).",
+)
+@click.option("--dashboard", is_flag=True, help="Print the Grafana dashboard (JSON) and exit.")
+def export_command(listen: str, dashboard: bool) -> None:
+    """Serve every live run on this node as Prometheus metrics (OpenMetrics at /metrics)."""
+    from memtui.export.serve import ListenError, parse_listen, serve
+    from memtui.export.serve import dashboard as dashboard_json
+
+    if dashboard:
+        click.echo(dashboard_json(), nl=False)
+        return
+    try:
+        host, port = parse_listen(listen)
+    except ListenError as exc:
+        _fail(str(exc), 2)
+        return
+
+    def say(line: str) -> None:
+        click.echo(f"memtui export: {line}", err=True)
+
+    sys.exit(serve(host, port, _threshold_config(), say))
 
 
 # ---------------------------------------------------------------------------- attach

@@ -32,6 +32,7 @@ from tests.conftest import (
     status_json,
     wait_for,
 )
+from tests.test_export import agrees, exporter, rank_labels, scraped_with
 
 EVERY = 4
 CHANGES = [
@@ -158,6 +159,18 @@ def test_two_ranks_one_view_one_decision(
     assert factors == [None, 3.0, 36 / 48, 8 / 36, 2.0, 2.0]
     human = memtui_cli("status").stdout
     assert "rank  host" in human and "   1  " in human
+
+
+def test_the_exporter_serves_every_rank_as_status_sees_it(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memtui export`` on the module's job: both ranks, their numbers, the changes applied."""
+    demo = two_ranks.adopt(monkeypatch)
+    with exporter() as url:
+        wait_for(scraped_with(url, demo.run_id, ranks=2), 60, 0.3, "both ranks' metrics")
+        samples = agrees(url, demo.run_id, ranks=2)
+        hosts = {rank_labels(samples, demo.run_id, r)["host"] for r in (0, 1)}
+        assert hosts == {status_json(demo.run_id)["host"]}
 
 
 @pytest.mark.slow
