@@ -146,7 +146,7 @@ def test_cancellations_from_another_shell_show_in_the_change_log_newest_first(
         assert "#1 num_workers=2" in entries[3] and "by cli:" in entries[3]
         assert other.run_id not in screen_text(app)
 
-    run(app, check, WIDE)
+    run(app, check, (WIDE[0], WIDE[1] + 8))  # the log's four entries below five knobs' rows
 
 
 def test_a_plain_attach_among_two_live_runs_says_which_it_took(
