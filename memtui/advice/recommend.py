@@ -194,7 +194,7 @@ def _per_worker_bytes(inputs: Inputs) -> int | None:
     return per_worker_bytes(inputs.host) or None
 
 
-def _workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
+def workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
     """``wanted`` workers within the CPUs the run may use, under a worker count that ran out of
     memory, and within the host RAM free for their measured memory; with why it was capped."""
     note = ""
@@ -228,7 +228,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
     if wait >= inputs.starved_wait_fraction and model is not None and not inputs.host_pressure:
         compute, load = model.compute_s, model.load_per_sample_s * model.samples
         wanted = math.ceil(load / compute - 1e-9) if compute > 0 else workers + 2
-        wanted, limit_note = _workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
+        wanted, limit_note = workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
     if wanted > workers and model is not None and basis is not None:  # starved, a worker allowed
         host_delta = per_worker * (wanted - workers) if per_worker else None
         out.append(

@@ -82,6 +82,9 @@ def build_parser(
         default=False,
         help="pin the loader's batches (default off)",
     )
+    parser.add_argument(
+        "--autotune", action="store_true", help="start with the autopilot on (it tunes the knobs)"
+    )
     parser.add_argument("--out", type=Path, metavar="DIR", help="checkpoint and state directory")
     parser.add_argument(
         "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"

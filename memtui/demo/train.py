@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         name=args.name,
         options=options,
+        autotune=args.autotune,
     )
 
     def make_loader(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:

@@ -33,7 +33,9 @@ from typing import Any
 
 import memtui
 from memtui import registry
+from memtui.advice.autopilot import BUDGET
 from memtui.hooks.agent import Agent, HookParts
+from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.batches import Args, BatchT, timed_batches
 from memtui.hooks.boundary import Applied, Boundary
 from memtui.hooks.control import Control
@@ -113,6 +115,14 @@ class Options:
     )
     """An out-of-memory error inside ``tuner.guard()`` within this many steps after an applied
     change reverts that change and training goes on (0: never roll back)."""
+    autotune: bool = field(
+        default_factory=lambda: os.environ.get("MEMTUI_AUTOTUNE", "") in ("1", "true", "yes")
+    )
+    """Start with the autopilot on (``MEMTUI_AUTOTUNE=1``): it tunes the knobs by itself."""
+    autotune_budget: int = field(
+        default_factory=lambda: int(os.environ.get("MEMTUI_AUTOTUNE_BUDGET", str(BUDGET)))
+    )
+    """The most checkpoint boundaries the autopilot's trials and reverts may take."""
 
 
 def _size_env(name: str) -> int | None:
@@ -174,6 +184,14 @@ class Tuner:
             report=self.report,
             pinning=self.device.has_accelerator,
         )
+        self.autopilot = Autopilot(
+            self.control,
+            lambda: self.ledger.step,
+            on=self.options.autotune,
+            budget=self.options.autotune_budget,
+        )
+        """The autopilot (it acts on rank 0 only: the queue is rank 0's)."""
+        self.control.pilot = self.autopilot
         self.tuned = TunedConfig(
             self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted
         )
@@ -303,6 +321,7 @@ class Tuner:
                 sampler=lambda: self.sampler,
                 tcp_plan=self.tcp_plan,
                 record_path=options.record,
+                autopilot=self.autopilot if self.placement.rank == 0 else None,
             )
             self.agent = Agent(
                 parts,
