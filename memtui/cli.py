@@ -288,6 +288,27 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
     click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled) + where)
 
 
+@main.command("autotune")
+@click.argument("switch", type=click.Choice(["on", "off"]))
+@click.argument("run", required=False)
+@click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
+def autotune_command(switch: str, run: str | None, timeout: float) -> None:
+    """Turn the autopilot on or off: memtui autotune on|off [RUN]."""
+    from memtui.advice.autopilot import describe_state
+    from memtui.client import ClientError
+
+    target = _target(run, changes=True)
+    try:
+        reply = _client(target, timeout).autotune(switch == "on")
+    except ClientError as exc:
+        _fail(str(exc))
+        return
+    if not reply.ok or reply.state is None:
+        _fail(reply.reason or "the run did not say", 2)
+        return
+    click.echo(describe_state(reply.state) + (f" on {target.run}" if target.run else ""))
+
+
 # ---------------------------------------------------------------------------- demo
 
 

@@ -23,7 +23,7 @@ from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.recommend import Inputs, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
 from memtui.knobs import format_changes
-from memtui.wire import AppliedChange, Effect, KnobDiff, KnobValue
+from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
 
 AUTOPILOT = "autopilot"
 """The origin of the autopilot's own changes (and its client name in the change log)."""
@@ -363,3 +363,20 @@ AXES: tuple[Axis, ...] = (
     Axis("batch_size", _micro_batch),
 )
 """The knobs the autopilot tunes, in the order it tries them: a knob is one more entry."""
+
+
+def describe_state(state: AutopilotState) -> str:
+    """``autopilot on: trying num_workers=2 (62% of each step waits for data); 2/8 boundaries``."""
+    if state.mode == "off":
+        return "autopilot off" + (f" ({state.why})" if state.why else "")
+    if state.mode == "paused":
+        return f"autopilot {state.why or 'paused'}"
+    doing = state.phase or "waiting"
+    if state.trying and state.phase in ("trying", "reverting", "measuring"):
+        doing += " " + format_changes(state.trying)
+    words = f"autopilot on: {doing}"
+    if state.why:
+        words += f" ({state.why})"
+    if state.last:
+        words += f"; last: {state.last}"
+    return words + f"; {state.boundaries}/{state.budget} boundaries"
