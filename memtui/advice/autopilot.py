@@ -375,8 +375,8 @@ def describe_state(state: AutopilotState) -> str:
     if state.trying and state.phase in ("trying", "reverting", "measuring"):
         doing += " " + format_changes(state.trying)
     words = f"autopilot on: {doing}"
-    if state.why:
+    if state.why and not state.why.startswith("measuring"):
         words += f" ({state.why})"
-    if state.last:
+    if state.last and not state.last.startswith(MEASURING):
         words += f"; last: {state.last}"
     return words + f"; {state.boundaries}/{state.budget} boundaries"

@@ -82,6 +82,7 @@ class Autopilot:
             )
         else:
             self._set(mode="off", phase="", why=f"turned off by {request.client or 'a client'}")
+            self._control.withdraw(AUTOPILOT)
         self._control.audit_event("autotune", {"on": request.on, "client": request.client})
         return AutotuneReply(ok=True, state=self.state())
 
@@ -91,6 +92,7 @@ class Autopilot:
             return
         self._set(mode="paused", phase="", why=f"paused: {what}", trying={})
         self._control.audit_event("autotune", {"paused": what})
+        self._control.withdraw(AUTOPILOT)
 
     def tick(self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo) -> None:
         """Decide and act once (rank 0, the agent thread): queue a trial or a revert, or say why

@@ -323,6 +323,22 @@ class Control:
             self.pilot.operator_acted(f"{client or 'an operator'} cancelled #{gone[0]}")
         return CancelReply(ok=True, cancelled=gone)
 
+    def withdraw(self, origin: str) -> list[int]:
+        """Cancel the pending changes queued by ``origin`` (the autopilot's, when an operator
+        takes over); the ids cancelled."""
+        step, now = self._step(), time.time()
+        with self._lock:
+            removed = [c for c in self.pending if c.origin == origin]
+            self.pending = [c for c in self.pending if c not in removed]
+            for change in removed:
+                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, origin))
+            if removed:
+                self.seq += 1
+        if removed:
+            gone = [c.id for c in removed]
+            self.audit_event("cancelled", {"ids": gone, "client": origin, "step": step})
+        return [c.id for c in removed]
+
     # ------------------------------------------------------------- boundary (training thread)
 
     def take_pending(self) -> list[PendingChange]:
