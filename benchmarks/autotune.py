@@ -79,7 +79,7 @@ class Script:
 DEMO = Script(
     "demo",
     (PYTHON, "-m", "memtui.demo", "--seq-len", "128", "--width", "32", "--vocab", "4096",
-     "--layers", "1", "--slow-data-ms", "1.5"),
+     "--layers", "1", "--slow-data-ms", "40"),
     limit="640MiB",
     effective=16,
     flags={"batch_size": "--batch-size", "grad_accum": "--grad-accum", "num_workers": "--workers"},
@@ -153,6 +153,8 @@ class Result:
     boundaries: int = 0
     budget: int = 0
     phase: str = ""
+    why: str = ""
+    """The autopilot's last words: why it converged."""
     steps_slower: int = 0
     steps_total: int = 0
     ooms: int = 0
@@ -306,6 +308,7 @@ def fill(
     result.settled_grid = grid.get(key(final), 0.0)
     result.start_grid = grid.get(key(start.config), 0.0)
     result.phase = pilot.phase if pilot is not None else "?"
+    result.why = pilot.why if pilot is not None else ""
     result.boundaries = pilot.boundaries if pilot is not None else 0
     result.budget = pilot.budget if pilot is not None else 0
     result.ooms = len(control.ooms)
@@ -410,7 +413,8 @@ def main() -> int:
         result.fraction_online = result.settled_online / result.best if result.best else 0.0
         results.append(result)
         print(
-            f"  {start.name}: settled {result.settled_config} ({result.phase}) after {result.boundaries} boundaries in {result.wall_s:.0f} s",
+            f"  {start.name}: settled {result.settled_config} ({result.phase}: {result.why}) "
+            f"after {result.boundaries} boundaries in {result.wall_s:.0f} s",
             flush=True,
         )
     print()
