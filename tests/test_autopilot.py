@@ -142,7 +142,10 @@ def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effecti
     fed = decide(situation(Knobs(16, 2, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
     assert (fed.action, fed.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
     at_one = decide(situation(Knobs(32, 1, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
-    assert at_one.action == "converged"  # grad_accum 1: a bigger micro-batch grows the effective
+    assert at_one.changes == {"batch_size": 16, "grad_accum": 2}  # nothing above: half, once
+    grew = change(100, effect(300, 400, 0.05), batch_size=(16, 32), grad_accum=(2, 1))
+    done = decide(situation(Knobs(32, 1, 2, False), FED, (kept, grew), cpus=2, peak_fraction=0.3))
+    assert done.action == "converged"  # 16 lost to 32: not tried again
 
 
 def test_a_region_that_ran_out_of_memory_is_never_retried() -> None:
@@ -156,11 +159,11 @@ def test_a_region_that_ran_out_of_memory_is_never_retried() -> None:
     decision = decide(
         situation(Knobs(8, 4, 0, False), FED, (trial, rollback), ceiling=ceiling, peak_fraction=0.2)
     )
-    assert decision.action == "converged" and decision.changes == {}
+    assert decision.changes == {"batch_size": 4, "grad_accum": 8}  # down, never back up to 16
     refused = decide(
         situation(Knobs(8, 4, 0, False), FED, peak_fraction=0.2, refused=({"batch_size": 16},))
     )
-    assert refused.action == "converged"
+    assert refused.changes.get("batch_size", 0) < 16
     assert history([], [{"batch_size": 16}]).trials[0].outcome == REFUSED
 
 

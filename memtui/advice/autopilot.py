@@ -73,12 +73,15 @@ class History:
     """Boundaries its changes took (trials and reverts)."""
 
     def tried(self, knob: str) -> dict[KnobValue, str]:
-        """Each value tried for ``knob``, with the outcome of its last trial."""
+        """Each value tried for ``knob``, with the outcome of its last trial; a value a kept
+        trial left counts as worse (it lost to the new one)."""
         values: dict[KnobValue, str] = {}
         for trial in self.trials:
             diff = trial.changes.get(knob)
             if diff is not None:
                 values[diff.new] = trial.outcome
+                if trial.outcome == KEPT and diff.old is not None:
+                    values.setdefault(diff.old, WORSE)
         return values
 
     @property
@@ -304,7 +307,8 @@ def _pinning(situation: Situation) -> tuple[dict[str, KnobValue], str]:
 
 def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     """A bigger micro-batch with the accumulation recomputed (the effective batch kept), within
-    the largest predicted safe and under what ran out of memory; never while input-bound."""
+    the largest predicted safe and under what ran out of memory; once nothing is left above, a
+    smaller one (half); never while input-bound."""
     inputs = situation.inputs
     batch, accum, model = inputs.config.batch_size, inputs.config.grad_accum, inputs.model
     if batch is None or "batch_size" not in inputs.tunable:
@@ -322,7 +326,9 @@ def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     value = doubling(batch, upper, tried)
     value = _divisor_at_most(target, value) if value is not None else None
     if value is None or value <= batch or value in tried:
-        return {}, f"batch_size: nothing safe left above {batch} keeping the effective batch"
+        value = _divisor_at_most(target, batch // 2)
+        if value < 1 or value in tried:
+            return {}, f"batch_size: nothing left to try around {batch} keeping the effective batch"
     changes: dict[str, KnobValue] = {"batch_size": value, "grad_accum": target // value}
     no_help = _predicted_no_help(situation, changes)
     if no_help:
