@@ -23,8 +23,21 @@ from memtui.advice.autopilot import (
 )
 from memtui.advice.predict import Observation, fit
 from memtui.advice.recommend import Inputs
+from memtui.hooks.autopilot import Autopilot
+from memtui.hooks.control import Control
 from memtui.stats import StepStats
-from memtui.wire import AppliedChange, Ceiling, Effect, HostSample, KnobDiff, Knobs
+from memtui.wire import (
+    AppliedChange,
+    AutotuneRequest,
+    Ceiling,
+    Effect,
+    HostSample,
+    KnobDiff,
+    Knobs,
+    RunInfo,
+    SetRequest,
+    StepRecord,
+)
 
 GIB = 1 << 30
 DATA = Path(__file__).parent / "data"
@@ -218,3 +231,29 @@ def test_decisions_over_a_recorded_run() -> None:
         view = situation(config, steps, before, cpus=2, peak_fraction=0.3)
         decision = decide(view)
         assert decision.changes == {k: d.new for k, d in landed.changes.items()}, index
+
+
+def test_the_loop_queues_like_an_operator_and_an_operator_pauses_it() -> None:
+    """The hook's loop over a real ``Control``: a starving run's trial queued as the autopilot's
+    own; an operator's change pauses it at once and withdraws that trial."""
+    config = Knobs(16, 2, 0, False)
+    control = Control(lambda: config)
+    pilot = Autopilot(control, lambda: 30)
+    control.pilot = pilot
+    steps = [StepRecord(i, float(i), 0.12, 0.08, 32, 2) for i in range(1, 31)]
+    info = RunInfo(run="r", pid=1, host="h", started=0.0, cpus=4)
+    pilot.tick(steps, HOST, info)
+    assert not control.pending, "off: nothing queued"
+    seq = control.seq
+    assert pilot.turn(AutotuneRequest(on=True, client="cli")).state.mode == "on"  # type: ignore[union-attr]
+    assert control.seq > seq, "viewers hear of it"
+    pilot.tick(steps, HOST, info)
+    assert [(p.changes, p.origin) for p in control.pending] == [({"num_workers": 1}, AUTOPILOT)]
+    assert control.state().autopilot == pilot.state() and pilot.state().phase == "trying"
+    assert control.queue(SetRequest(changes={"batch_size": 8}, client="cli")).ok
+    state = pilot.state()
+    assert state.mode == "paused" and "cli queued #2" in state.why
+    assert [p.changes for p in control.pending] == [{"batch_size": 8}]
+    assert control.cancelled[-1].client == AUTOPILOT
+    pilot.tick(steps, HOST, info)
+    assert len(control.pending) == 1, "paused: nothing more queued"

@@ -101,7 +101,7 @@ class HookParts:
     record_path: str | None = None
     """Also write the published stream here (``MEMTUI_RECORD``)."""
     autopilot: Autopilot | None = None
-    """Rank 0's autopilot (None on the other ranks)."""
+    """The autopilot (it acts on rank 0 only)."""
 
 
 class Agent(threading.Thread):

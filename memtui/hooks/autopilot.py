@@ -52,10 +52,14 @@ class Autopilot:
         *,
         on: bool = False,
         budget: int = BUDGET,
+        leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self._lock = threading.Lock()
         self._control = control
         self._step = step
+        self._leader = leader
+        """Whether this process is rank 0 (it may change when the job coordinates late): only
+        rank 0's queue takes changes, so only there does the autopilot act."""
         self._state = AutopilotState(budget=budget)
         if on:
             self._state = AutopilotState(mode="on", phase="waiting", budget=budget)
@@ -96,8 +100,8 @@ class Autopilot:
 
     def tick(self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo) -> None:
         """Decide and act once (rank 0, the agent thread): queue a trial or a revert, or say why
-        not; nothing while off or paused."""
-        if self.state().mode != "on":
+        not; nothing while off or paused, or on a rank other than 0."""
+        if self.state().mode != "on" or not self._leader():
             return
         situation = self._situation(steps, host, info)
         done = situation.history

@@ -189,8 +189,10 @@ class Tuner:
             lambda: self.ledger.step,
             on=self.options.autotune,
             budget=self.options.autotune_budget,
+            leader=lambda: self.placement.rank == 0,
         )
-        """The autopilot (it acts on rank 0 only: the queue is rank 0's)."""
+        """The autopilot (it acts on rank 0 only: the queue is rank 0's, and only rank 0's
+        control server answers ``memtui autotune``)."""
         self.control.pilot = self.autopilot
         self.tuned = TunedConfig(
             self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted
@@ -321,7 +323,7 @@ class Tuner:
                 sampler=lambda: self.sampler,
                 tcp_plan=self.tcp_plan,
                 record_path=options.record,
-                autopilot=self.autopilot if self.placement.rank == 0 else None,
+                autopilot=self.autopilot,
             )
             self.agent = Agent(
                 parts,
