@@ -1,4 +1,4 @@
-"""The ``memtui`` command: ls, status, set, cancel, demo, attach.
+"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach.
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
