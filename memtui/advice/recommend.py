@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 from memtui.advice.effect import measurable, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
-from memtui.advice.verdict import THRESHOLDS
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import accumulation_for, effective_batch, format_diffs, knobs_with, max_workers
 from memtui.stats import MemoryStats, StepStats, format_bytes
 from memtui.wire import (
@@ -82,6 +83,25 @@ class Inputs:
             self.applied,
             self.starved_wait_fraction,
         )
+
+
+class Bands(TypedDict):
+    """The ``Inputs`` fields that carry the verdict's thresholds in force."""
+
+    starved_wait_fraction: float
+    underused_memory_fraction: float
+    memory_edge_fraction: float
+    memory_danger_fraction: float
+
+
+def bands(thresholds: Thresholds) -> Bands:
+    """The ``Inputs`` fields of the verdict's thresholds in force (``Inputs(..., **bands(t))``)."""
+    return Bands(
+        starved_wait_fraction=thresholds.starved_wait_fraction,
+        underused_memory_fraction=thresholds.underused_memory_fraction,
+        memory_edge_fraction=thresholds.memory_edge_fraction,
+        memory_danger_fraction=thresholds.memory_danger_fraction,
+    )
 
 
 @dataclass(frozen=True)

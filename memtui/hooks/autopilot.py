@@ -25,7 +25,7 @@ from memtui.advice.autopilot import (
 )
 from memtui.advice.effect import SETTLE_STEPS
 from memtui.advice.measure import EFFECT_STEPS
-from memtui.advice.recommend import Inputs
+from memtui.advice.recommend import Inputs, bands
 from memtui.hooks.control import Control
 from memtui.knobs import format_changes, parse_value
 from memtui.stats import summarize_steps
@@ -149,11 +149,8 @@ class Autopilot:
             device_kind=info.device_kind,
             cpus=info.cpus,
             ceiling=own.ceiling,
-            starved_wait_fraction=thresholds.starved_wait_fraction,
-            underused_memory_fraction=thresholds.underused_memory_fraction,
-            memory_edge_fraction=thresholds.memory_edge_fraction,
-            memory_danger_fraction=thresholds.memory_danger_fraction,
             applied=tuple(applied),
+            **bands(thresholds),
         )
         refused = [
             {k: v for k, raw in r.requested.items() if (v := _value(k, raw)) is not None}
