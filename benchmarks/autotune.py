@@ -80,7 +80,7 @@ DEMO = Script(
     "demo",
     (PYTHON, "-m", "memtui.demo", "--seq-len", "128", "--width", "32", "--vocab", "4096",
      "--layers", "1", "--slow-data-ms", "40"),
-    limit="640MiB",
+    limit="720MiB",
     effective=16,
     flags={"batch_size": "--batch-size", "grad_accum": "--grad-accum", "num_workers": "--workers"},
 )  # fmt: skip
