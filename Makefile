@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu lint bench bench-gil bench-instructions bench-tui bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu lint bench bench-gil bench-instructions bench-tui bench-export bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,10 @@ bench-tui: $(STAMP)
 	$(PY) benchmarks/tui_cpu.py --size 120x40
 	$(PY) benchmarks/tui_cpu.py --size 60x50
 	$(PY) benchmarks/tui_ranks.py
+
+# `memtui export` watching the same 64 replayed ranks, scraped every 15 s as Prometheus would
+bench-export: $(STAMP)
+	$(PY) benchmarks/tui_ranks.py --exporter --seconds 60 --rounds 5
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py

@@ -22,7 +22,7 @@ against the issue's bar: mean |error| <= 5% and max |error| <= 10% on every chan
 memory from a change accepted without ``--force``, and the max safe batch's observed peak under
 the edge band (``memory_edge_fraction``) every time.
 
-Usage: python benchmarks/advice_truth.py [--scripts demo,lm,cnn,mlp] [--quick] [--json PATH]
+Usage: python benchmarks/advice_truth.py [--scripts demo,lm,cnn,mlp] [--quick] [--dwell S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -272,7 +272,9 @@ def _measured(report: StatusReport, change_id: int) -> Applied | None:
     return None
 
 
-def drive(script: Script, workdir: Path, quick: bool) -> tuple[list[Row], dict[str, Any]]:
+def drive(
+    script: Script, workdir: Path, quick: bool, dwell_s: float
+) -> tuple[list[Row], dict[str, Any]]:
     """Run one script through its plan; its rows and what memtui said of itself at the end."""
     limit = (script.quick_limit or script.limit) if quick else script.limit
     run = Run(script, workdir, limit, checkpoint_every=12 if quick else 25)
@@ -285,7 +287,7 @@ def drive(script: Script, workdir: Path, quick: bool) -> tuple[list[Row], dict[s
             report = run.status()
             if report is None or not run.alive():
                 break
-            rows.append(step(run, report, index, kind, timeout))
+            rows.append(step(run, report, index, kind, timeout, dwell_s))
             if not run.alive():
                 rows[-1].run_died = True
                 rows[-1].reason = rows[-1].reason or "the run ended: " + run.tail(1)
@@ -307,7 +309,9 @@ def drive(script: Script, workdir: Path, quick: bool) -> tuple[list[Row], dict[s
     return rows, about
 
 
-def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) -> Row:
+def step(
+    run: Run, report: StatusReport, index: int, kind: str, timeout: float, dwell_s: float
+) -> Row:
     """Queue one change, wait for it to land and be measured, and record what happened."""
     edge = report.verdict.thresholds.memory_edge_fraction
     row = Row(run.script.name, index, kind, config_before=dict(report.config), edge_fraction=edge)
@@ -339,6 +343,15 @@ def step(run: Run, report: StatusReport, index: int, kind: str, timeout: float) 
             return row
     else:
         row.outcome = "measured" if measured.observed_peak_bytes else "out of memory"
+    if row.outcome == "measured" and dwell_s > 0:
+        # an operator watches a change for a while before the next: the config's peak is the
+        # highest over its whole stay (it keeps rising on variable-length data), and the points
+        # the next prediction stands on have had that time too
+        time.sleep(dwell_s)
+        later = run.status()
+        stayed = None if later is None else _applied(later, reply.id)
+        if stayed is not None and stayed.observed_peak_bytes:
+            measured = stayed
     row.step_applied = measured.step
     row.predicted_bytes = measured.predicted_peak_bytes
     row.observed_bytes = measured.observed_peak_bytes
@@ -529,8 +542,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every row here")
     parser.add_argument("--limit", action="append", default=[], metavar="SCRIPT=SIZE")
+    parser.add_argument(
+        "--dwell",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds at each config after its effect is measured, before the next change "
+        "(default 10; 0 with --quick)",
+    )
     args = parser.parse_args()
     names = [n for n in args.scripts.split(",") if n]
+    if args.dwell is None:
+        args.dwell = 0.0 if args.quick else 10.0
     unknown = [n for n in names if n not in SCRIPTS]
     if unknown:
         parser.error(f"unknown script(s) {', '.join(unknown)}; known: {', '.join(SCRIPTS)}")
@@ -552,7 +575,7 @@ def main() -> int:
             plan = script.quick_plan if args.quick else script.plan
             limit = (script.quick_limit or script.limit) if args.quick else script.limit
             print(f"{name}: limit {limit}, plan {', '.join(plan)}", flush=True)
-            script_rows, about = drive(script, Path(tmp), args.quick)
+            script_rows, about = drive(script, Path(tmp), args.quick, args.dwell)
             about["seconds"] = round(time.monotonic() - began, 1)
             about["loadavg_after"] = loadavg()
             rows += script_rows

@@ -29,6 +29,13 @@ is measured over ``--seconds`` with psutil. One JSON line per pane size::
 
 Target: under 10% of one core. Run: ``.venv/bin/python benchmarks/tui_ranks.py [--ranks 64]
 [--rate 1000] [--seconds 20] [--size 120x40 --size 60x50] [--recording FILE ...]``.
+
+``--exporter`` measures ``memtui export`` instead of the viewer, on the same replayed job: it
+finds the run in the registry as it finds any, and the benchmark scrapes ``/metrics`` every
+``--scrape-every`` seconds (15 by default, Prometheus's usual interval) over the window, for
+``--rounds`` rounds; one JSON line per round, then the median with its min and max::
+
+    {"exporter_cpu_pct_of_core_median": 3.72, "min": 3.68, "max": 3.85, "rounds": 5, ...}
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -354,20 +361,39 @@ def headless_viewer(run: str, seconds: float, warmup: float, width: int, height:
     return 0
 
 
-def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict[str, object]:
-    """Start the publisher (replaying ``recordings``) and the viewer at ``size``, measure."""
+def start_publisher(
+    args: argparse.Namespace, recordings: list[Path], total: float
+) -> tuple[subprocess.Popen[str], Path, dict[str, str], str]:
+    """The publisher replaying ``recordings`` for ``total`` seconds in a runtime directory of its
+    own: the process, that directory, the environment that points at it, and the run id."""
     env = dict(os.environ)
     base = Path(tempfile.mkdtemp(prefix="mtr", dir="/tmp"))
     env["MEMTUI_RUNTIME_DIR"] = str(base / "rt")
     env["XDG_STATE_HOME"] = str(base / "state")
-    stats = base / "publisher.json"
-    total = args.warmup + args.seconds + 20
     publisher = subprocess.Popen(
         [sys.executable, __file__, "--publish", "--ranks", str(args.ranks), "--speed",
-         str(args.speed), "--for", str(total), "--stats", str(stats),
+         str(args.speed), "--for", str(total), "--stats", str(base / "publisher.json"),
          *(a for path in recordings for a in ("--recording", str(path)))],
         stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
+    assert publisher.stdout is not None
+    line = publisher.stdout.readline()
+    if not line.startswith("run "):
+        publisher.terminate()
+        raise SystemExit(f"the publisher did not start: {line!r}")
+    return publisher, base, env, line.split()[1]
+
+
+def published_stats(base: Path) -> dict[str, Any]:
+    """What the publisher says it sent (its JSON), {} if it wrote nothing."""
+    stats = base / "publisher.json"
+    return dict(json.loads(stats.read_text())) if stats.exists() else {}
+
+
+def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict[str, object]:
+    """Start the publisher (replaying ``recordings``) and the viewer at ``size``, measure."""
+    total = args.warmup + args.seconds + 20
+    publisher, base, env, run = start_publisher(args, recordings, total)
     width, height = (int(v) for v in size.split("x"))
     mode = args.mode
     if mode == "auto":
@@ -376,11 +402,6 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
     pane = ""
     publisher_pct = None
     try:
-        assert publisher.stdout is not None
-        line = publisher.stdout.readline()
-        if not line.startswith("run "):
-            raise SystemExit(f"the publisher did not start: {line!r}")
-        run = line.split()[1]
         if mode == "headless":
             out = subprocess.run(
                 [sys.executable, __file__, "--viewer", run, "--seconds", str(args.seconds),
@@ -417,7 +438,7 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
             subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True)
         publisher.terminate()
         publisher.wait(20)
-    published = json.loads(stats.read_text()) if stats.exists() else {}
+    published = published_stats(base)
     shutil.rmtree(base, ignore_errors=True)
     result: dict[str, object] = {
         "tui_cpu_pct_of_core": round(100 * cpu_s / wall_s, 2),
@@ -438,6 +459,77 @@ def measure(args: argparse.Namespace, size: str, recordings: list[Path]) -> dict
     if args.show and pane:
         print(pane, file=sys.stderr)
     return result
+
+
+def measure_exporter(args: argparse.Namespace, recordings: list[Path]) -> dict[str, object]:
+    """Start the publisher and ``memtui export``; scrape ``/metrics`` every ``--scrape-every``
+    seconds, as Prometheus would, and measure the exporter's CPU over ``--seconds``."""
+    import re
+    import urllib.request
+
+    total = args.warmup + args.seconds + 20
+    publisher, base, env, run = start_publisher(args, recordings, total)
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    scrapes: list[float] = []
+    ranks_served = 0
+    try:
+        assert exporter.stderr is not None
+        found = re.search(r"serving (http\S+)", exporter.stderr.readline())
+        if not found:
+            raise SystemExit("the exporter did not start")
+        url = found.group(1)
+
+        def scrape() -> str:
+            started = time.monotonic()
+            with urllib.request.urlopen(url, timeout=30) as reply:
+                text = str(reply.read().decode())
+            scrapes.append(time.monotonic() - started)
+            return text
+
+        time.sleep(args.warmup)
+        me = psutil.Process(exporter.pid)
+        cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
+        while time.monotonic() - wall0 < args.seconds:
+            text = scrape()
+            ranks_served = len(re.findall(rf'^memtui_up{{.*run="{run}".*}} 1\.0$', text, re.M))
+            time.sleep(max(0.0, min(args.scrape_every, wall0 + args.seconds - time.monotonic())))
+        cpu1, wall1 = sum(me.cpu_times()[:2]), time.monotonic()
+    finally:
+        exporter.terminate()
+        exporter.wait(20)
+        publisher.terminate()
+        publisher.wait(20)
+    published = published_stats(base)
+    shutil.rmtree(base, ignore_errors=True)
+    return {
+        "exporter_cpu_pct_of_core": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 2),
+        "ranks": args.ranks,
+        "ranks_served": ranks_served,
+        "steps_per_s_per_rank": round(published.get("steps_per_s_per_rank", 0.0), 1),
+        "frames_per_s": round(published.get("frames_per_s", 0.0), 1),
+        "scrape_every_s": args.scrape_every,
+        "scrapes": len(scrapes),
+        "scrape_s_max": round(max(scrapes), 3) if scrapes else None,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "seconds": round(wall1 - wall0, 1),
+        "target_pct": 10,
+    }
+
+
+def summarize_rounds(rounds: list[dict[str, object]], key: str) -> dict[str, object]:
+    """The median of ``key`` over the rounds, with its min and max and the load averages."""
+    values = sorted(float(str(r[key])) for r in rounds)
+    loads = [float(str(r["load_avg_1m"])) for r in rounds]
+    return {
+        f"{key}_median": values[len(values) // 2],
+        "min": values[0],
+        "max": values[-1],
+        "rounds": len(values),
+        "load_avg_1m": [min(loads), max(loads)],
+    }
 
 
 def main() -> int:
@@ -465,6 +557,13 @@ def main() -> int:
     parser.add_argument("--size", action="append", help="terminal WIDTHxHEIGHT (repeatable)")
     parser.add_argument("--mode", choices=("auto", "tmux", "headless"), default="auto")
     parser.add_argument("--show", action="store_true", help="print the pane at the end (stderr)")
+    parser.add_argument(
+        "--exporter",
+        action="store_true",
+        help="measure `memtui export` (scraped every --scrape-every s) instead of the viewer",
+    )
+    parser.add_argument("--scrape-every", type=float, default=15.0, help="seconds between scrapes")
+    parser.add_argument("--rounds", type=int, default=1, help="--exporter: rounds to measure")
     parser.add_argument("--publish", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--for", dest="duration", type=float, default=60.0, help=argparse.SUPPRESS)
     parser.add_argument("--stats", default="/dev/null", help=argparse.SUPPRESS)
@@ -480,6 +579,12 @@ def main() -> int:
         return headless_viewer(args.viewer, args.seconds, args.warmup, width, height)
     with tempfile.TemporaryDirectory(prefix="mtrec", dir="/tmp") as scratch:
         recordings = args.recording or [record_hook(args.rate, args.record_seconds, Path(scratch))]
+        if args.exporter:
+            rounds = [measure_exporter(args, recordings) for _round in range(args.rounds)]
+            for result in rounds:
+                print(json.dumps(result), flush=True)
+            print(json.dumps(summarize_rounds(rounds, "exporter_cpu_pct_of_core")), flush=True)
+            return 0
         for size in sizes:
             print(json.dumps(measure(args, size, recordings)), flush=True)
     return 0

@@ -1,4 +1,4 @@
-"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach.
+"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach, export.
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
@@ -171,6 +171,16 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
 @click.option(
     "--keep-effective-batch", is_flag=True, help="Recompute grad_accum so micro x accum stays."
 )
+@click.option(
+    "--allow-effective-batch",
+    is_flag=True,
+    help="Let micro x accum x ranks change, the LR following --lr-scale.",
+)
+@click.option(
+    "--lr-scale",
+    type=click.Choice(["linear", "sqrt", "none"]),  # knobs.LR_RULES: not imported at start-up
+    help="How the LR follows the effective batch (default: the run's install(lr_scale=...)).",
+)
 @click.option("--dry-run", is_flag=True, help="Validate and resolve only; queue nothing.")
 @click.option("--force", is_flag=True, help="Queue even when the change is predicted to be risky.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
@@ -178,6 +188,8 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
 def set_command(
     args: tuple[str, ...],
     keep_effective_batch: bool,
+    allow_effective_batch: bool,
+    lr_scale: str | None,
     dry_run: bool,
     force: bool,
     as_json: bool,
@@ -185,8 +197,10 @@ def set_command(
 ) -> None:
     """Queue a change for the next checkpoint: memtui set [RUN] KEY=VALUE...
 
-    Keys: batch_size, grad_accum, num_workers, pin_memory (aliases such as
+    Keys: batch_size, grad_accum, num_workers, pin_memory, prefetch_factor (aliases such as
     per_device_train_batch_size or gradient_accumulation_steps work too). Prints the change id.
+    A change of micro x accum x ranks moves the LR by the run's rule (install(lr_scale=...),
+    none unless set: the LR stays, with a warning), or by --lr-scale with --allow-effective-batch.
     """
     import json
 
@@ -195,6 +209,10 @@ def set_command(
     from memtui.knobs import KnobError, format_changes, names_knob, parse_assignments, parse_changes
     from memtui.wire import to_builtins
 
+    if keep_effective_batch and allow_effective_batch:
+        _fail("rejected: --keep-effective-batch and --allow-effective-batch contradict", 2)
+    if lr_scale and not allow_effective_batch:
+        _fail("rejected: --lr-scale needs --allow-effective-batch", 2)
     words = list(args)
     run = words.pop(0) if words and "=" not in words[0] and not names_knob(words[0]) else None
     try:
@@ -207,7 +225,11 @@ def set_command(
     where = f" on {target.run}" if target.run else ""
     try:
         reply = _client(target, timeout).set(
-            dict(raw), keep_effective_batch=keep_effective_batch, dry_run=dry_run, force=force
+            dict(raw),
+            keep_effective_batch=keep_effective_batch,
+            dry_run=dry_run,
+            force=force,
+            lr_scale=lr_scale or "",
         )
     except ClientError as exc:
         _fail(str(exc))
@@ -750,6 +772,38 @@ def estimate_command(**kwargs: Any) -> None:
         click.echo(json.dumps(as_dict(result), indent=2))
     else:
         click.echo(format_table(result))
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@main.command("export")
+@click.option(
+    "--listen",
+    default="127.0.0.1:9464",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Where to serve /metrics; :PORT listens on every interface (see the README).",
+)
+@click.option("--dashboard", is_flag=True, help="Print the Grafana dashboard (JSON) and exit.")
+def export_command(listen: str, dashboard: bool) -> None:
+    """Serve every live run on this node as Prometheus metrics (OpenMetrics at /metrics)."""
+    from memtui.export.serve import ListenError, parse_listen, serve
+    from memtui.export.serve import dashboard as dashboard_json
+
+    if dashboard:
+        click.echo(dashboard_json(), nl=False)
+        return
+    try:
+        host, port = parse_listen(listen)
+    except ListenError as exc:
+        _fail(str(exc), 2)
+        return
+
+    def say(line: str) -> None:
+        click.echo(f"memtui export: {line}", err=True)
+
+    sys.exit(serve(host, port, _threshold_config(), say))
 
 
 # ---------------------------------------------------------------------------- attach

@@ -96,11 +96,13 @@ class ControlClient:
         keep_effective_batch: bool = False,
         dry_run: bool = False,
         force: bool = False,
+        lr_scale: str = "",
     ) -> SetReply:
         """Queue a change; the reply says whether it was accepted."""
         request = SetRequest(
             changes=changes,
             keep_effective_batch=keep_effective_batch,
+            lr_scale=lr_scale,
             client=self.client,
             dry_run=dry_run,
             force=force,

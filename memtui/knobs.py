@@ -1,4 +1,5 @@
-"""The four knobs: names and aliases, parsing, validation and keep-effective-batch arithmetic.
+"""The five knobs: names and aliases, parsing, validation, keep-effective-batch arithmetic and
+the learning-rate rule for a change of the effective batch.
 
 Pure functions, shared by the hook (which decides) and the clients (which check early).
 """
@@ -14,7 +15,13 @@ from typing import Protocol
 from memtui.stats import shown
 from memtui.wire import KnobDiff, Knobs, KnobValue
 
-KNOBS: tuple[str, ...] = ("batch_size", "grad_accum", "num_workers", "pin_memory")
+KNOBS: tuple[str, ...] = (
+    "batch_size",
+    "grad_accum",
+    "num_workers",
+    "pin_memory",
+    "prefetch_factor",
+)
 """The canonical knob names, in display order."""
 
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -27,16 +34,30 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "grad_accum": ("gradient_accumulation_steps", "grad_accum", "accumulation_steps"),
     "num_workers": ("num_workers", "dataloader_num_workers"),
     "pin_memory": ("pin_memory", "dataloader_pin_memory"),
+    "prefetch_factor": ("prefetch_factor", "dataloader_prefetch_factor"),
 }
 """Names under which each knob is found in a user's config, in order of preference."""
 
 CLI_ALIASES: dict[str, str] = {
     alias: knob for knob, aliases in CONFIG_ALIASES.items() for alias in aliases
-} | {"bs": "batch_size", "accum": "grad_accum", "workers": "num_workers", "pin": "pin_memory"}
+} | {
+    "bs": "batch_size",
+    "accum": "grad_accum",
+    "workers": "num_workers",
+    "pin": "pin_memory",
+    "prefetch": "prefetch_factor",
+}
 """Names a client may use for a knob in ``memtui set``."""
 
 MAX_BATCH_SIZE = 1 << 20
 MAX_GRAD_ACCUM = 1 << 16
+MAX_PREFETCH_FACTOR = 1 << 10
+DEFAULT_PREFETCH_FACTOR = 2
+"""torch's own ``prefetch_factor`` with workers (and the value a loader without workers has)."""
+PREFETCH_NEEDS_WORKERS = (
+    "prefetch_factor is only used with num_workers > 0 (torch refuses it without workers): "
+    "set num_workers too"
+)
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
@@ -52,8 +73,9 @@ def max_workers(cpu_count: int | None = None) -> int:
     return max(64, 4 * cpus)
 
 
-GROWING_KNOBS = ("batch_size", "num_workers", "pin_memory")
-"""Knobs whose increase takes more memory (and can cause an out-of-memory error)."""
+GROWING_KNOBS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor")
+"""Knobs whose increase takes more memory (and can cause an out-of-memory error): each worker
+holds ``prefetch_factor`` batches in host memory."""
 
 
 def grew(knob: str, diff: KnobDiff) -> bool:
@@ -115,6 +137,11 @@ def check_range(knob: str, value: int) -> None:
         raise KnobError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, got {value}")
     if knob == "grad_accum" and not 1 <= value <= MAX_GRAD_ACCUM:
         raise KnobError(f"grad_accum must be between 1 and {MAX_GRAD_ACCUM}, got {value}")
+    if knob == "prefetch_factor" and not 1 <= value <= MAX_PREFETCH_FACTOR:
+        raise KnobError(
+            f"prefetch_factor must be between 1 and {MAX_PREFETCH_FACTOR} (batches each worker "
+            f"loads ahead), got {value}"
+        )
     if knob == "num_workers":
         limit = max_workers()
         if value < 0:
@@ -209,6 +236,10 @@ def resolve(
                 f"{new_batch} does not divide {target}: grad_accum {accum} gives effective "
                 f"batch {new_eff} (was {old_eff})"
             )
+    if "prefetch_factor" in resolved:
+        workers = resolved.get("num_workers", current.num_workers)
+        if not workers:
+            raise KnobError(PREFETCH_NEEDS_WORKERS)
     same = {k: v for k, v in resolved.items() if getattr(current, k) == v}
     if same:
         already = ", ".join(f"{k} is already {format_value(v)}" for k, v in same.items())
@@ -285,4 +316,63 @@ def format_diffs(diffs: Mapping[str, OldNew], arrow: str = "->") -> str:
     """Show changes as ``knob old -> new`` parts, comma separated."""
     return ", ".join(
         f"{k} {format_value(d.old)} {arrow} {format_value(d.new)}" for k, d in diffs.items()
+    )
+
+
+LR_RULES: tuple[str, ...] = ("linear", "sqrt", "none")
+"""How the learning rate follows a change of the effective batch: in proportion to it, to its
+square root, or not at all."""
+
+
+def next_lr_scale(rule: str) -> str:
+    """The viewer's next choice of LR rule after ``rule`` ('' is the run's own, first)."""
+    choices = ("", *LR_RULES)
+    return choices[(choices.index(rule) + 1) % len(choices)] if rule in choices else ""
+
+
+def lr_rule(raw: str) -> str:
+    """A learning-rate rule's canonical name; raise KnobError if ``raw`` names none."""
+    rule = raw.strip().lower()
+    if rule not in LR_RULES:
+        raise KnobError(f"unknown lr rule {raw!r}; rules are {', '.join(LR_RULES)}")
+    return rule
+
+
+def samples_per_rank_step(knobs: Knobs) -> int | None:
+    """Samples one rank feeds an optimizer step (micro-batch x accumulation; None: no batch)."""
+    if knobs.batch_size is None:
+        return None
+    return knobs.batch_size * (knobs.grad_accum or 1)
+
+
+def lr_factor(old: Knobs, new: Knobs, rule: str) -> float | None:
+    """What the LR is multiplied by when the config goes from ``old`` to ``new`` under ``rule``
+    (the ranks cancel out); None when the effective batch stays or the rule is ``none``."""
+    before, after = samples_per_rank_step(old), samples_per_rank_step(new)
+    if before is None or after is None or before == after or rule == "none":
+        return None
+    ratio = after / before
+    return ratio if rule == "linear" else ratio**0.5
+
+
+def format_lr(factor: float, rule: str) -> str:
+    """``lr x2.0 (linear)``: the audit log's and the change log's words for an LR change."""
+    return f"lr x{round(factor, 4)} ({rule})"
+
+
+def lr_words(
+    old: Knobs, new: Knobs, rule: str, *, optimizer_known: bool, world_size: int = 1
+) -> str:
+    """What a change from ``old`` to ``new`` does to the LR under ``rule``, in words: ``lr x2.0
+    (linear)``, a warning that it does not follow the effective batch, or "" if that stays."""
+    before, after = samples_per_rank_step(old), samples_per_rank_step(new)
+    if before is None or after is None or before == after:
+        return ""
+    factor = lr_factor(old, new, rule)
+    if factor is not None and optimizer_known:
+        return format_lr(factor, rule)
+    why = "no optimizer known to memtui" if factor is not None else "rule none"
+    return (
+        f"warning: effective batch {before * world_size} -> {after * world_size}, the LR does "
+        f"not follow ({why})"
     )

@@ -117,6 +117,10 @@ class Applied(Struct):
     """Predicted minus measured change of samples/s (None until both are known)."""
     origin: str = ""
     """Who asked for it: "" an operator, "autopilot" the autopilot."""
+    lr_factor: float | None = None
+    """What the LR was multiplied by with the change (None: it stayed)."""
+    lr_note: str = ""
+    """The LR change in words, or the warning that it did not follow the effective batch."""
 
 
 class VerdictReport(Struct):
@@ -288,6 +292,8 @@ def _applied(applied: AppliedChange) -> Applied:
         speed_note=applied.speed_note,
         speed_error=speed_error(applied),
         origin=applied.origin,
+        lr_factor=applied.lr_factor,
+        lr_note=applied.lr_note,
     )
 
 
@@ -546,6 +552,8 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             line += f"; predicted speed {applied.predicted_speed_delta:+.0%} samples/s"
             if applied.speed_error is not None:
                 line += f" (off by {applied.speed_error * 100:+.0f} points)"
+        if applied.lr_note:
+            line += f"; {applied.lr_note}"
         lines.append(line)
     scored = report.prediction_accuracy
     if scored.mean_abs_error is not None or scored.changes_out_of_memory:

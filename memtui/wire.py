@@ -128,12 +128,14 @@ class CheckpointRecord(Struct, array_like=True, frozen=True):
 
 
 class Knobs(Struct, omit_defaults=True, frozen=True):
-    """The four knobs memtui can change; None means the run does not expose that knob."""
+    """The five knobs memtui can change; None means the run does not expose that knob."""
 
     batch_size: int | None = None
     grad_accum: int | None = None
     num_workers: int | None = None
     pin_memory: bool | None = None
+    prefetch_factor: int | None = None
+    """Batches each loader worker loads ahead (used only with ``num_workers > 0``)."""
 
 
 class KnobDiff(Struct, array_like=True, frozen=True):
@@ -162,6 +164,10 @@ class PendingChange(Struct, omit_defaults=True):
     """Queued although predicted over the danger band (``--force`` or a confirmation)."""
     origin: str = ""
     """Who queued it: "" an operator, "autopilot" the hook's own autopilot."""
+    lr_scale: str = ""
+    """How the LR follows if it changes the effective batch: linear, sqrt or none ('': none)."""
+    lr_factor: float | None = None
+    """The LR factor rank 0 decided for the whole boundary (None: the LR stays)."""
 
 
 class Effect(Struct, omit_defaults=True):
@@ -208,6 +214,10 @@ class AppliedChange(Struct, omit_defaults=True):
     """How that speed was predicted, or why it could not be ('': not predicted yet)."""
     origin: str = ""
     """Who asked for it: "" an operator, "autopilot" when every change in it was the autopilot's."""
+    lr_factor: float | None = None
+    """What every optimizer's LR (and its scheduler's base LRs) was multiplied by (None: kept)."""
+    lr_note: str = ""
+    """The LR change in words (``lr x2.0 (linear)``), or a warning that it did not follow."""
 
 
 class ModelPoint(Struct, array_like=True, frozen=True):
@@ -518,6 +528,8 @@ class SetRequest(Struct, tag="set", omit_defaults=True):
 
     changes: dict[str, KnobValue | str]
     keep_effective_batch: bool = False
+    lr_scale: str = ""
+    """How the LR follows a change of the effective batch: linear, sqrt, none ('': the run's)."""
     client: str = ""
     dry_run: bool = False
     """Validate and resolve only; queue nothing."""

@@ -22,6 +22,11 @@ from tests.forkserver import ForkedDemo, ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# the suite's trainings run torch on one thread (a session-wide default; a test may still ask for
+# more): on 2 busy cores torch's intra-op pool spins against the other workers, and the README's
+# small MLP took 15 ms of CPU a step on two threads, 1.2 ms on one (torchrun sets the same)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 LIGHT = ("--seq-len", "16", "--width", "32", "--layers", "1", "--vocab", "64")
 """A demo model a third of the default's compute per step, for tests of plumbing (control,
 boundaries, registry, faults) rather than of memory or advice."""

@@ -413,6 +413,18 @@ def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:
     assert options[0].changes == {"num_workers": 4}
     assert options[0].host_delta_bytes == -4 * GIB
     assert any(o.changes == {"pin_memory": False} for o in options)
+    assert not any("prefetch_factor" in o.changes for o in options), "not tunable here"
+
+    ahead = dataclasses.replace(
+        inputs,
+        config=Knobs(batch_size=16, grad_accum=8, num_workers=8, prefetch_factor=6),
+        tunable=("batch_size", "grad_accum", "num_workers", "prefetch_factor"),
+    )
+    less = [o for o in recommend(ahead) if "prefetch_factor" in o.changes]
+    assert [(o.title, o.changes) for o in less] == [
+        ("less prefetch: prefetch_factor 6 -> 2", {"prefetch_factor": 2})
+    ]
+    assert "each of the 8 workers holds 6 batches in host memory" in less[0].why
 
 
 # ----------------------------------------------------------------------------- verdict v2

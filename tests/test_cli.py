@@ -6,6 +6,7 @@ import click
 from click.testing import CliRunner
 
 from memtui.cli import main
+from memtui.knobs import LR_RULES
 
 
 def test_every_option_of_every_command_has_help() -> None:
@@ -20,3 +21,20 @@ def test_every_option_of_every_command_has_help() -> None:
     for name in ("status", "set", "cancel"):
         shown = CliRunner().invoke(main, [name, "--help"]).output
         assert "Seconds to wait for the run's answer." in shown, shown
+
+
+def test_set_refuses_an_lr_rule_without_allowing_the_effective_batch_to_change() -> None:
+    """Both refused before any run is looked for: the words say which flag is missing or clashes."""
+    runner = CliRunner()
+    alone = runner.invoke(main, ["set", "batch_size=16", "--lr-scale", "linear"])
+    assert alone.exit_code == 2 and "--lr-scale needs --allow-effective-batch" in alone.output
+    both = runner.invoke(
+        main, ["set", "batch_size=16", "--keep-effective-batch", "--allow-effective-batch"]
+    )
+    assert both.exit_code == 2 and "contradict" in both.output
+    choices = next(p for p in main.commands["set"].params if p.name == "lr_scale").type
+    assert tuple(choices.choices) == LR_RULES  # type: ignore[attr-defined]
+    rule = runner.invoke(
+        main, ["set", "batch_size=16", "--allow-effective-batch", "--lr-scale", "cube"]
+    )
+    assert rule.exit_code == 2 and "'cube' is not one of 'linear', 'sqrt', 'none'" in rule.output

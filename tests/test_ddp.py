@@ -32,6 +32,7 @@ from tests.conftest import (
     status_json,
     wait_for,
 )
+from tests.test_export import agrees, exporter, rank_labels, scraped_with
 
 EVERY = 4
 CHANGES = [
@@ -59,8 +60,9 @@ def rank0_step_near_boundary(sub: zmq.Socket, decoder: Decoder, deadline: float)
                 return
 
 
-def run_trials(demo: DemoRun, trials: int, seed: int) -> None:
-    """Queue changes at random moments (half of them right before a boundary); check each lands."""
+def run_trials(demo: DemoRun, trials: int, seed: int, lr_scale: str = "") -> None:
+    """Queue changes at random moments (half of them right before a boundary); check each lands
+    (``lr_scale``: the LR rule they follow)."""
     rng = random.Random(seed)
     target = registry.find_run(demo.run_id)
     client = ControlClient(target.control, timeout_s=5)
@@ -76,7 +78,7 @@ def run_trials(demo: DemoRun, trials: int, seed: int) -> None:
                 rank0_step_near_boundary(sub, decoder, time.monotonic() + 10)
             else:
                 time.sleep(rng.uniform(0, 0.4))
-            reply = client.set(CHANGES[trial % len(CHANGES)])  # type: ignore[arg-type]
+            reply = client.set(CHANGES[trial % len(CHANGES)], lr_scale=lr_scale)  # type: ignore[arg-type]
             assert reply.ok, reply.reason
 
             def landed(count: int = applied_before + 1) -> bool:
@@ -98,8 +100,8 @@ def check_one_decision(demo: DemoRun) -> list[Any]:
 
     ranks: list[Snapshot] = wait_for(caught_up, 10, 0.1, "rank 1 to take the last decision")  # type: ignore[assignment]
     assert [s.info.rank for s in ranks] == [0, 1]
-    applied = [[(a.ids, a.step, a.changes) for a in s.control.applied] for s in ranks]
-    assert applied[0] == applied[1], "0 mismatched steps"
+    applied = [[(a.ids, a.step, a.changes, a.lr_factor) for a in s.control.applied] for s in ranks]
+    assert applied[0] == applied[1], "0 mismatched steps, the same LR factor on every rank"
     for snap in ranks:
         accum = {s.step: s.micro_batches for s in snap.steps}
         for change in snap.control.applied:
@@ -142,15 +144,19 @@ def test_two_ranks_one_view_one_decision(
             "grad_accum": 2,
             "num_workers": 0,
             "pin_memory": False,
+            "prefetch_factor": 2,
         }
     assert status["effective_batch"] == 8 * 2 * 2
 
     keep = memtui_cli("set", "batch_size=16", "--keep-effective-batch")
     assert keep.returncode == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
     wait_for(lambda: status_json()["applied"], 60, 0.2, "the change")
-    run_trials(demo, 5, seed=1)
+    run_trials(demo, 5, seed=1, lr_scale="linear")
     applied = check_one_decision(demo)
     assert len(applied) == 6
+    factors = [factor for *_, factor in applied]
+    # 16 x 1 (kept) -> 16 x 3 -> 12 x 3 -> 8 x 1 -> 8 x 2 -> 16 x 2 samples per rank and step
+    assert factors == [None, 3.0, 36 / 48, 8 / 36, 2.0, 2.0]
     human = memtui_cli("status").stdout
     assert "rank  host" in human and "   1  " in human
 
@@ -176,6 +182,18 @@ def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
     check_one_decision(demo)
     configs = [s.control.config for s in snapshots(demo.run_id)]
     assert configs[0] == configs[1]
+
+
+def test_the_exporter_serves_every_rank_as_status_sees_it(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memtui export`` on the module's job: both ranks, their numbers, the changes applied."""
+    demo = two_ranks.adopt(monkeypatch)
+    with exporter() as url:
+        wait_for(scraped_with(url, demo.run_id, ranks=2), 60, 0.3, "both ranks' metrics")
+        samples = agrees(url, demo.run_id, ranks=2)
+        hosts = {rank_labels(samples, demo.run_id, r)["host"] for r in (0, 1)}
+        assert hosts == {status_json(demo.run_id)["host"]}
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
         "grad_accum": 2,
         "num_workers": 0,
         "pin_memory": False,
+        "prefetch_factor": 2,
     }
     assert before["metrics"]["step_time_s"] > 0 and before["metrics"]["data_wait_s"] > 0
     assert before["memory"]["kind"] == "cpu" and before["memory"]["capacity_bytes"] > 0
@@ -119,6 +120,7 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
         "grad_accum": 3,
         "num_workers": 3,
         "pin_memory": False,
+        "prefetch_factor": 2,
     }
 
     assert demo.wait_exit(120) == 0, demo.output()
@@ -150,6 +152,7 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
         "grad_accum": 3,
         "num_workers": 3,
         "pin_memory": False,
+        "prefetch_factor": 2,
     }  # type: ignore[index]
     assert resumed.wait_exit(120) == 0, resumed.output()
 

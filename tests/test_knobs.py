@@ -1,14 +1,22 @@
-"""The knobs: names, aliases, parsing, validation and keep-effective-batch arithmetic."""
+"""The knobs: names, aliases, parsing, validation, keep-effective-batch arithmetic and the LR rule."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from memtui.hooks.persist import read_tuned, write_tuned
 from memtui.knobs import (
+    KNOBS,
     KnobError,
     accumulation_for,
     canonical_name,
     effective_batch,
+    lr_factor,
+    lr_rule,
+    lr_words,
+    next_lr_scale,
     parse_assignments,
     parse_changes,
     parse_value,
@@ -16,7 +24,7 @@ from memtui.knobs import (
 )
 from memtui.wire import Knobs
 
-ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
+ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor"]
 
 
 @pytest.mark.parametrize(
@@ -31,6 +39,10 @@ ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
         ("dataloader_num_workers", "num_workers"),
         ("workers", "num_workers"),
         ("dataloader_pin_memory", "pin_memory"),
+        ("prefetch_factor", "prefetch_factor"),
+        ("dataloader_prefetch_factor", "prefetch_factor"),
+        ("prefetch", "prefetch_factor"),
+        ("Prefetch-Factor", "prefetch_factor"),
         ("Batch-Size", "batch_size"),
     ],
 )
@@ -53,6 +65,8 @@ def test_unknown_knob_suggests() -> None:
         ("pin_memory", "off", False),
         ("pin_memory", True, True),
         ("pin_memory", 0, False),
+        ("prefetch_factor", "4", 4),
+        ("prefetch_factor", 1, 1),
     ],
 )
 def test_parse_value(knob: str, raw: object, value: object) -> None:
@@ -71,6 +85,10 @@ def test_parse_value(knob: str, raw: object, value: object) -> None:
         ("num_workers", "100000", "absurdly high"),
         ("pin_memory", "maybe", "true or false"),
         ("batch_size", 2.5, "must be an integer"),
+        ("prefetch_factor", "0", "between 1 and 1024"),
+        ("prefetch_factor", "-3", "between 1 and 1024"),
+        ("prefetch_factor", "two", "must be an integer"),
+        ("prefetch_factor", True, "must be an integer"),
     ],
 )
 def test_parse_value_rejects_with_reason(knob: str, raw: object, reason: str) -> None:
@@ -164,3 +182,62 @@ def test_a_change_to_what_the_run_has_is_refused_and_unchanged_knobs_are_left_ou
     assert partly.changes == {"batch_size": 16} and partly.note == "num_workers is already 4"
     kept = resolve({"batch_size": 16}, current, tunable, keep_effective_batch=True)
     assert kept.changes == {"batch_size": 16, "grad_accum": 1}
+
+
+def test_a_prefetch_factor_needs_workers_in_the_config_it_lands_in() -> None:
+    no_workers = Knobs(batch_size=8, num_workers=0, prefetch_factor=2)
+    with pytest.raises(KnobError, match=r"only used with num_workers > 0 \(torch refuses it"):
+        resolve({"prefetch_factor": 4}, no_workers, ALL)
+    assert resolve({"prefetch_factor": 4, "num_workers": 2}, no_workers, ALL).changes == {
+        "prefetch_factor": 4,
+        "num_workers": 2,
+    }
+    with pytest.raises(KnobError, match="only used with num_workers > 0"):
+        resolve({"prefetch_factor": 4, "num_workers": 0}, Knobs(batch_size=8, num_workers=2), ALL)
+
+
+def test_the_tuned_yaml_round_trips_all_five_knobs(tmp_path: Path) -> None:
+    path = tmp_path / "tuned.yaml"
+    values = {"batch_size": 12, "grad_accum": 3, "num_workers": 2, "pin_memory": True}
+    write_tuned(path, "run", 40, {**values, "prefetch_factor": 6})
+    assert read_tuned(path) == {**values, "prefetch_factor": 6}
+    assert list(read_tuned(path)) == list(KNOBS)
+    write_tuned(path, "run", 40, {"prefetch_factor": 0})
+    with pytest.raises(ValueError, match="prefetch_factor must be between 1 and"):
+        read_tuned(path)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "rule", "factor"),
+    [
+        (Knobs(batch_size=8, grad_accum=1), Knobs(batch_size=16, grad_accum=1), "linear", 2.0),
+        (Knobs(batch_size=8, grad_accum=1), Knobs(batch_size=8, grad_accum=4), "sqrt", 2.0),
+        (Knobs(batch_size=16, grad_accum=2), Knobs(batch_size=8, grad_accum=1), "linear", 0.25),
+        (Knobs(batch_size=8, grad_accum=2), Knobs(batch_size=4, grad_accum=4), "linear", None),
+        (Knobs(batch_size=8), Knobs(batch_size=32), "none", None),
+        (Knobs(batch_size=8), Knobs(batch_size=32), "sqrt", 2.0),
+    ],
+)
+def test_lr_factor(old: Knobs, new: Knobs, rule: str, factor: float | None) -> None:
+    assert lr_factor(old, new, rule) == factor
+
+
+def test_lr_words_say_the_factor_or_warn_that_the_lr_stays() -> None:
+    old, new = Knobs(batch_size=8, grad_accum=1), Knobs(batch_size=16, grad_accum=1)
+    assert lr_words(old, new, "linear", optimizer_known=True) == "lr x2.0 (linear)"
+    assert lr_words(old, new, "sqrt", optimizer_known=True) == "lr x1.4142 (sqrt)"
+    assert lr_words(old, new, "none", optimizer_known=True, world_size=2) == (
+        "warning: effective batch 16 -> 32, the LR does not follow (rule none)"
+    )
+    assert "no optimizer known to memtui" in lr_words(old, new, "linear", optimizer_known=False)
+    assert lr_words(old, old, "linear", optimizer_known=True) == ""
+
+
+def test_lr_rules_and_the_viewers_cycle() -> None:
+    assert lr_rule(" Linear ") == "linear"
+    with pytest.raises(KnobError, match="rules are linear, sqrt, none"):
+        lr_rule("cubic")
+    cycle = [""]
+    for _ in range(4):
+        cycle.append(next_lr_scale(cycle[-1]))
+    assert cycle == ["", "linear", "sqrt", "none", ""]

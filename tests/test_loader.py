@@ -127,6 +127,32 @@ def test_old_workers_are_shut_down_on_rebuild() -> None:
     assert not (children() - before), "worker processes leaked"
 
 
+def test_a_prefetch_factor_change_rebuilds_the_loader_and_its_workers_load_that_far_ahead() -> None:
+    """torch's worker iterator draws prefetch_factor x workers index batches ahead: the batches
+    drawn and not yet delivered show the factor the DataLoader really uses."""
+    tuner = make_tuner(batch_size=4, num_workers=1)
+    loader = tuner.loader(
+        lambda batch_size, num_workers: DataLoader(
+            Indices(400), batch_size=batch_size, num_workers=num_workers
+        )
+    )
+    assert tuner.knobs().prefetch_factor == 2, "torch's default, taken from the DataLoader"
+    iterator = iter(loader)
+    seen = flat(next(iterator))
+    assert len(loader.epoch_stream.inflight) == 2  # type: ignore[union-attr]
+    queue(tuner, prefetch_factor=4)
+    assert tuner.checkpoint() is not None
+    seen += flat(next(iterator))  # from the rebuilt loader
+    seen += flat(next(iterator))
+    assert loader.dataloader.prefetch_factor == loader.prefetch_factor == 4
+    assert len(loader.epoch_stream.inflight) == 4  # type: ignore[union-attr]
+    assert seen == list(range(12)), "the epoch continues exactly"
+    refused = tuner.control.queue(SetRequest(changes={"num_workers": 0, "prefetch_factor": 3}))
+    assert not refused.ok and "only used with num_workers > 0" in refused.reason
+    del iterator
+    loader.close()
+
+
 def test_data_wait_is_measured_per_step() -> None:
     tuner = make_tuner(batch_size=4, grad_accum=2, num_workers=0)
     loader = tuner.loader(
@@ -200,7 +226,7 @@ def test_factory_that_takes_no_knobs_still_gets_them() -> None:
     """memtui rebuilds the DataLoader itself, so a factory with no arguments works too."""
     tuner = make_tuner()
     loader = tuner.loader(lambda: DataLoader(Indices(40), batch_size=4, num_workers=0))
-    assert tuner.knobs() == Knobs(batch_size=4, num_workers=0, pin_memory=False)
+    assert tuner.knobs() == Knobs(batch_size=4, num_workers=0, pin_memory=False, prefetch_factor=2)
     queue(tuner, batch_size=10)
     tuner.checkpoint()
     assert [len(b) for b in loader] == [10, 10, 10, 10]

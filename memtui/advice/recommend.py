@@ -21,7 +21,14 @@ from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.knobs import accumulation_for, effective_batch, format_diffs, knobs_with, max_workers
+from memtui.knobs import (
+    DEFAULT_PREFETCH_FACTOR,
+    accumulation_for,
+    effective_batch,
+    format_diffs,
+    knobs_with,
+    max_workers,
+)
 from memtui.stats import MemoryStats, StepStats, format_bytes
 from memtui.wire import (
     AppliedChange,
@@ -301,18 +308,36 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                 score=3.5,
             )
         )
-    if inputs.host_pressure and config.pin_memory:
+    prefetch, default = config.prefetch_factor, DEFAULT_PREFETCH_FACTOR
+    fewer_ahead = (
+        prefetch is not None and prefetch > default and "prefetch_factor" in inputs.tunable
+    )
+    if inputs.host_pressure and workers > 0 and fewer_ahead:
+        why = f"each of the {workers} workers holds {prefetch} batches in host memory"
+        less = {"prefetch_factor": default}
         out.append(
-            Recommendation(
-                title="pin_memory off",
-                changes={"pin_memory": False},
-                why="page-locked host memory cannot be swapped out; under host pressure it hurts",
-                memory_delta_bytes=0,
-                effective_batch=_effective(config, inputs.world_size),
-                score=3.2,
+            _host_relief(
+                inputs, f"less prefetch: prefetch_factor {prefetch} -> {default}", less, why, 3.1
             )
         )
+    if inputs.host_pressure and config.pin_memory:
+        why = "page-locked host memory cannot be swapped out; under host pressure it hurts"
+        out.append(_host_relief(inputs, "pin_memory off", {"pin_memory": False}, why, 3.2))
     return out
+
+
+def _host_relief(
+    inputs: Inputs, title: str, changes: dict[str, KnobValue], why: str, score: float
+) -> Recommendation:
+    """A loader change that gives host memory back under pressure (device memory unchanged)."""
+    return Recommendation(
+        title=title,
+        changes=changes,
+        why=why,
+        memory_delta_bytes=0,
+        effective_batch=_effective(inputs.config, inputs.world_size),
+        score=score,
+    )
 
 
 # ----------------------------------------------------------------------------- micro-batch

@@ -85,6 +85,12 @@ def build_parser(
     parser.add_argument(
         "--autotune", action="store_true", help="start with the autopilot on (it tunes the knobs)"
     )
+    parser.add_argument(
+        "--lr-scale",
+        choices=("linear", "sqrt", "none"),
+        default="none",
+        help="how the LR follows a change of the effective batch (default none)",
+    )
     parser.add_argument("--out", type=Path, metavar="DIR", help="checkpoint and state directory")
     parser.add_argument(
         "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"

@@ -102,6 +102,7 @@ def save_checkpoint(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     tuner: hooks.Tuner,
     config: DemoConfig,
     epoch: int,
@@ -112,6 +113,7 @@ def save_checkpoint(
         {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
             "memtui": tuner.state_dict(),
             "config": asdict(config),
             "epoch": epoch,
@@ -162,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name,
         options=options,
         autotune=args.autotune,
+        lr_scale=args.lr_scale,
     )
+    # a short warm-up, then the base LR: memtui moves the base with the effective batch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    tuner.watch_scheduler(scheduler)
 
     def make_loader(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
         sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(
@@ -183,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            scheduler.load_state_dict(state["scheduler"])
         tuner.load_state_dict(state["memtui"])
         epoch = int(state.get("epoch", 0))
     say = print if rank == 0 else _quiet
@@ -228,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 micro = 0
                 optimizer.step()
+                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 tuner.step()
                 step = tuner.step_count
                 if step % args.checkpoint_every == 0 or step >= args.steps:
                     if rank == 0:
-                        save_checkpoint(ckpt_path, net, optimizer, tuner, config, epoch)
+                        save_checkpoint(ckpt_path, net, optimizer, scheduler, tuner, config, epoch)
                     applied = tuner.checkpoint()  # on every rank, at the same step
                     if applied:
                         say(applied, flush=True)

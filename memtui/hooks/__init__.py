@@ -14,15 +14,19 @@ from typing import Any
 from memtui.hooks.adapters import UnsupportedTrainer, framework_of
 from memtui.hooks.binding import BindingError
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.tracker import TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Applied, Options, Tuner
 
 __all__ = [
     "Applied",
     "BindingError",
     "Options",
+    "TrackerEvent",
     "TunedLoader",
     "Tuner",
     "UnsupportedTrainer",
+    "event_text",
+    "event_values",
     "install",
 ]
 
@@ -42,6 +46,7 @@ def install(
     options: Options | None = None,
     record: str | os.PathLike[str] | None = None,
     autotune: bool = False,
+    lr_scale: str = "none",
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
 
@@ -57,6 +62,8 @@ def install(
     same as ``options=Options(record=...)`` or ``MEMTUI_RECORD``, and it wins over both.
     ``autotune=True`` starts the autopilot: it tunes the knobs by itself, one change per
     checkpoint, until nothing left is predicted to help (``Options.autotune`` likewise).
+    ``lr_scale`` is the run's rule for the LR when a change moves the effective batch and names
+    no rule of its own: ``linear``, ``sqrt`` or ``none`` (see "Changing the effective batch").
     """
     if autotune:
         options = dataclasses.replace(options or Options(), autotune=True)
@@ -70,6 +77,7 @@ def install(
         "resume": resume,
         "name": name,
         "options": options,
+        "lr_scale": lr_scale,
     }
     framework = framework_of(trainer)
     if framework == "transformers":
@@ -96,4 +104,5 @@ def install(
         name=name,
         auto_step=auto_step,
         options=options,
+        lr_scale=lr_scale,
     ).start()

@@ -56,6 +56,7 @@ from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
 from memtui.hooks.publisher import Publisher, Recorder
 from memtui.hooks.server import ControlServer
+from memtui.hooks.threadname import name_native_thread
 from memtui.recording import CONTROL_RANK, RecordingHeader
 from memtui.security import IPC, TcpPlan, ZapHandler, exposure, make_server
 from memtui.wire import HookCounters, ModelPoint, RankInfo, RunInfo, RunRecord, Snapshot, encode
@@ -185,6 +186,7 @@ class Agent(threading.Thread):
 
     def run(self) -> None:
         """Bind, then flush and serve until stopped; failures are reported, never raised."""
+        name_native_thread(self.name)
         try:
             self._waker = os.pipe()
             os.set_blocking(self._waker[1], False)

@@ -11,14 +11,26 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from memtui.advice.prediction import Prediction
 from memtui.hooks.caches import release_caches
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
+from memtui.hooks.lr import LearningRate
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
-from memtui.knobs import KnobError, format_diffs, merge, shrank
+from memtui.knobs import (
+    KnobError,
+    format_diffs,
+    format_lr,
+    knobs_with,
+    lr_factor,
+    lr_words,
+    merge,
+    shrank,
+)
 from memtui.wire import AppliedChange, PendingChange
 
 log = logging.getLogger("memtui")
@@ -34,7 +46,17 @@ class Applied(AppliedChange):
 def describe_applied(applied: AppliedChange) -> str:
     """``memtui: applied at step 40: batch_size 8 -> 16 (note)``."""
     text = f"memtui: applied at step {applied.step}: {format_diffs(applied.changes) or 'no effective change'}"
-    return f"{text} ({applied.note})" if applied.note else text
+    notes = "; ".join(n for n in (applied.note, applied.lr_note) if n)
+    return f"{text} ({notes})" if notes else text
+
+
+def lr_rule_of(pending: list[PendingChange]) -> str:
+    """The LR rule of a boundary's changes: the latest one's that moves the micro-batch or the
+    accumulation (``none`` if none names a rule)."""
+    for change in reversed(pending):
+        if {"batch_size", "grad_accum"} & set(change.changes):
+            return change.lr_scale or "none"
+    return "none"
 
 
 class Boundary:
@@ -48,7 +70,9 @@ class Boundary:
         tuned: TunedConfig,
         report: Report,
         on_ranks_changed: Callable[[], None] = lambda: None,
+        lr: LearningRate | None = None,
     ) -> None:
+        self._lr = lr or LearningRate()
         self._store = store
         self._control = control
         self._placement = placement
@@ -60,7 +84,7 @@ class Boundary:
         """Take (rank 0), agree on and apply the pending changes at ``step``; what was applied."""
         control, placement = self._control, self._placement
         rank = placement.rank
-        taken: list[PendingChange] = control.take_pending() if rank == 0 else []
+        taken: list[PendingChange] = self._decide_lr(control.take_pending()) if rank == 0 else []
         coordinator = placement.coordinator
         if coordinator is None and placement.world_size > 1:
             if taken:  # one rank of several with no agreement: applying alone would split the job
@@ -85,16 +109,38 @@ class Boundary:
                 self._on_ranks_changed()
         return self._apply(pending, step) if pending else None
 
+    def _decide_lr(self, taken: list[PendingChange]) -> list[PendingChange]:
+        """Rank 0: stamp the LR factor of the whole boundary on its changes, so every rank
+        multiplies by the same one (None while no optimizer is known here or the rule is none)."""
+        if not taken or not self._lr.known():
+            return taken
+        new = knobs_with(self._store.knobs, merge(c.changes for c in taken))
+        factor = lr_factor(self._store.knobs, new, lr_rule_of(taken))
+        return [msgspec.structs.replace(c, lr_factor=factor) for c in taken]
+
     def _apply(self, pending: list[PendingChange], step: int) -> Applied | None:
         """Validate and apply ``pending`` (all or none); record, persist and log what changed."""
         store, control = self._store, self._control
         merged = merge(c.changes for c in pending)
+        before = store.knobs
         try:
             store.check(merged)
             diffs = store.apply(merged, step)
         except KnobError as exc:
             control.record_rejected(pending, str(exc), step)
             return None
+        rule, factor = lr_rule_of(pending), pending[-1].lr_factor
+        if factor is not None:
+            self._lr.scale(factor)
+            lr_note = format_lr(factor, rule)
+        else:  # rank 0 decided none: the rule is none, or it knows no optimizer
+            lr_note = lr_words(
+                before,
+                store.knobs,
+                rule,
+                optimizer_known=False,
+                world_size=self._placement.world_size,
+            )
         note = (
             "the data loader is rebuilt at the next batch" if set(diffs) & set(LOADER_KNOBS) else ""
         )
@@ -107,6 +153,8 @@ class Boundary:
             # the gate's prediction for the whole new config (workers and pinning included)
             predicted_peak_bytes=Prediction.of_config(control.model, store.knobs).peak_bytes,
             origin=origins.pop() if len(origins := {c.origin for c in pending}) == 1 else "",
+            lr_factor=factor,
+            lr_note=lr_note,
         )
         control.record_applied(applied)
         if self._placement.rank == 0:
@@ -127,8 +175,18 @@ class Boundary:
             diffs = self._store.apply(old, step)
         except KnobError as exc:
             return str(exc)
+        undo = 1.0 / target.lr_factor if target.lr_factor else None
+        if undo is not None:
+            self._lr.scale(undo)
         rollback = AppliedChange(
-            ids=[], step=step, time=time.time(), changes=diffs, note=note, rollback=True
+            ids=[],
+            step=step,
+            time=time.time(),
+            changes=diffs,
+            note=note,
+            rollback=True,
+            lr_factor=undo,
+            lr_note=format_lr(undo, "rollback") if undo is not None else "",
         )
         self._control.record_applied(rollback)
         return rollback

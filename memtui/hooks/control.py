@@ -19,6 +19,7 @@ from memtui.advice.prediction import Prediction
 from memtui.advice.speed import SpeedEstimate, speed_error
 from memtui.advice.verdict import Thresholds, load_thresholds
 from memtui.hooks.limits import PeerRates
+from memtui.hooks.lr import LearningRate
 from memtui.hooks.persist import AuditLog
 from memtui.knobs import (
     KNOBS,
@@ -26,6 +27,7 @@ from memtui.knobs import (
     format_changes,
     format_diffs,
     knobs_with,
+    lr_words,
     merge,
     parse_changes,
     resolve,
@@ -58,7 +60,7 @@ HISTORY = 50
 """Applied and rejected changes kept in memory (the audit log keeps all)."""
 MAX_PENDING = 64
 MAX_CHANGES = 8
-"""Knobs one request may name (there are four, by any of their names)."""
+"""Knobs one request may name (there are five, by any of their names)."""
 MAX_TEXT = 64
 """Characters of a knob's name, of a value given as text, and of a client's name."""
 MAX_REASON = 400
@@ -129,8 +131,12 @@ class Control:
         report: Callable[[BaseException, str], None] | None = None,
         thresholds: Thresholds | None = None,
         pinning: Callable[[], bool] = lambda: True,
+        lr: LearningRate | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._lr = lr or LearningRate()
+        """The LR's owner: the run's rule for a change of the effective batch, and whether an
+        optimizer is known for it to follow."""
         self._pinning = pinning
         """Whether pinned memory has an effect here (torch sees an accelerator)."""
         self.thresholds = thresholds or _thresholds_in_force()
@@ -231,6 +237,7 @@ class Control:
             no_effect = (
                 NO_PINNING if parsed.get("pin_memory") is True and not self._pinning() else ""
             )
+            rule = self._lr.resolve(request.lr_scale)
             with self._lock:
                 if len(self.pending) >= MAX_PENDING and not request.dry_run:
                     raise KnobError(f"{MAX_PENDING} changes already pending: cancel some first")
@@ -243,12 +250,19 @@ class Control:
                 )
                 projected = knobs_with(self._projected(), resolved.changes)
                 prediction = self._predict(projected)
+                lr_note = lr_words(
+                    self._projected(),
+                    projected,
+                    rule,
+                    optimizer_known=self._lr.known(),
+                    world_size=self.world_size,
+                )
                 if request.dry_run:
                     return _reply(
                         prediction,
                         ok=True,
                         changes=resolved.changes,
-                        note=_join(resolved.note, no_effect, prediction.warning),
+                        note=_join(resolved.note, lr_note, no_effect, prediction.warning),
                         needs_force=prediction.over_danger,
                     )
                 if prediction.over_danger and not request.force:
@@ -261,10 +275,16 @@ class Control:
                     queued_step=step,
                     keep_effective_batch=request.keep_effective_batch,
                     client=client,
-                    note=_join(resolved.note, no_effect, prediction.risk if request.force else ""),
+                    note=_join(
+                        resolved.note,
+                        lr_note,
+                        no_effect,
+                        prediction.risk if request.force else "",
+                    ),
                     predicted_peak_bytes=prediction.peak_bytes,
                     forced=bool(request.force and prediction.over_danger),
                     origin=origin,
+                    lr_scale=rule,
                 )
                 self._next_id += 1
                 self.pending.append(change)

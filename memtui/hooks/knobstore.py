@@ -21,7 +21,7 @@ from memtui.wire import KnobDiff, Knobs, KnobValue
 
 log = logging.getLogger("memtui")
 
-LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory")
+LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor")
 """The knobs a data loader is built with (a change rebuilds it)."""
 
 

@@ -1,7 +1,7 @@
 """The DataLoader wrapper: times the wait for each batch and rebuilds the loader when knobs change.
 
 ``tuner.loader(factory)`` calls ``factory`` (with the keyword arguments among ``batch_size``,
-``num_workers`` and ``pin_memory`` that it accepts) to get a ``torch.utils.data.DataLoader``,
+``num_workers``, ``pin_memory`` and ``prefetch_factor`` that it accepts) to get a ``torch.utils.data.DataLoader``,
 then iterates a loader built from it with the tuner's current knob values. When a checkpoint
 boundary changes one of those knobs, the next fetch shuts the old loader's workers down and
 continues with a new loader.
@@ -33,6 +33,7 @@ from typing import Any
 
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
+from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")
@@ -180,7 +181,10 @@ class TunedLoader:
     # ---------------------------------------------------------------- building
 
     def _factory_kwargs(self, knobs: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in knobs.items() if k in self._accepts and v is not None}
+        given = {k: v for k, v in knobs.items() if k in self._accepts and v is not None}
+        if not knobs.get("num_workers"):  # torch refuses a prefetch factor without workers
+            given.pop("prefetch_factor", None)
+        return given
 
     def _build(self, initial: bool = False) -> dict[str, Any]:
         """Build a loader from the factory with the tuner's current knobs; return the knobs."""
@@ -199,6 +203,7 @@ class TunedLoader:
             "batch_size": template.batch_size,
             "num_workers": template.num_workers,
             "pin_memory": template.pin_memory,
+            "prefetch_factor": template.prefetch_factor or DEFAULT_PREFETCH_FACTOR,
         }
         mode = "restart"
         if type(template) is DataLoader and template.batch_size is not None:
@@ -370,6 +375,11 @@ class TunedLoader:
         return self.knobs["pin_memory"]
 
     @property
+    def prefetch_factor(self) -> int:
+        """Batches each worker of the loader now iterated loads ahead (unused without workers)."""
+        return int(self.knobs["prefetch_factor"])
+
+    @property
     def dataloader(self) -> Any:
         """The torch DataLoader now iterated."""
         return self._loader
@@ -399,7 +409,7 @@ class TunedLoader:
 
 
 def _loader_kwargs(template: Any, knobs: dict[str, Any]) -> dict[str, Any]:
-    """The DataLoader arguments of ``template``, with the tuned worker and pinning knobs."""
+    """The DataLoader arguments of ``template``, with the tuned worker, pinning and prefetch knobs."""
     workers = int(knobs["num_workers"])
     kwargs: dict[str, Any] = {
         "num_workers": workers,
@@ -413,7 +423,7 @@ def _loader_kwargs(template: Any, knobs: dict[str, Any]) -> dict[str, Any]:
         "pin_memory_device": template.pin_memory_device,
     }
     if workers > 0:
-        kwargs["prefetch_factor"] = template.prefetch_factor or 2
+        kwargs["prefetch_factor"] = int(knobs["prefetch_factor"])
     if hasattr(template, "in_order"):
         kwargs["in_order"] = template.in_order
     return kwargs

@@ -47,6 +47,7 @@ from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
+from memtui.hooks.tracker import TrackerEvent
 from memtui.knobs import accumulation_for, as_dict, format_diffs, grew, knobs_with
 from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent, all_fields
 
@@ -69,6 +70,7 @@ class OomHandler:
         zero_grad: Callable[[], None],
         report: Report,
         reset_peaks: Callable[[], None] = lambda: None,
+        notify: Callable[[TrackerEvent, int], None] = lambda event, step: None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -82,6 +84,8 @@ class OomHandler:
         self.report = report
         self._reset_peaks = reset_peaks
         """Resets the allocator's peak counters once a rollback's caches are given back."""
+        self._notify = notify
+        """Hands each post-mortem and rollback to the user's tracker (``tuner.on_event``)."""
         self.empty_cache_pending = False
         """A rollback happened: the next guarded block starts by emptying the caches."""
 
@@ -183,6 +187,7 @@ class OomHandler:
             )
             event.safe_config = safe
             self._record(event, why, grown)
+            self._notify(event, step)
             log.error(
                 "memtui: out of memory at step %d (%s); no rollback (%s). Wrote a safe config for "
                 "the restart (%s): %s",
@@ -214,6 +219,9 @@ class OomHandler:
         event.rolled_back = True
         event.safe_config = self._store.knobs
         self._record(event, f"rolled back change #{','.join(map(str, target.ids))}", grown)
+        self._notify(event, step)
+        if not isinstance(rollback, str):
+            self._notify(rollback, step)
         log.error(
             "memtui: out of memory at step %d, %d step(s) after change #%s: rolled it back (%s), "
             "training goes on; %s",

@@ -238,13 +238,18 @@ def write_tuned(
         raise
 
 
-def read_ceiling(path: Path) -> Ceiling | None:
-    """The out-of-memory ceiling a tuned-config file keeps (None: none, or unreadable)."""
+def read_section(path: Path, name: str) -> Any:
+    """One section of a tuned-config file as YAML reads it (None: none, or unreadable)."""
     try:
         body = safeyaml.read(path)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
-    raw = body.get("ceiling") if isinstance(body, dict) else None
+    return body.get(name) if isinstance(body, dict) else None
+
+
+def read_ceiling(path: Path) -> Ceiling | None:
+    """The out-of-memory ceiling a tuned-config file keeps (None: none, or unreadable)."""
+    raw = read_section(path, "ceiling")
     if not isinstance(raw, dict):
         return None
     try:

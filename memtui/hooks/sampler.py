@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from memtui.hooks.errors import Report
+from memtui.hooks.threadname import name_native_thread
 from memtui.wire import DeviceSample, GpuProcess, HostSample
 
 if TYPE_CHECKING:
@@ -536,6 +537,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         """Sample until stopped; a failing probe is reported and retried later."""
+        name_native_thread(self.name)
         next_host = 0.0
         failures = 0
         device = self._device

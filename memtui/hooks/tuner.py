@@ -9,6 +9,7 @@ Each piece of state has one owner, reached through its public methods:
 * ``boundary`` (``Boundary``): the checkpoint boundary that applies changes;
 * ``tuned`` (``TunedConfig``): the tuned config on disk; ``device`` (``DeviceTracker``);
 * ``oom`` (``OomHandler``): post-mortems and rollbacks; ``errors`` (``ErrorLog``);
+* ``tracker`` (``Tracker``): the user's event callbacks (``on_event``);
 * the sampler and agent threads (``Sampler``, ``Agent``), started by ``start``.
 
 The constructor builds the parts and touches nothing outside the process; ``start()`` joins the
@@ -44,6 +45,7 @@ from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.lr import LR_SECTION, LearningRate
 from memtui.hooks.oom import Guard, OomHandler
 from memtui.hooks.persist import (
     AUDIT_FILE,
@@ -52,11 +54,13 @@ from memtui.hooks.persist import (
     TunedConfig,
     read_audit,
     read_ceiling,
+    read_section,
     read_tuned,
     unapplied,
 )
 from memtui.hooks.placement import Placement
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
+from memtui.hooks.tracker import EventCallback, Tracker
 from memtui.knobs import format_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import parse_bytes
@@ -147,6 +151,7 @@ class Tuner:
         auto_step: bool = False,
         options: Options | None = None,
         placement: tuple[int, int, int] | None = None,
+        lr_scale: str = "none",
     ) -> None:
         # the hot path's owner first, so ``step()`` works whatever fails later
         self.errors = ErrorLog()
@@ -173,16 +178,20 @@ class Tuner:
             warn_every_s=self.options.boundary_warn_s,
         )
         self.device = DeviceTracker(self.report)
+        self.tracker = Tracker(self.report)
         self._state_dir_given = Path(state_dir) if state_dir else None
         self._tuned_path_given = Path(tuned_path) if tuned_path else None
         self._resume_from = resume
         self._auto_step = auto_step
+        self.lr = LearningRate(lr_scale)
+        """The LR's owner: the optimizers and schedulers that follow the effective batch."""
         self.control = Control(
             lambda: self.store.knobs,
             world_size=self.placement.world_size,
             step=lambda: self.ledger.step,
             report=self.report,
             pinning=self.device.has_accelerator,
+            lr=self.lr,
         )
         self.autopilot = Autopilot(
             self.control,
@@ -195,7 +204,10 @@ class Tuner:
         control server answers ``memtui autotune``)."""
         self.control.pilot = self.autopilot
         self.tuned = TunedConfig(
-            self.tuned_paths, lambda: self.run_id, self.report, sections=self.control.persisted
+            self.tuned_paths,
+            lambda: self.run_id,
+            self.report,
+            sections=lambda: {**self.control.persisted(), **self.lr.persisted()},
         )
         self.boundary = Boundary(
             self.store,
@@ -204,6 +216,7 @@ class Tuner:
             self.tuned,
             self.report,
             on_ranks_changed=self._register,
+            lr=self.lr,
         )
         self.oom = OomHandler(
             ledger=self.ledger,
@@ -216,6 +229,7 @@ class Tuner:
             zero_grad=self._zero_grad,
             report=self.report,
             reset_peaks=self.device.reset_peaks,
+            notify=self.tracker.emit,
         )
         self.resumed: dict[str, KnobDiff] = {}
         """What ``resume`` changed in the script's config."""
@@ -254,6 +268,8 @@ class Tuner:
         self.device.refresh(self.model)
         self.device.note_baseline()
         self._refresh_static()
+        if self.optimizer is not None:
+            self.lr.watch_optimizer(self.optimizer)
         if self.optimizer is not None and self._auto_step:
             self.watch_optimizer(self.optimizer)
         self.oom.install_excepthook(lambda: self._closed)
@@ -515,6 +531,13 @@ class Tuner:
         try:
             values = read_tuned(path)
             self.resumed = self.store.resume(values, path)
+            factor = self.lr.resume(read_section(path, LR_SECTION))
+            if factor != 1.0:
+                log.warning(
+                    "memtui: kept the LR factor x%s from %s (the tuned batch's learning rate)",
+                    round(factor, 4),
+                    path,
+                )
             ceiling = read_ceiling(path)
             if ceiling is not None:
                 self.control.restore_ceiling(ceiling)
@@ -612,11 +635,21 @@ class Tuner:
         self.ledger.close_step(samples)
 
     def watch_optimizer(self, optimizer: Any) -> None:
-        """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook)."""
+        """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook); its
+        LR follows a change of the effective batch."""
+        self.lr.watch_optimizer(optimizer)
         try:
             self._hook_handle = optimizer.register_step_post_hook(lambda *_args: self.step())
         except Exception as exc:
             self.report(exc, "watch_optimizer")
+
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """Make an LR scheduler's ``base_lrs`` (and its optimizer's LR) follow a change of the
+        effective batch."""
+        try:
+            self.lr.watch_scheduler(scheduler)
+        except Exception as exc:
+            self.report(exc, "watch_scheduler")
 
     def checkpoint(self) -> Applied | None:
         """The checkpoint boundary: call it on every rank right after the checkpoint is saved.
@@ -634,6 +667,7 @@ class Tuner:
             applied = self.boundary.run(step)
             if applied is not None:  # the peak so far was the old config's
                 self.device.reset_peaks()
+                self.tracker.emit(applied, step)
             if self.rank == 0 and applied is None:  # an applied change has just saved it all
                 self.tuned.save_again(step)
             taken = self.control.taken_time if self.rank == 0 else time.time()
@@ -642,6 +676,11 @@ class Tuner:
             self.report(exc, "checkpoint")
             ledger.restart_clock()
         return applied
+
+    def on_event(self, callback: EventCallback) -> EventCallback:
+        """Call ``callback(event, step)`` on the training thread for every applied change,
+        rollback (``AppliedChange``) and out-of-memory post-mortem (``OomEvent``); returns it."""
+        return self.tracker.add(callback)
 
     def guard(self) -> Guard:
         """A context manager for the allocating part of a step: OOM post-mortem and rollback."""

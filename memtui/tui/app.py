@@ -29,7 +29,7 @@ from textual.worker import get_current_worker
 from memtui import registry
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import load_thresholds
-from memtui.knobs import KNOBS
+from memtui.knobs import KNOBS, next_lr_scale
 from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
 from memtui.tui.events import MANY_RANKS, Notice
 from memtui.tui.messages import ReceiverUpdate
@@ -69,7 +69,10 @@ class MemtuiApp(App[int]):
         Binding("a", "edit('grad_accum')", "grad accum", group=EDIT_GROUP, priority=True),
         Binding("w", "edit('num_workers')", "workers", group=EDIT_GROUP, priority=True),
         Binding("p", "edit('pin_memory')", "pin memory", group=EDIT_GROUP, priority=True),
+        # left out of the footer (a 60-column pane has no room): the help and the config panel name it
+        Binding("P", "edit('prefetch_factor')", "prefetch", show=False, priority=True),
         Binding("k", "toggle_keep", "keep", priority=True),
+        Binding("l", "cycle_lr_scale", "lr rule", show=False, priority=True),
         Binding("c", "cancel_change", "cancel", priority=True),
         Binding("A", "toggle_autotune", "autopilot", show=False, priority=True),
         Binding("o", "apply_recommendation", "queue advice", priority=True),
@@ -91,6 +94,8 @@ class MemtuiApp(App[int]):
     """The view is frozen; data is still received and folded, and shows on resume."""
     keep_effective_batch: var[bool] = var(False, init=False)
     """A batch_size change also sets grad_accum so that micro x accum stays the same."""
+    lr_scale: var[str] = var("", init=False)
+    """How the LR follows an edit that moves the effective batch ('': the run's own rule)."""
 
     def __init__(
         self,
@@ -150,7 +155,9 @@ class MemtuiApp(App[int]):
         """The viewer's switches, as the widgets show them."""
         source = self.receiver.source
         speed = source.speed if self.replay_controls and isinstance(source, ReplaySource) else None
-        return ViewOptions(self.paused, self.readonly, self.keep_effective_batch, speed)
+        return ViewOptions(
+            self.paused, self.readonly, self.keep_effective_batch, self.lr_scale, speed
+        )
 
     def on_mount(self) -> None:
         """Start the receiver and the refresh timer."""
@@ -304,6 +311,7 @@ class MemtuiApp(App[int]):
                 SetRequest(
                     changes=changes,
                     keep_effective_batch=keep,
+                    lr_scale=self.lr_scale,
                     client=self.receiver.client,
                     force=result.force,
                 )
@@ -345,6 +353,10 @@ class MemtuiApp(App[int]):
     def action_toggle_keep(self) -> None:
         """Toggle keep-effective-batch for the next batch_size change."""
         self.keep_effective_batch = not self.keep_effective_batch
+
+    def action_cycle_lr_scale(self) -> None:
+        """Choose how the LR follows the next edit that moves the effective batch."""
+        self.lr_scale = next_lr_scale(self.lr_scale)
 
     def action_cancel_change(self) -> None:
         """Pick a pending change to cancel."""
@@ -417,6 +429,10 @@ class MemtuiApp(App[int]):
 
     def watch_keep_effective_batch(self) -> None:
         """Show the switch at once."""
+        self.refresh_view(charts=False)
+
+    def watch_lr_scale(self) -> None:
+        """Show the LR rule at once."""
         self.refresh_view(charts=False)
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:

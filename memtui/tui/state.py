@@ -102,6 +102,8 @@ class ViewOptions:
     """Nothing is sent to the run."""
     keep_effective_batch: bool = False
     """A batch_size change recomputes grad_accum to keep micro x accum."""
+    lr_scale: str = ""
+    """How the LR follows an edit that moves the effective batch ('': the run's rule)."""
     replay_speed: float | None = None
     """``memtui replay``: the replay's speed (x real time); None in a live view."""
 
@@ -196,6 +198,8 @@ class RankSeries:
     control: ControlState | None = None
     """The rank's own config and applied changes, as it last reported them (None: not yet)."""
     control_seq: int = 0
+    counters: HookCounters | None = None
+    """What the rank's hook counts about itself, as it last reported it (None: not yet)."""
     reported: bool = False
     """The rank has sent something (it may be listed by the run before it does)."""
     reported_step: int = 0
@@ -522,6 +526,8 @@ class RunState:
     hold_summary: bool = False
     """Keep the summary already made even if the data changed, until ``refresh_summary`` (the
     app makes it anew at the charts' rate: with many ranks it is the costliest thing it draws)."""
+    chart_seconds: int = MAX_BUCKETS
+    """One-second chart buckets kept per rank (``memtui export`` draws no chart: it keeps one)."""
     _summary: Summary | None = field(default=None, repr=False)
     _summary_version: tuple[int, int, int] = field(default=(-1, 0, 0), repr=False)
 
@@ -596,7 +602,11 @@ class RunState:
         """The series of ``rank`` (created on first use)."""
         series = self.series.get(rank)
         if series is None:
-            series = self.series[rank] = RankSeries(rank)
+            series = self.series[rank] = RankSeries(
+                rank,
+                step_buckets=BucketSeries(StepBucket, self.chart_seconds),
+                memory_buckets=BucketSeries(MemoryBucket, self.chart_seconds),
+            )
         return series
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
@@ -633,6 +643,7 @@ class RunState:
         series.add_device(snapshot.device)
         series.last_seq = max(series.last_seq, snapshot.seq)
         series.take_control(snapshot.control, snapshot.control_seq)
+        series.counters = snapshot.counters or series.counters
         if snapshot.host:
             series.host = snapshot.host[-1]
         self._add_host(snapshot.host)
@@ -647,6 +658,7 @@ class RunState:
         series.last_seq = max(series.last_seq, snapshot.seq)
         if series.take_control(snapshot.control, snapshot.control_seq):
             self.control_version += 1
+        series.counters = snapshot.counters or series.counters
         if snapshot.host:
             series.host = snapshot.host[-1]
         self.step = max(self.step, snapshot.step)
@@ -700,6 +712,7 @@ class RunState:
                 self.control = batch.control
                 self.control_seq = batch.control_seq
                 self.control_version += 1
+        series.counters = batch.counters or series.counters
         if batch.counters is not None and batch.counters != self.counters:
             self.counters = batch.counters
             self.connection_version += 1

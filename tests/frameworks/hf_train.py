@@ -36,6 +36,7 @@ parser.add_argument("--save-steps", type=int, default=4)
 parser.add_argument("--batch-size", type=int, default=4)
 parser.add_argument("--grad-accum", type=int, default=2)
 parser.add_argument("--no-memtui", action="store_true")
+parser.add_argument("--report-to", default="", help="a report_to integration (tensorboard)")
 parser.add_argument("--save-only-model", action="store_true")
 parser.add_argument("--save-total-limit", type=int, default=None)
 parser.add_argument("--best", action="store_true", help="evaluate at each save; keep the best")
@@ -148,7 +149,7 @@ args = TrainingArguments(
     save_strategy="steps",
     save_steps=cli.save_steps,
     logging_steps=1,
-    report_to=[],
+    report_to=[cli.report_to] if cli.report_to else [],
     use_cpu=True,
     dataloader_num_workers=0,
     disable_tqdm=True,

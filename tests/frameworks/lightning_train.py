@@ -32,6 +32,7 @@ parser.add_argument("--package", default="lightning.pytorch")
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--max-epochs", type=int, default=0)
 parser.add_argument("--onecycle", action="store_true")
+parser.add_argument("--tensorboard", action="store_true", help="a TensorBoardLogger in --out/tb")
 cli = parser.parse_args()
 if cli.package == "pytorch_lightning":
     import pytorch_lightning as pl
@@ -80,7 +81,9 @@ class Tiny(pl.LightningModule):
         index, x, y = batch
         self.seen.extend(index.tolist())
         self.micro += 1
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)  # to the TensorBoardLogger with --tensorboard
+        return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.accum_per_step.append(self.micro)
@@ -121,7 +124,8 @@ trainer = pl.Trainer(
     accelerator="cpu",
     devices=cli.devices,
     strategy="ddp" if cli.devices > 1 else "auto",
-    logger=False,
+    logger=pl.loggers.TensorBoardLogger(cli.out, name="tb") if cli.tensorboard else False,
+    log_every_n_steps=1,
     enable_progress_bar=False,
     enable_model_summary=False,
     callbacks=[checkpoints, WaitForGo()],

@@ -95,6 +95,23 @@ def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> No
     assert after == [2] * 7, "two worker processes after"
 
 
+def test_the_lr_follows_the_effective_batch_across_the_in_process_resume(tmp_path: Path) -> None:
+    """4 x 2 -> 6 x 1 with the linear rule: the optimizer and scheduler the resumed ``train()``
+    loads from checkpoint-4 (saved before the change) get the factor too, so the schedule goes on
+    at 0.75 of its values from step 5."""
+    with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
+        paused.queue_and_go(
+            "batch_size=6", "grad_accum=1", "--allow-effective-batch", "--lr-scale", "linear"
+        )
+        paused.finish(180)
+    report = json.loads(paused.report.read_text())
+    assert report["restarts"] == 1 and report["steps"] == list(range(1, 13))
+    expected = [1e-3 * (1 - (s - 1) / 12) * (0.75 if s > 4 else 1.0) for s in range(1, 13)]
+    assert report["lrs"] == pytest.approx(expected)
+    applied = [entry for entry in audit_of(tmp_path) if entry.get("event") == "applied"]
+    assert applied[0]["lr_note"] == "lr x0.75 (linear)"
+
+
 def test_save_only_model_refuses_changes_with_the_reason(tmp_path: Path) -> None:
     with paused_run(tmp_path, PYTHON, SCRIPT, "--save-only-model") as paused:
         refused = memtui_cli("set", paused.run_id(), "batch_size=6")

@@ -40,6 +40,22 @@ def test_change_lands_after_the_next_checkpoint(tmp_path: Path, package: str) ->
     assert len(set(seen[SAMPLES:])) == len(seen) - SAMPLES, "epoch 1: no sample twice"
 
 
+def test_the_lr_follows_the_effective_batch_with_the_sqrt_rule(tmp_path: Path) -> None:
+    """4 x 2 -> 6 x 3 (8 -> 18 samples a step) with the square-root rule: Lightning's optimizer
+    and its step-interval scheduler both follow, x1.5 from the step after the checkpoint on."""
+    pytest.importorskip("lightning.pytorch")
+    args = ("--samples", str(SAMPLES), "--package", "lightning.pytorch")
+    with paused_run(tmp_path, PYTHON, SCRIPT, *args) as paused:
+        paused.queue_and_go(
+            "batch_size=6", "grad_accum=3", "--allow-effective-batch", "--lr-scale", "sqrt"
+        )
+        paused.finish(180)
+    report = json.loads(paused.report.read_text())
+    assert report["accum_per_step"][:7] == [2] * 4 + [3] * 3
+    expected = [0.1 * (1 - s / 12) * (1.5 if s >= 4 else 1.0) for s in range(12)]
+    assert report["lrs"] == pytest.approx(expected)
+
+
 def one_cycle(total: int) -> list[float]:
     """The learning rate of each of ``total`` steps of a OneCycleLR (max_lr 0.1) sized ``total``."""
     import torch

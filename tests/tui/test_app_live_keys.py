@@ -224,6 +224,35 @@ def test_attach_shows_the_history_within_two_seconds(
     run(app, check, WIDE)
 
 
+def test_the_lr_rule_key_goes_with_an_edit_and_the_change_log_warns_when_the_lr_stays(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    """``l`` picks the LR rule the next edit sends; the loop knows no optimizer, so the change
+    lands with the warning (rule linear: no optimizer; rule none would say so) in the change log;
+    ``P`` on a run without a loader says prefetch_factor is not tunable."""
+    loop = start_hook_loop(rate=100, seconds=120, checkpoint_every=20)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.control is not None and state.step > 0, 20, "the run")
+        await pilot.press("l")
+        assert app.lr_scale == "linear"
+        assert "lr rule linear (l)" in text_of(pilot, "#config")
+        await pilot.press("b", "6", "4", "enter")
+        await until(pilot, lambda: bool(state.control and state.control.applied), 30, "applied")
+        applied = state.control.applied[-1]  # type: ignore[union-attr]
+        warning = "effective batch 32 -> 64, the LR does not follow (no optimizer known to memtui)"
+        assert applied.lr_note == f"warning: {warning}" and applied.lr_factor is None
+        app.refresh_view()
+        await pilot.pause()
+        assert warning in " ".join(text_of(pilot, "#changes").split())
+        await pilot.press("P")
+        assert app.screen is app.main, "no editor for a knob the run lacks"
+
+    run(app, check, WIDE)
+
+
 def test_a_turns_the_autopilot_on_and_a_change_typed_pauses_it(
     start_hook_loop: Callable[..., HookLoop],
 ) -> None:

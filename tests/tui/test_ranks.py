@@ -221,8 +221,8 @@ def test_a_dead_ranks_row_goes_stale(tmp_path: Path) -> None:
         # the last folds can trail the caught-up flag, so wait for the age, do not sample it
         await until(
             pilot,
-            lambda: state.summary().worst_first[0].age_s >= 10,
-            20,
+            lambda: state.refresh_summary().worst_first[0].age_s >= 10,
+            40,
             "rank 7 silent since about 8 s in",
         )
         app.refresh_view()

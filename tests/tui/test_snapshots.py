@@ -123,7 +123,7 @@ def test_the_side_pane_snapshot_shows_the_change_landing() -> None:
         await settle(pilot)
         assert pilot.app.screen.max_scroll_y == 0
         text = "\n".join(svg_lines(pilot.app.export_screenshot()))
-        assert "BALANCED" in text and "num_workers       4" in text and "main RSS" in text
+        assert "BALANCED" in text and "num_workers          4" in text and "main RSS" in text
         stored = SNAPSHOTS / "test_snapshot[starving_fixed-narrow].svg"
         saved = "\n".join(svg_lines(stored.read_text(encoding="utf-8")))
         for svg in (text, saved):  # the stored one too (--snapshot-update writes it at the end)

@@ -39,6 +39,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Options, Tuner
 
 log = logging.getLogger("memtui")
@@ -145,6 +146,9 @@ class HFAdapter:
         """(checkpoint directory, epoch, consumed): set by a boundary that changed something."""
         self.sampler: EpochOrderSampler | None = None
         self.restarts = 0
+        self.lr_unsaved = 1.0
+        """The LR factor applied at the boundary the loop resumes from: the checkpoint saved
+        there lacks it, so the optimizer and scheduler loaded from it get it again."""
         """In-process resumes done to apply changes."""
         self.refusal = ""
         """Why the boundary now running refuses the pending changes (rank 0); empty: it may apply."""
@@ -163,6 +167,12 @@ class HFAdapter:
         self.callback = MemtuiCallback(self)
         trainer.add_callback(self.callback)
         self._wrap()
+        self.tuner.on_event(self.log_event)
+
+    def log_event(self, event: TrackerEvent, step: int) -> None:
+        """Log a memtui event with ``trainer.log`` (every ``report_to`` gets it at the Trainer's
+        global step, the save it landed at): each knob's new value and the line as text."""
+        self.trainer.log({**event_values(event), TAG: event_text(event)})
 
     def _refuse_when_told(self) -> None:
         """Make the boundary's taking of the pending changes refuse them while ``refusal`` says so.
@@ -310,6 +320,13 @@ class HFAdapter:
         state.train_batch_size = self.trainer._train_batch_size  # noqa: SLF001
         optimizer = getattr(self.trainer, "optimizer", None)
         tuner.optimizer = getattr(optimizer, "optimizer", optimizer)
+        scheduler = getattr(self.trainer, "lr_scheduler", None)
+        if self.restarts:  # loaded from the checkpoint saved before the change's LR factor
+            tuner.lr.replace(tuner.optimizer, scheduler, self.lr_unsaved)
+        else:
+            tuner.lr.watch_optimizer(tuner.optimizer)
+            tuner.watch_scheduler(scheduler)
+        self.lr_unsaved = 1.0
         tuner.model = self.trainer.model
         if self.resume_at is not None:
             self.epoch = self.resume_at[0] - 1
@@ -340,6 +357,7 @@ class HFAdapter:
                 log.info("memtui: %s; the run is at its last step: kept for a resume", applied)
                 return
             self.restart = (checkpoint, self.epoch, self.consumed)
+            self.lr_unsaved *= applied.lr_factor or 1.0
             control.should_training_stop = True
             self._suspend_end_of_train()
             log.info("memtui: resuming from %s with the new settings", checkpoint)

@@ -42,6 +42,7 @@ import math
 import time
 from typing import Any
 
+from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
 log = logging.getLogger("memtui")
@@ -69,6 +70,19 @@ class LightningAdapter:
         callback_base = importlib.import_module(f"{package}.callbacks").Callback
         trainer.callbacks.append(_make_callback(callback_base, self))
         self._wrap_save()
+        self.tuner.on_event(self.log_event)
+
+    def log_event(self, event: TrackerEvent, step: int) -> None:
+        """Log a memtui event to every logger of the Trainer at ``step``, then save it: each knob's
+        new value with ``log_metrics``, the line as text where the logger takes text."""
+        values, text = event_values(event), event_text(event)
+        for logger in self.trainer.loggers:
+            if values:
+                logger.log_metrics(values, step)
+            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+            if callable(add_text):
+                add_text(TAG, text, step)
+            logger.save()  # flushed: an out-of-memory error that is not rolled back ends the run
 
     def _wrap_save(self) -> None:
         """Make ``save_checkpoint`` the boundary: the save first, then memtui."""
@@ -203,6 +217,10 @@ class LightningAdapter:
         self.tuner.model = module
         optimizers = getattr(trainer, "optimizers", None) or []
         self.tuner.optimizer = optimizers[0] if optimizers else None
+        for optimizer in optimizers:  # their LR follows a change of the effective batch
+            self.tuner.lr.watch_optimizer(optimizer)
+        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+            self.tuner.watch_scheduler(getattr(config, "scheduler", None))
         if self.planned is None:
             try:
                 self.planned = float(trainer.estimated_stepping_batches)

@@ -6,6 +6,7 @@ from collections.abc import Hashable
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual.geometry import Size
 from textual.widget import Widget
 
 from memtui.tui.safe import sanitize
@@ -23,6 +24,7 @@ class StateView(Widget):
         """The viewer's options last shown (paused, read-only, keep-effective-batch)."""
         self._key: Hashable = None
         self._cache: tuple[Hashable, tuple[int, ...], RenderableType] | None = None
+        self._measuring: int | None = None
 
     @property
     def narrow(self) -> bool:
@@ -67,7 +69,22 @@ class StateView(Widget):
     def shape(self) -> tuple[int, ...]:
         """What the content's layout depends on besides the key: the width, narrow, several
         ranks (a widget that fills the height it is given adds it)."""
-        return self.content_size.width, self.narrow, self.multirank
+        return self.width_now(), self.narrow, self.multirank
+
+    def width_now(self) -> int:
+        """The columns the content is built for: the layout's while it measures the height,
+        else the content size's (which catches up with the layout only once it is done)."""
+        return self._measuring if self._measuring is not None else self.content_size.width
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        """The height of the content built for ``width`` columns: a panel that wraps its lines
+        itself, measured at the width it had before (a scrollbar shown while a replay came in),
+        kept a line too few at 60 columns once the width changed."""
+        self._measuring = width
+        try:
+            return super().get_content_height(container, viewport, width)
+        finally:
+            self._measuring = None
 
     def render(self) -> RenderableType:
         """The content, built once per key and shape."""

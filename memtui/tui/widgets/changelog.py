@@ -205,6 +205,10 @@ def change_lines(
                 chips.append(Chip(Text(f"by the {applied.origin}", "bold cyan")))
             if applied.note:
                 chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
+            if applied.lr_note:  # a warning that the LR stayed is never left out
+                warned = applied.lr_factor is None
+                lr = Text(applied.lr_note, "bold yellow" if warned else "cyan")
+                chips.append(Chip(lr, optional=narrow and not warned))
             entry = entry_lines(head, chips, width)
             reverted = next(
                 (

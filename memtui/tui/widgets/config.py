@@ -19,6 +19,7 @@ KNOB_KEYS: dict[str, str] = {
     "grad_accum": "a",
     "num_workers": "w",
     "pin_memory": "p",
+    "prefetch_factor": "P",
 }
 """The key that edits each knob (the app's bindings use the same)."""
 LABEL = "max safe batch  "
@@ -109,11 +110,11 @@ class ConfigPanel(StateView):
             return Text("waiting for the run's config", style="dim")
         pending = state.pending_values()
         show_keys = not view.readonly
-        heading = f"{'knob':<12} {'now':>6}  {'pending':<9}" + (" key" if show_keys else "")
+        heading = f"{'knob':<15} {'now':>6}  {'pending':<9}" + (" key" if show_keys else "")
         lines = [Text(heading, "dim")]
         for knob in KNOBS:
             tunable = knob in control.tunable
-            line = Text(f"{knob:<12} ", "" if tunable else "dim")
+            line = Text(f"{knob:<15} ", "" if tunable else "dim")
             line.append(f"{format_value(state.knob_value(knob)) if tunable else 'n/a':>6}  ")
             later = f"→ {format_value(pending[knob])}" if knob in pending else ""
             line.append(f"{later:<9}", "bold yellow")
@@ -134,6 +135,9 @@ class ConfigPanel(StateView):
         keep.append("on" if view.keep_effective_batch else "off", "bold")
         if show_keys:
             keep.append(" (k)", "dim")
+            keep.append("  lr rule ", "dim")
+            keep.append(view.lr_scale or "run's", "bold")
+            keep.append(" (l)", "dim")
         model = control.model
         if model is not None and "batch_size" in control.tunable:
             edge = state.thresholds.thresholds.memory_edge_fraction

@@ -1,0 +1,332 @@
+"""``memtui export``: live runs served as Prometheus metrics, read back with prometheus-client's
+own parsers and scraped by a real Prometheus server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from memtui.cli import main
+from memtui.export.metrics import COUNTERS, GAUGES
+from memtui.export.serve import parse_listen
+from tests.conftest import PLUMBING, ROOT, DemoRun, memtui_here, status_json, wait_for
+
+PROMETHEUS = "/usr/bin/prometheus"
+"""The Debian package's server (``apt-get install prometheus``; ``.ci/run`` installs it)."""
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""A scrape: (sample name, sorted labels) -> value."""
+
+
+@contextlib.contextmanager
+def exporter(*args: str) -> Iterator[str]:
+    """``memtui export`` in a subprocess on a free port; yields its ``/metrics`` URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+
+    def serving() -> str | None:
+        found = [m.group(1) for line in lines if (m := re.search(r"serving (http\S+)", line))]
+        assert proc.poll() is None, "".join(lines)
+        return found[0] if found else None
+
+    try:
+        yield str(wait_for(serving, 30, what="the exporter to listen"))
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0, "".join(lines)
+        reader.join(5)
+
+
+def fetch(url: str, openmetrics: bool = False) -> str:
+    """One scrape's text (OpenMetrics when asked, as Prometheus asks; else the plain format)."""
+    headers = {"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of one scrape, parsed by prometheus-client's own parser."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(fetch(url))
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The one sample ``name`` whose labels include ``labels`` (None: no such sample)."""
+    found = [
+        v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()
+    ]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def rank_labels(samples: Samples, run: str, rank: int) -> dict[str, str]:
+    """The labels of ``rank`` of ``run`` (from its ``memtui_up`` sample)."""
+    return next(
+        dict(ls)
+        for (n, ls), _v in samples.items()
+        if n == "memtui_up" and dict(ls)["run"] == run and dict(ls)["rank"] == str(rank)
+    )
+
+
+def scraped_with(url: str, run: str, ranks: int = 1) -> Callable[[], Samples | None]:
+    """A poll: the scrape once every rank of ``run`` reports its speed and memory."""
+
+    def ready() -> Samples | None:
+        samples = scrape(url)
+        names = ("memtui_data_wait_ratio", "memtui_device_capacity_bytes", "memtui_up")
+        if all(
+            value(samples, n, run=run, rank=str(r)) for n in names for r in range(ranks)
+        ) and value(samples, "memtui_host_ram_total_bytes", run=run, rank="0"):
+            return samples
+        return None
+
+    return ready
+
+
+def check_rank_against_status(
+    samples: Samples, run: str, rank: int, status: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    """One rank's samples against ``memtui status --json`` (``entry``: the rank's part of it)."""
+    labels = rank_labels(samples, run, rank)
+    assert labels["host"] == entry["host"] and labels["device"] == "cpu", labels
+    memory, host = entry["memory"], entry["host_memory"]
+    assert value(samples, "memtui_device_capacity_bytes", **labels) == memory["capacity_bytes"]
+    assert value(samples, "memtui_host_ram_total_bytes", **labels) == host["ram_total_bytes"]
+    assert value(samples, "memtui_host_swap_total_bytes", **labels) == host.get(
+        "swap_total_bytes", 0
+    )
+    assert value(samples, "memtui_loader_workers", **labels) == host.get("workers", 0)
+    wait = value(samples, "memtui_data_wait_ratio", **labels)
+    assert wait is not None and abs(wait - entry["metrics"]["data_wait_fraction"]) < 0.2
+    step = value(samples, "memtui_step_time_seconds", **labels)
+    assert step is not None and 0.5 < step / entry["metrics"]["step_time_s"] < 2
+    applied = value(samples, "memtui_applied_changes_total", **labels)
+    assert applied == len(entry["applied"]) == len(status["applied"])
+    assert value(samples, "memtui_hook_errors_total", **labels) == entry["counters"]["errors"]
+    assert value(samples, "memtui_up", **labels) == 1
+    # the hook's threads, read from /proc: the training's process is on this node
+    hook = value(samples, "memtui_hook_cpu_seconds_total", **labels)
+    assert hook is not None and 0 < hook < 60
+
+
+def check_run_against_status(samples: Samples, run: str, status: dict[str, Any]) -> None:
+    """The run's verdict and pending changes against ``memtui status --json``."""
+    states = {
+        labels["memtui_verdict"]: on
+        for (name, pairs), on in samples.items()
+        if name == "memtui_verdict" and (labels := dict(pairs))["run"] == run
+    }
+    assert [s for s, on in states.items() if on] == [status["verdict"]["state"]], states
+    assert set(states) >= {"STARVED", "OOM_RISK", "BALANCED", "NO_DATA"}
+    assert value(samples, "memtui_pending_changes", run=run) == len(status["pending"])
+
+
+def agrees(url: str, run: str, ranks: int = 1, timeout: float = 30.0) -> Samples:
+    """Scrape and ask ``memtui status --json`` until the two agree (the numbers move between the
+    two looks: under load a window of steps may differ); the last disagreement fails the test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples, status = scrape(url), status_json(run)
+        try:
+            check_run_against_status(samples, run, status)
+            for entry in status["ranks"][:ranks]:
+                check_rank_against_status(samples, run, entry["rank"], status, entry)
+            return samples
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_a_run_is_picked_up_matches_status_and_is_dropped_when_it_exits(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    """One rank: the exporter starts before the run, finds it, serves what ``memtui status``
+    says (a change applied included), and drops it once its process is gone."""
+    with exporter() as url:
+        assert value(scrape(url), "memtui_runs") == 0
+        demo = start_demo("--steps", "100000", "--checkpoint-every", "20", *PLUMBING)
+        wait_for(scraped_with(url, demo.run_id), 60, 0.3, "the run's metrics")
+        samples = agrees(url, demo.run_id)
+        assert value(samples, "memtui_verdict", run=demo.run_id, memtui_verdict="STARVED") == 1
+
+        result = memtui_here("set", demo.run_id, "num_workers=2")
+        assert result.exit_code == 0, result.output
+
+        def landed() -> Samples | None:
+            scraped = scrape(url)
+            applied = value(scraped, "memtui_applied_changes_total", run=demo.run_id)
+            workers = value(scraped, "memtui_loader_workers", run=demo.run_id)
+            return scraped if applied == 1 and workers == 2 else None
+
+        samples = wait_for(landed, 60, 0.3, "the change in the metrics")  # type: ignore[assignment]
+        status = status_json(demo.run_id)
+        assert [a["changes"]["num_workers"]["new"] for a in status["applied"]] == [2]
+        labels = rank_labels(samples, demo.run_id, 0)
+        assert value(samples, "memtui_loader_workers_memory_bytes", **labels), "the workers' USS"
+
+        text = fetch(url, openmetrics=True)  # what Prometheus asks for
+        assert text.endswith("# EOF\n")
+        kinds = {f.name: f.type for f in openmetrics_families(text)}
+        assert kinds["memtui_verdict"] == "stateset" and kinds["memtui_ooms"] == "counter"
+
+        demo.stop()
+        wait_for(lambda: value(scrape(url), "memtui_runs") == 0, 30, 0.3, "the run dropped")
+        assert value(scrape(url), "memtui_up", run=demo.run_id) is None
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (Prometheus takes no port 0)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def prometheus(target: str, directory: Path) -> Iterator[str]:
+    """A real Prometheus server scraping ``target`` every second; yields its API's base URL."""
+    config = directory / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: memtui\n    static_configs:\n"
+        f"      - targets: ['{target}']\n"
+    )
+    address = f"127.0.0.1:{free_port()}"
+    log = directory / "prometheus.log"
+    with open(log, "w") as output:
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address={address}",
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield f"http://{address}"
+    finally:
+        proc.kill()  # its storage is the test's temporary directory: nothing to save
+        proc.wait(10)
+
+
+def query(api: str, promql: str) -> list[dict[str, Any]]:
+    """An instant query's result vector ([] while Prometheus is not up yet or has no data)."""
+    url = f"{api}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            answer = json.loads(reply.read())
+    except OSError:
+        return []
+    assert answer["status"] == "success", answer
+    return list(answer["data"]["result"])
+
+
+@pytest.mark.skipif(
+    not shutil.which(PROMETHEUS),
+    reason=f"no Prometheus server at {PROMETHEUS} (Debian's package: apt-get install prometheus)",
+)
+def test_prometheus_scrapes_the_exporter_and_answers_a_query(
+    start_demo: Callable[..., DemoRun], tmp_path: Path
+) -> None:
+    demo = start_demo("--steps", "100000", *PLUMBING)
+    with exporter() as url:
+        target = urllib.parse.urlsplit(url).netloc
+        samples = wait_for(scraped_with(url, demo.run_id), 60, 0.3, "the run's metrics")
+        exported = value(samples, "memtui_data_wait_ratio", run=demo.run_id)  # type: ignore[arg-type]
+        with prometheus(target, tmp_path) as api:
+            promql = f'memtui_data_wait_ratio{{run="{demo.run_id}",rank="0"}}'
+            result = wait_for(lambda: query(api, promql), 90, 0.5, "Prometheus to have the run")
+            (series,) = result  # type: ignore[misc]
+            assert series["metric"]["job"] == "memtui"
+            assert series["metric"]["device"] == "cpu"
+            answered = float(series["value"][1])
+            assert exported is not None and abs(answered - exported) < 0.2
+            assert answered > 0.3, "the demo's slow loader starves it"
+            states = query(api, f'memtui_verdict{{run="{demo.run_id}"}} == 1')
+            assert [s["metric"]["memtui_verdict"] for s in states] == ["STARVED"]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_listen_addresses() -> None:
+    assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_listen(":9464") == ("0.0.0.0", 9464), "every interface only when asked"
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+    result = CliRunner().invoke(main, ["export", "--listen", "9464"])
+    assert result.exit_code == 2 and "HOST:PORT" in result.stderr
+    shown = CliRunner().invoke(main, ["export", "--help"]).output
+    assert "127.0.0.1:9464" in shown
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = CliRunner().invoke(main, ["export", "--listen", f"127.0.0.1:{port}"])
+    assert busy.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
+
+
+def test_the_dashboard_queries_only_metrics_the_exporter_serves() -> None:
+    result = CliRunner().invoke(main, ["export", "--dashboard"])
+    assert result.exit_code == 0
+    dashboard = json.loads(result.output)
+    served = {n for n, _h, _v in GAUGES} | {f"{n}_total" for n, _h, _v in COUNTERS}
+    served |= {"memtui_verdict", "memtui_pending_changes", "memtui_hook_cpu_seconds_total"}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    annotations = dashboard["annotations"]["list"]
+    exprs += [a["expr"] for a in annotations]
+    used = {name for expr in exprs for name in re.findall(r"memtui_\w+", expr)}
+    assert used <= served, used - served
+    assert {"memtui_data_wait_ratio", "memtui_device_peak_used_ratio"} <= used
+    assert "memtui_applied_changes_total" in " ".join(a["expr"] for a in annotations)
+
+
+def test_the_exporter_loads_no_viewer_ui_and_the_cli_no_prometheus() -> None:
+    code = (
+        "import sys, json\nimport memtui.cli\nbefore = set(sys.modules)\n"
+        "import memtui.export.serve, memtui.export.metrics\n"
+        "print(json.dumps([sorted(before), sorted(sys.modules)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        env=dict(os.environ),
+    )
+    before, after = (set(m.split(".")[0] for m in names) for names in json.loads(out.stdout))
+    assert "prometheus_client" not in before, "memtui --version stays fast"
+    assert not after & {"textual", "rich", "torch"}, after & {"textual", "rich", "torch"}
