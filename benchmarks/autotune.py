@@ -376,7 +376,7 @@ def main() -> int:
     wanted = args.starts.split(",")
     starts = [s for s in STARTS if s.name in wanted]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = [0, min(2, cpus)] if args.quick else list(range(0, cpus + 1))
+    workers = list(range(0, min(cpus, 4) + 1))  # every count the autopilot may reach
     batches = [4, 8, 16] if args.quick else [2, 4, 8, 16]
     warm, timed = (8, 20) if args.quick else (10, 40)
     print(
