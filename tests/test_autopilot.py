@@ -41,7 +41,7 @@ from memtui.wire import (
 
 GIB = 1 << 30
 DATA = Path(__file__).parent / "data"
-ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory")
+ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor")
 HOST = HostSample(time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=0)
 STARVING = StepStats(steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8)
 FED = StepStats(steps=20, step_time_s=0.05, data_wait_s=0.002, samples_per_s=640, steps_per_s=20)
@@ -206,7 +206,18 @@ def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
 
 
 def test_a_fifth_knob_is_one_more_entry_in_the_table() -> None:
-    assert [axis.knob for axis in AXES] == ["num_workers", "pin_memory", "batch_size"]
+    """prefetch_factor: tried after the workers (capped), while the run still waits for data."""
+    assert [axis.knob for axis in AXES] == [
+        "num_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "batch_size",
+    ]
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    capped = situation(Knobs(16, 2, 2, False, 2), applied=(kept,), cpus=2)
+    assert decide(capped).changes == {"prefetch_factor": 4}
+    without = situation(Knobs(16, 2, 0, False, 2), cpus=0)
+    assert "prefetch_factor" not in decide(without).changes
 
 
 def test_decisions_over_a_recorded_run() -> None:

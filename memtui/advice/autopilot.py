@@ -363,8 +363,28 @@ def _out_of_danger(situation: Situation) -> dict[str, KnobValue]:
     return {"batch_size": value, "grad_accum": target // value}
 
 
+PREFETCH_LIMIT = 8
+"""The most batches per worker the autopilot asks for (each one is held in host memory)."""
+
+
+def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """More batches prefetched per worker while the run waits for data with workers (torch
+    uses it only with workers), doubled up to ``PREFETCH_LIMIT``; not under host pressure."""
+    inputs = situation.inputs
+    now, workers = inputs.config.prefetch_factor, inputs.config.num_workers
+    if now is None or "prefetch_factor" not in inputs.tunable or not workers:
+        return {}, ""
+    if not situation.input_bound or inputs.host_pressure:
+        return {}, ""
+    value = doubling(now, PREFETCH_LIMIT, situation.history.tried("prefetch_factor"))
+    if value is None:
+        return {}, f"prefetch_factor: nothing left to try above {now}"
+    return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
+
+
 AXES: tuple[Axis, ...] = (
     Axis("num_workers", _workers),
+    Axis("prefetch_factor", _prefetch),
     Axis("pin_memory", _pinning),
     Axis("batch_size", _micro_batch),
 )
