@@ -196,6 +196,17 @@ def test_in_the_edge_band_it_first_shrinks_the_micro_batch_and_keeps_it() -> Non
     assert history([shrunk]).trials[0].outcome == KEPT  # slower, but out of danger
 
 
+def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_batch() -> None:
+    """A kept prefetch_factor 2 -> 8 that took the peak into the edge band is undone (and never
+    tried again) rather than the micro-batch shrunk under it."""
+    deeper = change(100, effect(200, 260, 0.05), prefetch_factor=(2, 8))
+    view = situation(Knobs(8, 2, 1, False, 8), FED, (deeper,), cpus=1, peak_fraction=0.95)
+    decision = decide(view)
+    assert (decision.action, decision.changes) == ("revert", {"prefetch_factor": 2})
+    back = change(150, None, prefetch_factor=(8, 2))
+    assert [t.outcome for t in history([deeper, back]).trials] == [REVERTED]
+
+
 def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
     trials = tuple(
         change(50 * i, effect(300, 290, 0.05), num_workers=(i % 2, 1 - i % 2)) for i in range(7)

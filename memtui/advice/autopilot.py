@@ -22,7 +22,7 @@ from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.recommend import Inputs, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.knobs import format_changes
+from memtui.knobs import format_changes, grew
 from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
 
 AUTOPILOT = "autopilot"
@@ -132,7 +132,7 @@ def history(
         if change.origin != AUTOPILOT:
             continue
         boundaries += 1
-        if last is not None and last.outcome in (WORSE, MEASURING) and undoes(change, last):
+        if last is not None and last.outcome in (WORSE, MEASURING, KEPT) and undoes(change, last):
             last.outcome = REVERTED
             continue
         is_safety = shrinks_batch(change)
@@ -220,6 +220,12 @@ def decide(situation: Situation) -> Decision:
         )
     if inputs.steps is None:
         return Decision("wait", "timing the steps at the current config")
+    if last is not None and last.outcome == KEPT and _out_of_danger(situation):
+        back = {k: d.old for k, d in last.changes.items() if d.old is not None}
+        if any(grew(k, d) for k, d in last.changes.items()):
+            # its own change took the run into the edge band: undo it, not the micro-batch
+            why = f"{format_diff_values(last.changes)} took the peak into the edge band"
+            return Decision("revert", why, back)
     if history.boundaries + 2 > situation.budget:
         return Decision("converged", f"the budget of {situation.budget} boundaries is spent")
     safer = _out_of_danger(situation)
