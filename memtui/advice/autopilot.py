@@ -357,7 +357,8 @@ def _out_of_danger(situation: Situation) -> dict[str, KnobValue]:
     batch, accum, model = inputs.config.batch_size, inputs.config.grad_accum, inputs.model
     if batch is None or accum is None or model is None or model.capacity_bytes <= 0:
         return {}
-    if predict_peak(model, batch) < inputs.memory_edge_fraction * model.capacity_bytes:
+    peak = predict_peak(model, batch, inputs.config.num_workers)  # the workers there are now
+    if peak < inputs.memory_edge_fraction * model.capacity_bytes:
         return {}
     if {"batch_size", "grad_accum"} - set(inputs.tunable):
         return {}
