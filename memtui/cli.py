@@ -1,4 +1,4 @@
-"""The ``memtui`` command: ls, status, set, cancel, demo, attach, export.
+"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach, export.
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
@@ -308,6 +308,27 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
         _fail(reply.reason, 2)
     where = f" on {target.run}" if target.run else ""
     click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled) + where)
+
+
+@main.command("autotune")
+@click.argument("switch", type=click.Choice(["on", "off"]))
+@click.argument("run", required=False)
+@click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
+def autotune_command(switch: str, run: str | None, timeout: float) -> None:
+    """Turn the autopilot on or off: memtui autotune on|off [RUN]."""
+    from memtui.advice.autopilot import describe_state
+    from memtui.client import ClientError
+
+    target = _target(run, changes=True)
+    try:
+        reply = _client(target, timeout).autotune(switch == "on")
+    except ClientError as exc:
+        _fail(str(exc))
+        return
+    if not reply.ok or reply.state is None:
+        _fail(reply.reason or "the run did not say", 2)
+        return
+    click.echo(describe_state(reply.state) + (f" on {target.run}" if target.run else ""))
 
 
 # ---------------------------------------------------------------------------- demo

@@ -15,6 +15,8 @@ import zmq
 
 from memtui.security import SecurityError, make_client
 from memtui.wire import (
+    AutotuneReply,
+    AutotuneRequest,
     CancelReply,
     CancelRequest,
     Decoder,
@@ -110,6 +112,10 @@ class ControlClient:
     def cancel(self, change_id: int = 0) -> CancelReply:
         """Cancel one pending change (0: every pending change)."""
         return self.request(CancelRequest(id=change_id, client=self.client), CancelReply)
+
+    def autotune(self, on: bool) -> AutotuneReply:
+        """Turn the run's autopilot on or off; the reply carries its state."""
+        return self.request(AutotuneRequest(on=on, client=self.client), AutotuneReply)
 
 
 def send_request(

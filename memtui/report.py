@@ -14,6 +14,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from memtui.advice.assess import STATE_NAMES, assess
+from memtui.advice.autopilot import describe_state as describe_autopilot
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, prediction_error
 from memtui.advice.prediction import ceiling_words
@@ -31,6 +32,7 @@ from memtui.security import exposure, tcp_endpoints
 from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
 from memtui.wire import (
     AppliedChange,
+    AutopilotState,
     CancelledChange,
     Ceiling,
     Effect,
@@ -113,6 +115,8 @@ class Applied(Struct):
     """How that speed was predicted, or why not."""
     speed_error: float | None = None
     """Predicted minus measured change of samples/s (None until both are known)."""
+    origin: str = ""
+    """Who asked for it: "" an operator, "autopilot" the autopilot."""
     lr_factor: float | None = None
     """What the LR was multiplied by with the change (None: it stayed)."""
     lr_note: str = ""
@@ -255,6 +259,8 @@ class StatusReport(Struct):
     """How the speed predictions of the applied changes fared (None: an older report)."""
     cancelled: list[CancelledChange] = []
     """Pending changes cancelled, from any shell or viewer, most recent last."""
+    autopilot: AutopilotState | None = None
+    """The autopilot's state (None: an older hook)."""
 
 
 # ---------------------------------------------------------------------------- building
@@ -285,6 +291,7 @@ def _applied(applied: AppliedChange) -> Applied:
         predicted_speed_delta=applied.predicted_speed_delta,
         speed_note=applied.speed_note,
         speed_error=speed_error(applied),
+        origin=applied.origin,
         lr_factor=applied.lr_factor,
         lr_note=applied.lr_note,
     )
@@ -422,6 +429,7 @@ def build_status(
         ),
         ooms=list(control.ooms),
         disabled=control.disabled,
+        autopilot=control.autopilot,
         ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
         last_step=snapshot.steps[-1] if snapshot.steps else None,
         host_memory=snapshot.host[-1] if snapshot.host else None,
@@ -531,6 +539,8 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         diffs = format_diffs(applied.changes)
         ids = ",".join(f"#{i}" for i in applied.ids) or "rollback"
         line = f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})"
+        if applied.origin:
+            line += f" by the {applied.origin}"
         if applied.effect is not None:
             line += f": {applied.effect.summary}"
         if applied.prediction_error is not None and applied.predicted_peak_bytes:
@@ -579,6 +589,8 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         )
     if report.disabled:
         lines.append(f"changes are OFF: {report.disabled}")
+    if report.autopilot is not None and report.autopilot.mode != "off":
+        lines.append(describe_autopilot(report.autopilot))
     if len(report.ranks) > 1:
         lines.append("rank  host          step   step time  data wait  peak mem")
         for entry in report.ranks:

@@ -162,6 +162,8 @@ class PendingChange(Struct, omit_defaults=True):
     """The device peak the memory model predicts with this change (None: no model yet)."""
     forced: bool = False
     """Queued although predicted over the danger band (``--force`` or a confirmation)."""
+    origin: str = ""
+    """Who queued it: "" an operator, "autopilot" the hook's own autopilot."""
     lr_scale: str = ""
     """How the LR follows if it changes the effective batch: linear, sqrt or none ('': none)."""
     lr_factor: float | None = None
@@ -210,6 +212,8 @@ class AppliedChange(Struct, omit_defaults=True):
     """The change of samples/s predicted from the steps before it (None: no estimate)."""
     speed_note: str = ""
     """How that speed was predicted, or why it could not be ('': not predicted yet)."""
+    origin: str = ""
+    """Who asked for it: "" an operator, "autopilot" when every change in it was the autopilot's."""
     lr_factor: float | None = None
     """What every optimizer's LR (and its scheduler's base LRs) was multiplied by (None: kept)."""
     lr_note: str = ""
@@ -336,6 +340,27 @@ class Ceiling(Struct, omit_defaults=True):
     """Where it came from, in words."""
 
 
+class AutopilotState(Struct, omit_defaults=True):
+    """What the autopilot is doing: off, measuring, trying, kept, reverted, converged or paused."""
+
+    mode: str = "off"
+    """off, on or paused (by an operator change or an error)."""
+    phase: str = ""
+    """What it does now: waiting, trying, kept, reverted, converged ('' while off)."""
+    why: str = ""
+    """The reason for the phase or the pause, in words."""
+    trying: dict[str, KnobValue] = {}
+    """The trial queued or being measured."""
+    last: str = ""
+    """Its latest trial and what became of it (``kept num_workers=2: +45% +-6% samples/s``)."""
+    boundaries: int = 0
+    """Boundaries its changes took since it was turned on (its trials and reverts)."""
+    budget: int = 0
+    """The most boundaries it may take."""
+    since_step: int = 0
+    """The step it was turned on at."""
+
+
 class ControlState(Struct, omit_defaults=True):
     """Rank 0's view of the config: current knobs, pending, applied and rejected changes."""
 
@@ -359,6 +384,8 @@ class ControlState(Struct, omit_defaults=True):
     """What ran out of memory: the gate, the max safe batch and the advice stay under it."""
     cancelled: list[CancelledChange] = []
     """Pending changes cancelled, most recent last, capped (an older hook sends none)."""
+    autopilot: AutopilotState | None = None
+    """The autopilot's state (None: an older hook, or a rank other than 0)."""
 
 
 class HookCounters(Struct, omit_defaults=True):
@@ -552,6 +579,23 @@ class CancelReply(Struct, tag="cancel_reply", omit_defaults=True):
     v: int = WIRE_VERSION
 
 
+class AutotuneRequest(Struct, tag="autotune", omit_defaults=True):
+    """Turn the autopilot on or off (rank 0 answers with an ``AutotuneReply``)."""
+
+    on: bool
+    client: str = ""
+    v: int = WIRE_VERSION
+
+
+class AutotuneReply(Struct, tag="autotune_reply", omit_defaults=True):
+    """The autopilot's state after an ``AutotuneRequest``."""
+
+    ok: bool
+    state: AutopilotState | None = None
+    reason: str = ""
+    v: int = WIRE_VERSION
+
+
 class ErrorReply(Struct, tag="error", omit_defaults=True):
     """The answer to a request the hook could not decode or serve."""
 
@@ -560,7 +604,16 @@ class ErrorReply(Struct, tag="error", omit_defaults=True):
 
 
 Message: TypeAlias = (
-    Telemetry | Hello | Snapshot | SetRequest | SetReply | CancelRequest | CancelReply | ErrorReply
+    Telemetry
+    | Hello
+    | Snapshot
+    | SetRequest
+    | SetReply
+    | CancelRequest
+    | CancelReply
+    | AutotuneRequest
+    | AutotuneReply
+    | ErrorReply
 )
 """Every frame on the wire is one of these."""
 

@@ -161,6 +161,29 @@ def test_two_ranks_one_view_one_decision(
     assert "rank  host" in human and "   1  " in human
 
 
+def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's autopilot queues its trials like an operator: every rank applies each one at
+    the same step, and they end on the same config."""
+    demo = two_ranks.adopt(monkeypatch)
+    before = len(status_json()["applied"])
+    on = memtui_cli("autotune", "on")
+    assert on.returncode == 0, on.stderr
+
+    def settled() -> dict[str, Any] | None:
+        status = status_json()
+        own = [a for a in status["applied"][before:] if a["origin"] == "autopilot"]
+        done = status["autopilot"]["phase"] == "converged" or len(own) >= 2
+        return status if own and done and not status["pending"] else None
+
+    wait_for(settled, 180, 0.3, "the autopilot's trials to land")
+    assert memtui_cli("autotune", "off").returncode == 0
+    check_one_decision(demo)
+    configs = [s.control.config for s in snapshots(demo.run_id)]
+    assert configs[0] == configs[1]
+
+
 def test_the_exporter_serves_every_rank_as_status_sees_it(
     two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:

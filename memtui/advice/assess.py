@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 from memtui.advice.breakdown import Breakdown, breakdown
 from memtui.advice.predict import confidence, safe_batch
 from memtui.advice.recommend import Inputs as RecommendInputs
-from memtui.advice.recommend import Recommendation, recommend
+from memtui.advice.recommend import Recommendation, bands, recommend
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
 from memtui.advice.verdict import Inputs as VerdictInputs
 from memtui.stats import MemoryStats, StepStats, ram_fraction, summarize_device, summarize_steps
@@ -92,14 +92,11 @@ def advise(
             host=host,
             host_pressure=verdict.state is State.HOST_PRESSURE,
             device_kind=memory.kind if memory is not None else "cpu",
-            starved_wait_fraction=limits.starved_wait_fraction,
-            underused_memory_fraction=limits.underused_memory_fraction,
-            memory_edge_fraction=limits.memory_edge_fraction,
-            memory_danger_fraction=limits.memory_danger_fraction,
             applied=tuple(control.applied),
             ceiling=control.ceiling,
             cpus=run.cpus if run is not None else 0,
             alloc_conf=run.alloc_conf if run is not None else None,
+            **bands(limits),
         )
     )
     safe = (

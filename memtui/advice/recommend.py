@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 from memtui.advice.effect import measurable, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
-from memtui.advice.verdict import THRESHOLDS
+from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import (
     DEFAULT_PREFETCH_FACTOR,
     accumulation_for,
@@ -89,6 +90,25 @@ class Inputs:
             self.applied,
             self.starved_wait_fraction,
         )
+
+
+class Bands(TypedDict):
+    """The ``Inputs`` fields that carry the verdict's thresholds in force."""
+
+    starved_wait_fraction: float
+    underused_memory_fraction: float
+    memory_edge_fraction: float
+    memory_danger_fraction: float
+
+
+def bands(thresholds: Thresholds) -> Bands:
+    """The ``Inputs`` fields of the verdict's thresholds in force (``Inputs(..., **bands(t))``)."""
+    return Bands(
+        starved_wait_fraction=thresholds.starved_wait_fraction,
+        underused_memory_fraction=thresholds.underused_memory_fraction,
+        memory_edge_fraction=thresholds.memory_edge_fraction,
+        memory_danger_fraction=thresholds.memory_danger_fraction,
+    )
 
 
 @dataclass(frozen=True)
@@ -201,7 +221,7 @@ def _per_worker_bytes(inputs: Inputs) -> int | None:
     return per_worker_bytes(inputs.host) or None
 
 
-def _workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
+def workers_allowed(inputs: Inputs, wanted: int, per_worker: int | None) -> tuple[int, str]:
     """``wanted`` workers within the CPUs the run may use, under a worker count that ran out of
     memory, and within the host RAM free for their measured memory; with why it was capped."""
     note = ""
@@ -235,7 +255,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
     if wait >= inputs.starved_wait_fraction and model is not None and not inputs.host_pressure:
         compute, load = model.compute_s, model.load_per_sample_s * model.samples
         wanted = math.ceil(load / compute - 1e-9) if compute > 0 else workers + 2
-        wanted, limit_note = _workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
+        wanted, limit_note = workers_allowed(inputs, max(workers + 1, wanted + 1), per_worker)
     if wanted > workers and model is not None and basis is not None:  # starved, a worker allowed
         host_delta = per_worker * (wanted - workers) if per_worker else None
         out.append(

@@ -83,6 +83,9 @@ def build_parser(
         help="pin the loader's batches (default off)",
     )
     parser.add_argument(
+        "--autotune", action="store_true", help="start with the autopilot on (it tunes the knobs)"
+    )
+    parser.add_argument(
         "--lr-scale",
         choices=("linear", "sqrt", "none"),
         default="none",

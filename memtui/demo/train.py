@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         name=args.name,
         options=options,
+        autotune=args.autotune,
         lr_scale=args.lr_scale,
     )
     # a short warm-up, then the base LR: memtui moves the base with the effective batch

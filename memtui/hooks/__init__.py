@@ -45,6 +45,7 @@ def install(
     auto_step: bool = False,
     options: Options | None = None,
     record: str | os.PathLike[str] | None = None,
+    autotune: bool = False,
     lr_scale: str = "none",
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
@@ -59,9 +60,13 @@ def install(
     ``auto_step=True`` with ``optimizer`` counts steps from the optimizer's post-step hook.
     ``record`` also writes the published stream to this file (``memtui replay`` shows it); the
     same as ``options=Options(record=...)`` or ``MEMTUI_RECORD``, and it wins over both.
+    ``autotune=True`` starts the autopilot: it tunes the knobs by itself, one change per
+    checkpoint, until nothing left is predicted to help (``Options.autotune`` likewise).
     ``lr_scale`` is the run's rule for the LR when a change moves the effective batch and names
     no rule of its own: ``linear``, ``sqrt`` or ``none`` (see "Changing the effective batch").
     """
+    if autotune:
+        options = dataclasses.replace(options or Options(), autotune=True)
     if record is not None:
         options = dataclasses.replace(options or Options(), record=os.fspath(record))
     common: dict[str, Any] = {

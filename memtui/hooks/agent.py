@@ -39,8 +39,15 @@ from typing import TYPE_CHECKING
 import zmq
 
 from memtui import registry
-from memtui.advice.measure import effects_due, model_moved, observe, speed_prediction_due
+from memtui.advice.measure import (
+    EFFECT_STEPS,
+    effects_due,
+    model_moved,
+    observe,
+    speed_prediction_due,
+)
 from memtui.advice.predict import fit
+from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.control import Control
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
@@ -94,6 +101,8 @@ class HookParts:
     tcp_plan: TcpPlan | None = None
     record_path: str | None = None
     """Also write the published stream here (``MEMTUI_RECORD``)."""
+    autopilot: Autopilot | None = None
+    """The autopilot (it acts on rank 0 only)."""
 
 
 class Agent(threading.Thread):
@@ -619,6 +628,11 @@ class Agent(threading.Thread):
             final=final,
         ):
             control.record_effect(measured)
+        if parts.autopilot is not None and not final:
+            steps = parts.ledger.records(list(publisher.steps)[-2 * EFFECT_STEPS :])
+            parts.autopilot.tick(
+                steps, publisher.host[-1] if publisher.host else None, parts.info()
+            )
 
     # ------------------------------------------------------------------ recording
 

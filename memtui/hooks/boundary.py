@@ -152,6 +152,7 @@ class Boundary:
             note=note,
             # the gate's prediction for the whole new config (workers and pinning included)
             predicted_peak_bytes=Prediction.of_config(control.model, store.knobs).peak_bytes,
+            origin=origins.pop() if len(origins := {c.origin for c in pending}) == 1 else "",
             lr_factor=factor,
             lr_note=lr_note,
         )

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from memtui.advice.effect import describe
 from memtui.advice.measure import Measured
@@ -34,6 +34,9 @@ from memtui.knobs import (
 )
 from memtui.wire import (
     AppliedChange,
+    AutopilotState,
+    AutotuneReply,
+    AutotuneRequest,
     CancelledChange,
     CancelReply,
     CancelRequest,
@@ -70,6 +73,17 @@ NO_PINNING = (
     "speeds copies to a GPU), and it will warn at every loader rebuild"
 )
 """The note on a change that turns pinning on in a run without an accelerator."""
+
+
+class Pilot(Protocol):
+    """The autopilot as the queue sees it: its state to publish, and a pause at an operator's
+    change (``hooks.autopilot.Autopilot``)."""
+
+    def state(self) -> AutopilotState: ...
+
+    def operator_acted(self, what: str) -> None: ...
+
+    def turn(self, request: AutotuneRequest) -> AutotuneReply: ...
 
 
 class RequestRefused(KnobError):
@@ -156,6 +170,8 @@ class Control:
         self._audit_rejections = PeerRates(AUDIT_REJECTIONS_PER_S, AUDIT_REJECTIONS_BURST, 1)
         self._unaudited = 0
         """Rejections left out of the audit log since the last one written."""
+        self.pilot: Pilot | None = None
+        """Rank 0's autopilot (set by the tuner): published here, paused by an operator."""
 
     # ------------------------------------------------------------- views
 
@@ -186,7 +202,13 @@ class Control:
                 static=self.static,
                 ooms=list(self.ooms),
                 ceiling=self.ceiling,
+                autopilot=self.pilot.state() if self.pilot is not None else None,
             )
+
+    def touch(self) -> None:
+        """Tell viewers the control state changed (the autopilot's, which it owns)."""
+        with self._lock:
+            self.seq += 1
 
     def projected(self) -> Knobs:
         """The config as it will be after the pending changes land."""
@@ -198,8 +220,9 @@ class Control:
 
     # ------------------------------------------------------------- requests (agent thread)
 
-    def queue(self, request: SetRequest) -> SetReply:
-        """Validate and queue a change (or only resolve it, for a dry run)."""
+    def queue(self, request: SetRequest, origin: str = "") -> SetReply:
+        """Validate and queue a change (or only resolve it, for a dry run); ``origin``: who asks
+        in this process ("" an operator over the wire, which pauses the autopilot)."""
         try:
             check_request(request.changes, request.client)
         except RequestRefused as exc:
@@ -260,6 +283,7 @@ class Control:
                     ),
                     predicted_peak_bytes=prediction.peak_bytes,
                     forced=bool(request.force and prediction.over_danger),
+                    origin=origin,
                     lr_scale=rule,
                 )
                 self._next_id += 1
@@ -284,6 +308,8 @@ class Control:
                 prediction, ok=False, reason=reason, needs_force=isinstance(exc, OverDanger)
             )
         self.audit_event("queued", change)
+        if not origin and self.pilot is not None:
+            self.pilot.operator_acted(f"{client or 'an operator'} queued {describe_change(change)}")
         return _reply(prediction, ok=True, id=change.id, changes=change.changes, note=change.note)
 
     def _predict(self, projected: Knobs) -> Prediction:
@@ -313,7 +339,25 @@ class Control:
             )
             return CancelReply(ok=False, reason=known)
         self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
+        if self.pilot is not None:
+            self.pilot.operator_acted(f"{client or 'an operator'} cancelled #{gone[0]}")
         return CancelReply(ok=True, cancelled=gone)
+
+    def withdraw(self, origin: str) -> list[int]:
+        """Cancel the pending changes queued by ``origin`` (the autopilot's, when an operator
+        takes over); the ids cancelled."""
+        step, now = self._step(), time.time()
+        with self._lock:
+            removed = [c for c in self.pending if c.origin == origin]
+            self.pending = [c for c in self.pending if c not in removed]
+            for change in removed:
+                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, origin))
+            if removed:
+                self.seq += 1
+        if removed:
+            gone = [c.id for c in removed]
+            self.audit_event("cancelled", {"ids": gone, "client": origin, "step": step})
+        return [c.id for c in removed]
 
     # ------------------------------------------------------------- boundary (training thread)
 

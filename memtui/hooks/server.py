@@ -18,6 +18,7 @@ from memtui.hooks.errors import Report
 from memtui.hooks.limits import Budget, PeerRates
 from memtui.security import READONLY_REASON, public_info
 from memtui.wire import (
+    AutotuneRequest,
     CancelRequest,
     Decoder,
     ErrorReply,
@@ -106,12 +107,16 @@ class ControlServer:
         try:
             if isinstance(request, Hello):
                 return self._snapshot(request.history)
-            if isinstance(request, (SetRequest, CancelRequest)) and rank != 0:
+            if isinstance(request, (SetRequest, CancelRequest, AutotuneRequest)) and rank != 0:
                 return ErrorReply(reason=f"rank {rank} takes no changes: rank 0 does")
             if isinstance(request, SetRequest):
                 return control.queue(request)
             if isinstance(request, CancelRequest):
                 return control.cancel(request)
+            if isinstance(request, AutotuneRequest):
+                if control.pilot is None:
+                    return ErrorReply(reason="this run has no autopilot")
+                return control.pilot.turn(request)
         except Exception as exc:
             self._report(exc, "control")
             return ErrorReply(reason=f"internal error: {exc}")

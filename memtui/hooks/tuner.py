@@ -34,7 +34,9 @@ from typing import Any
 
 import memtui
 from memtui import registry
+from memtui.advice.autopilot import BUDGET
 from memtui.hooks.agent import Agent, HookParts
+from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.batches import Args, BatchT, timed_batches
 from memtui.hooks.boundary import Applied, Boundary
 from memtui.hooks.control import Control
@@ -117,6 +119,14 @@ class Options:
     )
     """An out-of-memory error inside ``tuner.guard()`` within this many steps after an applied
     change reverts that change and training goes on (0: never roll back)."""
+    autotune: bool = field(
+        default_factory=lambda: os.environ.get("MEMTUI_AUTOTUNE", "") in ("1", "true", "yes")
+    )
+    """Start with the autopilot on (``MEMTUI_AUTOTUNE=1``): it tunes the knobs by itself."""
+    autotune_budget: int = field(
+        default_factory=lambda: int(os.environ.get("MEMTUI_AUTOTUNE_BUDGET", str(BUDGET)))
+    )
+    """The most checkpoint boundaries the autopilot's trials and reverts may take."""
 
 
 def _size_env(name: str) -> int | None:
@@ -183,6 +193,16 @@ class Tuner:
             pinning=self.device.has_accelerator,
             lr=self.lr,
         )
+        self.autopilot = Autopilot(
+            self.control,
+            lambda: self.ledger.step,
+            on=self.options.autotune,
+            budget=self.options.autotune_budget,
+            leader=lambda: self.placement.rank == 0,
+        )
+        """The autopilot (it acts on rank 0 only: the queue is rank 0's, and only rank 0's
+        control server answers ``memtui autotune``)."""
+        self.control.pilot = self.autopilot
         self.tuned = TunedConfig(
             self.tuned_paths,
             lambda: self.run_id,
@@ -319,6 +339,7 @@ class Tuner:
                 sampler=lambda: self.sampler,
                 tcp_plan=self.tcp_plan,
                 record_path=options.record,
+                autopilot=self.autopilot,
             )
             self.agent = Agent(
                 parts,

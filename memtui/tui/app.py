@@ -42,7 +42,7 @@ from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.advice import top_applicable
-from memtui.wire import CancelRequest, KnobValue, SetRequest
+from memtui.wire import AutotuneRequest, CancelRequest, KnobValue, SetRequest
 
 EDIT_GROUP = Binding.Group("set knob")
 """b, a, w and p share one label in the footer (the config panel shows which is which)."""
@@ -74,6 +74,7 @@ class MemtuiApp(App[int]):
         Binding("k", "toggle_keep", "keep", priority=True),
         Binding("l", "cycle_lr_scale", "lr rule", show=False, priority=True),
         Binding("c", "cancel_change", "cancel", priority=True),
+        Binding("A", "toggle_autotune", "autopilot", show=False, priority=True),
         Binding("o", "apply_recommendation", "queue advice", priority=True),
         Binding("O", "pick_recommendation", "pick advice", show=False, priority=True),
         Binding("g", "gpus", "GPUs", priority=True),
@@ -369,6 +370,13 @@ class MemtuiApp(App[int]):
                 self.receiver.submit(CancelRequest(id=change_id, client=self.receiver.client))
 
         self.push_screen(CancelScreen(pending), cancel)
+
+    def action_toggle_autotune(self) -> None:
+        """Turn the run's autopilot on, or off when it is on or paused."""
+        control = self.state.control
+        pilot = control.autopilot if control is not None else None
+        on = pilot is None or pilot.mode == "off"
+        self.receiver.submit(AutotuneRequest(on=on, client=self.receiver.client))
 
     def action_toggle_pause(self) -> None:
         """Freeze or unfreeze the view (and a replay's clock)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from memtui.advice.autopilot import describe_state
 from memtui.client import client_name
 from memtui.knobs import format_changes
 from memtui.sources import Source, SourceUnavailable
@@ -36,6 +37,8 @@ from memtui.tui.events import (
 from memtui.tui.frames import FrameDecoder
 from memtui.tui.plausible import MAX_RANKS, rank_limit
 from memtui.wire import (
+    AutotuneReply,
+    AutotuneRequest,
     CancelReply,
     CancelRequest,
     Hello,
@@ -45,7 +48,7 @@ from memtui.wire import (
     Telemetry,
 )
 
-Request = SetRequest | CancelRequest
+Request = SetRequest | CancelRequest | AutotuneRequest
 """What the operator can ask of the run."""
 
 HISTORY = 2048
@@ -85,8 +88,12 @@ class Inbox:
         return batches
 
 
-def describe_reply(request: Request, reply: SetReply | CancelReply) -> Notice:
+def describe_reply(request: Request, reply: SetReply | CancelReply | AutotuneReply) -> Notice:
     """The outcome of a request, in words for the change log."""
+    if isinstance(reply, AutotuneReply):
+        if not reply.ok or reply.state is None:
+            return Notice(False, f"autotune refused: {reply.reason}")
+        return Notice(True, describe_state(reply.state))
     if isinstance(reply, SetReply):
         assert isinstance(request, SetRequest)
         if not reply.ok:
@@ -557,6 +564,8 @@ class Receiver:
         try:
             if isinstance(request, SetRequest):
                 return describe_reply(request, self.source.request(request, SetReply))
+            if isinstance(request, AutotuneRequest):
+                return describe_reply(request, self.source.request(request, AutotuneReply))
             return describe_reply(request, self.source.request(request, CancelReply))
         except SourceUnavailable as exc:
             return Notice(False, f"no answer from the run: {exc}")

@@ -251,3 +251,26 @@ def test_the_lr_rule_key_goes_with_an_edit_and_the_change_log_warns_when_the_lr_
         assert app.screen is app.main, "no editor for a knob the run lacks"
 
     run(app, check, WIDE)
+
+
+def test_a_turns_the_autopilot_on_and_a_change_typed_pauses_it(
+    start_hook_loop: Callable[..., HookLoop],
+) -> None:
+    """``A`` turns the run's autopilot on (the advice panel says so), ``w 2 Enter`` pauses it at
+    once (the panel says why), and ``A`` again turns it off."""
+    loop = start_hook_loop(rate=200, seconds=120, checkpoint_every=NEVER)
+    app = live_app(loop.run_id)
+
+    async def check(pilot: Pilot[Any]) -> None:
+        state = app.state
+        await until(pilot, lambda: state.control is not None and state.step > 0, 20, "the run")
+        await pilot.press("A")
+        await until(pilot, lambda: "autopilot on" in text_of(pilot, "#advice"), 10, "it on")
+        type_ahead(app, "w", "2", "enter")
+        await until(pilot, lambda: "autopilot paused" in text_of(pilot, "#advice"), 10, "paused")
+        assert "queued #" in text_of(pilot, "#advice")
+        assert (await status(loop.run_id))["autopilot"]["mode"] == "paused"
+        await pilot.press("A")
+        await until(pilot, lambda: "autopilot" not in text_of(pilot, "#advice"), 10, "it off")
+
+    run(app, check, WIDE)

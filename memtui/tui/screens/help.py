@@ -27,6 +27,7 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("c", "cancel a pending change"),
     ("o", "queue the top recommendation memtui can apply (for the next checkpoint)"),
     ("O", "pick a recommendation to queue (advice-only ones are listed, not applicable)"),
+    ("A", "autopilot on / off: it tunes the knobs by itself; any change of yours pauses it"),
     ("space", "pause / resume the view (data keeps arriving; a replay's clock stops)"),
     ("+ / -", "replay faster / slower (memtui replay only)"),
     ("r", "reconnect now"),

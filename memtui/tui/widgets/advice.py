@@ -10,6 +10,7 @@ from collections.abc import Hashable
 from rich.console import RenderableType
 from rich.text import Text
 
+from memtui.advice.autopilot import describe_state
 from memtui.advice.recommend import Recommendation
 from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, chips, flow
@@ -141,5 +142,10 @@ class AdvicePanel(StateView):
         return options, view.readonly, state.control_version
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
-        """The options, best first."""
-        return Text("\n").join(advice_lines(state, view, width, self.narrow, self.multirank))
+        """The autopilot's state while it is on or paused, then the options, best first."""
+        lines = advice_lines(state, view, width, self.narrow, self.multirank)
+        pilot = state.control.autopilot if state.control is not None else None
+        if pilot is not None and pilot.mode != "off":
+            style = "bold cyan" if pilot.mode == "on" else "bold yellow"
+            lines.insert(0, Text(describe_state(pilot), style, overflow="fold"))
+        return Text("\n").join(lines)

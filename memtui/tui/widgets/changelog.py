@@ -201,6 +201,8 @@ def change_lines(
             chips.append(Chip(Text(diffs or "no effective change")))
             ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
             chips.append(Chip(ids, optional=narrow))
+            if applied.origin:
+                chips.append(Chip(Text(f"by the {applied.origin}", "bold cyan")))
             if applied.note:
                 chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
             if applied.lr_note:  # a warning that the LR stayed is never left out

@@ -1,0 +1,447 @@
+"""Issue 17's evidence: the autopilot online against an offline grid search over the same knobs.
+
+For each start (four of the demo: starving with 0 workers, a tiny micro-batch, an oversized one
+near the memory limit, one already good; and one of ``benchmarks/scripts/transformer.py``) it
+runs the grid first: every point (num_workers x micro-batch, the accumulation recomputed so the
+effective batch stays; the same bounds the autopilot has: workers up to the CPUs the run may use)
+is a short separate run under the same memory limit (``MEMTUI_MEMORY_LIMIT``: past it the script
+raises ``MemoryError`` as a GPU runs out of memory), timed over its steps after a warm-up; a point
+that runs out of memory scores 0. Then the run from the start with the autopilot on
+(``MEMTUI_AUTOTUNE=1``, a checkpoint every 25 steps) until it converges, and the steps after.
+
+Per start it prints: the best grid throughput and its config, where the autopilot settled (its
+config, that config's grid throughput and the throughput measured online after it converged),
+the fraction of the grid best (by the grid's numbers, and online), the boundaries it took, the
+steps spent in configs the grid says are slower than the start, the OOMs (and whether rolled
+back), and the changes it kept that the grid says are worse. Goals: >= 95% of the grid best
+within 8 boundaries, no OOM not rolled back, never slower at the end than at the start.
+
+The machine is shared: every number moves with the load (printed with ``os.getloadavg``), and
+with ``--rounds N`` each grid point and each autopilot run is repeated N times and the median kept.
+
+Usage: python benchmarks/autotune.py [--quick] [--rounds N] [--starts demo-starving,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MEMTUI_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtau", dir="/tmp"))
+os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtaus", dir="/tmp"))
+
+from memtui import registry
+from memtui.advice.autopilot import KEPT, history
+from memtui.client import ClientError, ControlClient
+from memtui.wire import AppliedChange, Snapshot
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PYTHON = sys.executable
+EVERY = 25
+"""Steps between checkpoints in the autopilot's runs (the fewest its measurement allows)."""
+
+
+@dataclass(frozen=True)
+class Script:
+    """A training script, its memory limit, its effective batch and how it names the knobs."""
+
+    name: str
+    command: tuple[str, ...]
+    limit: str
+    effective: int
+    flags: dict[str, str]
+    """Knob name -> its command-line flag."""
+    extra: tuple[str, ...] = ()
+
+    def argv(self, config: dict[str, int], out: Path, steps: int) -> list[str]:
+        """The command line of one run with ``config``."""
+        args = [*self.command]
+        for knob, value in config.items():
+            args += [self.flags[knob], str(value)]
+        if self.name == "demo":
+            args += ["--steps", str(steps), "--out", str(out), "--checkpoint-every", str(EVERY)]
+            args += ["--memory-limit", self.limit, "--progress-every", "1000", "--name", "tune"]
+        else:
+            args += ["--steps", str(steps), "--out", str(out), "--checkpoint_every", str(EVERY)]
+        return [*args, *self.extra]
+
+
+DEMO = Script(
+    "demo",
+    (PYTHON, "-m", "memtui.demo", "--seq-len", "128", "--width", "32", "--vocab", "4096",
+     "--layers", "1", "--slow-data-ms", "40"),
+    limit="720MiB",
+    effective=16,
+    flags={"batch_size": "--batch-size", "grad_accum": "--grad-accum", "num_workers": "--workers"},
+)  # fmt: skip
+LM = Script(
+    "lm",
+    (PYTHON, str(HERE / "scripts" / "transformer.py")),
+    limit="680MiB",
+    effective=16,
+    flags={
+        "batch_size": "--batch_size",
+        "grad_accum": "--gradient_accumulation_steps",
+        "num_workers": "--num_workers",
+    },
+)
+
+
+@dataclass(frozen=True)
+class Start:
+    """One starting config of one script."""
+
+    name: str
+    script: Script
+    batch: int
+    workers: int
+
+    @property
+    def config(self) -> dict[str, int]:
+        """The start's knobs (the accumulation keeps the script's effective batch)."""
+        return config_of(self.script, self.batch, self.workers)
+
+
+def config_of(script: Script, batch: int, workers: int) -> dict[str, int]:
+    """Knobs for micro-batch ``batch`` and ``workers``, the effective batch kept."""
+    return {"batch_size": batch, "grad_accum": script.effective // batch, "num_workers": workers}
+
+
+STARTS = (
+    Start("demo-starving", DEMO, 8, 0),
+    Start("demo-tiny-micro", DEMO, 2, 2),
+    Start("demo-oversized", DEMO, 16, 2),
+    Start("demo-good", DEMO, 8, 2),
+    Start("lm-tiny-micro", LM, 2, 0),
+)
+
+
+@dataclass
+class Measured:
+    """Steps per second and samples per second of one run (0: it ran out of memory)."""
+
+    samples_per_s: float
+    oom: bool = False
+
+
+@dataclass
+class Result:
+    """One start: the grid's best, where the autopilot settled, what it cost."""
+
+    start: str
+    start_config: dict[str, int]
+    grid: dict[str, float] = field(default_factory=dict)
+    best_config: str = ""
+    best: float = 0.0
+    start_grid: float = 0.0
+    settled_config: str = ""
+    settled_grid: float = 0.0
+    settled_online: float = 0.0
+    start_online: float = 0.0
+    fraction_grid: float = 0.0
+    fraction_online: float = 0.0
+    boundaries: int = 0
+    budget: int = 0
+    phase: str = ""
+    why: str = ""
+    """The autopilot's last words: why it converged."""
+    steps_slower: int = 0
+    steps_total: int = 0
+    ooms: int = 0
+    ooms_not_rolled_back: int = 0
+    kept_worse: int = 0
+    kept: int = 0
+    wall_s: float = 0.0
+
+
+def key(config: dict[str, Any]) -> str:
+    """``b8x2 w2``: a config in a few characters."""
+    return f"b{config['batch_size']}x{config['grad_accum']} w{config['num_workers']}"
+
+
+class Run:
+    """One training process, reached through the control client."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._handle = log.open("w")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+        self.run_id = self._run_id()
+        self.client = ControlClient(registry.find_run(self.run_id).control, timeout_s=10.0)
+
+    def _run_id(self, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log.read_text().splitlines():
+                if line.startswith("run "):
+                    return line.split()[1]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited early: {self.log.read_text()[-2000:]}")
+            time.sleep(0.3)
+        raise RuntimeError(f"no run id in {timeout:g} s")
+
+    def snapshot(self) -> Snapshot | None:
+        """The run's snapshot with its step history (None: it no longer answers)."""
+        if self.proc.poll() is not None:
+            return None
+        try:
+            return self.client.hello(history=2048)
+        except ClientError:
+            return None
+
+    def stop(self) -> None:
+        """End the training."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._handle.close()
+
+
+def rate(snapshot: Snapshot, first: int, last: int) -> float:
+    """Samples per second over the steps (first, last]."""
+    steps = [s for s in snapshot.steps if first < s.step <= last and s.step_time_s > 0]
+    total = sum(s.step_time_s for s in steps)
+    return sum(s.samples for s in steps) / total if total > 0 else 0.0
+
+
+def wait_step(run: Run, step: int, timeout: float) -> Snapshot | None:
+    """The run's snapshot once it reached ``step`` (None: it ended, e.g. out of memory)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snapshot = run.snapshot()
+        if snapshot is None:
+            return None
+        if snapshot.control.ooms:
+            return snapshot
+        if snapshot.step >= step:
+            return snapshot
+        time.sleep(0.5)
+    return run.snapshot()
+
+
+def grid_point(
+    script: Script, config: dict[str, int], work: Path, warm: int, timed: int
+) -> Measured:
+    """One short separate run at ``config``: samples/s over ``timed`` steps after ``warm``."""
+    out = work / f"grid-{script.name}-{key(config).replace(' ', '-')}-{time.monotonic_ns()}"
+    env = dict(
+        os.environ, MEMTUI_MEMORY_LIMIT=script.limit, MEMTUI_AUTOTUNE="0", PYTHONUNBUFFERED="1"
+    )
+    run = Run(script.argv(config, out, 1_000_000), env, out.with_suffix(".log"))
+    try:
+        snapshot = wait_step(run, warm + timed, 600)
+        if snapshot is None or snapshot.control.ooms:
+            return Measured(0.0, oom=True)
+        return Measured(rate(snapshot, warm, warm + timed))
+    finally:
+        run.stop()
+
+
+def median_of(values: list[float]) -> float:
+    """The median (0 for none)."""
+    return statistics.median(values) if values else 0.0
+
+
+def autopilot_run(
+    start: Start, work: Path, grid: dict[str, float], budget: int, timed: int
+) -> Result:
+    """The run from ``start`` with the autopilot on until it converges, then ``timed`` steps."""
+    script = start.script
+    out = work / f"auto-{start.name}-{time.monotonic_ns()}"
+    env = dict(
+        os.environ,
+        MEMTUI_MEMORY_LIMIT=script.limit,
+        MEMTUI_AUTOTUNE="1",
+        MEMTUI_AUTOTUNE_BUDGET=str(budget),
+        PYTHONUNBUFFERED="1",
+    )
+    began = time.monotonic()
+    run = Run(script.argv(start.config, out, 1_000_000), env, out.with_suffix(".log"))
+    result = Result(start.name, start.config)
+    try:
+        deadline = time.monotonic() + 900
+        snapshot = run.snapshot()
+        settled_at: int | None = None
+        while time.monotonic() < deadline:
+            snapshot = run.snapshot()
+            if snapshot is None:
+                break
+            pilot = snapshot.control.autopilot
+            if pilot is not None and pilot.phase == "converged" and not snapshot.control.pending:
+                settled_at = snapshot.step if settled_at is None else settled_at
+                if snapshot.step >= settled_at + timed + 2:
+                    break
+            time.sleep(1.0)
+        if snapshot is None:
+            raise RuntimeError(f"{start.name}: the run died: {run.log.read_text()[-2000:]}")
+        fill(result, start, snapshot, grid, settled_at)
+    finally:
+        run.stop()
+    result.wall_s = time.monotonic() - began
+    return result
+
+
+def fill(
+    result: Result, start: Start, snapshot: Snapshot, grid: dict[str, float], settled_at: int | None
+) -> None:
+    """The autopilot run's numbers from its last snapshot and the grid."""
+    control = snapshot.control
+    pilot = control.autopilot
+    final = {k: getattr(control.config, k) for k in ("batch_size", "grad_accum", "num_workers")}
+    result.settled_config = key(final)
+    result.settled_grid = grid.get(key(final), 0.0)
+    result.start_grid = grid.get(key(start.config), 0.0)
+    result.phase = pilot.phase if pilot is not None else "?"
+    result.why = pilot.why if pilot is not None else ""
+    result.boundaries = pilot.boundaries if pilot is not None else 0
+    result.budget = pilot.budget if pilot is not None else 0
+    result.ooms = len(control.ooms)
+    result.ooms_not_rolled_back = sum(not o.rolled_back for o in control.ooms)
+    applied = list(control.applied)
+    first_change = applied[0].step if applied else snapshot.step
+    result.start_online = rate(snapshot, 2, min(first_change, 2 + 20))
+    if settled_at is not None:
+        result.settled_online = rate(snapshot, settled_at, snapshot.step)
+    result.steps_slower, result.steps_total = slower_steps(start, snapshot, applied, grid)
+    for trial in history(applied).trials:
+        if trial.outcome != KEPT:
+            continue
+        result.kept += 1
+        before, after = configs_at(start, applied, trial.step)
+        if grid.get(key(after), 0.0) < grid.get(key(before), 0.0):
+            result.kept_worse += 1
+
+
+def configs_at(
+    start: Start, applied: list[AppliedChange], step: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config before and after the change applied at ``step``."""
+    config: dict[str, Any] = dict(start.config)
+    before = dict(config)
+    for change in applied:
+        if change.step == step:
+            before = dict(config)
+        for knob, diff in change.changes.items():
+            config[knob] = diff.new
+        if change.step == step:
+            return before, dict(config)
+    return before, dict(config)
+
+
+def slower_steps(
+    start: Start, snapshot: Snapshot, applied: list[AppliedChange], grid: dict[str, float]
+) -> tuple[int, int]:
+    """Steps run in configs the grid says are slower than the start's, and all the steps."""
+    base = grid.get(key(start.config), 0.0)
+    config: dict[str, Any] = dict(start.config)
+    changes = sorted(applied, key=lambda a: a.step)
+    slower = 0
+    last = 0
+    for change in [*changes, None]:
+        end = change.step if change is not None else snapshot.step
+        if grid.get(key(config), 0.0) < base:
+            slower += max(0, end - last)
+        if change is not None:
+            for knob, diff in change.changes.items():
+                config[knob] = diff.new
+            last = change.step
+    return slower, snapshot.step
+
+
+def main() -> int:
+    """Run the grid and the autopilot per start; print the table and the verdict."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller grid, fewer steps")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat and keep medians")
+    parser.add_argument("--starts", default=",".join(s.name for s in STARTS))
+    parser.add_argument("--budget", type=int, default=8)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    wanted = args.starts.split(",")
+    starts = [s for s in STARTS if s.name in wanted]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = list(range(0, min(cpus, 4) + 1))  # every count the autopilot may reach
+    batches = [4, 8, 16] if args.quick else [2, 4, 8, 16]
+    warm, timed = (8, 20) if args.quick else (10, 40)
+    print(
+        f"load {os.getloadavg()}, cpus {cpus}, rounds {args.rounds}, quick {args.quick}", flush=True
+    )
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="autotune", dir="/tmp"))
+    grids: dict[str, dict[str, float]] = {}
+    results: list[Result] = []
+    for start in starts:
+        script = start.script
+        if script.name not in grids:
+            grid: dict[str, float] = {}
+            for batch in sorted({*batches, *(s.batch for s in starts if s.script is script)}):
+                for count in sorted({*workers, *(s.workers for s in starts if s.script is script)}):
+                    config = config_of(script, batch, count)
+                    values = [
+                        grid_point(script, config, work, warm, timed).samples_per_s
+                        for _ in range(args.rounds)
+                    ]
+                    grid[key(config)] = median_of(values)
+                    print(
+                        f"  grid {script.name} {key(config)}: {grid[key(config)]:.0f} samples/s {[round(v) for v in values]}",
+                        flush=True,
+                    )
+            grids[script.name] = grid
+        grid = grids[script.name]
+        rounds = [autopilot_run(start, work, grid, args.budget, timed) for _ in range(args.rounds)]
+        rounds.sort(key=lambda r: r.settled_online)
+        result = rounds[len(rounds) // 2]
+        result.grid = grid
+        result.best_config, result.best = max(grid.items(), key=lambda item: item[1])
+        result.fraction_grid = result.settled_grid / result.best if result.best else 0.0
+        result.fraction_online = result.settled_online / result.best if result.best else 0.0
+        results.append(result)
+        print(
+            f"  {start.name}: settled {result.settled_config} ({result.phase}: {result.why}) "
+            f"after {result.boundaries} boundaries in {result.wall_s:.0f} s",
+            flush=True,
+        )
+    print()
+    print(
+        "start            best grid (config)    settled (grid / online)      of best (grid / online)  bounds  slower steps  OOMs  kept worse"
+    )
+    for r in results:
+        print(
+            f"{r.start:<16} {r.best:6.0f} ({r.best_config:<9}) {r.settled_config:<9} {r.settled_grid:6.0f} / {r.settled_online:6.0f}"
+            f"   {r.fraction_grid:6.0%} / {r.fraction_online:6.0%}          {r.boundaries}/{r.budget}   "
+            f"{r.steps_slower:5d}/{r.steps_total:<5d}  {r.ooms}({r.ooms_not_rolled_back} not rb)  {r.kept_worse}/{r.kept}"
+        )
+    goal = [
+        r.fraction_grid >= 0.95
+        and r.boundaries <= 8
+        and not r.ooms_not_rolled_back
+        and r.settled_grid >= r.start_grid
+        for r in results
+    ]
+    print(
+        f"\ngoal (>= 95% of the grid best by the grid's numbers, <= 8 boundaries, no OOM not rolled back, never slower at the end): {sum(goal)}/{len(goal)} starts"
+    )
+    print(f"load {os.getloadavg()}; took {time.monotonic() - began:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

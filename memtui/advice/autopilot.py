@@ -1,0 +1,415 @@
+"""The autopilot's policy: from a run's measurements, the next trial, a revert, or converged (pure).
+
+A coordinate ascent over a table of knobs (``AXES``), one change per checkpoint boundary. Each
+axis is an integer search (doubling, then bisecting once a value failed) or a switch, with its
+own conditions (the loader's knobs only while the run waits for data, a bigger micro-batch only
+while it does not, pinning only with an accelerator) and its own upper bound (the workers the
+CPUs and host RAM allow, the largest micro-batch predicted safe, under what ran out of memory).
+The history is the run's applied changes marked as the autopilot's own: nothing else is kept, so
+the same measurements always give the same decision. A trial is kept only when the run got
+faster beyond the noise (the lower end of the measured effect's 95% interval above zero),
+reverted otherwise; a value that ran out of memory, was refused or was reverted is never tried
+again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from memtui.advice.effect import measurable, speed_words, speedup
+from memtui.advice.measure import per_worker_bytes
+from memtui.advice.predict import max_batch, predict_peak
+from memtui.advice.recommend import Inputs, workers_allowed
+from memtui.advice.speed import SpeedEstimate, predict_speed
+from memtui.knobs import format_changes, grew
+from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
+
+AUTOPILOT = "autopilot"
+"""The origin of the autopilot's own changes (and its client name in the change log)."""
+BUDGET = 8
+"""Boundaries the autopilot may take by default (its trials and their reverts)."""
+
+KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING = (
+    "kept",
+    "worse",
+    "reverted",
+    "out of memory",
+    "refused",
+    "measuring",
+)
+FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED})
+"""Outcomes after which a value is never tried again."""
+
+
+@dataclass
+class Trial:
+    """One change the autopilot made and what became of it."""
+
+    axis: str
+    changes: dict[str, KnobDiff]
+    step: int
+    outcome: str
+    safety: bool = False
+    """A move out of the memory danger band: kept unless it ran out of memory."""
+    effect: Effect | None = None
+
+    def describe(self) -> str:
+        """``kept num_workers=2: +45% +-6% samples/s``: the trial and its outcome in words."""
+        words = f"{self.outcome} {format_diff_values(self.changes)}"
+        if self.outcome == OOM:
+            return f"{format_diff_values(self.changes)} ran out of memory: rolled back"
+        if self.outcome == REFUSED:
+            return f"{format_diff_values(self.changes)} refused by the queue"
+        return f"{words}: {speed_words(self.effect)}" if self.effect is not None else words
+
+
+@dataclass(frozen=True)
+class History:
+    """What the autopilot has done since it was turned on, as the run recorded it."""
+
+    trials: tuple[Trial, ...] = ()
+    boundaries: int = 0
+    """Boundaries its changes took (trials and reverts)."""
+
+    def tried(self, knob: str) -> dict[KnobValue, str]:
+        """Each value tried for ``knob``, with the outcome of its last trial; a value a kept
+        trial left counts as worse (it lost to the new one)."""
+        values: dict[KnobValue, str] = {}
+        for trial in self.trials:
+            diff = trial.changes.get(knob)
+            if diff is not None:
+                values[diff.new] = trial.outcome
+                if trial.outcome == KEPT and diff.old is not None:
+                    values.setdefault(diff.old, WORSE)
+        return values
+
+    @property
+    def last(self) -> Trial | None:
+        """The latest trial (None: none yet)."""
+        return self.trials[-1] if self.trials else None
+
+
+def kept(effect_applied: AppliedChange) -> bool:
+    """The change made the run faster beyond the noise: the lower end of the 95% interval of
+    its measured change of samples/s is above zero."""
+    effect = effect_applied.effect
+    return effect is not None and speedup(effect) > 0 and measurable(effect)
+
+
+def shrinks_batch(change: AppliedChange) -> bool:
+    """A smaller micro-batch: the autopilot only ever shrinks it to leave the danger band."""
+    diff = change.changes.get("batch_size")
+    return diff is not None and isinstance(diff.old, int) and int(diff.new) < diff.old
+
+
+def undoes(change: AppliedChange, trial: Trial) -> bool:
+    """``change`` sets every knob of ``trial`` back to the value it had before."""
+    return bool(change.changes) and all(
+        (d := change.changes.get(k)) is not None and d.new == diff.old
+        for k, diff in trial.changes.items()
+    )
+
+
+def history(
+    applied: Sequence[AppliedChange],
+    refused: Sequence[Mapping[str, KnobValue]] = (),
+    *,
+    since_step: int = 0,
+) -> History:
+    """The autopilot's trials from the run's applied changes (its own, at ``since_step`` or
+    later, and the out-of-memory rollbacks after them) and the requests the queue refused it."""
+    trials: list[Trial] = []
+    boundaries = 0
+    for change in applied:  # a revert undoes the trial before it; a rollback one that ran out
+        if change.step < since_step:
+            continue
+        last = trials[-1] if trials else None
+        if change.rollback:
+            if last is not None and last.outcome != REVERTED and undoes(change, last):
+                last.outcome = OOM
+            continue
+        if change.origin != AUTOPILOT:
+            continue
+        boundaries += 1
+        if last is not None and last.outcome in (WORSE, MEASURING, KEPT) and undoes(change, last):
+            last.outcome = REVERTED
+            continue
+        is_safety = shrinks_batch(change)
+        if change.effect is None:
+            outcome = MEASURING
+        elif is_safety or kept(change):
+            outcome = KEPT
+        else:
+            outcome = WORSE
+        changes = dict(change.changes)
+        trials.append(
+            Trial(axis_of(changes), changes, change.step, outcome, is_safety, change.effect)
+        )
+    for request in refused:
+        changes = {k: KnobDiff(None, v) for k, v in request.items()}
+        trials.append(Trial(axis_of(changes), changes, -1, REFUSED))
+    return History(tuple(trials), boundaries)
+
+
+def axis_of(changes: Mapping[str, object]) -> str:
+    """The axis a change belongs to: the first of ``AXES`` whose knob it sets."""
+    for axis in AXES:
+        if axis.knob in changes:
+            return axis.knob
+    return next(iter(changes), "")
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now: wait, try a change, revert the last one, or stop (converged)."""
+
+    action: str
+    """wait, try, revert or converged."""
+    why: str
+    changes: dict[str, KnobValue] = field(default_factory=dict)
+    safety: bool = False
+    """A move out of the memory danger band (kept unless it runs out of memory)."""
+
+
+@dataclass(frozen=True)
+class Situation:
+    """Everything the policy decides from: the run's live numbers and the autopilot's history."""
+
+    inputs: Inputs
+    """The recommendations' inputs: config, timed steps (since the last change settled), memory
+    model, host sample, CPUs, ceiling, thresholds and the applied changes."""
+    history: History
+    pending: bool = False
+    """Some change (anyone's) waits for the next boundary."""
+    budget: int = BUDGET
+    allow_effective_batch: bool = False
+    """Left to the learning-rate rule: without it, micro x accumulation x ranks stays."""
+
+    @property
+    def input_bound(self) -> bool:
+        """The run waits for data past the verdict's STARVED threshold."""
+        steps = self.inputs.steps
+        return steps is not None and steps.data_wait_fraction >= self.inputs.starved_wait_fraction
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One knob of the search: when it applies and the next value to try."""
+
+    knob: str
+    candidate: Callable[[Situation], tuple[dict[str, KnobValue], str]]
+    """The change to try next and why; or ``{}`` and why nothing (the axis is done)."""
+
+
+def decide(situation: Situation) -> Decision:
+    """The autopilot's next move, from the run's measurements and its own history."""
+    history, inputs = situation.history, situation.inputs
+    last = history.last
+    if last is not None and last.outcome == MEASURING:
+        return Decision("wait", f"measuring {format_diff_values(last.changes)}")
+    if situation.pending:
+        return Decision("wait", "a change is pending: it lands at the next checkpoint")
+    if last is not None and last.outcome == WORSE:
+        back = {k: d.old for k, d in last.changes.items() if d.old is not None}
+        return Decision(
+            "revert", f"{format_diff_values(last.changes)} was not faster beyond the noise", back
+        )
+    if inputs.steps is None:
+        return Decision("wait", "timing the steps at the current config")
+    if last is not None and last.outcome == KEPT and _out_of_danger(situation):
+        back = {k: d.old for k, d in last.changes.items() if d.old is not None}
+        if any(grew(k, d) for k, d in last.changes.items()):
+            # its own change took the run into the edge band: undo it, not the micro-batch
+            why = f"{format_diff_values(last.changes)} took the peak into the edge band"
+            return Decision("revert", why, back)
+    if history.boundaries + 2 > situation.budget:
+        return Decision("converged", f"the budget of {situation.budget} boundaries is spent")
+    safer = _out_of_danger(situation)
+    if safer:
+        return Decision("try", "peak memory in the edge band: a smaller micro-batch", safer, True)
+    reasons: list[str] = []
+    for axis in AXES:
+        changes, why = axis.candidate(situation)
+        if changes:
+            return Decision("try", why, changes)
+        if why:
+            reasons.append(why)
+    return Decision("converged", "; ".join(reasons) or "nothing left to try")
+
+
+def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
+    """``num_workers=2 batch_size=8``: the new values of a change."""
+    return format_changes({k: d.new for k, d in changes.items()})
+
+
+def doubling(now: int, upper: int, tried: Mapping[KnobValue, str], floor: int = 1) -> int | None:
+    """The next integer to try above ``now``: double it (from ``floor`` at 0) up to ``upper``;
+    once a value above failed, halfway to it; None when nothing untried is left."""
+    failed = [v for v, o in tried.items() if o in FAILED and isinstance(v, int) and v > now]
+    if failed:
+        mid = (now + min(failed)) // 2
+        return mid if mid > now and mid not in tried else None
+    want = min(max(now * 2, floor), upper)
+    return want if want > now and want not in tried else None
+
+
+def _estimate(situation: Situation, changes: Mapping[str, KnobValue]) -> SpeedEstimate | None:
+    """The speed estimate of ``changes`` (None without timed steps)."""
+    basis = situation.inputs.speed_basis()
+    return predict_speed(basis, changes) if basis is not None else None
+
+
+def _predicted_no_help(situation: Situation, changes: Mapping[str, KnobValue]) -> str:
+    """Why ``changes`` is predicted not to help ('' if it may: faster or unknown)."""
+    estimate = _estimate(situation, changes)
+    if estimate is None or estimate.delta is None or estimate.delta > 0:
+        return ""
+    return f"{format_changes(changes)} predicted no faster ({estimate.note})"
+
+
+def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """More loader workers while the run waits for data, within CPUs, host RAM and the ceiling."""
+    inputs = situation.inputs
+    now = inputs.config.num_workers
+    if now is None or "num_workers" not in inputs.tunable:
+        return {}, ""
+    if not situation.input_bound:
+        return {}, "num_workers: the run does not wait for data"
+    if inputs.host_pressure:
+        return {}, "num_workers: host memory is under pressure"
+    upper, note = workers_allowed(inputs, max(now * 2, 1), per_worker_bytes(inputs.host) or None)
+    value = doubling(now, upper, situation.history.tried("num_workers"))
+    if value is None:
+        return {}, f"num_workers: nothing left to try above {now}{note}"
+    changes: dict[str, KnobValue] = {"num_workers": value}
+    no_help = _predicted_no_help(situation, changes)
+    if no_help:
+        return {}, no_help
+    return changes, f"{_wait_words(situation)}: num_workers {now} -> {value}{note}"
+
+
+def _wait_words(situation: Situation) -> str:
+    steps = situation.inputs.steps
+    return f"{steps.data_wait_fraction:.0%} of each step waits for data" if steps else "waits"
+
+
+def _pinning(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """Pinned batches, once, where there is an accelerator and the run waits for data."""
+    inputs = situation.inputs
+    if inputs.config.pin_memory is not False or "pin_memory" not in inputs.tunable:
+        return {}, ""
+    if inputs.device_kind != "cuda":
+        return {}, ""  # pinning speeds copies to an accelerator only: nothing to say on a CPU
+    if inputs.ceiling is not None and inputs.ceiling.pin_memory:
+        return {}, "pin_memory: it ran out of memory pinned"
+    if not situation.input_bound or True in situation.history.tried("pin_memory"):
+        return {}, ""
+    return {"pin_memory": True}, f"{_wait_words(situation)}: pin_memory on"
+
+
+def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """A bigger micro-batch with the accumulation recomputed (the effective batch kept), within
+    the largest predicted safe and under what ran out of memory; once nothing is left above, a
+    smaller one (half); never while input-bound."""
+    inputs = situation.inputs
+    batch, accum, model = inputs.config.batch_size, inputs.config.grad_accum, inputs.model
+    if batch is None or "batch_size" not in inputs.tunable:
+        return {}, ""
+    if situation.input_bound:
+        return {}, "batch_size: never bigger while the run waits for data"
+    if accum is None or "grad_accum" not in inputs.tunable:
+        return {}, "batch_size: no grad_accum to keep the effective batch with"
+    if model is None:
+        return {}, "batch_size: no memory model yet"
+    target = batch * accum
+    safe = max_batch(model, inputs.memory_edge_fraction, inputs.ceiling) or 0
+    upper = _divisor_at_most(target, min(target, safe))
+    tried = situation.history.tried("batch_size")
+    value = doubling(batch, upper, tried)
+    value = _divisor_at_most(target, value) if value is not None else None
+    if value is None or value <= batch or value in tried:
+        value = _divisor_at_most(target, batch // 2)
+        if value < 1 or value in tried:
+            return {}, f"batch_size: nothing left to try around {batch} keeping the effective batch"
+    changes: dict[str, KnobValue] = {"batch_size": value, "grad_accum": target // value}
+    no_help = _predicted_no_help(situation, changes)
+    if no_help:
+        return {}, no_help
+    return changes, f"batch_size {batch} -> {value}, grad_accum {accum} -> {target // value}"
+
+
+def _divisor_at_most(target: int, value: int) -> int:
+    """The largest divisor of ``target`` no greater than ``value`` (0 under 1)."""
+    for candidate in range(min(value, target), 0, -1):
+        if target % candidate == 0:
+            return candidate
+    return 0
+
+
+def _out_of_danger(situation: Situation) -> dict[str, KnobValue]:
+    """A smaller micro-batch (the effective batch kept) when the predicted peak is in the edge
+    band: the largest predicted safe, and it is not a speed trial ({}: not needed)."""
+    inputs = situation.inputs
+    batch, accum, model = inputs.config.batch_size, inputs.config.grad_accum, inputs.model
+    if batch is None or accum is None or model is None or model.capacity_bytes <= 0:
+        return {}
+    peak = predict_peak(model, batch, inputs.config.num_workers)  # the workers there are now
+    if peak < inputs.memory_edge_fraction * model.capacity_bytes:
+        return {}
+    if {"batch_size", "grad_accum"} - set(inputs.tunable):
+        return {}
+    target = batch * accum
+    safe = max_batch(model, inputs.memory_edge_fraction, inputs.ceiling) or 1
+    value = _divisor_at_most(target, min(safe, batch - 1))
+    if value < 1 or value >= batch or value in situation.history.tried("batch_size"):
+        return {}
+    return {"batch_size": value, "grad_accum": target // value}
+
+
+PREFETCH_LIMIT = 8
+"""The most batches per worker the autopilot asks for (each one is held in host memory)."""
+
+
+def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """More batches prefetched per worker while the run waits for data with workers (torch
+    uses it only with workers), doubled up to ``PREFETCH_LIMIT``; not under host pressure."""
+    inputs = situation.inputs
+    now, workers = inputs.config.prefetch_factor, inputs.config.num_workers
+    if now is None or "prefetch_factor" not in inputs.tunable or not workers:
+        return {}, ""
+    if not situation.input_bound or inputs.host_pressure:
+        return {}, ""
+    value = doubling(now, PREFETCH_LIMIT, situation.history.tried("prefetch_factor"))
+    if value is None:
+        return {}, f"prefetch_factor: nothing left to try above {now}"
+    return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
+
+
+AXES: tuple[Axis, ...] = (
+    Axis("num_workers", _workers),
+    Axis("prefetch_factor", _prefetch),
+    Axis("pin_memory", _pinning),
+    Axis("batch_size", _micro_batch),
+)
+"""The knobs the autopilot tunes, in the order it tries them: a knob is one more entry."""
+
+
+def describe_state(state: AutopilotState) -> str:
+    """``autopilot on: trying num_workers=2 (62% of each step waits for data); 2/8 boundaries``."""
+    if state.mode == "off":
+        return "autopilot off" + (f" ({state.why})" if state.why else "")
+    if state.mode == "paused":
+        return f"autopilot {state.why or 'paused'}"
+    doing = state.phase or "waiting"
+    if state.trying and state.phase in ("trying", "reverting", "measuring"):
+        doing += " " + format_changes(state.trying)
+    words = f"autopilot on: {doing}"
+    if state.why and not state.why.startswith("measuring"):
+        words += f" ({state.why})"
+    if state.last and not state.last.startswith(MEASURING):
+        words += f"; last: {state.last}"
+    return words + f"; {state.boundaries}/{state.budget} boundaries"

@@ -1,0 +1,189 @@
+"""Rank 0's autopilot: on, off or paused, and the loop that queues its trials like an operator.
+
+The agent thread calls ``tick`` once a second, after the effects of applied changes are measured;
+the decision is the pure policy's (``memtui.advice.autopilot.decide``), and a change goes through
+``Control.queue`` marked as the autopilot's own, so every rule of the queue holds (the prediction
+gate, the ceiling, the audit log, rank consistency at the boundary, rollback). Any operator
+change or cancel pauses it at once (``operator_acted``, called by ``Control``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from memtui.advice.autopilot import (
+    AUTOPILOT,
+    BUDGET,
+    MEASURING,
+    Decision,
+    Situation,
+    decide,
+    history,
+)
+from memtui.advice.effect import SETTLE_STEPS
+from memtui.advice.measure import EFFECT_STEPS
+from memtui.advice.recommend import Inputs, bands
+from memtui.hooks.control import Control
+from memtui.knobs import format_changes, parse_value
+from memtui.stats import summarize_steps
+from memtui.wire import (
+    AutopilotState,
+    AutotuneReply,
+    AutotuneRequest,
+    HostSample,
+    KnobDiff,
+    KnobValue,
+    RunInfo,
+    SetRequest,
+    StepRecord,
+)
+
+
+class Autopilot:
+    """The autopilot's state (the one copy) and its loop; thread-safe."""
+
+    def __init__(
+        self,
+        control: Control,
+        step: Callable[[], int],
+        *,
+        on: bool = False,
+        budget: int = BUDGET,
+        leader: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._control = control
+        self._step = step
+        self._leader = leader
+        """Whether this process is rank 0 (it may change when the job coordinates late): only
+        rank 0's queue takes changes, so only there does the autopilot act."""
+        self._state = AutopilotState(budget=budget)
+        if on:
+            self._state = AutopilotState(mode="on", phase="waiting", budget=budget)
+
+    def state(self) -> AutopilotState:
+        """A copy of the state as published."""
+        with self._lock:
+            return msgspec.structs.replace(self._state)
+
+    def _set(self, **fields: object) -> None:
+        """Change the state and tell viewers (the control state's ``seq``)."""
+        with self._lock:
+            new = msgspec.structs.replace(self._state, **fields)
+            if new == self._state:
+                return
+            self._state = new
+        self._control.touch()
+
+    def turn(self, request: AutotuneRequest) -> AutotuneReply:
+        """Turn it on (from the current step, its history fresh) or off."""
+        if request.on:
+            self._set(
+                mode="on", phase="waiting", why="", trying={}, since_step=self._step(), boundaries=0
+            )
+        else:
+            self._set(mode="off", phase="", why=f"turned off by {request.client or 'a client'}")
+            self._control.withdraw(AUTOPILOT)
+        self._control.audit_event("autotune", {"on": request.on, "client": request.client})
+        return AutotuneReply(ok=True, state=self.state())
+
+    def operator_acted(self, what: str) -> None:
+        """Pause at once: an operator changed the config or the queue (``what`` says how)."""
+        if self.state().mode != "on":
+            return
+        self._set(mode="paused", phase="", why=f"paused: {what}", trying={})
+        self._control.audit_event("autotune", {"paused": what})
+        self._control.withdraw(AUTOPILOT)
+
+    def tick(self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo) -> None:
+        """Decide and act once (rank 0, the agent thread): queue a trial or a revert, or say why
+        not; nothing while off or paused, or on a rank other than 0."""
+        if self.state().mode != "on" or not self._leader():
+            return
+        situation = self._situation(steps, host, info)
+        done = situation.history
+        last = done.last
+        self._set(boundaries=done.boundaries, last=last.describe() if last is not None else "")
+        decision = decide(situation)
+        if decision.action in ("try", "revert"):
+            self._queue(decision)
+        elif decision.action == "converged":
+            self._set(phase="converged", why=decision.why, trying={})
+        elif last is not None and last.outcome == MEASURING:
+            self._set(phase="measuring", why=decision.why, trying=_new_values(last.changes))
+        else:
+            self._set(phase="waiting", why=decision.why, trying=self.state().trying)
+
+    def _situation(
+        self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo
+    ) -> Situation:
+        """The policy's inputs: the steps since the last change settled, and the history."""
+        control, state = self._control, self.state()
+        applied = control.applied_changes()
+        since = max((a.step for a in applied), default=-1) + SETTLE_STEPS
+        recent = [r for r in steps if r.step > since][-EFFECT_STEPS:]
+        stats = (
+            summarize_steps(recent, window=EFFECT_STEPS) if len(recent) >= EFFECT_STEPS else None
+        )
+        thresholds = control.thresholds
+        pressure = (
+            host is not None
+            and host.ram_total_bytes > 0
+            and (
+                1 - host.ram_available_bytes / host.ram_total_bytes >= thresholds.host_ram_fraction
+            )
+        )
+        own = control.state()
+        inputs = Inputs(
+            config=own.config,
+            tunable=tuple(own.tunable),
+            world_size=own.world_size,
+            steps=stats,
+            samples_per_step=stats.samples_per_s * stats.step_time_s if stats else None,
+            model=own.model,
+            host=host,
+            host_pressure=pressure,
+            device_kind=info.device_kind,
+            cpus=info.cpus,
+            ceiling=own.ceiling,
+            applied=tuple(applied),
+            **bands(thresholds),
+        )
+        refused = [
+            {k: v for k, raw in r.requested.items() if (v := _value(k, raw)) is not None}
+            for r in own.rejected
+            if r.client == AUTOPILOT and r.step >= state.since_step
+        ]
+        return Situation(
+            inputs,
+            history(applied, refused, since_step=state.since_step),
+            pending=bool(own.pending),
+            budget=state.budget,
+        )
+
+    def _queue(self, decision: Decision) -> None:
+        """Queue the decision's change as the autopilot's own (never forced)."""
+        request = SetRequest(changes=dict(decision.changes), client=AUTOPILOT)
+        reply = self._control.queue(request, origin=AUTOPILOT)
+        words = format_changes(decision.changes)
+        if not reply.ok:  # recorded as refused: the policy never tries it again
+            self._set(phase="refused", why=f"{words} refused: {reply.reason}", trying={})
+            return
+        phase = "reverting" if decision.action == "revert" else "trying"
+        self._set(phase=phase, why=decision.why, trying=dict(decision.changes))
+
+
+def _value(knob: str, raw: object) -> KnobValue | None:
+    """A refused request's value as a knob value (None: not one)."""
+    try:
+        return parse_value(knob, raw)
+    except ValueError:
+        return None
+
+
+def _new_values(changes: dict[str, KnobDiff]) -> dict[str, KnobValue]:
+    """The values a change set."""
+    return {k: d.new for k, d in changes.items()}

@@ -1,0 +1,281 @@
+"""The autopilot's policy as pure functions over measurements (no sockets, no threads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from memtui.advice.autopilot import (
+    AUTOPILOT,
+    AXES,
+    KEPT,
+    MEASURING,
+    OOM,
+    REFUSED,
+    REVERTED,
+    WORSE,
+    Situation,
+    decide,
+    doubling,
+    history,
+)
+from memtui.advice.predict import Observation, fit
+from memtui.advice.recommend import Inputs
+from memtui.hooks.autopilot import Autopilot
+from memtui.hooks.control import Control
+from memtui.stats import StepStats
+from memtui.wire import (
+    AppliedChange,
+    AutotuneRequest,
+    Ceiling,
+    Effect,
+    HostSample,
+    KnobDiff,
+    Knobs,
+    RunInfo,
+    SetRequest,
+    StepRecord,
+)
+
+GIB = 1 << 30
+DATA = Path(__file__).parent / "data"
+ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor")
+HOST = HostSample(time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=0)
+STARVING = StepStats(steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8)
+FED = StepStats(steps=20, step_time_s=0.05, data_wait_s=0.002, samples_per_s=640, steps_per_s=20)
+
+
+def effect(before: float, after: float, margin: float | None) -> Effect:
+    """A measured effect from ``before`` to ``after`` samples/s, with its 95% half-width."""
+    return Effect(20, 20, before, after, 0.1, 0.1, 0.0, 0.0, speedup_margin=margin)
+
+
+def change(
+    step: int, measured: Effect | None = None, **diffs: tuple[object, object]
+) -> AppliedChange:
+    """An applied change of the autopilot's."""
+    changes = {k: KnobDiff(old, new) for k, (old, new) in diffs.items()}  # type: ignore[arg-type]
+    return AppliedChange([step], step, 0.0, changes, effect=measured, origin=AUTOPILOT)
+
+
+def situation(
+    config: Knobs,
+    steps: StepStats | None = STARVING,
+    applied: tuple[AppliedChange, ...] = (),
+    *,
+    cpus: int = 8,
+    device: str = "cpu",
+    peak_fraction: float | None = None,
+    ceiling: Ceiling | None = None,
+    refused: tuple[dict[str, object], ...] = (),
+    pending: bool = False,
+) -> Situation:
+    """The policy's view of a run with ``config``, its timed steps and the autopilot's changes."""
+    model = None
+    if peak_fraction is not None and config.batch_size:
+        capacity = 4 * GIB
+        peak = int(peak_fraction * capacity)
+        model = fit(
+            Observation("cpu", config.batch_size, capacity, GIB, peak, peak, samples=5),
+        )
+    inputs = Inputs(
+        config=config,
+        tunable=ALL,
+        steps=steps,
+        samples_per_step=(config.batch_size or 1) * (config.grad_accum or 1),
+        model=model,
+        host=HOST,
+        device_kind=device,
+        cpus=cpus,
+        ceiling=ceiling,
+        applied=applied,
+    )
+    return Situation(inputs, history(applied, refused), pending=pending)  # type: ignore[arg-type]
+
+
+START = Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
+
+
+def test_a_starving_run_first_gets_more_workers_by_doubling() -> None:
+    first = decide(situation(START))
+    assert (first.action, first.changes) == ("try", {"num_workers": 1})
+    one = START.__class__(16, 2, 1, False)
+    kept = change(50, effect(230, 380, 0.12), num_workers=(0, 1))
+    second = decide(situation(one, applied=(kept,)))
+    assert (second.action, second.changes) == ("try", {"num_workers": 2})
+
+
+def test_a_trial_is_kept_only_when_its_interval_is_above_zero() -> None:
+    """+5% with +-12% of noise is not faster beyond the noise: reverted, not kept."""
+    noisy = change(50, effect(300, 315, 0.12), num_workers=(1, 2))
+    history_ = history([noisy])
+    assert history_.last is not None and history_.last.outcome == WORSE
+    now = Knobs(16, 2, 2, False)
+    decision = decide(situation(now, applied=(noisy,)))
+    assert (decision.action, decision.changes) == ("revert", {"num_workers": 1})
+    clear = change(50, effect(300, 400, 0.12), num_workers=(1, 2))
+    assert history([clear]).trials[0].outcome == KEPT
+
+
+def test_after_a_failed_doubling_it_bisects_once_then_stops() -> None:
+    trials = (
+        change(50, effect(200, 300, 0.05), num_workers=(0, 2)),
+        change(100, effect(300, 290, 0.05), num_workers=(2, 4)),
+        change(150, effect(290, 300, 0.05), num_workers=(4, 2)),
+    )
+    done = history(trials)
+    assert [t.outcome for t in done.trials] == [KEPT, REVERTED]
+    assert done.boundaries == 3
+    assert doubling(2, 8, done.tried("num_workers")) == 3
+    decision = decide(situation(Knobs(16, 2, 2, False), applied=trials))
+    assert decision.changes == {"num_workers": 3}
+    assert doubling(3, 8, {4: REVERTED, 3: KEPT}) is None
+
+
+def test_workers_stay_within_the_cpus_the_run_may_use() -> None:
+    decision = decide(situation(Knobs(16, 2, 2, False), cpus=2))
+    assert decision.action == "converged"
+    assert "capped by the 2 CPUs" in decision.why
+
+
+def test_a_measurement_in_flight_or_a_pending_change_waits() -> None:
+    measuring = change(50, None, num_workers=(0, 1))
+    assert history([measuring]).trials[0].outcome == MEASURING
+    assert decide(situation(Knobs(16, 2, 1, False), applied=(measuring,))).action == "wait"
+    assert decide(situation(START, pending=True)).action == "wait"
+    assert decide(situation(START, steps=None)).action == "wait"
+
+
+def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effective_batch() -> None:
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    starving = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, peak_fraction=0.3))
+    assert starving.action == "converged" and "never bigger while the run waits" in starving.why
+    fed = decide(situation(Knobs(16, 2, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
+    assert (fed.action, fed.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
+    at_one = decide(situation(Knobs(32, 1, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
+    assert at_one.changes == {"batch_size": 16, "grad_accum": 2}  # nothing above: half, once
+    grew = change(100, effect(300, 400, 0.05), batch_size=(16, 32), grad_accum=(2, 1))
+    done = decide(situation(Knobs(32, 1, 2, False), FED, (kept, grew), cpus=2, peak_fraction=0.3))
+    assert done.action == "converged"  # 16 lost to 32: not tried again
+
+
+def test_a_region_that_ran_out_of_memory_is_never_retried() -> None:
+    trial = change(50, None, batch_size=(8, 16), grad_accum=(4, 2))
+    rollback = AppliedChange(
+        [], 60, 0.0, {"batch_size": KnobDiff(16, 8), "grad_accum": KnobDiff(2, 4)}, rollback=True
+    )
+    done = history([trial, rollback])
+    assert done.trials[0].outcome == OOM
+    ceiling = Ceiling(batch_size=16, step=60)
+    decision = decide(
+        situation(Knobs(8, 4, 0, False), FED, (trial, rollback), ceiling=ceiling, peak_fraction=0.2)
+    )
+    assert decision.changes == {"batch_size": 4, "grad_accum": 8}  # down, never back up to 16
+    refused = decide(
+        situation(Knobs(8, 4, 0, False), FED, peak_fraction=0.2, refused=({"batch_size": 16},))
+    )
+    assert refused.changes.get("batch_size", 0) < 16
+    assert history([], [{"batch_size": 16}]).trials[0].outcome == REFUSED
+
+
+def test_pinning_only_with_an_accelerator() -> None:
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    cpu = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2))
+    assert "pin_memory" not in cpu.changes
+    cuda = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, device="cuda"))
+    assert cuda.changes == {"pin_memory": True}
+
+
+def test_in_the_edge_band_it_first_shrinks_the_micro_batch_and_keeps_it() -> None:
+    decision = decide(situation(Knobs(32, 1, 2, False), FED, peak_fraction=0.95))
+    assert decision.action == "try" and decision.safety
+    assert decision.changes["batch_size"] < 32 and decision.changes["grad_accum"] > 1
+    shrunk = change(50, effect(300, 280, 0.02), batch_size=(32, 16), grad_accum=(1, 2))
+    assert history([shrunk]).trials[0].outcome == KEPT  # slower, but out of danger
+
+
+def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_batch() -> None:
+    """A kept prefetch_factor 2 -> 8 that took the peak into the edge band is undone (and never
+    tried again) rather than the micro-batch shrunk under it."""
+    deeper = change(100, effect(200, 260, 0.05), prefetch_factor=(2, 8))
+    view = situation(Knobs(8, 2, 1, False, 8), FED, (deeper,), cpus=1, peak_fraction=0.95)
+    decision = decide(view)
+    assert (decision.action, decision.changes) == ("revert", {"prefetch_factor": 2})
+    back = change(150, None, prefetch_factor=(8, 2))
+    assert [t.outcome for t in history([deeper, back]).trials] == [REVERTED]
+
+
+def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
+    trials = tuple(
+        change(50 * i, effect(300, 290, 0.05), num_workers=(i % 2, 1 - i % 2)) for i in range(7)
+    )
+    view = situation(Knobs(16, 2, 1, False), applied=trials)
+    view = Situation(view.inputs, view.history, budget=6)
+    assert decide(view).action in ("revert", "converged")
+
+
+def test_a_fifth_knob_is_one_more_entry_in_the_table() -> None:
+    """prefetch_factor: tried after the workers (capped), while the run still waits for data."""
+    assert [axis.knob for axis in AXES] == [
+        "num_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "batch_size",
+    ]
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    capped = situation(Knobs(16, 2, 2, False, 2), applied=(kept,), cpus=2)
+    assert decide(capped).changes == {"prefetch_factor": 4}
+    without = situation(Knobs(16, 2, 0, False, 2), cpus=0)
+    assert "prefetch_factor" not in decide(without).changes
+
+
+def test_decisions_over_a_recorded_run() -> None:
+    """A real demo run's audit log (tests/data/autopilot_demo.audit.jsonl: 0 workers, starving,
+    on a loaded 2-core machine): each decision the policy takes over the changes recorded up to
+    a point is the change the run then applied."""
+    applied: list[AppliedChange] = []
+    for line in (DATA / "autopilot_demo.audit.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "applied":
+            applied.append(msgspec.convert(event, AppliedChange, strict=False))
+        elif event["event"] == "measured":
+            applied[-1].effect = msgspec.convert(event["effect"], Effect)
+    outcomes = [t.outcome for t in history(applied).trials]
+    assert outcomes == [KEPT, REVERTED, REVERTED]
+    config = Knobs(16, 2, 0, False)
+    for index, landed in enumerate(applied[1:], start=1):
+        before = tuple(applied[:index])
+        for knob, diff in applied[index - 1].changes.items():
+            config = msgspec.structs.replace(config, **{knob: diff.new})
+        steps = STARVING if "num_workers" in landed.changes and index < 3 else FED
+        view = situation(config, steps, before, cpus=2, peak_fraction=0.3)
+        decision = decide(view)
+        assert decision.changes == {k: d.new for k, d in landed.changes.items()}, index
+
+
+def test_the_loop_queues_like_an_operator_and_an_operator_pauses_it() -> None:
+    """The hook's loop over a real ``Control``: a starving run's trial queued as the autopilot's
+    own; an operator's change pauses it at once and withdraws that trial."""
+    config = Knobs(16, 2, 0, False)
+    control = Control(lambda: config)
+    pilot = Autopilot(control, lambda: 30)
+    control.pilot = pilot
+    steps = [StepRecord(i, float(i), 0.12, 0.08, 32, 2) for i in range(1, 31)]
+    info = RunInfo(run="r", pid=1, host="h", started=0.0, cpus=4)
+    pilot.tick(steps, HOST, info)
+    assert not control.pending, "off: nothing queued"
+    seq = control.seq
+    assert pilot.turn(AutotuneRequest(on=True, client="cli")).state.mode == "on"  # type: ignore[union-attr]
+    assert control.seq > seq, "viewers hear of it"
+    pilot.tick(steps, HOST, info)
+    assert [(p.changes, p.origin) for p in control.pending] == [({"num_workers": 1}, AUTOPILOT)]
+    assert control.state().autopilot == pilot.state() and pilot.state().phase == "trying"
+    assert control.queue(SetRequest(changes={"batch_size": 8}, client="cli")).ok
+    state = pilot.state()
+    assert state.mode == "paused" and "cli queued #2" in state.why
+    assert [p.changes for p in control.pending] == [{"batch_size": 8}]
+    assert control.cancelled[-1].client == AUTOPILOT
+    pilot.tick(steps, HOST, info)
+    assert len(control.pending) == 1, "paused: nothing more queued"

@@ -1,0 +1,92 @@
+"""The autopilot on live CPU demo runs: it ends starvation by itself, an operator pauses it, and
+it never goes back into a region that ran out of memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.conftest import DemoRun, SharedDemo, memtui_cli, memtui_here, shared_demo, status_json
+from tests.test_seeds import until
+
+LOGITS_HEAVY = ("--seq-len", "256", "--width", "64", "--vocab", "8192", "--layers", "1")
+"""A demo whose logits fill the memory: the micro-batch's memory grows fast (tests/test_seeds)."""
+
+
+@pytest.fixture(scope="module")
+def starving() -> Iterator[SharedDemo]:
+    """The default demo, starving (no loader workers, its loader sleeping 2 ms a sample: about as
+    long as a step's compute) with the autopilot on from the start; a checkpoint every 25 steps,
+    the fewest that leave room for a change's measured effect (2 settling steps and 20 timed)."""
+    with shared_demo(
+        "--steps", "100000", "--checkpoint-every", "25", "--workers", "0", "--autotune"
+    ) as job:  # fmt: skip
+        yield job
+
+
+def test_a_starving_run_ends_balanced_with_no_operator_action(
+    starving: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = starving.adopt(monkeypatch).run_id
+    first = until(run, lambda s: s["metrics"] is not None, 60, "the first timed steps")
+    assert first["config"]["num_workers"] == 0
+    done = until(
+        run,
+        lambda s: s["autopilot"]["phase"] == "converged" and s["verdict"]["state"] == "BALANCED",
+        240,
+        "the autopilot to converge with the run BALANCED",
+    )
+    assert done["config"]["num_workers"] >= 1
+    own = [a for a in done["applied"] if not a["rollback"]]
+    assert own and all(a["origin"] == "autopilot" for a in own)
+    assert done["autopilot"]["boundaries"] <= done["autopilot"]["budget"]
+    assert done["effective_batch"] == first["effective_batch"]  # never changed unasked
+    text = memtui_here("status", run).stdout
+    assert "autopilot on: converged" in text and "by the autopilot" in text
+
+
+def test_an_operator_change_pauses_it_at_once(
+    starving: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = starving.adopt(monkeypatch).run_id
+    on = memtui_cli("autotune", "on", run)
+    assert on.returncode == 0 and on.stdout.startswith("autopilot on"), on.stderr
+    workers = status_json(run)["config"]["num_workers"]
+    queued = memtui_here("set", run, f"num_workers={workers + 1}")
+    assert queued.exit_code == 0, queued.output
+    paused = status_json(run)["autopilot"]  # no wait: the queue paused it before answering
+    assert paused["mode"] == "paused" and "queued" in paused["why"], paused
+    assert not [p for p in status_json(run)["pending"] if p.get("origin") == "autopilot"]
+    off = memtui_here("autotune", "off", run)
+    assert off.exit_code == 0 and "autopilot off" in off.stdout
+
+
+@pytest.mark.slow  # ~60 CPU-s under load; tests/test_autopilot.py checks the policy's ceiling
+def test_a_region_that_ran_out_of_memory_is_never_retried(
+    start_demo: Callable[..., DemoRun],
+) -> None:
+    """An operator forces batch 16 past a 720 MiB limit: it runs out of memory and is rolled back;
+    the autopilot, turned on then, converges without trying batch 16 or more again."""
+    demo = start_demo(
+        "--steps", "100000", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
+        "--grad-accum", "2", "--memory-limit", "720MiB", *LOGITS_HEAVY, fork=False,
+    )  # fmt: skip
+    run = demo.run_id
+    until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    forced = memtui_cli("set", run, "batch_size=16", "--force")
+    assert forced.returncode == 0, forced.stderr
+    until(run, lambda s: s["ooms"] and s["ceiling"], 90, "the out-of-memory rollback")
+    assert memtui_here("autotune", "on", run).exit_code == 0
+    done = until(
+        run, lambda s: s["autopilot"]["phase"] == "converged", 480, "the autopilot to converge"
+    )
+    tried = [a for a in done["applied"] if a["origin"] == "autopilot"]
+    assert all(a["changes"].get("batch_size", {"new": 0})["new"] < 16 for a in tried), tried
+    assert len(done["ooms"]) == 1, "no second out-of-memory error"
+    audit = [
+        json.loads(line) for line in (demo.out / "memtui-audit.jsonl").read_text().splitlines()
+    ]
+    queued = [e for e in audit if e["event"] == "queued" and e.get("origin") == "autopilot"]
+    assert all(e["changes"].get("batch_size", 0) < 16 for e in queued), queued
