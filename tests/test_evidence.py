@@ -145,6 +145,23 @@ def test_a_peak_still_rising_at_its_config_is_uncertain_by_its_rise() -> None:
     assert rising.peak_allocated_bytes == 640 * MIB
 
 
+def test_a_micro_batch_seen_under_the_edge_stays_safe_however_wide_the_interval() -> None:
+    """advice_truth run E2: the demo's peaks rose ~8% over each stay, the interval at any batch
+    crossed the edge and the max safe batch was 0, while micro-batch 8 ran at 74% of the limit.
+    A batch seen under the band with its noise is safe; the one seen over it is not."""
+    capacity = 640 * MIB
+    wide = MemoryModel(
+        kind="cpu",
+        batch_size=4,
+        capacity_bytes=capacity,
+        steady_bytes=441 * MIB,
+        per_sample_bytes=4 * MIB,
+        points=[ModelPoint(8, 474 * MIB, 7, 37 * MIB), ModelPoint(16, 506 * MIB, 22, 42 * MIB)],
+    )
+    found = safe_batch(wide, 0.85)
+    assert found is not None and found.size == 8 and not found.guess
+
+
 def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
     """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
     worker's measured memory now counts per worker; before it is measured, the prediction counts
