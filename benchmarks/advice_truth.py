@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 os.environ.setdefault("MEMTUI_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtat", dir="/tmp"))
 os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtats", dir="/tmp"))
 
+import benchlib
 import msgspec
 
 from memtui import registry
@@ -172,22 +173,11 @@ class Run:
         self.proc = subprocess.Popen(
             [*script.command, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
         )
-        self.run_id = self._wait_run_id()
+        self.run_id = benchlib.wait_run_id(self.log_path, self.proc, 120.0, script.name)
         self.client = ControlClient(registry.find_run(self.run_id).control, timeout_s=10.0)
         self.thresholds = load_thresholds()
         self.last: StatusReport | None = None
         """The last report the run answered with (what a run that died said last)."""
-
-    def _wait_run_id(self, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.log_path.read_text().splitlines():
-                if line.startswith("run "):
-                    return line.split()[1]
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.script.name} exited: {self.tail()}")
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.script.name} printed no run id in {timeout:g} s")
 
     def alive(self) -> bool:
         """Whether the training process still runs."""
@@ -219,13 +209,7 @@ class Run:
 
     def stop(self) -> None:
         """End the training process (SIGTERM, then SIGKILL)."""
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        benchlib.stop_process(self.proc)
         self._log.close()
 
 
@@ -530,11 +514,6 @@ def print_summary(summaries: dict[str, dict[str, Any]], result: dict[str, Any]) 
         print(f"  {failure}")
 
 
-def loadavg() -> list[float]:
-    """The 1, 5 and 15-minute load averages."""
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
 def main() -> int:
     """Drive the chosen scripts, print the table, the summaries and the verdict."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -564,7 +543,7 @@ def main() -> int:
             parser.error(f"--limit for an unknown script {name!r}")
     rows: list[Row] = []
     runs: list[dict[str, Any]] = []
-    load_before = loadavg()
+    load_before = benchlib.loadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="advice-truth") as tmp:
         for name in names:
@@ -577,7 +556,7 @@ def main() -> int:
             print(f"{name}: limit {limit}, plan {', '.join(plan)}", flush=True)
             script_rows, about = drive(script, Path(tmp), args.quick, args.dwell)
             about["seconds"] = round(time.monotonic() - began, 1)
-            about["loadavg_after"] = loadavg()
+            about["loadavg_after"] = benchlib.loadavg()
             rows += script_rows
             runs.append(about)
     print()
@@ -585,7 +564,7 @@ def main() -> int:
     summaries = {n: summarize([r for r in rows if r.script == n]) for n in names}
     result = verdict(summaries)
     print_summary(summaries, result)
-    load_after = loadavg()
+    load_after = benchlib.loadavg()
     print(f"\nload average before {load_before}, after {load_after}; "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
     if args.json:

@@ -39,6 +39,8 @@ from typing import Any
 os.environ.setdefault("MEMTUI_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtau", dir="/tmp"))
 os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtaus", dir="/tmp"))
 
+import benchlib
+
 from memtui import registry
 from memtui.advice.autopilot import KEPT, history
 from memtui.client import ClientError, ControlClient
@@ -178,19 +180,8 @@ class Run:
         self.proc = subprocess.Popen(
             argv, stdout=self._handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT
         )
-        self.run_id = self._run_id()
+        self.run_id = benchlib.wait_run_id(self.log, self.proc, 180.0, "the training")
         self.client = ControlClient(registry.find_run(self.run_id).control, timeout_s=10.0)
-
-    def _run_id(self, timeout: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.log.read_text().splitlines():
-                if line.startswith("run "):
-                    return line.split()[1]
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited early: {self.log.read_text()[-2000:]}")
-            time.sleep(0.3)
-        raise RuntimeError(f"no run id in {timeout:g} s")
 
     def snapshot(self) -> Snapshot | None:
         """The run's snapshot with its step history (None: it no longer answers)."""
@@ -203,13 +194,7 @@ class Run:
 
     def stop(self) -> None:
         """End the training."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        benchlib.stop_process(self.proc, 30.0)
         self._handle.close()
 
 

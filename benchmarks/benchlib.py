@@ -130,6 +130,32 @@ def deltas(before: dict[int, Task], after: dict[int, Task]) -> dict[int, ThreadD
     return out
 
 
+def wait_run_id(log: Path, proc: subprocess.Popen[Any], timeout: float, what: str) -> str:
+    """The run id a training prints first (``run ID ...``) in ``log``; raises if ``proc`` exits
+    or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("run "):
+                return line.split()[1]
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text().splitlines()[-8:])
+            raise RuntimeError(f"{what} exited: {tail}")
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} printed no run id in {timeout:g} s")
+
+
+def stop_process(proc: subprocess.Popen[Any], wait_s: float = 20.0) -> None:
+    """End ``proc``: SIGTERM, then SIGKILL after ``wait_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]
