@@ -324,21 +324,13 @@ class Control:
         except RequestRefused as exc:
             self.refused += 1
             return CancelReply(ok=False, reason=str(exc))
-        client, step, now = clip(request.client), self._step(), time.time()
-        with self._lock:
-            removed = [c for c in self.pending if request.id in (0, c.id)]
-            self.pending = [c for c in self.pending if c not in removed]
-            gone = [c.id for c in removed]
-            for change in removed:
-                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, client))
-            if gone:
-                self.seq += 1
+        client = clip(request.client)
+        gone = self._remove(lambda c: request.id in (0, c.id), client)
         if not gone:
             known = (
                 "no change is pending" if request.id == 0 else f"no pending change #{request.id}"
             )
             return CancelReply(ok=False, reason=known)
-        self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
         if self.pilot is not None:
             self.pilot.operator_acted(f"{client or 'an operator'} cancelled #{gone[0]}")
         return CancelReply(ok=True, cancelled=gone)
@@ -346,18 +338,23 @@ class Control:
     def withdraw(self, origin: str) -> list[int]:
         """Cancel the pending changes queued by ``origin`` (the autopilot's, when an operator
         takes over); the ids cancelled."""
+        return self._remove(lambda c: c.origin == origin, origin)
+
+    def _remove(self, chosen: Callable[[PendingChange], bool], client: str) -> list[int]:
+        """Cancel the pending changes ``chosen`` picks, recorded and audited as ``client``'s;
+        the ids cancelled."""
         step, now = self._step(), time.time()
         with self._lock:
-            removed = [c for c in self.pending if c.origin == origin]
+            removed = [c for c in self.pending if chosen(c)]
             self.pending = [c for c in self.pending if c not in removed]
             for change in removed:
-                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, origin))
+                self.cancelled.append(CancelledChange(change.id, change.changes, now, step, client))
             if removed:
                 self.seq += 1
-        if removed:
-            gone = [c.id for c in removed]
-            self.audit_event("cancelled", {"ids": gone, "client": origin, "step": step})
-        return [c.id for c in removed]
+        gone = [c.id for c in removed]
+        if gone:
+            self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
+        return gone
 
     # ------------------------------------------------------------- boundary (training thread)
 
