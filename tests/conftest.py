@@ -307,7 +307,8 @@ if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one lin
         def cpu() -> tuple[float, float]:
             own = resource.getrusage(resource.RUSAGE_SELF)
             children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+            forked = sum(server.children_cpu_s for server in _FORK_SERVER)  # not our children
+            return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + forked
 
         wall, (own, children) = time.monotonic(), cpu()
         yield

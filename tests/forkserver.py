@@ -85,6 +85,8 @@ class ForkServer:
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
         self._started: list[int] = []
+        self.children_cpu_s = 0.0
+        """CPU seconds of the children that have ended (the suite's CPU log adds it)."""
         ready = self._stdout.readline()
         if json.loads(ready or "{}").get("ready") is not True:
             raise RuntimeError(f"the fork server did not start: {ready!r}")
@@ -97,6 +99,7 @@ class ForkServer:
             with self._changed:
                 if "exit" in message:
                     self._exits[message["exit"]] = message["code"]
+                    self.children_cpu_s += message["cpu"]
                 else:
                     self._started.append(message["pid"])
                 self._changed.notify_all()
@@ -230,14 +233,15 @@ def _serve() -> None:
                 out.flush()
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
                 break
             if pid == 0:
                 break
             children.discard(pid)
-            out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+            code, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+            out.write(json.dumps({"exit": pid, "code": code, "cpu": cpu}) + "\n")
             out.flush()
 
 

@@ -120,7 +120,7 @@ def two_ranks() -> Iterator[SharedDemo]:
     """One two-rank job for the module's tests (the last one to use it kills a rank): a light
     model whose loader sleeps (about the default demo's pace, not two cores flat out)."""
     with shared_demo(
-        "--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "2",
+        "--steps", "100000", "--checkpoint-every", str(EVERY), "--slow-data-ms", "6",
         "--batch-size", "8", *LIGHT, ranks=2,
     ) as job:  # fmt: skip
         yield job
@@ -333,7 +333,7 @@ def test_stopping_memtui_demo_stops_every_rank(tmp_path: Path) -> None:
     with open(log, "w") as handle:
         proc = subprocess.Popen(
             [sys.executable, "-m", "memtui.cli", "demo", "--ranks", "2", "--no-tui",
-             "--steps", "100000", "--out", str(tmp_path / "out")],
+             "--steps", "100000", "--out", str(tmp_path / "out"), *LIGHT, "--slow-data-ms", "20"],
             stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
     family: list[psutil.Process] = []

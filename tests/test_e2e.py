@@ -83,7 +83,11 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
     queued = next(e for e in audit(demo) if e["event"] == "queued")
     assert queued["id"] == change_id and applied["ids"] == [change_id]
     client = ControlClient(registry.find_run(run).control)
-    boundaries = [c for c in client.hello().checkpoints if c.time > queued["queued_time"]]
+    boundaries = wait_for(  # the boundary's record lands after its changes are applied
+        lambda: [c for c in client.hello().checkpoints if c.time > queued["queued_time"]] or None,
+        30,
+        what="the boundary's record",
+    )
     assert applied["step"] == boundaries[0].step, "the first checkpoint boundary after the queue"
     assert applied["step"] % every == 0 and 0 <= applied["step"] - queued["queued_step"] <= every
     assert applied["changes"] == {

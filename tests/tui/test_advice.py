@@ -267,10 +267,17 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
         top = top_applicable(state.summary().advice.recommendations, state)  # type: ignore[union-attr]
         assert top is not None and top.changes == {"batch_size": 8, "grad_accum": 1}
         await pilot.press("o")
-        await until(pilot, lambda: bool(state.control and state.control.pending), 20, "pending")
+        # under load the boundary may take it before a look finds it pending
+        await until(
+            pilot,
+            lambda: bool(state.control and (state.control.pending or state.control.applied)),
+            20,
+            "pending",
+        )
         app.refresh_view()
         await pilot.pause()
-        assert "predicted peak" in text_of(pilot, "#changes")
+        if state.control and state.control.pending:
+            assert "predicted peak" in text_of(pilot, "#changes")
         await until(
             pilot,
             lambda: bool(

@@ -78,16 +78,18 @@ def test_two_ranks_one_view_one_decision_and_a_lost_rank(
 
         await until(pilot, lambda: 0 < steps(0) % EVERY < EVERY // 3, 40, "a boundary just passed")
         await pilot.press("a", "3", "enter")
-        await until(pilot, lambda: state.pending_values() == {"grad_accum": 3}, 10, "pending")
-        app.refresh_view()
-        await pilot.pause()
-        assert "→ 3" in text_of(app, "#config")
 
         def landed() -> bool:
             return all(
                 s.control is not None and s.control.config.grad_accum == 3
                 for s in state.series.values()
             )
+
+        await until(pilot, lambda: state.pending_values() == {"grad_accum": 3}, 10, "pending")
+        app.refresh_view()
+        await pilot.pause()
+        # under load the boundary may already have taken it: then the panel shows it as now
+        assert "→ 3" in text_of(app, "#config") or landed(), text_of(app, "#config")
 
         await until(pilot, landed, 60, "the change on both ranks")
         applied = [s.control.applied[-1] for s in state.series.values() if s.control]

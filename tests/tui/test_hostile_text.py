@@ -361,7 +361,7 @@ class HostileRun:
                         reply = CancelReply(ok=False, reason=text)
                     router.send_multipart([*frames[:-1], encode(reply)])
                 if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + 0.2
+                    next_beat = time.monotonic() + 1.0
                     seq += 1
                     for rank in (0, 1):
                         beat = msgspec.structs.replace(
