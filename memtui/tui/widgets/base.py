@@ -25,6 +25,8 @@ class StateView(Widget):
         self._key: Hashable = None
         self._cache: tuple[Hashable, tuple[int, ...], RenderableType] | None = None
         self._measuring: int | None = None
+        self._relaid: Hashable = None
+        """The content key a layout was last asked again for (``_check_measured``)."""
 
     @property
     def narrow(self) -> bool:
@@ -76,6 +78,23 @@ class StateView(Widget):
         else the content size's (which catches up with the layout only once it is done)."""
         return self._measuring if self._measuring is not None else self.content_size.width
 
+    def _check_measured(self) -> None:
+        """An auto-height panel painted with content it was never measured for (Textual keeps
+        its last height then, and under load a layout asked for while panels were being moved
+        for the narrow layout was skipped: a verdict two lines short) asks for a layout again,
+        once per content."""
+        if self._measuring is not None or self._relaid == self._key:
+            return
+        height = self.styles.height
+        if height is not None and height.is_auto and self.get_cached_height() is None:
+            self._relaid = self._key
+            self.call_after_refresh(self.refresh, layout=True)
+
+    def get_cached_height(self) -> int | None:
+        """The content height Textual measured since the content last changed (None: none)."""
+        width, height = self._content_height_cache
+        return height if width is not None else None
+
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         """The height of the content built for ``width`` columns: a panel that wraps its lines
         itself, measured at the width it had before (a scrollbar shown while a replay came in),
@@ -90,6 +109,7 @@ class StateView(Widget):
         """The content, built once per key and shape."""
         if self.state is None:
             return Text("")
+        self._check_measured()
         shape = self.shape()
         if self._cache is not None and self._cache[0] == self._key and self._cache[1] == shape:
             return self._cache[2]
