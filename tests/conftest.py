@@ -193,7 +193,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., DemoRun]]:
         ranks: int = 1,
         fork: bool = True,
     ) -> DemoRun:
-        """``fork``: from the fork server (False where the test asserts memory numbers)."""
+        """``fork``: from the fork server (False: a subprocess of its own, paying its 7 s of imports)."""
         out_dir = out or tmp_path / f"demo{len(runs)}"
         out_dir.mkdir(parents=True, exist_ok=True)
         log = out_dir / f"stdout{len(runs)}.log"

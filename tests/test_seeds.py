@@ -52,9 +52,7 @@ def until(
 def test_seed_003_starving_more_workers_measurably_faster(
     start_demo: Callable[..., DemoRun],
 ) -> None:
-    demo = start_demo(
-        "--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2", fork=False
-    )
+    demo = start_demo("--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2")
     run = demo.run_id
     starving = until(
         run,
@@ -93,7 +91,7 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     demo = start_demo(
         # the overshoot lands at step 15 on a quiet machine: 15 more leave room under load
         "--steps", "30", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
-        "--memory-limit", "720MiB", *HEAVY, fork=False
+        "--memory-limit", "720MiB", *HEAVY
     )  # fmt: skip
     run = demo.run_id
     until(run, lambda s: s["model"] is not None, 60, "the memory model")

@@ -250,7 +250,7 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
     CPU this test took on it)."""
     demo = start_demo(
         "--steps", "100000", "--checkpoint-every", "40", "--slow-data-ms", "0",
-        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB", fork=False
+        "--batch-size", "4", "--grad-accum", "2", "--memory-limit", "1100MiB"
     )  # fmt: skip
     app = MemtuiApp(LiveSource(demo.run_id))
 
