@@ -213,6 +213,24 @@ def test_a_decrease_on_the_cpu_keeps_part_of_what_it_frees_and_is_never_risky() 
     assert safe is not None and safe > 32, "the max safe batch is not lowered by what is kept"
 
 
+def test_the_cpu_stand_in_keeps_nothing_on_a_decrease_and_its_point_counts() -> None:
+    """Issue 15, run E2: with glibc's moving mmap threshold the CPU kept 0-100% of what a decrease
+    freed (demo 8 -> 4 +9.3%, MLP 35 -> 1 -20.4%). The stand-in fixes the threshold and gives
+    freed blocks back: a decrease is predicted on the line, and the peak seen after it counts."""
+    history = [ModelPoint(8, 408 * MIB, 10), ModelPoint(16, 416 * MIB, 10)]
+    at_32 = Observation("cpu", 32, 520 * MIB, 400 * MIB, 432 * MIB, 432 * MIB, returns_freed=True)
+    model = fit(at_32, history)
+    assert model.returns_freed
+    line = 400 * MIB + 6 * MIB
+    assert predict_peak(model, 6) == pytest.approx(line, rel=0.001), "nothing kept"
+    high = predict_high(model, 6)
+    assert line < high < 432 * MIB, "no allowance for keeping 32's memory in the interval"
+    after = Observation("cpu", 6, 520 * MIB, 400 * MIB, 406 * MIB, 406 * MIB, returns_freed=True)
+    refit = fit(after, model.points)
+    assert [p.batch_size for p in refit.points] == [6, 8, 16, 32], "the point after it counts"
+    assert "left out" not in refit.basis
+
+
 def test_an_oom_sets_a_ceiling_that_binds_and_survives_a_restart(tmp_path: Path) -> None:
     """Issue 15: after an OOM at 258 the max safe batch was still 258 and the top recommendation
     a bigger batch. Now the micro-batch that ran out of memory is a ceiling: the gate wants

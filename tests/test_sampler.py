@@ -70,3 +70,47 @@ def test_proc_readers_agree_with_psutil_and_the_peak_resets() -> None:
     assert again is not None and again[1] - again[0] < 64 << 20, "and reset after the read"
     assert abs(rss - psutil.Process().memory_info().rss) < 64 << 20
     peak_rss.close()
+
+
+HEAP_PATTERN = """
+import ctypes, sys
+from memtui.hooks.sampler import CpuDeviceProbe, HostProbe
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+probe = CpuDeviceProbe(HostProbe(limit_bytes=1 << 30), stand_in=sys.argv[1] == "stand-in")
+
+
+def touched(size):
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    return block
+
+
+libc.free(touched(16 << 20))  # glibc's default moves its mmap threshold up to 16 MiB here
+before = probe.sample(0).reserved_bytes
+blocks = [touched(8 << 20) for _ in range(3)]  # a micro-batch's activations
+for block in blocks:
+    libc.free(block)
+print(probe.returns_freed, probe.sample(1).reserved_bytes - before)
+"""
+
+
+def test_the_cpu_stand_in_gives_freed_blocks_back_as_a_device_allocator_would() -> None:
+    """Issue 15: with glibc's moving mmap threshold the process kept 24 MiB of freed blocks (a
+    smaller batch's peak inflated by the larger one's); the stand-in (a memory limit given) fixes
+    the threshold and keeps none of it."""
+    import subprocess
+    import sys
+
+    kept: dict[str, tuple[str, int]] = {}
+    for mode in ("default", "stand-in"):
+        done = subprocess.run(
+            [sys.executable, "-c", HEAP_PATTERN, mode], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        said, grown = done.stdout.split()
+        kept[mode] = (said, int(grown))
+    assert kept["default"][0] == "False" and kept["default"][1] > 16 << 20, kept
+    assert kept["stand-in"][0] == "True" and kept["stand-in"][1] < 4 << 20, kept

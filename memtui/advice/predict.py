@@ -39,6 +39,8 @@ class Observation:
     """Loader workers running (None: the run has no ``num_workers`` knob)."""
     per_worker_bytes: int = 0
     """Memory of one worker of its own (0: not measured)."""
+    returns_freed: bool = False
+    """A CPU run that gives freed large blocks back at once (``MemoryModel.returns_freed``)."""
 
 
 def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryModel:
@@ -55,8 +57,11 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
     # given back), so a peak seen after a decrease says little about the smaller batch: such a
     # point would flatten the line (issue 15: decreases seen 27-34% high, max safe overshooting).
     # On CUDA the model reads allocated bytes, which do come down.
-    retained = observation.kind == "cpu" and any(
-        p.batch_size > observation.batch_size for p in history
+    # The CPU stand-in fixes glibc's mmap threshold: its freed blocks go back, and the point counts.
+    retained = (
+        observation.kind == "cpu"
+        and not observation.returns_freed
+        and any(p.batch_size > observation.batch_size for p in history)
     )
     if not retained:
         points[now.batch_size] = now
@@ -98,6 +103,7 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
         basis=basis,
         workers=observation.workers,
         per_worker_bytes=observation.per_worker_bytes,
+        returns_freed=observation.returns_freed,
     )
 
 
@@ -164,8 +170,9 @@ def _workers_bytes(model: MemoryModel, workers: int | None, high: bool) -> int:
 
 def _retained(model: MemoryModel, batch_size: int) -> int:
     """On the CPU, what a smaller micro-batch will not give back at once: ``RETAINED_ON_DECREASE``
-    of the drop from the peak at the current batch (on CUDA ``empty_cache`` gives it back)."""
-    if model.kind != "cpu" or batch_size >= model.batch_size:
+    of the drop from the peak at the current batch (none on CUDA, where ``empty_cache`` gives it
+    back, nor on the CPU stand-in, whose freed blocks are unmapped)."""
+    if model.kind != "cpu" or model.returns_freed or batch_size >= model.batch_size:
         return 0
     now = next((p.peak_bytes for p in model.points if p.batch_size == model.batch_size), None)
     if now is None:

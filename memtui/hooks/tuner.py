@@ -111,7 +111,8 @@ class Options:
     """Allow plain TCP (loopback addresses only)."""
     memory_limit: int | None = field(default_factory=lambda: _size_env("MEMTUI_MEMORY_LIMIT"))
     """On CPU runs, the budget the device (the process tree) is held to; default: the cgroup's
-    limit, else total RAM."""
+    limit, else total RAM. Given, the process is a device's stand-in: memtui fixes glibc's mmap
+    threshold so that its peak follows its live tensors."""
     record: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_RECORD") or None)
     """Also write the published stream to this file (replay it with ``memtui replay``)."""
     rollback_steps: int = field(
