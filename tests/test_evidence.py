@@ -162,6 +162,42 @@ def test_a_micro_batch_seen_under_the_edge_stays_safe_however_wide_the_interval(
     assert found is not None and found.size == 8 and not found.guess
 
 
+def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_over() -> None:
+    """advice_truth run F: the transformer's 16 was seen at 83% of its limit and called safe,
+    though the line through its later points put it at 85.4%; queued again, it peaked at 85.6%.
+    A batch seen under the band stays safe only where the line there is under it too."""
+    capacity = 680 * MIB
+    model = MemoryModel(
+        kind="cpu",
+        batch_size=3,
+        capacity_bytes=capacity,
+        steady_bytes=411 * MIB,
+        per_sample_bytes=10.6 * MIB,
+        points=[
+            ModelPoint(3, 440 * MIB, 32, 3 * MIB),
+            ModelPoint(4, 453 * MIB, 4, 2 * MIB),
+            ModelPoint(8, 497 * MIB, 18, 1 * MIB),
+            ModelPoint(16, 565 * MIB, 3, 0),
+        ],
+    )
+    assert 565 * MIB * 1.01 < 0.85 * capacity < predict_peak(model, 16), "seen under, line over"
+    found = safe_batch(model, 0.85)
+    assert found is not None and found.size < 16
+
+
+def test_micro_batches_peaking_alike_still_get_a_max_safe_batch() -> None:
+    """advice_truth run F: a parameter-heavy MLP peaked alike at 12, 16 and 32 (no slope), and
+    its max safe batch was None ("no bound") though every batch ran over the edge band. Without a
+    slope the interval still bounds it: none over the band, a guess past 4x the largest under."""
+    points = [ModelPoint(b, 588 * MIB, 10, 0) for b in (12, 16, 32)]
+    flat = MemoryModel("cpu", 12, 690 * MIB, 588 * MIB, 0.0, points=points)
+    over = safe_batch(flat, 0.85)
+    assert over is not None and over.size == 0, "588 MiB is 85.2% of 690 MiB at every batch"
+    roomy = safe_batch(msgspec.structs.replace(flat, capacity_bytes=760 * MIB), 0.85)
+    assert roomy is not None and 32 <= roomy.size <= GUESS_MULTIPLE * 32 + 1
+    assert roomy.guess == (roomy.size > GUESS_MULTIPLE * 32)
+
+
 def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
     """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
     worker's measured memory now counts per worker; before it is measured, the prediction counts
