@@ -167,19 +167,9 @@ def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_ov
     though the line through its later points put it at 85.4%; queued again, it peaked at 85.6%.
     A batch seen under the band stays safe only where the line there is under it too."""
     capacity = 680 * MIB
-    model = MemoryModel(
-        kind="cpu",
-        batch_size=3,
-        capacity_bytes=capacity,
-        steady_bytes=411 * MIB,
-        per_sample_bytes=10.6 * MIB,
-        points=[
-            ModelPoint(3, 440 * MIB, 32, 3 * MIB),
-            ModelPoint(4, 453 * MIB, 4, 2 * MIB),
-            ModelPoint(8, 497 * MIB, 18, 1 * MIB),
-            ModelPoint(16, 565 * MIB, 3, 0),
-        ],
-    )
+    seen = [(3, 440, 32, 3), (4, 453, 4, 2), (8, 497, 18, 1), (16, 565, 3, 0)]
+    points = [ModelPoint(b, peak * MIB, n, noise * MIB) for b, peak, n, noise in seen]
+    model = MemoryModel("cpu", 3, capacity, 411 * MIB, 10.6 * MIB, points=points)
     assert 565 * MIB * 1.01 < 0.85 * capacity < predict_peak(model, 16), "seen under, line over"
     found = safe_batch(model, 0.85)
     assert found is not None and found.size < 16
