@@ -163,9 +163,8 @@ def test_a_micro_batch_seen_under_the_edge_stays_safe_however_wide_the_interval(
 
 
 def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_over() -> None:
-    """advice_truth run F: the transformer's 16 was seen at 83% of its limit and called safe,
-    though the line through its later points put it at 85.4%; queued again, it peaked at 85.6%.
-    A batch seen under the band stays safe only where the line there is under it too."""
+    """A batch seen under the band stays safe only where the line through the points puts it
+    under the band too (a reading that missed its step's peak is not evidence of safety)."""
     capacity = 680 * MIB
     seen = [(3, 440, 32, 3), (4, 453, 4, 2), (8, 497, 18, 1), (16, 565, 3, 0)]
     points = [ModelPoint(b, peak * MIB, n, noise * MIB) for b, peak, n, noise in seen]
@@ -173,6 +172,20 @@ def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_ov
     assert 565 * MIB * 1.01 < 0.85 * capacity < predict_peak(model, 16), "seen under, line over"
     found = safe_batch(model, 0.85)
     assert found is not None and found.size < 16
+
+
+def test_a_micro_batch_seen_without_workers_is_not_safe_once_workers_take_the_room() -> None:
+    """advice_truth runs F and G: the transformer's 16 ran at 83% of its limit with no loader
+    workers and was called safe after 2 workers had joined (8 MiB each); queued, it peaked at
+    85.4-85.6%, over the edge. A batch seen safe is safe with the workers it was seen with."""
+    points = [ModelPoint(b, (410 + 10 * b) * MIB, 10, 0) for b in (4, 8, 16)]
+    alone = MemoryModel("cpu", 4, 680 * MIB, 410 * MIB, 10 * MIB, points=points, workers=0)
+    seen = safe_batch(alone, 0.85)
+    assert seen is not None and seen.size >= 16
+    joined = msgspec.structs.replace(alone, workers=2, per_worker_bytes=8 * MIB)
+    assert predict_peak(joined, 16) > 0.85 * 680 * MIB > predict_peak(alone, 16)
+    found = safe_batch(joined, 0.85)
+    assert found is not None and predict_peak(joined, found.size) <= 0.85 * 680 * MIB
 
 
 def test_micro_batches_peaking_alike_still_get_a_max_safe_batch() -> None:

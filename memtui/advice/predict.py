@@ -312,19 +312,22 @@ def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) 
             low = middle
         else:
             high = middle - 1
-    low = max(low, _seen_safe(model, budget_allocated))
+    # the points were seen without the loader workers' memory (taken out), which the run now adds
+    workers = _workers_bytes(model, None, high=True)
+    low = max(
+        low, _seen_safe(model, (budget - model.beyond_bytes - workers) / model.overhead_ratio)
+    )
     if limit is not None and low >= limit:
         return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     return SafeBatch(low, low > GUESS_MULTIPLE * largest, largest)
 
 
 def _seen_safe(model: MemoryModel, budget_allocated: float) -> int:
-    """The largest micro-batch seen running with its peak, plus its noise, under the budget, and
-    the line there too: what was observed is safe whatever a wide interval says (a demo whose
-    peak rose 8% over its stay at each micro-batch got an interval so wide that no batch was
-    called safe, at 74% of the limit at micro-batch 8), unless the other points put it over (a
-    transformer's 16 seen at 83% of the limit, the line at 85.4% from its later points: called
-    safe, it peaked at 85.6% on its second stay)."""
+    """The largest micro-batch seen running with its peak, plus its noise, under the budget left
+    beside the workers the run has now, and the line there too: what was observed is safe
+    whatever a wide interval says (a demo whose peak rose 8% over its stay at each micro-batch
+    got an interval so wide that no batch was called safe, at 74% of the limit at micro-batch
+    8), unless the other points put it over (a reading that missed the step's peak)."""
     return max(
         (
             p.batch_size
