@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -114,3 +115,32 @@ def test_the_cpu_stand_in_gives_freed_blocks_back_as_a_device_allocator_would() 
         kept[mode] = (said, int(grown))
     assert kept["default"][0] == "False" and kept["default"][1] > 16 << 20, kept
     assert kept["stand-in"][0] == "True" and kept["stand-in"][1] < 4 << 20, kept
+
+
+def test_the_stand_in_heap_switch_leaves_glibc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEMTUI_STAND_IN_HEAP=0``: a CPU run under a memory limit samples with glibc as it is."""
+    from memtui.hooks import Options
+    from memtui.hooks.device import DeviceTracker
+    from memtui.hooks.sampler import Sampler
+    from tests.conftest import wait_for
+
+    monkeypatch.setenv("MEMTUI_STAND_IN_HEAP", "0")
+    options = Options()
+    assert not options.stand_in_heap
+    errors: list[BaseException] = []
+    sampler = Sampler(
+        DeviceTracker(lambda exc, where: errors.append(exc)),
+        lambda: 0,
+        lambda exc, where: errors.append(exc),
+        memory_limit=1 << 30,
+        stand_in_heap=options.stand_in_heap,
+        device_period_s=0.05,
+    )
+    sampler.start()
+    try:
+        wait_for(lambda: sampler.device_samples, 30.0, what="a device sample")
+        assert sampler.probe is not None and sampler.probe.kind == "cpu"
+        assert not sampler.returns_freed() and not errors
+    finally:
+        sampler.stop()
+        sampler.join(10.0)

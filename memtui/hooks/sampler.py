@@ -501,6 +501,7 @@ class Sampler(threading.Thread):
         model: Callable[[], Any] = lambda: None,
         watched: Callable[[], bool] = lambda: False,
         memory_limit: int | None = None,
+        stand_in_heap: bool = True,
         reset_peaks: bool = False,
         device_period_s: float = 0.2,
         host_period_s: float = 1.0,
@@ -514,6 +515,8 @@ class Sampler(threading.Thread):
         self._watched = watched
         """Whether a viewer is subscribed or a recording written (the agent says)."""
         self._memory_limit = memory_limit
+        self._stand_in_heap = stand_in_heap
+        """Whether a CPU probe under a memory limit fixes glibc's mmap threshold."""
         self._reset_peaks = reset_peaks
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
@@ -571,7 +574,7 @@ class Sampler(threading.Thread):
                         device.cuda_index,
                         self.host,
                         self._reset_peaks,
-                        stand_in=self._memory_limit is not None,
+                        stand_in=self._memory_limit is not None and self._stand_in_heap,
                     )
                 self.device_samples.append(self.probe.sample(self._step()))
                 if now >= next_host:
