@@ -261,6 +261,9 @@ class MemoryModel(Struct, omit_defaults=True):
     """Loader workers when the model was fitted (None: the run has no ``num_workers`` knob)."""
     per_worker_bytes: int = 0
     """Measured memory of one loader worker of its own (USS; 0: not measured)."""
+    returns_freed: bool = False
+    """A CPU run whose freed large blocks go back at once (the stand-in fixed glibc's mmap
+    threshold): after a decrease it keeps nothing, and its peaks there count in the fit."""
 
 
 class StaticMemory(Struct, omit_defaults=True):

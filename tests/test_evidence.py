@@ -162,6 +162,45 @@ def test_a_micro_batch_seen_under_the_edge_stays_safe_however_wide_the_interval(
     assert found is not None and found.size == 8 and not found.guess
 
 
+def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_over() -> None:
+    """A batch seen under the band stays safe only where the line through the points puts it
+    under the band too (a reading that missed its step's peak is not evidence of safety)."""
+    capacity = 680 * MIB
+    seen = [(3, 440, 32, 3), (4, 453, 4, 2), (8, 497, 18, 1), (16, 565, 3, 0)]
+    points = [ModelPoint(b, peak * MIB, n, noise * MIB) for b, peak, n, noise in seen]
+    model = MemoryModel("cpu", 3, capacity, 411 * MIB, 10.6 * MIB, points=points)
+    assert 565 * MIB * 1.01 < 0.85 * capacity < predict_peak(model, 16), "seen under, line over"
+    found = safe_batch(model, 0.85)
+    assert found is not None and found.size < 16
+
+
+def test_a_micro_batch_seen_without_workers_is_not_safe_once_workers_take_the_room() -> None:
+    """advice_truth runs F and G: the transformer's 16 ran at 83% of its limit with no loader
+    workers and was called safe after 2 workers had joined (8 MiB each); queued, it peaked at
+    85.4-85.6%, over the edge. A batch seen safe is safe with the workers it was seen with."""
+    points = [ModelPoint(b, (410 + 10 * b) * MIB, 10, 0) for b in (4, 8, 16)]
+    alone = MemoryModel("cpu", 4, 680 * MIB, 410 * MIB, 10 * MIB, points=points, workers=0)
+    seen = safe_batch(alone, 0.85)
+    assert seen is not None and seen.size >= 16
+    joined = msgspec.structs.replace(alone, workers=2, per_worker_bytes=8 * MIB)
+    assert predict_peak(joined, 16) > 0.85 * 680 * MIB > predict_peak(alone, 16)
+    found = safe_batch(joined, 0.85)
+    assert found is not None and predict_peak(joined, found.size) <= 0.85 * 680 * MIB
+
+
+def test_micro_batches_peaking_alike_still_get_a_max_safe_batch() -> None:
+    """advice_truth run F: a parameter-heavy MLP peaked alike at 12, 16 and 32 (no slope), and
+    its max safe batch was None ("no bound") though every batch ran over the edge band. Without a
+    slope the interval still bounds it: none over the band, a guess past 4x the largest under."""
+    points = [ModelPoint(b, 588 * MIB, 10, 0) for b in (12, 16, 32)]
+    flat = MemoryModel("cpu", 12, 690 * MIB, 588 * MIB, 0.0, points=points)
+    over = safe_batch(flat, 0.85)
+    assert over is not None and over.size == 0, "588 MiB is 85.2% of 690 MiB at every batch"
+    roomy = safe_batch(msgspec.structs.replace(flat, capacity_bytes=760 * MIB), 0.85)
+    assert roomy is not None and 32 <= roomy.size <= GUESS_MULTIPLE * 32 + 1
+    assert roomy.guess == (roomy.size > GUESS_MULTIPLE * 32)
+
+
 def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
     """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
     worker's measured memory now counts per worker; before it is measured, the prediction counts
@@ -211,6 +250,24 @@ def test_a_decrease_on_the_cpu_keeps_part_of_what_it_frees_and_is_never_risky() 
     assert 0 < (max_batch(hot, 0.85) or 0) < 32, "from the line: what a smaller batch needs"
     safe = max_batch(line_model([8, 16, 32], capacity=600 * MIB), 0.85)
     assert safe is not None and safe > 32, "the max safe batch is not lowered by what is kept"
+
+
+def test_the_cpu_stand_in_keeps_nothing_on_a_decrease_and_its_point_counts() -> None:
+    """Issue 15, run E2: with glibc's moving mmap threshold the CPU kept 0-100% of what a decrease
+    freed (demo 8 -> 4 +9.3%, MLP 35 -> 1 -20.4%). The stand-in fixes the threshold and gives
+    freed blocks back: a decrease is predicted on the line, and the peak seen after it counts."""
+    history = [ModelPoint(8, 408 * MIB, 10), ModelPoint(16, 416 * MIB, 10)]
+    at_32 = Observation("cpu", 32, 520 * MIB, 400 * MIB, 432 * MIB, 432 * MIB, returns_freed=True)
+    model = fit(at_32, history)
+    assert model.returns_freed
+    line = 400 * MIB + 6 * MIB
+    assert predict_peak(model, 6) == pytest.approx(line, rel=0.001), "nothing kept"
+    high = predict_high(model, 6)
+    assert line < high < 432 * MIB, "no allowance for keeping 32's memory in the interval"
+    after = Observation("cpu", 6, 520 * MIB, 400 * MIB, 406 * MIB, 406 * MIB, returns_freed=True)
+    refit = fit(after, model.points)
+    assert [p.batch_size for p in refit.points] == [6, 8, 16, 32], "the point after it counts"
+    assert "left out" not in refit.basis
 
 
 def test_an_oom_sets_a_ceiling_that_binds_and_survives_a_restart(tmp_path: Path) -> None:

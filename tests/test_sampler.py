@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -70,3 +71,76 @@ def test_proc_readers_agree_with_psutil_and_the_peak_resets() -> None:
     assert again is not None and again[1] - again[0] < 64 << 20, "and reset after the read"
     assert abs(rss - psutil.Process().memory_info().rss) < 64 << 20
     peak_rss.close()
+
+
+HEAP_PATTERN = """
+import ctypes, sys
+from memtui.hooks.sampler import CpuDeviceProbe, HostProbe
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+probe = CpuDeviceProbe(HostProbe(limit_bytes=1 << 30), stand_in=sys.argv[1] == "stand-in")
+
+
+def touched(size):
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    return block
+
+
+libc.free(touched(16 << 20))  # glibc's default moves its mmap threshold up to 16 MiB here
+before = probe.sample(0).reserved_bytes
+blocks = [touched(8 << 20) for _ in range(3)]  # a micro-batch's activations
+for block in blocks:
+    libc.free(block)
+print(probe.returns_freed, probe.sample(1).reserved_bytes - before)
+"""
+
+
+def test_the_cpu_stand_in_gives_freed_blocks_back_as_a_device_allocator_would() -> None:
+    """Issue 15: with glibc's moving mmap threshold the process kept 24 MiB of freed blocks (a
+    smaller batch's peak inflated by the larger one's); the stand-in (a memory limit given) fixes
+    the threshold and keeps none of it."""
+    import subprocess
+    import sys
+
+    kept: dict[str, tuple[str, int]] = {}
+    for mode in ("default", "stand-in"):
+        done = subprocess.run(
+            [sys.executable, "-c", HEAP_PATTERN, mode], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        said, grown = done.stdout.split()
+        kept[mode] = (said, int(grown))
+    assert kept["default"][0] == "False" and kept["default"][1] > 16 << 20, kept
+    assert kept["stand-in"][0] == "True" and kept["stand-in"][1] < 4 << 20, kept
+
+
+def test_the_stand_in_heap_switch_leaves_glibc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEMTUI_STAND_IN_HEAP=0``: a CPU run under a memory limit samples with glibc as it is."""
+    from memtui.hooks import Options
+    from memtui.hooks.device import DeviceTracker
+    from memtui.hooks.sampler import Sampler
+    from tests.conftest import wait_for
+
+    monkeypatch.setenv("MEMTUI_STAND_IN_HEAP", "0")
+    options = Options()
+    assert not options.stand_in_heap
+    errors: list[BaseException] = []
+    sampler = Sampler(
+        DeviceTracker(lambda exc, where: errors.append(exc)),
+        lambda: 0,
+        lambda exc, where: errors.append(exc),
+        memory_limit=1 << 30,
+        stand_in_heap=options.stand_in_heap,
+        device_period_s=0.05,
+    )
+    sampler.start()
+    try:
+        wait_for(lambda: sampler.device_samples, 30.0, what="a device sample")
+        assert sampler.probe is not None and sampler.probe.kind == "cpu"
+        assert not sampler.returns_freed() and not errors
+    finally:
+        sampler.stop()
+        sampler.join(10.0)

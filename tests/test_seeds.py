@@ -94,7 +94,8 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
         "--memory-limit", "720MiB", *HEAVY
     )  # fmt: skip
     run = demo.run_id
-    until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    fitted = until(run, lambda s: s["model"] is not None, 60, "the memory model")
+    assert fitted["model"]["returns_freed"], "the CPU stand-in fixed glibc's mmap threshold"
     dry = memtui_cli("set", run, "batch_size=16", "--dry-run")
     assert dry.returncode == 0 and "it would need --force" in dry.stdout, dry.stdout
     refused = memtui_cli("set", run, "batch_size=16")

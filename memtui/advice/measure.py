@@ -46,10 +46,12 @@ def observe(
     *,
     workers: int | None = None,
     host: HostSample | None = None,
+    returns_freed: bool = False,
 ) -> Observation | None:
     """The model's observation from the samples taken at ``batch_size`` after it settled (steps
-    after ``since_step + SETTLE_STEPS``), with ``workers`` loader workers and the latest ``host``
-    sample (for their memory); None with fewer than three samples."""
+    after ``since_step + SETTLE_STEPS``), with ``workers`` loader workers, the latest ``host``
+    sample (for their memory) and whether the CPU stand-in gives freed blocks back at once;
+    None with fewer than three samples."""
     settle = since_step + SETTLE_STEPS
     window = [s for s in samples if s.step > settle]
     if len(window) < 3:
@@ -94,6 +96,7 @@ def observe(
         noise_bytes=noise,
         workers=workers,
         per_worker_bytes=per_worker,
+        returns_freed=returns_freed and last.kind == "cpu",
     )
 
 

@@ -39,6 +39,8 @@ class Observation:
     """Loader workers running (None: the run has no ``num_workers`` knob)."""
     per_worker_bytes: int = 0
     """Memory of one worker of its own (0: not measured)."""
+    returns_freed: bool = False
+    """A CPU run that gives freed large blocks back at once (``MemoryModel.returns_freed``)."""
 
 
 def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryModel:
@@ -55,8 +57,11 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
     # given back), so a peak seen after a decrease says little about the smaller batch: such a
     # point would flatten the line (issue 15: decreases seen 27-34% high, max safe overshooting).
     # On CUDA the model reads allocated bytes, which do come down.
-    retained = observation.kind == "cpu" and any(
-        p.batch_size > observation.batch_size for p in history
+    # The CPU stand-in fixes glibc's mmap threshold: its freed blocks go back, and the point counts.
+    retained = (
+        observation.kind == "cpu"
+        and not observation.returns_freed
+        and any(p.batch_size > observation.batch_size for p in history)
     )
     if not retained:
         points[now.batch_size] = now
@@ -98,6 +103,7 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
         basis=basis,
         workers=observation.workers,
         per_worker_bytes=observation.per_worker_bytes,
+        returns_freed=observation.returns_freed,
     )
 
 
@@ -164,8 +170,9 @@ def _workers_bytes(model: MemoryModel, workers: int | None, high: bool) -> int:
 
 def _retained(model: MemoryModel, batch_size: int) -> int:
     """On the CPU, what a smaller micro-batch will not give back at once: ``RETAINED_ON_DECREASE``
-    of the drop from the peak at the current batch (on CUDA ``empty_cache`` gives it back)."""
-    if model.kind != "cpu" or batch_size >= model.batch_size:
+    of the drop from the peak at the current batch (none on CUDA, where ``empty_cache`` gives it
+    back, nor on the CPU stand-in, whose freed blocks are unmapped)."""
+    if model.kind != "cpu" or model.returns_freed or batch_size >= model.batch_size:
         return 0
     now = next((p.peak_bytes for p in model.points if p.batch_size == model.batch_size), None)
     if now is None:
@@ -285,13 +292,19 @@ def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) 
     below the smallest micro-batch that ran out of memory (the ``ceiling``'s); None: no bound."""
     largest = max((p.batch_size for p in model.points), default=model.batch_size)
     limit = ceiling.batch_size if ceiling is not None else None
-    if model.capacity_bytes <= 0 or model.per_sample_bytes <= 0:
+    flat = model.per_sample_bytes <= 0
+    if model.capacity_bytes <= 0 or (flat and len(model.points) < 2):
         if limit is None:
             return None
         return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     budget = band * model.capacity_bytes
     budget_allocated = (budget - model.beyond_bytes) / model.overhead_ratio
-    top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
+    if flat:
+        # measured micro-batches peaking alike (a parameter-heavy MLP): no slope to solve for,
+        # but the interval still widens away from the points; past the guess multiple it guesses
+        top = GUESS_MULTIPLE * largest + 1
+    else:
+        top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
     low, high = 0, top  # the high end grows with the batch: the largest under the budget
     while low < high:
         middle = (low + high + 1) // 2
@@ -299,19 +312,29 @@ def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) 
             low = middle
         else:
             high = middle - 1
-    low = max(low, _seen_safe(model, budget_allocated))
+    # the points were seen without the loader workers' memory (taken out), which the run now adds
+    workers = _workers_bytes(model, None, high=True)
+    low = max(
+        low, _seen_safe(model, (budget - model.beyond_bytes - workers) / model.overhead_ratio)
+    )
     if limit is not None and low >= limit:
         return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     return SafeBatch(low, low > GUESS_MULTIPLE * largest, largest)
 
 
 def _seen_safe(model: MemoryModel, budget_allocated: float) -> int:
-    """The largest micro-batch seen running with its peak, plus its noise, under the budget: what
-    was observed is safe whatever a wide interval says (a demo whose peak rose 8% over its stay
-    at each micro-batch got an interval so wide that no batch was called safe, at 74% of the
-    limit at micro-batch 8)."""
+    """The largest micro-batch seen running with its peak, plus its noise, under the budget left
+    beside the workers the run has now, and the line there too: what was observed is safe
+    whatever a wide interval says (a demo whose peak rose 8% over its stay at each micro-batch
+    got an interval so wide that no batch was called safe, at 74% of the limit at micro-batch
+    8), unless the other points put it over (a reading that missed the step's peak)."""
     return max(
-        (p.batch_size for p in model.points if p.peak_bytes + _noise(p) <= budget_allocated),
+        (
+            p.batch_size
+            for p in model.points
+            if max(p.peak_bytes + _noise(p), predict_allocated(model, p.batch_size))
+            <= budget_allocated
+        ),
         default=0,
     )
 

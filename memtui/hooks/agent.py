@@ -597,6 +597,7 @@ class Agent(threading.Thread):
         batch = parts.store.value("batch_size")
         if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
             workers = parts.store.value("num_workers")
+            sampler = parts.sampler()
             observation = observe(
                 publisher.device,
                 batch,
@@ -604,6 +605,7 @@ class Agent(threading.Thread):
                 control.static,
                 workers=workers if isinstance(workers, int) else None,
                 host=publisher.host[-1] if publisher.host else None,
+                returns_freed=sampler is not None and sampler.returns_freed(),
             )
             if observation is not None:
                 model = fit(observation, list(self._points.values()))

@@ -22,6 +22,29 @@ def release_caches() -> None:
     trim_heap()
 
 
+MMAP_THRESHOLD_BYTES = 128 * 1024
+"""The mmap threshold the CPU stand-in fixes: glibc's own starting value, kept from moving."""
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold so that blocks from ``threshold`` up are unmapped when freed;
+    whether glibc took it (False elsewhere)."""
+    # By default glibc raises the threshold to a large block's size once one is freed, and later
+    # blocks of that size stay on the heap: the peak RSS no longer follows the live tensors
+    # (issue 15; README, "Checked against what runs do"). Fixing it also turns the moving
+    # threshold off for the process's life.
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
+_M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter number for the mmap threshold (malloc.h)."""
+
+
 def trim_heap() -> None:
     """Return free heap memory to the OS (glibc only; a no-op elsewhere)."""
     try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from memtui.hooks.caches import fix_mmap_threshold
 from memtui.hooks.errors import Report
 from memtui.hooks.threadname import name_native_thread
 from memtui.wire import DeviceSample, GpuProcess, HostSample
@@ -294,14 +295,21 @@ class CpuDeviceProbe:
     mark since the previous sample plus the workers'. A worker counts with its own memory
     (USS), not its RSS: forked workers share the main process's pages, and summing RSS
     counted them twice (2 demo workers doubled the peak with no more memory really used).
+
+    As a device's stand-in (a memory limit given), it fixes glibc's mmap threshold, so that the
+    peak follows the live tensors as a device allocator's peak counter does and a smaller batch
+    frees what it frees.
     """
 
     kind = "cpu"
 
-    def __init__(self, host: HostProbe) -> None:
+    def __init__(self, host: HostProbe, stand_in: bool = False) -> None:
         self.host = host
         self._mallinfo = _mallinfo2()
         self._peak_rss = PeakRss()
+        self.returns_freed = stand_in and fix_mmap_threshold()
+        """Whether freed large blocks go back to the OS at once (the stand-in fixed glibc's mmap
+        threshold): a peak seen after a decrease is then the smaller batch's own."""
 
     def _malloc_free_bytes(self) -> int:
         if self._mallinfo is None:
@@ -466,9 +474,10 @@ def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
 
 
 def make_device_probe(
-    cuda_index: int | None, host: HostProbe, reset_peaks: bool = False
+    cuda_index: int | None, host: HostProbe, reset_peaks: bool = False, stand_in: bool = False
 ) -> CpuDeviceProbe | CudaDeviceProbe:
-    """The CUDA probe if the training process has initialised CUDA, else the CPU one."""
+    """The CUDA probe if the training process has initialised CUDA, else the CPU one (a device's
+    stand-in where ``stand_in``: a memory limit was given)."""
     torch = sys.modules.get("torch")
     if torch is not None and cuda_index is not None:
         try:
@@ -476,7 +485,7 @@ def make_device_probe(
         except ImportError:
             pynvml = None
         return CudaDeviceProbe(torch.cuda, cuda_index, pynvml, reset_peaks)
-    return CpuDeviceProbe(host)
+    return CpuDeviceProbe(host, stand_in)
 
 
 class Sampler(threading.Thread):
@@ -492,6 +501,7 @@ class Sampler(threading.Thread):
         model: Callable[[], Any] = lambda: None,
         watched: Callable[[], bool] = lambda: False,
         memory_limit: int | None = None,
+        stand_in_heap: bool = True,
         reset_peaks: bool = False,
         device_period_s: float = 0.2,
         host_period_s: float = 1.0,
@@ -505,6 +515,8 @@ class Sampler(threading.Thread):
         self._watched = watched
         """Whether a viewer is subscribed or a recording written (the agent says)."""
         self._memory_limit = memory_limit
+        self._stand_in_heap = stand_in_heap
+        """Whether a CPU probe under a memory limit fixes glibc's mmap threshold."""
         self._reset_peaks = reset_peaks
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
@@ -526,6 +538,11 @@ class Sampler(threading.Thread):
     def workers_changed(self) -> None:
         """Look for the loader's worker processes again at the next host sample (a rebuild)."""
         self._workers_changed = True
+
+    def returns_freed(self) -> bool:
+        """Whether the device is the CPU stand-in giving freed large blocks back at once."""
+        probe = self.probe
+        return isinstance(probe, CpuDeviceProbe) and probe.returns_freed
 
     def period(self) -> float:
         """Seconds to the next device sample: short while watched, long while not."""
@@ -553,7 +570,12 @@ class Sampler(threading.Thread):
                     device.detect_late(self._model())
                 wanted = device.kind
                 if self.probe is None or self.probe.kind != wanted:
-                    self.probe = make_device_probe(device.cuda_index, self.host, self._reset_peaks)
+                    self.probe = make_device_probe(
+                        device.cuda_index,
+                        self.host,
+                        self._reset_peaks,
+                        stand_in=self._memory_limit is not None and self._stand_in_heap,
+                    )
                 self.device_samples.append(self.probe.sample(self._step()))
                 if now >= next_host:
                     next_host = now + self.host_period_s

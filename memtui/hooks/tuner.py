@@ -111,7 +111,16 @@ class Options:
     """Allow plain TCP (loopback addresses only)."""
     memory_limit: int | None = field(default_factory=lambda: _size_env("MEMTUI_MEMORY_LIMIT"))
     """On CPU runs, the budget the device (the process tree) is held to; default: the cgroup's
-    limit, else total RAM."""
+    limit, else total RAM. Given, the process is a device's stand-in: memtui fixes glibc's mmap
+    threshold so that its peak follows its live tensors (unless ``stand_in_heap`` is off)."""
+    stand_in_heap: bool = field(
+        default_factory=lambda: (
+            os.environ.get("MEMTUI_STAND_IN_HEAP", "1") not in ("0", "false", "no")
+        )
+    )
+    """With ``memory_limit`` on a CPU run, fix glibc's mmap threshold (``MEMTUI_STAND_IN_HEAP=0``:
+    leave glibc alone, its peaks then follow its heap's history); it costs CPU, the kernel zeroing
+    fresh pages for every large tensor (README, "Checked against what runs do")."""
     record: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_RECORD") or None)
     """Also write the published stream to this file (replay it with ``memtui replay``)."""
     rollback_steps: int = field(
@@ -322,6 +331,7 @@ class Tuner:
                 model=lambda: self.model,
                 watched=lambda: self.agent is not None and self.agent.watched,
                 memory_limit=options.memory_limit,
+                stand_in_heap=options.stand_in_heap,
                 reset_peaks=options.reset_peaks,
                 device_period_s=options.device_period_s,
                 host_period_s=options.host_period_s,
