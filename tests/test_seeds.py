@@ -91,7 +91,7 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     demo = start_demo(
         # the overshoot lands at step 15 on a quiet machine: 15 more leave room under load
         "--steps", "30", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
-        "--memory-limit", "720MiB", *HEAVY
+        "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
     run = demo.run_id
     fitted = until(run, lambda s: s["model"] is not None, 60, "the memory model")
