@@ -48,8 +48,9 @@ def observe(
     host: HostSample | None = None,
 ) -> Observation | None:
     """The model's observation from the samples taken at ``batch_size`` after it settled (steps
-    after ``since_step + SETTLE_STEPS``), with ``workers`` loader workers and the latest ``host``
-    sample (for their memory); None with fewer than three samples."""
+    after ``since_step + SETTLE_STEPS``: the micro-batch or the loader last changed at
+    ``since_step``), with ``workers`` loader workers and the latest ``host`` sample (for their
+    memory); None with fewer than three samples."""
     settle = since_step + SETTLE_STEPS
     window = [s for s in samples if s.step > settle]
     if len(window) < 3:
