@@ -34,17 +34,21 @@ from memtui.wire import (
     HostSample,
     KnobDiff,
     Knobs,
+    MemoryModel,
     RunInfo,
     SetRequest,
     StepRecord,
 )
 
 GIB = 1 << 30
+MIB = 1 << 20
 DATA = Path(__file__).parent / "data"
 ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor")
 HOST = HostSample(time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=0)
 STARVING = StepStats(steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8)
 FED = StepStats(steps=20, step_time_s=0.05, data_wait_s=0.002, samples_per_s=640, steps_per_s=20)
+WAITING = StepStats(steps=20, step_time_s=0.1, data_wait_s=0.02, samples_per_s=320, steps_per_s=10)
+"""20% of each step waits for data: under the STARVED threshold (30%), still measurable."""
 
 
 def effect(before: float, after: float, margin: float | None) -> Effect:
@@ -71,9 +75,9 @@ def situation(
     ceiling: Ceiling | None = None,
     refused: tuple[dict[str, object], ...] = (),
     pending: bool = False,
+    model: MemoryModel | None = None,
 ) -> Situation:
     """The policy's view of a run with ``config``, its timed steps and the autopilot's changes."""
-    model = None
     if peak_fraction is not None and config.batch_size:
         capacity = 4 * GIB
         peak = int(peak_fraction * capacity)
@@ -150,8 +154,12 @@ def test_a_measurement_in_flight_or_a_pending_change_waits() -> None:
 
 def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effective_batch() -> None:
     kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
-    starving = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, peak_fraction=0.3))
-    assert starving.action == "converged" and "never bigger while the run waits" in starving.why
+    micro_batch = {axis.knob: axis for axis in AXES}["batch_size"]
+    starving = situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=8, peak_fraction=0.3)
+    assert micro_batch.candidate(starving) == (
+        {},
+        "batch_size: never bigger while the run waits for data",
+    )
     fed = decide(situation(Knobs(16, 2, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
     assert (fed.action, fed.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
     at_one = decide(situation(Knobs(32, 1, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
@@ -159,6 +167,55 @@ def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effecti
     grew = change(100, effect(300, 400, 0.05), batch_size=(16, 32), grad_accum=(2, 1))
     done = decide(situation(Knobs(32, 1, 2, False), FED, (kept, grew), cpus=2, peak_fraction=0.3))
     assert done.action == "converged"  # 16 lost to 32: not tried again
+
+
+def test_a_bigger_micro_batch_while_input_bound_once_the_workers_are_at_the_cpu_cap() -> None:
+    """The transformer's tiny micro-batch: still waiting for data with a worker per CPU, the grid
+    says a bigger micro-batch is faster (before: never bigger while input-bound, converged)."""
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    capped = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, peak_fraction=0.3))
+    assert (capped.action, capped.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
+
+
+def test_the_loader_knobs_are_tried_when_a_measurable_share_of_the_step_waits() -> None:
+    """20% of each step waiting for data (under STARVED) is worth a measured worker trial (before:
+    no worker was tried on the transformer's tiny micro-batch)."""
+    decision = decide(situation(Knobs(2, 8, 0, False), WAITING, cpus=2, peak_fraction=0.3))
+    assert decision.changes == {"num_workers": 1}
+    fed = decide(situation(Knobs(2, 8, 0, False), FED, cpus=2, peak_fraction=0.3))
+    assert "num_workers" not in fed.changes  # 4% of the step: nothing to win
+
+
+def test_the_speed_estimate_vetoes_a_trial_only_when_slower_beyond_its_noise() -> None:
+    """Workers that keep up are estimated "no faster" (0%): not slower beyond the noise, so the
+    trial is made and measured (before: any estimate at or under 0 vetoed it)."""
+    kept = change(50, effect(200, 240, 0.05), num_workers=(0, 1))
+    decision = decide(situation(Knobs(2, 8, 1, False), WAITING, (kept,), cpus=2, peak_fraction=0.3))
+    assert decision.changes == {"num_workers": 2}
+
+
+def test_a_value_the_gate_refused_is_tried_again_once_the_model_would_take_it() -> None:
+    """The starving demo: num_workers=2 refused while the interval at the measured micro-batch was
+    wide (+-24%); once it narrows the gate would take it, and it is tried (before: never again).
+    While the gate would still refuse it, the autopilot does not queue it."""
+
+    def model(noise: int) -> MemoryModel:
+        seen = Observation(
+            "cpu", 8, 720 * MIB, 400 * MIB, 560 * MIB, 560 * MIB, samples=5,
+            noise_bytes=noise, workers=1, per_worker_bytes=20 * MIB,
+        )  # fmt: skip
+        return fit(seen)
+
+    kept = change(25, effect(15, 24, 0.1), num_workers=(0, 1))
+    now = Knobs(8, 2, 1, False)
+    refused = ({"num_workers": 2},)
+    wide = situation(now, applied=(kept,), cpus=2, model=model(60 * MIB), refused=refused)
+    assert wide.gate_refuses({"num_workers": 2})
+    assert "num_workers" not in decide(wide).changes
+    narrow = situation(now, applied=(kept,), cpus=2, model=model(5 * MIB), refused=refused)
+    assert decide(narrow).changes == {"num_workers": 2}
+    fresh = situation(now, applied=(kept,), cpus=2, model=model(60 * MIB))
+    assert "num_workers" not in decide(fresh).changes, "not queued while the gate would refuse"
 
 
 def test_a_region_that_ran_out_of_memory_is_never_retried() -> None:
