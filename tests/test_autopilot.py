@@ -253,6 +253,19 @@ def test_in_the_edge_band_it_first_shrinks_the_micro_batch_and_keeps_it() -> Non
     assert history([shrunk]).trials[0].outcome == KEPT  # slower, but out of danger
 
 
+def test_a_smaller_micro_batch_tried_for_speed_is_kept_only_if_faster() -> None:
+    """Its half of the micro-batch from a peak well under the edge band is a speed trial: 15%
+    slower, it is reverted (before: every smaller micro-batch counted as a move out of the edge
+    band and was kept, and the starving demo went 4 -> 2 at -15%)."""
+    measured = Effect(20, 20, 48, 41, 0.3, 0.35, 0.1, 0.1, 500 * MIB, 480 * MIB, 0.1)
+    half = change(175, measured, batch_size=(4, 2), grad_accum=(4, 8))
+    edge = int(0.85 * 720 * MIB)
+    assert history([half], edge_bytes=edge).trials[0].outcome == WORSE
+    leaving = Effect(20, 20, 48, 41, 0.3, 0.35, 0.1, 0.1, 600 * MIB, 480 * MIB, 0.1)
+    safety = change(175, leaving, batch_size=(4, 2), grad_accum=(4, 8))
+    assert history([safety], edge_bytes=edge).trials[0].outcome == KEPT
+
+
 def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_batch() -> None:
     """A kept prefetch_factor 2 -> 8 that took the peak into the edge band is undone (and never
     tried again) rather than the micro-batch shrunk under it."""

@@ -107,10 +107,26 @@ def kept(effect_applied: AppliedChange) -> bool:
     return effect is not None and speedup(effect) > 0 and measurable(effect)
 
 
+EDGE_SLACK = 0.05
+"""A smaller micro-batch was a move out of the edge band when the peak it left was within this
+share of the band's bytes: the move is decided on the predicted peak, this checks the measured."""
+
+
 def shrinks_batch(change: AppliedChange) -> bool:
-    """A smaller micro-batch: the autopilot only ever shrinks it to leave the danger band."""
+    """A smaller micro-batch."""
     diff = change.changes.get("batch_size")
     return diff is not None and isinstance(diff.old, int) and int(diff.new) < diff.old
+
+
+def leaves_edge(change: AppliedChange, edge_bytes: int | None) -> bool:
+    """A smaller micro-batch that left a peak in the edge band (``edge_bytes`` and up, less
+    ``EDGE_SLACK``): a safety move, kept unless it runs out of memory; a smaller one that left a
+    peak well under it was a speed trial (its half), kept only if faster. Without the band's bytes
+    or the peak measured before it, any smaller one counts as a safety move."""
+    if not shrinks_batch(change):
+        return False
+    before = change.effect.peak_bytes_before if change.effect is not None else None
+    return edge_bytes is None or before is None or before >= (1 - EDGE_SLACK) * edge_bytes
 
 
 def undoes(change: AppliedChange, trial: Trial) -> bool:
@@ -126,9 +142,11 @@ def history(
     refused: Sequence[Mapping[str, KnobValue]] = (),
     *,
     since_step: int = 0,
+    edge_bytes: int | None = None,
 ) -> History:
     """The autopilot's trials from the run's applied changes (its own, at ``since_step`` or
-    later, and the out-of-memory rollbacks after them) and the requests the queue refused it."""
+    later, and the out-of-memory rollbacks after them) and the requests the queue refused it;
+    ``edge_bytes``: the edge band's bytes, to tell its safety moves from its speed trials."""
     trials: list[Trial] = []
     boundaries = 0
     for change in applied:  # a revert undoes the trial before it; a rollback one that ran out
@@ -145,7 +163,7 @@ def history(
         if last is not None and last.outcome in (WORSE, MEASURING, KEPT) and undoes(change, last):
             last.outcome = REVERTED
             continue
-        is_safety = shrinks_batch(change)
+        is_safety = leaves_edge(change, edge_bytes)
         if change.effect is None:
             outcome = MEASURING
         elif is_safety or kept(change):
