@@ -277,6 +277,16 @@ def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_bat
     assert [t.outcome for t in history([deeper, back]).trials] == [REVERTED]
 
 
+def test_a_change_that_doubled_the_speed_stays_and_the_micro_batch_shrinks_under_it() -> None:
+    """The starving demo's second worker (+100%) took the peak to the edge band: reverting it
+    halved the speed for good; a smaller micro-batch (within 2% on its grid) is the move."""
+    doubled = change(100, effect(24, 48, 0.1), num_workers=(1, 2))
+    view = situation(Knobs(8, 2, 2, False), FED, (doubled,), cpus=2, peak_fraction=0.95)
+    decision = decide(view)
+    assert decision.action == "try" and decision.safety
+    assert decision.changes["batch_size"] < 8 and decision.changes["grad_accum"] > 2
+
+
 def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
     trials = tuple(
         change(50 * i, effect(300, 290, 0.05), num_workers=(i % 2, 1 - i % 2)) for i in range(7)
