@@ -296,13 +296,25 @@ def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
     assert decide(view).action in ("revert", "converged")
 
 
+def test_prefetch_is_doubled_and_not_bisected_once_a_doubling_failed() -> None:
+    """prefetch_factor 2 -> 4 reverted: 3 is not tried (before: two more boundaries of the budget
+    on it, and the transformer's micro-batch was never reached)."""
+    tried = change(50, effect(200, 205, 0.1), prefetch_factor=(2, 4))
+    back = change(75, None, prefetch_factor=(4, 2))
+    view = situation(Knobs(16, 2, 2, False, 2), WAITING, (tried, back), cpus=2)
+    assert "prefetch_factor" not in decide(view).changes
+    assert (
+        doubling(2, 8, {4: REVERTED}) == 3 and doubling(2, 8, {4: REVERTED}, bisect=False) is None
+    )
+
+
 def test_a_fifth_knob_is_one_more_entry_in_the_table() -> None:
     """prefetch_factor: tried after the workers (capped), while the run still waits for data."""
     assert [axis.knob for axis in AXES] == [
         "num_workers",
-        "prefetch_factor",
         "pin_memory",
         "batch_size",
+        "prefetch_factor",
     ]
     kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
     capped = situation(Knobs(16, 2, 2, False, 2), applied=(kept,), cpus=2)

@@ -320,10 +320,15 @@ def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
     return format_changes({k: d.new for k, d in changes.items()})
 
 
-def doubling(now: int, upper: int, tried: Mapping[KnobValue, str], floor: int = 1) -> int | None:
+def doubling(
+    now: int, upper: int, tried: Mapping[KnobValue, str], floor: int = 1, *, bisect: bool = True
+) -> int | None:
     """The next integer to try above ``now``: double it (from ``floor`` at 0) up to ``upper``;
-    once a value above failed, halfway to it; None when nothing untried is left."""
+    once a value above failed, halfway to it (unless not ``bisect``: then nothing); None when
+    nothing untried is left."""
     failed = [v for v, o in tried.items() if o in FAILED and isinstance(v, int) and v > now]
+    if failed and not bisect:
+        return None
     if failed:
         mid = (now + min(failed)) // 2
         return mid if mid > now and mid not in tried else None
@@ -480,14 +485,16 @@ PREFETCH_LIMIT = 8
 
 def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     """More batches prefetched per worker while the run waits for data with workers (torch
-    uses it only with workers), doubled up to ``PREFETCH_LIMIT``; not under host pressure."""
+    uses it only with workers), doubled up to ``PREFETCH_LIMIT`` and not bisected once a doubling
+    failed (its gains are small, and each trial with its revert costs two boundaries of the
+    budget); not under host pressure."""
     inputs = situation.inputs
     now, workers = inputs.config.prefetch_factor, inputs.config.num_workers
     if now is None or "prefetch_factor" not in inputs.tunable or not workers:
         return {}, ""
     if not situation.waits_for_data or inputs.host_pressure:
         return {}, ""
-    value = doubling(now, PREFETCH_LIMIT, situation.tried("prefetch_factor"))
+    value = doubling(now, PREFETCH_LIMIT, situation.tried("prefetch_factor"), bisect=False)
     if value is None:
         return {}, f"prefetch_factor: nothing left to try above {now}"
     return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
@@ -495,11 +502,13 @@ def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
 
 AXES: tuple[Axis, ...] = (
     Axis("num_workers", _workers),
-    Axis("prefetch_factor", _prefetch),
     Axis("pin_memory", _pinning),
     Axis("batch_size", _micro_batch),
+    Axis("prefetch_factor", _prefetch),
 )
-"""The knobs the autopilot tunes, in the order it tries them: a knob is one more entry."""
+"""The knobs the autopilot tunes, in the order it tries them (the likeliest gains first: the
+budget of boundaries ran out on prefetch trials before the micro-batch was tried on the
+benchmark's transformer): a knob is one more entry."""
 
 
 def describe_state(state: AutopilotState) -> str:
