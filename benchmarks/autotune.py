@@ -458,8 +458,8 @@ def settle(
     result.rounds = [
         {
             "settled": r.settled_config,
-            "fraction_grid": round(r.fraction_grid, 3),
-            "fraction_online": round(r.fraction_online, 3),
+            "fraction_grid": round(r.fraction_grid, 4),
+            "fraction_online": round(r.fraction_online, 4),
             "boundaries": r.boundaries,
             "kept_worse": r.kept_worse,
             "kept": r.kept,
