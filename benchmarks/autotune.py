@@ -8,6 +8,10 @@ is a short separate run under the same memory limit (``MEMTUI_MEMORY_LIMIT``: pa
 raises ``MemoryError`` as a GPU runs out of memory), timed over its steps after a warm-up; a point
 that runs out of memory scores 0. Then the run from the start with the autopilot on
 (``MEMTUI_AUTOTUNE=1``, a checkpoint every 25 steps) until it converges, and the steps after.
+Every config the autopilot went through that the grid lacks (micro-batch 1, which only its move
+out of the edge band reaches; a ``prefetch_factor`` other than torch's 2, set through the control
+socket at the first checkpoint since the scripts have no flag for it) is then measured the same
+way and joins the grid, so every config it reached is judged by the grid's own numbers.
 
 Per start it prints: the best grid throughput and its config, where the autopilot settled (its
 config, that config's grid throughput and the throughput measured online after it converged),
@@ -17,7 +21,9 @@ back), and the changes it kept that the grid says are worse. Goals: >= 95% of th
 within 8 boundaries, no OOM not rolled back, never slower at the end than at the start.
 
 The machine is shared: every number moves with the load (printed with ``os.getloadavg``), and
-with ``--rounds N`` each grid point and each autopilot run is repeated N times and the median kept.
+with ``--rounds N`` each grid point and each autopilot run is repeated N times: the grid keeps
+each point's median (its rounds printed), the table the autopilot's median round by its fraction
+of the grid best, with the spread of the rounds and how many met the goal.
 
 Usage: python benchmarks/autotune.py [--quick] [--rounds N] [--starts demo-starving,...] [--json PATH]
 """
@@ -66,10 +72,11 @@ class Script:
     extra: tuple[str, ...] = ()
 
     def argv(self, config: dict[str, int], out: Path, steps: int) -> list[str]:
-        """The command line of one run with ``config``."""
+        """The command line of one run with ``config`` (the knobs the script has a flag for)."""
         args = [*self.command]
         for knob, value in config.items():
-            args += [self.flags[knob], str(value)]
+            if knob in self.flags:
+                args += [self.flags[knob], str(value)]
         if self.name == "demo":
             args += ["--steps", str(steps), "--out", str(out), "--checkpoint-every", str(EVERY)]
             args += ["--memory-limit", self.limit, "--progress-every", "1000", "--name", "tune"]
@@ -164,11 +171,35 @@ class Result:
     kept_worse: int = 0
     kept: int = 0
     wall_s: float = 0.0
+    goal: bool = False
+    """>= 95% of the grid best by the grid's numbers, <= 8 boundaries, no OOM not rolled back,
+    not slower by the grid at the end than at the start."""
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    """Each round of the autopilot: settled config, fractions, boundaries, kept worse, goal."""
+
+
+PREFETCH = 2
+"""torch's own ``prefetch_factor``, what every grid point runs with unless it says otherwise."""
 
 
 def key(config: dict[str, Any]) -> str:
-    """``b8x2 w2``: a config in a few characters."""
-    return f"b{config['batch_size']}x{config['grad_accum']} w{config['num_workers']}"
+    """``b8x2 w2`` (``b8x2 w2 p4`` with a prefetch_factor other than torch's): a config in a few
+    characters; prefetch does nothing without workers."""
+    words = f"b{config['batch_size']}x{config['grad_accum']} w{config['num_workers']}"
+    prefetch = config.get("prefetch_factor")
+    if config["num_workers"] and prefetch not in (None, PREFETCH):
+        words += f" p{prefetch}"
+    return words
+
+
+def parse_key(words: str) -> dict[str, int]:
+    """The config of a ``key``."""
+    parts = words.split()
+    batch, accum = parts[0][1:].split("x")
+    config = {"batch_size": int(batch), "grad_accum": int(accum), "num_workers": int(parts[1][1:])}
+    if len(parts) > 2:
+        config["prefetch_factor"] = int(parts[2][1:])
+    return config
 
 
 class Run:
@@ -223,13 +254,21 @@ def wait_step(run: Run, step: int, timeout: float) -> Snapshot | None:
 def grid_point(
     script: Script, config: dict[str, int], work: Path, warm: int, timed: int
 ) -> Measured:
-    """One short separate run at ``config``: samples/s over ``timed`` steps after ``warm``."""
+    """One short separate run at ``config``: samples/s over ``timed`` steps after ``warm`` (a knob
+    the script has no flag for is set through the control socket: it lands at the first
+    checkpoint, and the steps are counted from there)."""
     out = work / f"grid-{script.name}-{key(config).replace(' ', '-')}-{time.monotonic_ns()}"
     env = dict(
         os.environ, MEMTUI_MEMORY_LIMIT=script.limit, MEMTUI_AUTOTUNE="0", PYTHONUNBUFFERED="1"
     )
     run = Run(script.argv(config, out, 1_000_000), env, out.with_suffix(".log"))
+    live = {k: v for k, v in config.items() if k not in script.flags and v != PREFETCH}
     try:
+        if live:
+            reply = run.client.set(dict(live))
+            if not reply.ok:
+                raise RuntimeError(f"{key(config)}: {reply.reason}")
+            warm += EVERY
         snapshot = wait_step(run, warm + timed, 600)
         if snapshot is None or snapshot.control.ooms:
             return Measured(0.0, oom=True)
@@ -243,9 +282,32 @@ def median_of(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def autopilot_run(
-    start: Start, work: Path, grid: dict[str, float], budget: int, timed: int
-) -> Result:
+@dataclass
+class Online:
+    """One run with the autopilot on: its last snapshot, the step it settled at, its wall time."""
+
+    start: Start
+    snapshot: Snapshot
+    settled_at: int | None
+    wall_s: float
+
+    def visited(self) -> list[dict[str, Any]]:
+        """Every config the run went through, the start's first."""
+        config: dict[str, Any] = {**self.start.config, "prefetch_factor": PREFETCH}
+        seen = [dict(config)]
+        for change in sorted(self.snapshot.control.applied, key=lambda a: a.step):
+            config.update({k: d.new for k, d in change.changes.items() if k in config})
+            seen.append(dict(config))
+        return seen
+
+    def result(self, grid: dict[str, float]) -> Result:
+        """Its numbers, judged by ``grid``."""
+        result = Result(self.start.name, self.start.config, wall_s=self.wall_s)
+        fill(result, self.start, self.snapshot, grid, self.settled_at)
+        return result
+
+
+def autopilot_run(start: Start, work: Path, budget: int, timed: int) -> Online:
     """The run from ``start`` with the autopilot on until it converges, then ``timed`` steps."""
     script = start.script
     out = work / f"auto-{start.name}-{time.monotonic_ns()}"
@@ -258,7 +320,6 @@ def autopilot_run(
     )
     began = time.monotonic()
     run = Run(script.argv(start.config, out, 1_000_000), env, out.with_suffix(".log"))
-    result = Result(start.name, start.config)
     try:
         deadline = time.monotonic() + 900
         snapshot = run.snapshot()
@@ -275,11 +336,9 @@ def autopilot_run(
             time.sleep(1.0)
         if snapshot is None:
             raise RuntimeError(f"{start.name}: the run died: {run.log.read_text()[-2000:]}")
-        fill(result, start, snapshot, grid, settled_at)
     finally:
         run.stop()
-    result.wall_s = time.monotonic() - began
-    return result
+    return Online(start, snapshot, settled_at, time.monotonic() - began)
 
 
 def fill(
@@ -288,7 +347,8 @@ def fill(
     """The autopilot run's numbers from its last snapshot and the grid."""
     control = snapshot.control
     pilot = control.autopilot
-    final = {k: getattr(control.config, k) for k in ("batch_size", "grad_accum", "num_workers")}
+    knobs = ("batch_size", "grad_accum", "num_workers", "prefetch_factor")
+    final = {k: getattr(control.config, k) for k in knobs}
     result.settled_config = key(final)
     result.settled_grid = grid.get(key(final), 0.0)
     result.start_grid = grid.get(key(start.config), 0.0)
@@ -311,6 +371,15 @@ def fill(
         before, after = configs_at(start, applied, trial.step)
         if grid.get(key(after), 0.0) < grid.get(key(before), 0.0):
             result.kept_worse += 1
+    result.best_config, result.best = max(grid.items(), key=lambda item: item[1])
+    result.fraction_grid = result.settled_grid / result.best if result.best else 0.0
+    result.fraction_online = result.settled_online / result.best if result.best else 0.0
+    result.goal = (
+        result.fraction_grid >= 0.95
+        and result.boundaries <= 8
+        and not result.ooms_not_rolled_back
+        and result.settled_grid >= result.start_grid
+    )
 
 
 def configs_at(
@@ -349,6 +418,59 @@ def slower_steps(
     return slower, snapshot.step
 
 
+def measure_grid(
+    script: Script,
+    configs: list[dict[str, int]],
+    grid: dict[str, float],
+    args: argparse.Namespace,
+    work: Path,
+) -> None:
+    """Measure each of ``configs`` the grid lacks, ``args.rounds`` times, into ``grid``."""
+    warm, timed = (8, 20) if args.quick else (10, 40)
+    for config in configs:
+        if key(config) in grid:
+            continue
+        values = [
+            grid_point(script, config, work, warm, timed).samples_per_s for _ in range(args.rounds)
+        ]
+        grid[key(config)] = median_of(values)
+        spread = f"[{min(values):.0f}-{max(values):.0f}]" if len(values) > 1 else ""
+        print(
+            f"  grid {script.name} {key(config)}: {grid[key(config)]:.0f} samples/s {spread}",
+            flush=True,
+        )
+
+
+def settle(
+    start: Start,
+    onlines: list[Online],
+    grid: dict[str, float],
+    args: argparse.Namespace,
+    work: Path,
+) -> Result:
+    """The median round of ``start`` by its fraction of the grid best, once every config its
+    rounds went through is in the grid; with each round's numbers."""
+    reached = [config for online in onlines for config in online.visited()]
+    measure_grid(start.script, reached, grid, args, work)
+    rounds = sorted((online.result(grid) for online in onlines), key=lambda r: r.fraction_grid)
+    result = rounds[len(rounds) // 2]
+    result.grid = dict(grid)
+    result.rounds = [
+        {
+            "settled": r.settled_config,
+            "fraction_grid": round(r.fraction_grid, 4),
+            "fraction_online": round(r.fraction_online, 4),
+            "boundaries": r.boundaries,
+            "kept_worse": r.kept_worse,
+            "kept": r.kept,
+            "goal": r.goal,
+            "why": r.why,
+        }
+        for r in rounds
+    ]
+    return result
+
+
 def main() -> int:
     """Run the grid and the autopilot per start; print the table and the verdict."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -363,7 +485,7 @@ def main() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = list(range(0, min(cpus, 4) + 1))  # every count the autopilot may reach
     batches = [4, 8, 16] if args.quick else [2, 4, 8, 16]
-    warm, timed = (8, 20) if args.quick else (10, 40)
+    timed = 20 if args.quick else 40
     print(
         f"load {os.getloadavg()}, cpus {cpus}, rounds {args.rounds}, quick {args.quick}", flush=True
     )
@@ -374,53 +496,43 @@ def main() -> int:
     for start in starts:
         script = start.script
         if script.name not in grids:
-            grid: dict[str, float] = {}
-            for batch in sorted({*batches, *(s.batch for s in starts if s.script is script)}):
-                for count in sorted({*workers, *(s.workers for s in starts if s.script is script)}):
-                    config = config_of(script, batch, count)
-                    values = [
-                        grid_point(script, config, work, warm, timed).samples_per_s
-                        for _ in range(args.rounds)
-                    ]
-                    grid[key(config)] = median_of(values)
-                    print(
-                        f"  grid {script.name} {key(config)}: {grid[key(config)]:.0f} samples/s {[round(v) for v in values]}",
-                        flush=True,
-                    )
-            grids[script.name] = grid
-        grid = grids[script.name]
-        rounds = [autopilot_run(start, work, grid, args.budget, timed) for _ in range(args.rounds)]
-        rounds.sort(key=lambda r: r.settled_online)
-        result = rounds[len(rounds) // 2]
-        result.grid = grid
-        result.best_config, result.best = max(grid.items(), key=lambda item: item[1])
-        result.fraction_grid = result.settled_grid / result.best if result.best else 0.0
-        result.fraction_online = result.settled_online / result.best if result.best else 0.0
-        results.append(result)
-        print(
-            f"  {start.name}: settled {result.settled_config} ({result.phase}: {result.why}) "
-            f"after {result.boundaries} boundaries in {result.wall_s:.0f} s",
-            flush=True,
-        )
+            grids[script.name] = {}
+            configs = [
+                config_of(script, batch, count)
+                for batch in sorted({*batches, *(s.batch for s in starts if s.script is script)})
+                for count in sorted({*workers, *(s.workers for s in starts if s.script is script)})
+            ]
+            measure_grid(script, configs, grids[script.name], args, work)
+        onlines = []
+        for number in range(args.rounds):
+            online = autopilot_run(start, work, args.budget, timed)
+            onlines.append(online)
+            pilot = online.snapshot.control.autopilot
+            why = f"{pilot.phase}: {pilot.why}" if pilot is not None else "?"
+            print(
+                f"  {start.name} round {number + 1}: settled {key(online.visited()[-1])} ({why}) "
+                f"in {online.wall_s:.0f} s, load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+            for trial in history(list(online.snapshot.control.applied)).trials:
+                print(f"    step {trial.step}: {trial.describe()}", flush=True)
+        results.append(settle(start, onlines, grids[script.name], args, work))
     print()
     print(
-        "start            best grid (config)    settled (grid / online)      of best (grid / online)  bounds  slower steps  OOMs  kept worse"
+        "start            best grid (config)    settled (grid / online)      of best (grid / online)  bounds  slower steps  OOMs  kept worse  goal (rounds: of best)"
     )
     for r in results:
+        spread = ", ".join(f"{x['fraction_grid']:.0%}" for x in r.rounds)
+        met = sum(x["goal"] for x in r.rounds)
         print(
             f"{r.start:<16} {r.best:6.0f} ({r.best_config:<9}) {r.settled_config:<9} {r.settled_grid:6.0f} / {r.settled_online:6.0f}"
             f"   {r.fraction_grid:6.0%} / {r.fraction_online:6.0%}          {r.boundaries}/{r.budget}   "
-            f"{r.steps_slower:5d}/{r.steps_total:<5d}  {r.ooms}({r.ooms_not_rolled_back} not rb)  {r.kept_worse}/{r.kept}"
+            f"{r.steps_slower:5d}/{r.steps_total:<5d}  {r.ooms}({r.ooms_not_rolled_back} not rb)  "
+            f"{sum(x['kept_worse'] for x in r.rounds)}/{sum(x['kept'] for x in r.rounds)}"
+            f"  {met}/{len(r.rounds)} ({spread})"
         )
-    goal = [
-        r.fraction_grid >= 0.95
-        and r.boundaries <= 8
-        and not r.ooms_not_rolled_back
-        and r.settled_grid >= r.start_grid
-        for r in results
-    ]
     print(
-        f"\ngoal (>= 95% of the grid best by the grid's numbers, <= 8 boundaries, no OOM not rolled back, never slower at the end): {sum(goal)}/{len(goal)} starts"
+        f"\ngoal (>= 95% of the grid best by the grid's numbers, <= 8 boundaries, no OOM not rolled back, never slower at the end), median round: {sum(r.goal for r in results)}/{len(results)} starts"
     )
     print(f"load {os.getloadavg()}; took {time.monotonic() - began:.0f} s")
     if args.json:

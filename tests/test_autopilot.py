@@ -34,17 +34,21 @@ from memtui.wire import (
     HostSample,
     KnobDiff,
     Knobs,
+    MemoryModel,
     RunInfo,
     SetRequest,
     StepRecord,
 )
 
 GIB = 1 << 30
+MIB = 1 << 20
 DATA = Path(__file__).parent / "data"
 ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor")
 HOST = HostSample(time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=0)
 STARVING = StepStats(steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8)
 FED = StepStats(steps=20, step_time_s=0.05, data_wait_s=0.002, samples_per_s=640, steps_per_s=20)
+WAITING = StepStats(steps=20, step_time_s=0.1, data_wait_s=0.02, samples_per_s=320, steps_per_s=10)
+"""20% of each step waits for data: under the STARVED threshold (30%), still measurable."""
 
 
 def effect(before: float, after: float, margin: float | None) -> Effect:
@@ -71,9 +75,9 @@ def situation(
     ceiling: Ceiling | None = None,
     refused: tuple[dict[str, object], ...] = (),
     pending: bool = False,
+    model: MemoryModel | None = None,
 ) -> Situation:
     """The policy's view of a run with ``config``, its timed steps and the autopilot's changes."""
-    model = None
     if peak_fraction is not None and config.batch_size:
         capacity = 4 * GIB
         peak = int(peak_fraction * capacity)
@@ -150,8 +154,12 @@ def test_a_measurement_in_flight_or_a_pending_change_waits() -> None:
 
 def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effective_batch() -> None:
     kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
-    starving = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, peak_fraction=0.3))
-    assert starving.action == "converged" and "never bigger while the run waits" in starving.why
+    micro_batch = {axis.knob: axis for axis in AXES}["batch_size"]
+    starving = situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=8, peak_fraction=0.3)
+    assert micro_batch.candidate(starving) == (
+        {},
+        "batch_size: never bigger while the run waits for data",
+    )
     fed = decide(situation(Knobs(16, 2, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
     assert (fed.action, fed.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
     at_one = decide(situation(Knobs(32, 1, 2, False), FED, (kept,), cpus=2, peak_fraction=0.3))
@@ -159,6 +167,55 @@ def test_never_a_bigger_batch_while_input_bound_and_then_one_keeping_the_effecti
     grew = change(100, effect(300, 400, 0.05), batch_size=(16, 32), grad_accum=(2, 1))
     done = decide(situation(Knobs(32, 1, 2, False), FED, (kept, grew), cpus=2, peak_fraction=0.3))
     assert done.action == "converged"  # 16 lost to 32: not tried again
+
+
+def test_a_bigger_micro_batch_while_input_bound_once_the_workers_are_at_the_cpu_cap() -> None:
+    """The transformer's tiny micro-batch: still waiting for data with a worker per CPU, the grid
+    says a bigger micro-batch is faster (before: never bigger while input-bound, converged)."""
+    kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
+    capped = decide(situation(Knobs(16, 2, 2, False), applied=(kept,), cpus=2, peak_fraction=0.3))
+    assert (capped.action, capped.changes) == ("try", {"batch_size": 32, "grad_accum": 1})
+
+
+def test_the_loader_knobs_are_tried_when_a_measurable_share_of_the_step_waits() -> None:
+    """20% of each step waiting for data (under STARVED) is worth a measured worker trial (before:
+    no worker was tried on the transformer's tiny micro-batch)."""
+    decision = decide(situation(Knobs(2, 8, 0, False), WAITING, cpus=2, peak_fraction=0.3))
+    assert decision.changes == {"num_workers": 1}
+    fed = decide(situation(Knobs(2, 8, 0, False), FED, cpus=2, peak_fraction=0.3))
+    assert "num_workers" not in fed.changes  # 4% of the step: nothing to win
+
+
+def test_the_speed_estimate_vetoes_a_trial_only_when_slower_beyond_its_noise() -> None:
+    """Workers that keep up are estimated "no faster" (0%): not slower beyond the noise, so the
+    trial is made and measured (before: any estimate at or under 0 vetoed it)."""
+    kept = change(50, effect(200, 240, 0.05), num_workers=(0, 1))
+    decision = decide(situation(Knobs(2, 8, 1, False), WAITING, (kept,), cpus=2, peak_fraction=0.3))
+    assert decision.changes == {"num_workers": 2}
+
+
+def test_a_value_the_gate_refused_is_tried_again_once_the_model_would_take_it() -> None:
+    """The starving demo: num_workers=2 refused while the interval at the measured micro-batch was
+    wide (+-24%); once it narrows the gate would take it, and it is tried (before: never again).
+    While the gate would still refuse it, the autopilot does not queue it."""
+
+    def model(noise: int) -> MemoryModel:
+        seen = Observation(
+            "cpu", 8, 720 * MIB, 400 * MIB, 560 * MIB, 560 * MIB, samples=5,
+            noise_bytes=noise, workers=1, per_worker_bytes=20 * MIB,
+        )  # fmt: skip
+        return fit(seen)
+
+    kept = change(25, effect(15, 24, 0.1), num_workers=(0, 1))
+    now = Knobs(8, 2, 1, False)
+    refused = ({"num_workers": 2},)
+    wide = situation(now, applied=(kept,), cpus=2, model=model(60 * MIB), refused=refused)
+    assert wide.gate_refuses({"num_workers": 2})
+    assert "num_workers" not in decide(wide).changes
+    narrow = situation(now, applied=(kept,), cpus=2, model=model(5 * MIB), refused=refused)
+    assert decide(narrow).changes == {"num_workers": 2}
+    fresh = situation(now, applied=(kept,), cpus=2, model=model(60 * MIB))
+    assert "num_workers" not in decide(fresh).changes, "not queued while the gate would refuse"
 
 
 def test_a_region_that_ran_out_of_memory_is_never_retried() -> None:
@@ -196,6 +253,19 @@ def test_in_the_edge_band_it_first_shrinks_the_micro_batch_and_keeps_it() -> Non
     assert history([shrunk]).trials[0].outcome == KEPT  # slower, but out of danger
 
 
+def test_a_smaller_micro_batch_tried_for_speed_is_kept_only_if_faster() -> None:
+    """Its half of the micro-batch from a peak well under the edge band is a speed trial: 15%
+    slower, it is reverted (before: every smaller micro-batch counted as a move out of the edge
+    band and was kept, and the starving demo went 4 -> 2 at -15%)."""
+    measured = Effect(20, 20, 48, 41, 0.3, 0.35, 0.1, 0.1, 500 * MIB, 480 * MIB, 0.1)
+    half = change(175, measured, batch_size=(4, 2), grad_accum=(4, 8))
+    edge = int(0.85 * 720 * MIB)
+    assert history([half], edge_bytes=edge).trials[0].outcome == WORSE
+    leaving = Effect(20, 20, 48, 41, 0.3, 0.35, 0.1, 0.1, 600 * MIB, 480 * MIB, 0.1)
+    safety = change(175, leaving, batch_size=(4, 2), grad_accum=(4, 8))
+    assert history([safety], edge_bytes=edge).trials[0].outcome == KEPT
+
+
 def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_batch() -> None:
     """A kept prefetch_factor 2 -> 8 that took the peak into the edge band is undone (and never
     tried again) rather than the micro-batch shrunk under it."""
@@ -207,6 +277,16 @@ def test_its_own_change_that_reaches_the_edge_band_is_reverted_not_the_micro_bat
     assert [t.outcome for t in history([deeper, back]).trials] == [REVERTED]
 
 
+def test_a_change_that_doubled_the_speed_stays_and_the_micro_batch_shrinks_under_it() -> None:
+    """The starving demo's second worker (+100%) took the peak to the edge band: reverting it
+    halved the speed for good; a smaller micro-batch (within 2% on its grid) is the move."""
+    doubled = change(100, effect(24, 48, 0.1), num_workers=(1, 2))
+    view = situation(Knobs(8, 2, 2, False), FED, (doubled,), cpus=2, peak_fraction=0.95)
+    decision = decide(view)
+    assert decision.action == "try" and decision.safety
+    assert decision.changes["batch_size"] < 8 and decision.changes["grad_accum"] > 2
+
+
 def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
     trials = tuple(
         change(50 * i, effect(300, 290, 0.05), num_workers=(i % 2, 1 - i % 2)) for i in range(7)
@@ -216,13 +296,25 @@ def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:
     assert decide(view).action in ("revert", "converged")
 
 
+def test_prefetch_is_doubled_and_not_bisected_once_a_doubling_failed() -> None:
+    """prefetch_factor 2 -> 4 reverted: 3 is not tried (before: two more boundaries of the budget
+    on it, and the transformer's micro-batch was never reached)."""
+    tried = change(50, effect(200, 205, 0.1), prefetch_factor=(2, 4))
+    back = change(75, None, prefetch_factor=(4, 2))
+    view = situation(Knobs(16, 2, 2, False, 2), WAITING, (tried, back), cpus=2)
+    assert "prefetch_factor" not in decide(view).changes
+    assert (
+        doubling(2, 8, {4: REVERTED}) == 3 and doubling(2, 8, {4: REVERTED}, bisect=False) is None
+    )
+
+
 def test_a_fifth_knob_is_one_more_entry_in_the_table() -> None:
     """prefetch_factor: tried after the workers (capped), while the run still waits for data."""
     assert [axis.knob for axis in AXES] == [
         "num_workers",
-        "prefetch_factor",
         "pin_memory",
         "batch_size",
+        "prefetch_factor",
     ]
     kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
     capped = situation(Knobs(16, 2, 2, False, 2), applied=(kept,), cpus=2)

@@ -108,12 +108,23 @@ def test_store_reads_applies_all_or_none_and_bumps_loaders() -> None:
     generation = store.loader_generation
     diffs = store.apply({"batch_size": 16, "grad_accum": 2}, step=40)
     assert diffs == {"batch_size": KnobDiff(8, 16)}, "an unchanged knob is no change"
-    assert config.batch_size == 16 and store.batch_since_step == 40
+    assert config.batch_size == 16 and store.memory_since_step == 40
     assert store.loader_generation == generation + 1
     with pytest.raises(KnobError, match="not tunable"):
         store.check({"num_workers": 2})
     store.adopt({"num_workers": 0, "pin_memory": False, "batch_size": 99})
     assert store.knobs == Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
+
+
+def test_the_memory_models_window_restarts_when_the_workers_change() -> None:
+    """Samples at another worker count would count the workers' memory as the peak's noise (a
+    live demo's interval at its measured micro-batch went from +-2% to +-24% after 0 -> 1)."""
+    config = SimpleNamespace(batch_size=8, gradient_accumulation_steps=2, num_workers=0)
+    store = KnobStore(config, None, ErrorLog().report)
+    store.apply({"num_workers": 1}, step=25)
+    assert store.memory_since_step == 25
+    store.apply({"grad_accum": 4}, step=50)
+    assert store.memory_since_step == 25, "the accumulation does not move the peak"
 
 
 def test_store_leaves_the_config_whole_when_a_write_fails() -> None:

@@ -2,27 +2,30 @@
 
 A coordinate ascent over a table of knobs (``AXES``), one change per checkpoint boundary. Each
 axis is an integer search (doubling, then bisecting once a value failed) or a switch, with its
-own conditions (the loader's knobs only while the run waits for data, a bigger micro-batch only
-while it does not, pinning only with an accelerator) and its own upper bound (the workers the
+own conditions (the loader's knobs while a measurable share of the step waits for data, a bigger
+micro-batch only while the run is not input-bound or its workers are at the CPU cap, pinning only
+with an accelerator) and its own upper bound (the workers the
 CPUs and host RAM allow, the largest micro-batch predicted safe, under what ran out of memory).
 The history is the run's applied changes marked as the autopilot's own: nothing else is kept, so
 the same measurements always give the same decision. A trial is kept only when the run got
 faster beyond the noise (the lower end of the measured effect's 95% interval above zero),
-reverted otherwise; a value that ran out of memory, was refused or was reverted is never tried
-again.
+reverted otherwise; a value that ran out of memory or was reverted is never tried again, one the
+prediction gate refused only while the gate, with the memory model as it is now, still would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
+from memtui.advice.prediction import Prediction
 from memtui.advice.recommend import Inputs, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.knobs import format_changes, grew
+from memtui.advice.verdict import THRESHOLDS
+from memtui.knobs import format_changes, grew, knobs_with
 from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
 
 AUTOPILOT = "autopilot"
@@ -39,7 +42,14 @@ KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING = (
     "measuring",
 )
 FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED})
-"""Outcomes after which a value is never tried again."""
+"""Outcomes after which a value is not tried again (a refused one: while the gate would refuse it)."""
+WAITS_FRACTION = 0.05
+"""The share of the step waiting for data from which the loader's knobs are tried (a trial is
+measured and reverted if no faster; under the STARVED threshold a worker still hid a wait of
+20% on the benchmark's transformer)."""
+VETO_NOISE_FLOOR = 0.05
+"""A speed estimate vetoes a trial only when it predicts it slower by more than its own noise, at
+least this share of samples/s (two timed micro-batches called a faster one no faster)."""
 
 
 @dataclass
@@ -97,10 +107,26 @@ def kept(effect_applied: AppliedChange) -> bool:
     return effect is not None and speedup(effect) > 0 and measurable(effect)
 
 
+EDGE_SLACK = 0.05
+"""A smaller micro-batch was a move out of the edge band when the peak it left was within this
+share of the band's bytes: the move is decided on the predicted peak, this checks the measured."""
+
+
 def shrinks_batch(change: AppliedChange) -> bool:
-    """A smaller micro-batch: the autopilot only ever shrinks it to leave the danger band."""
+    """A smaller micro-batch."""
     diff = change.changes.get("batch_size")
     return diff is not None and isinstance(diff.old, int) and int(diff.new) < diff.old
+
+
+def leaves_edge(change: AppliedChange, edge_bytes: int | None) -> bool:
+    """A smaller micro-batch that left a peak in the edge band (``edge_bytes`` and up, less
+    ``EDGE_SLACK``): a safety move, kept unless it runs out of memory; a smaller one that left a
+    peak well under it was a speed trial (its half), kept only if faster. Without the band's bytes
+    or the peak measured before it, any smaller one counts as a safety move."""
+    if not shrinks_batch(change):
+        return False
+    before = change.effect.peak_bytes_before if change.effect is not None else None
+    return edge_bytes is None or before is None or before >= (1 - EDGE_SLACK) * edge_bytes
 
 
 def undoes(change: AppliedChange, trial: Trial) -> bool:
@@ -116,9 +142,11 @@ def history(
     refused: Sequence[Mapping[str, KnobValue]] = (),
     *,
     since_step: int = 0,
+    edge_bytes: int | None = None,
 ) -> History:
     """The autopilot's trials from the run's applied changes (its own, at ``since_step`` or
-    later, and the out-of-memory rollbacks after them) and the requests the queue refused it."""
+    later, and the out-of-memory rollbacks after them) and the requests the queue refused it;
+    ``edge_bytes``: the edge band's bytes, to tell its safety moves from its speed trials."""
     trials: list[Trial] = []
     boundaries = 0
     for change in applied:  # a revert undoes the trial before it; a rollback one that ran out
@@ -135,7 +163,7 @@ def history(
         if last is not None and last.outcome in (WORSE, MEASURING, KEPT) and undoes(change, last):
             last.outcome = REVERTED
             continue
-        is_safety = shrinks_batch(change)
+        is_safety = leaves_edge(change, edge_bytes)
         if change.effect is None:
             outcome = MEASURING
         elif is_safety or kept(change):
@@ -195,6 +223,36 @@ class Situation:
         steps = self.inputs.steps
         return steps is not None and steps.data_wait_fraction >= self.inputs.starved_wait_fraction
 
+    @property
+    def waits_for_data(self) -> bool:
+        """A measurable share of the step (``WAITS_FRACTION``) waits for data."""
+        steps = self.inputs.steps
+        return steps is not None and steps.data_wait_fraction >= WAITS_FRACTION
+
+    def gate_refuses(self, changes: Mapping[str, KnobValue]) -> bool:
+        """The queue's prediction gate would refuse ``changes`` now: the high end of the peak
+        predicted by the memory model as it is now over the danger band, or an OOM region."""
+        inputs = self.inputs
+        thresholds = replace(
+            THRESHOLDS,
+            memory_edge_fraction=inputs.memory_edge_fraction,
+            memory_danger_fraction=inputs.memory_danger_fraction,
+        )
+        config = knobs_with(inputs.config, changes)
+        return Prediction.of_config(inputs.model, config, thresholds, inputs.ceiling).over_danger
+
+    def tried(self, knob: str) -> dict[KnobValue, str]:
+        """Each value tried for ``knob`` and its outcome, less the values the gate refused that
+        it would take now (the memory model has more points, or a narrower interval)."""
+        values = self.history.tried(knob)
+        for trial in self.history.trials:
+            diff = trial.changes.get(knob)
+            if trial.outcome != REFUSED or diff is None or values.get(diff.new) != REFUSED:
+                continue
+            if not self.gate_refuses({k: d.new for k, d in trial.changes.items()}):
+                del values[diff.new]
+        return values
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -222,7 +280,7 @@ def decide(situation: Situation) -> Decision:
         return Decision("wait", "timing the steps at the current config")
     if last is not None and last.outcome == KEPT and _out_of_danger(situation):
         back = {k: d.old for k, d in last.changes.items() if d.old is not None}
-        if any(grew(k, d) for k, d in last.changes.items()):
+        if any(grew(k, d) for k, d in last.changes.items()) and not _worth_its_memory(last):
             # its own change took the run into the edge band: undo it, not the micro-batch
             why = f"{format_diff_values(last.changes)} took the peak into the edge band"
             return Decision("revert", why, back)
@@ -241,15 +299,36 @@ def decide(situation: Situation) -> Decision:
     return Decision("converged", "; ".join(reasons) or "nothing left to try")
 
 
+WORTH_ITS_MEMORY = 0.5
+"""A kept change that took the peak into the edge band stays, and the micro-batch is shrunk under
+it instead, when it made the run faster by at least this share (the low end of its interval):
+halving a micro-batch seldom costs that much (the benchmark's demo: micro-batch 4 and 8 within 2%
+with 2 workers), while the starving demo's second worker doubled its speed and, reverted for the
+band, was never tried again."""
+
+
+def _worth_its_memory(trial: Trial) -> bool:
+    """``trial`` sped the run up by ``WORTH_ITS_MEMORY`` or more beyond its noise."""
+    effect = trial.effect
+    if effect is None:
+        return False
+    return speedup(effect) - (effect.speedup_margin or 0.0) >= WORTH_ITS_MEMORY
+
+
 def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
     """``num_workers=2 batch_size=8``: the new values of a change."""
     return format_changes({k: d.new for k, d in changes.items()})
 
 
-def doubling(now: int, upper: int, tried: Mapping[KnobValue, str], floor: int = 1) -> int | None:
+def doubling(
+    now: int, upper: int, tried: Mapping[KnobValue, str], floor: int = 1, *, bisect: bool = True
+) -> int | None:
     """The next integer to try above ``now``: double it (from ``floor`` at 0) up to ``upper``;
-    once a value above failed, halfway to it; None when nothing untried is left."""
+    once a value above failed, halfway to it (unless not ``bisect``: then nothing); None when
+    nothing untried is left."""
     failed = [v for v, o in tried.items() if o in FAILED and isinstance(v, int) and v > now]
+    if failed and not bisect:
+        return None
     if failed:
         mid = (now + min(failed)) // 2
         return mid if mid > now and mid not in tried else None
@@ -264,11 +343,23 @@ def _estimate(situation: Situation, changes: Mapping[str, KnobValue]) -> SpeedEs
 
 
 def _predicted_no_help(situation: Situation, changes: Mapping[str, KnobValue]) -> str:
-    """Why ``changes`` is predicted not to help ('' if it may: faster or unknown)."""
+    """Why ``changes`` is predicted not to help ('' if it may: predicted slower only within the
+    estimate's noise, faster, or unknown)."""
     estimate = _estimate(situation, changes)
-    if estimate is None or estimate.delta is None or estimate.delta > 0:
+    if estimate is None or estimate.delta is None or estimate.delta >= -_speed_noise(situation):
         return ""
-    return f"{format_changes(changes)} predicted no faster ({estimate.note})"
+    return f"{format_changes(changes)} predicted slower ({estimate.delta:+.0%}: {estimate.note})"
+
+
+def _speed_noise(situation: Situation) -> float:
+    """A speed estimate's own noise: the widest 95% interval of the measured effects it is made
+    from (the run's applied changes), at least ``VETO_NOISE_FLOOR``."""
+    margins = [
+        a.effect.speedup_margin
+        for a in situation.inputs.applied
+        if a.effect is not None and a.effect.speedup_margin is not None
+    ]
+    return max([VETO_NOISE_FLOOR, *margins])
 
 
 def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
@@ -277,16 +368,16 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     now = inputs.config.num_workers
     if now is None or "num_workers" not in inputs.tunable:
         return {}, ""
-    if not situation.input_bound:
+    if not situation.waits_for_data:
         return {}, "num_workers: the run does not wait for data"
     if inputs.host_pressure:
         return {}, "num_workers: host memory is under pressure"
     upper, note = workers_allowed(inputs, max(now * 2, 1), per_worker_bytes(inputs.host) or None)
-    value = doubling(now, upper, situation.history.tried("num_workers"))
+    value = doubling(now, upper, situation.tried("num_workers"))
     if value is None:
         return {}, f"num_workers: nothing left to try above {now}{note}"
     changes: dict[str, KnobValue] = {"num_workers": value}
-    no_help = _predicted_no_help(situation, changes)
+    no_help = _predicted_no_help(situation, changes) or _gated(situation, changes)
     if no_help:
         return {}, no_help
     return changes, f"{_wait_words(situation)}: num_workers {now} -> {value}{note}"
@@ -306,7 +397,7 @@ def _pinning(situation: Situation) -> tuple[dict[str, KnobValue], str]:
         return {}, ""  # pinning speeds copies to an accelerator only: nothing to say on a CPU
     if inputs.ceiling is not None and inputs.ceiling.pin_memory:
         return {}, "pin_memory: it ran out of memory pinned"
-    if not situation.input_bound or True in situation.history.tried("pin_memory"):
+    if not situation.input_bound or True in situation.tried("pin_memory"):
         return {}, ""
     return {"pin_memory": True}, f"{_wait_words(situation)}: pin_memory on"
 
@@ -319,7 +410,7 @@ def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     batch, accum, model = inputs.config.batch_size, inputs.config.grad_accum, inputs.model
     if batch is None or "batch_size" not in inputs.tunable:
         return {}, ""
-    if situation.input_bound:
+    if situation.input_bound and _more_workers_allowed(situation):
         return {}, "batch_size: never bigger while the run waits for data"
     if accum is None or "grad_accum" not in inputs.tunable:
         return {}, "batch_size: no grad_accum to keep the effective batch with"
@@ -328,7 +419,7 @@ def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     target = batch * accum
     safe = max_batch(model, inputs.memory_edge_fraction, inputs.ceiling) or 0
     upper = _divisor_at_most(target, min(target, safe))
-    tried = situation.history.tried("batch_size")
+    tried = situation.tried("batch_size")
     value = doubling(batch, upper, tried)
     value = _divisor_at_most(target, value) if value is not None else None
     if value is None or value <= batch or value in tried:
@@ -336,10 +427,28 @@ def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
         if value < 1 or value in tried:
             return {}, f"batch_size: nothing left to try around {batch} keeping the effective batch"
     changes: dict[str, KnobValue] = {"batch_size": value, "grad_accum": target // value}
-    no_help = _predicted_no_help(situation, changes)
+    no_help = _predicted_no_help(situation, changes) or _gated(situation, changes)
     if no_help:
         return {}, no_help
     return changes, f"batch_size {batch} -> {value}, grad_accum {accum} -> {target // value}"
+
+
+def _more_workers_allowed(situation: Situation) -> bool:
+    """The run may take more loader workers (under the CPUs it may use, host RAM, the ceiling)."""
+    inputs = situation.inputs
+    now = inputs.config.num_workers
+    if now is None or "num_workers" not in inputs.tunable:
+        return False
+    upper, _ = workers_allowed(inputs, now + 1, per_worker_bytes(inputs.host) or None)
+    return upper > now
+
+
+def _gated(situation: Situation, changes: Mapping[str, KnobValue]) -> str:
+    """Why the queue's gate would refuse ``changes`` now ('' if it would take them): the autopilot
+    waits for the memory model to say otherwise instead of queuing a refusal."""
+    if not situation.gate_refuses(changes):
+        return ""
+    return f"{format_changes(changes)}: predicted over the danger band for now"
 
 
 def _divisor_at_most(target: int, value: int) -> int:
@@ -365,7 +474,7 @@ def _out_of_danger(situation: Situation) -> dict[str, KnobValue]:
     target = batch * accum
     safe = max_batch(model, inputs.memory_edge_fraction, inputs.ceiling) or 1
     value = _divisor_at_most(target, min(safe, batch - 1))
-    if value < 1 or value >= batch or value in situation.history.tried("batch_size"):
+    if value < 1 or value >= batch or value in situation.tried("batch_size"):
         return {}
     return {"batch_size": value, "grad_accum": target // value}
 
@@ -376,14 +485,16 @@ PREFETCH_LIMIT = 8
 
 def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     """More batches prefetched per worker while the run waits for data with workers (torch
-    uses it only with workers), doubled up to ``PREFETCH_LIMIT``; not under host pressure."""
+    uses it only with workers), doubled up to ``PREFETCH_LIMIT`` and not bisected once a doubling
+    failed (its gains are small, and each trial with its revert costs two boundaries of the
+    budget); not under host pressure."""
     inputs = situation.inputs
     now, workers = inputs.config.prefetch_factor, inputs.config.num_workers
     if now is None or "prefetch_factor" not in inputs.tunable or not workers:
         return {}, ""
-    if not situation.input_bound or inputs.host_pressure:
+    if not situation.waits_for_data or inputs.host_pressure:
         return {}, ""
-    value = doubling(now, PREFETCH_LIMIT, situation.history.tried("prefetch_factor"))
+    value = doubling(now, PREFETCH_LIMIT, situation.tried("prefetch_factor"), bisect=False)
     if value is None:
         return {}, f"prefetch_factor: nothing left to try above {now}"
     return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
@@ -391,11 +502,13 @@ def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
 
 AXES: tuple[Axis, ...] = (
     Axis("num_workers", _workers),
-    Axis("prefetch_factor", _prefetch),
     Axis("pin_memory", _pinning),
     Axis("batch_size", _micro_batch),
+    Axis("prefetch_factor", _prefetch),
 )
-"""The knobs the autopilot tunes, in the order it tries them: a knob is one more entry."""
+"""The knobs the autopilot tunes, in the order it tries them (the likeliest gains first: the
+budget of boundaries ran out on prefetch trials before the micro-batch was tried on the
+benchmark's transformer): a knob is one more entry."""
 
 
 def describe_state(state: AutopilotState) -> str:

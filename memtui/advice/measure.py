@@ -49,9 +49,10 @@ def observe(
     returns_freed: bool = False,
 ) -> Observation | None:
     """The model's observation from the samples taken at ``batch_size`` after it settled (steps
-    after ``since_step + SETTLE_STEPS``), with ``workers`` loader workers, the latest ``host``
-    sample (for their memory) and whether the CPU stand-in gives freed blocks back at once;
-    None with fewer than three samples."""
+    after ``since_step + SETTLE_STEPS``: the micro-batch or the loader last changed at
+    ``since_step``), with ``workers`` loader workers, the latest ``host`` sample (for their
+    memory) and whether the CPU stand-in gives freed blocks back at once; None with fewer than
+    three samples."""
     settle = since_step + SETTLE_STEPS
     window = [s for s in samples if s.step > settle]
     if len(window) < 3:

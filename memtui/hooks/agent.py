@@ -601,7 +601,7 @@ class Agent(threading.Thread):
             observation = observe(
                 publisher.device,
                 batch,
-                parts.store.batch_since_step,
+                parts.store.memory_since_step,
                 control.static,
                 workers=workers if isinstance(workers, int) else None,
                 host=publisher.host[-1] if publisher.host else None,

@@ -157,9 +157,11 @@ class Autopilot:
             for r in own.rejected
             if r.client == AUTOPILOT and r.step >= state.since_step
         ]
+        model = own.model
+        edge = int(model.capacity_bytes * thresholds.memory_edge_fraction) if model else None
         return Situation(
             inputs,
-            history(applied, refused, since_step=state.since_step),
+            history(applied, refused, since_step=state.since_step, edge_bytes=edge or None),
             pending=bool(own.pending),
             budget=state.budget,
         )

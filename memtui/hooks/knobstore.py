@@ -55,8 +55,9 @@ class KnobStore:
                 knob,
             )
         self._loader_generation = 0
-        self.batch_since_step = 0
-        """The step at which the current micro-batch size began (the memory model's window)."""
+        self.memory_since_step = 0
+        """The step at which the current micro-batch and loader began (the memory model's window:
+        samples taken at another worker count would count the workers' memory as noise)."""
 
     # ------------------------------------------------------------ reading
 
@@ -123,9 +124,8 @@ class KnobStore:
             self._report(exc, "apply")
             raise KnobError(f"could not write {failing} into the config: {exc}") from exc
         self._knobs = knobs_with(self._knobs, {k: d.new for k, d in diffs.items()})
-        if "batch_size" in diffs:
-            self.batch_since_step = step
         if any(k in LOADER_KNOBS for k in diffs):
+            self.memory_since_step = step
             self._loader_generation += 1
         return diffs
 

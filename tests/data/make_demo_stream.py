@@ -4,8 +4,12 @@ The demo starts with ``--workers 0`` (it starves: ~60% of each step waits on slo
 ``--set-after`` seconds of recording ``num_workers=4`` is queued through the control socket, and
 lands at the next checkpoint; the recording runs until the demo ends. Replays of this file drive
 the snapshot tests and the screenshots: starving (with the change pending), then balanced.
+With ``--autotune`` no change is queued: the demo starts with its autopilot on, which tunes it by
+itself (tests/data/demo_autopilot.mtrec, the snapshot of the viewer's autopilot line).
 
     .venv/bin/python tests/data/make_demo_stream.py [--out tests/data/demo_starving.mtrec]
+    .venv/bin/python tests/data/make_demo_stream.py --autotune --checkpoint-every 25 \
+        --out tests/data/demo_autopilot.mtrec
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--set-after", type=float, default=32.0)
+    parser.add_argument("--autotune", action="store_true", help="the autopilot on, no change set")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds recorded at most")
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="mtrec", dir="/tmp"))
@@ -45,6 +51,7 @@ def main() -> int:
             sys.executable, "-m", "memtui.demo", "--steps", str(args.steps),
             "--checkpoint-every", str(args.checkpoint_every), "--workers", "0",
             "--out", str(base / "out"), "--progress-every", "5", "--name", "demo",
+            *(["--autotune"] if args.autotune else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -59,8 +66,14 @@ def main() -> int:
         reply = client.set({"num_workers": 4})
         print(f"set num_workers=4: ok={reply.ok} id={reply.id} {reply.reason}", file=sys.stderr)
 
-    threading.Thread(target=queue_change, daemon=True).start()
-    summary = record(run_id, args.out, duration_s=120.0, note="memtui demo --workers 0, then 4")
+    if args.autotune:
+        note = "memtui demo --workers 0 --autotune"
+    else:
+        threading.Thread(target=queue_change, daemon=True).start()
+        note = "memtui demo --workers 0, then 4"
+    summary = record(run_id, args.out, duration_s=args.duration, note=note)
+    if demo.poll() is None and args.autotune:  # the recording's time is up before the demo's steps
+        demo.terminate()
     demo.wait(30)
     shutil.rmtree(base, ignore_errors=True)
     recording = read_recording(args.out)

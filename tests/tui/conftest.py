@@ -33,6 +33,9 @@ OOM = DATA / "oom_risk.mtrec"
 ADVICE = DATA / "demo_advice.mtrec"
 """A real CPU demo under a 900 MiB limit (make_advice_stream.py): underused at batch 4, batch 8
 applied (measured effect, prediction error), batch 22 forced over the limit, OOM, rollback."""
+AUTOPILOT = DATA / "demo_autopilot.mtrec"
+"""A real demo run started with --workers 0 and its autopilot on (make_demo_stream.py --autotune):
+num_workers 0 -> 1 kept, then trials reverted, converged with its budget spent."""
 RANKS_8 = DATA / "ranks_8.mtrec"
 """Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
 
@@ -77,6 +80,22 @@ def forced_pending_offset() -> float:
         lambda m: (
             isinstance(m, Telemetry)
             and bool(m.control and any(p.forced for p in m.control.pending))
+        )
+    )
+    assert offset is not None
+    return offset + 0.05
+
+
+def autopilot_offset() -> float:
+    """Just after the autopilot began measuring its second trial (num_workers=2) in its
+    recording: its first one, num_workers=1, kept and in the change log."""
+    offset = read_recording(AUTOPILOT).offset_of(
+        lambda m: (
+            isinstance(m, Telemetry)
+            and m.control is not None
+            and m.control.autopilot is not None
+            and m.control.autopilot.phase == "measuring"
+            and m.control.autopilot.trying == {"num_workers": 2}
         )
     )
     assert offset is not None

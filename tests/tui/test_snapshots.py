@@ -19,9 +19,11 @@ from textual.pilot import Pilot
 from memtui.tui.app import MemtuiApp
 from tests.tui.conftest import (
     ADVICE,
+    AUTOPILOT,
     OOM,
     RANKS_8,
     STARVING,
+    autopilot_offset,
     forced_pending_offset,
     one_rank,
     pending_offset,
@@ -72,6 +74,12 @@ def advice_rollback() -> MemtuiApp:
     return replay_app(ADVICE)
 
 
+def autopilot() -> MemtuiApp:
+    """A real demo tuned by its autopilot (no live run: its recording), measuring its second trial:
+    its line at the top of the advice panel, its kept first trial in the change log as its own."""
+    return replay_app(AUTOPILOT, until_s=autopilot_offset())
+
+
 def disconnected() -> MemtuiApp:
     """The demo starving, then silent for 10 s: the run is gone without a word."""
     return replay_app(STARVING, until_s=20.0, at_end="disconnect")
@@ -89,6 +97,7 @@ def disconnected() -> MemtuiApp:
         disconnected,
         advice_pending,
         advice_rollback,
+        autopilot,
     ],
     ids=lambda f: f.__name__,
 )
@@ -131,3 +140,13 @@ def test_the_side_pane_snapshot_shows_the_change_landing() -> None:
             assert re.search(r"\+\d+% samples/s, peak \d+ MiB → \d+ MiB", svg), svg
 
     run(starving_fixed(), check, SIZES["narrow"])
+
+
+def test_the_autopilot_snapshot_shows_its_line_and_its_own_change() -> None:
+    """The stored SVGs (both sizes) say what the autopilot does and mark its trial in the change
+    log as its own: the snapshot shows the autopilot, not only a replay."""
+    for size in SIZES:
+        stored = SNAPSHOTS / f"test_snapshot[autopilot-{size}].svg"
+        text = "\n".join(svg_lines(stored.read_text(encoding="utf-8")))
+        assert "autopilot on: measuring num_workers=2" in text, text
+        assert "num_workers 1 → 2  #2  by the autopilot" in text, text
