@@ -278,15 +278,16 @@ def decide(situation: Situation) -> Decision:
         )
     if inputs.steps is None:
         return Decision("wait", "timing the steps at the current config")
-    if last is not None and last.outcome == KEPT and _out_of_danger(situation):
+    safer = _out_of_danger(situation)
+    if last is not None and last.outcome == KEPT and safer:
         back = {k: d.old for k, d in last.changes.items() if d.old is not None}
-        if any(grew(k, d) for k, d in last.changes.items()) and not _worth_its_memory(last):
+        grown = any(grew(k, d) for k, d in last.changes.items())
+        if grown and not _worth_its_memory(situation, last, safer):
             # its own change took the run into the edge band: undo it, not the micro-batch
             why = f"{format_diff_values(last.changes)} took the peak into the edge band"
             return Decision("revert", why, back)
     if history.boundaries + 2 > situation.budget:
         return Decision("converged", f"the budget of {situation.budget} boundaries is spent")
-    safer = _out_of_danger(situation)
     if safer:
         return Decision("try", "peak memory in the edge band: a smaller micro-batch", safer, True)
     reasons: list[str] = []
@@ -299,20 +300,24 @@ def decide(situation: Situation) -> Decision:
     return Decision("converged", "; ".join(reasons) or "nothing left to try")
 
 
-WORTH_ITS_MEMORY = 0.5
-"""A kept change that took the peak into the edge band stays, and the micro-batch is shrunk under
-it instead, when it made the run faster by at least this share (the low end of its interval):
-halving a micro-batch seldom costs that much (the benchmark's demo: micro-batch 4 and 8 within 2%
-with 2 workers), while the starving demo's second worker doubled its speed and, reverted for the
-band, was never tried again."""
+SHRINK_COST_GUESS = 0.2
+"""What a smaller micro-batch is taken to cost where the steps timed cannot say (one size timed):
+halving it seldom costs that much on the runs measured (the benchmark's demo: micro-batch 4 and 8
+within 2% with 2 workers)."""
 
 
-def _worth_its_memory(trial: Trial) -> bool:
-    """``trial`` sped the run up by ``WORTH_ITS_MEMORY`` or more beyond its noise."""
+def _worth_its_memory(situation: Situation, trial: Trial, safer: Mapping[str, KnobValue]) -> bool:
+    """``trial`` sped the run up, beyond its noise, by more than the smaller micro-batch ``safer``
+    is predicted to cost (``SHRINK_COST_GUESS`` where the estimate cannot say): then it stays and
+    the micro-batch shrinks under it, rather than the gain being given back for good (the
+    starving demo's worker, +25% +-3% into the edge band, was reverted and never tried again)."""
     effect = trial.effect
     if effect is None:
         return False
-    return speedup(effect) - (effect.speedup_margin or 0.0) >= WORTH_ITS_MEMORY
+    estimate = _estimate(situation, safer)
+    delta = estimate.delta if estimate is not None else None
+    cost = SHRINK_COST_GUESS if delta is None else max(0.0, -delta)
+    return speedup(effect) - (effect.speedup_margin or 0.0) > cost
 
 
 def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
