@@ -227,11 +227,15 @@ class SharedDemo:
 
 
 @contextlib.contextmanager
-def shared_demo(*args: str, ranks: int = 1) -> Iterator[SharedDemo]:
+def shared_demo(
+    *args: str, ranks: int = 1, extra_env: dict[str, str] | None = None
+) -> Iterator[SharedDemo]:
     """Start a demo training for a module's tests (one start instead of one per test: a start
-    costs about 7 s of CPU, most of it importing torch); stopped when the module is done."""
+    costs about 7 s of CPU, most of it importing torch), with ``extra_env`` in its environment;
+    stopped when the module is done."""
     base = Path(tempfile.mkdtemp(prefix="mts", dir="/tmp"))  # ipc paths must stay short
     env = {"MEMTUI_RUNTIME_DIR": str(base / "rt"), "XDG_STATE_HOME": str(base / "state")}
+    env |= extra_env or {}
     out = base / "out"
     out.mkdir()
     log = out / "stdout.log"

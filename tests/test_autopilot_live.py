@@ -19,9 +19,11 @@ LOGITS_HEAVY = ("--seq-len", "256", "--width", "64", "--vocab", "8192", "--layer
 def starving() -> Iterator[SharedDemo]:
     """The default demo, starving (no loader workers, its loader sleeping 2 ms a sample: about as
     long as a step's compute) with the autopilot on from the start; a checkpoint every 25 steps,
-    the fewest that leave room for a change's measured effect (2 settling steps and 20 timed)."""
+    the fewest that leave room for a change's measured effect (2 settling steps and 20 timed);
+    a budget of 4 boundaries (the workers take two: the rest is tests/test_autopilot.py's)."""
     with shared_demo(
-        "--steps", "100000", "--checkpoint-every", "25", "--workers", "0", "--autotune"
+        "--steps", "100000", "--checkpoint-every", "25", "--workers", "0", "--autotune",
+        extra_env={"MEMTUI_AUTOTUNE_BUDGET": "4"},
     ) as job:  # fmt: skip
         yield job
 
