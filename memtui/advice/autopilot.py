@@ -16,15 +16,14 @@ prediction gate refused only while the gate, with the memory model as it is now,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
-from memtui.advice.recommend import Inputs, workers_allowed
+from memtui.advice.recommend import Inputs, thresholds_of, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.advice.verdict import THRESHOLDS
 from memtui.knobs import format_changes, grew, knobs_with
 from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
 
@@ -233,12 +232,8 @@ class Situation:
         """The queue's prediction gate would refuse ``changes`` now: the high end of the peak
         predicted by the memory model as it is now over the danger band, or an OOM region."""
         inputs = self.inputs
-        thresholds = replace(
-            THRESHOLDS,
-            memory_edge_fraction=inputs.memory_edge_fraction,
-            memory_danger_fraction=inputs.memory_danger_fraction,
-        )
         config = knobs_with(inputs.config, changes)
+        thresholds = thresholds_of(inputs)
         return Prediction.of_config(inputs.model, config, thresholds, inputs.ceiling).over_danger
 
     def tried(self, knob: str) -> dict[KnobValue, str]:
@@ -377,7 +372,7 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
         return {}, "num_workers: the run does not wait for data"
     if inputs.host_pressure:
         return {}, "num_workers: host memory is under pressure"
-    upper, note = workers_allowed(inputs, max(now * 2, 1), per_worker_bytes(inputs.host) or None)
+    upper, note = _worker_cap(inputs, max(now * 2, 1))
     value = doubling(now, upper, situation.tried("num_workers"))
     if value is None:
         return {}, f"num_workers: nothing left to try above {now}{note}"
@@ -444,8 +439,12 @@ def _more_workers_allowed(situation: Situation) -> bool:
     now = inputs.config.num_workers
     if now is None or "num_workers" not in inputs.tunable:
         return False
-    upper, _ = workers_allowed(inputs, now + 1, per_worker_bytes(inputs.host) or None)
-    return upper > now
+    return _worker_cap(inputs, now + 1)[0] > now
+
+
+def _worker_cap(inputs: Inputs, wanted: int) -> tuple[int, str]:
+    """The most of ``wanted`` loader workers the CPUs, host RAM and the ceiling allow, and why."""
+    return workers_allowed(inputs, wanted, per_worker_bytes(inputs.host) or None)
 
 
 def _gated(situation: Situation, changes: Mapping[str, KnobValue]) -> str:

@@ -13,7 +13,7 @@ the hook records for every applied change and checks against its measured effect
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypedDict
 
 from memtui.advice.effect import measurable, speedup
@@ -101,14 +101,20 @@ class Bands(TypedDict):
     memory_danger_fraction: float
 
 
-def bands(thresholds: Thresholds) -> Bands:
-    """The ``Inputs`` fields of the verdict's thresholds in force (``Inputs(..., **bands(t))``)."""
+def bands(source: Thresholds | Inputs) -> Bands:
+    """The ``Inputs`` fields of the verdict's thresholds in force (``Inputs(..., **bands(t))``),
+    from the thresholds or from inputs that carry them."""
     return Bands(
-        starved_wait_fraction=thresholds.starved_wait_fraction,
-        underused_memory_fraction=thresholds.underused_memory_fraction,
-        memory_edge_fraction=thresholds.memory_edge_fraction,
-        memory_danger_fraction=thresholds.memory_danger_fraction,
+        starved_wait_fraction=source.starved_wait_fraction,
+        underused_memory_fraction=source.underused_memory_fraction,
+        memory_edge_fraction=source.memory_edge_fraction,
+        memory_danger_fraction=source.memory_danger_fraction,
     )
+
+
+def thresholds_of(inputs: Inputs) -> Thresholds:
+    """The verdict's thresholds in force that ``inputs`` carries (the rest at their defaults)."""
+    return replace(THRESHOLDS, **bands(inputs))
 
 
 @dataclass(frozen=True)

@@ -157,11 +157,11 @@ class Autopilot:
             for r in own.rejected
             if r.client == AUTOPILOT and r.step >= state.since_step
         ]
-        model = own.model
-        edge = int(model.capacity_bytes * thresholds.memory_edge_fraction) if model else None
+        capacity = own.model.capacity_bytes if own.model else 0
+        edge = int(capacity * thresholds.memory_edge_fraction) if capacity > 0 else None
         return Situation(
             inputs,
-            history(applied, refused, since_step=state.since_step, edge_bytes=edge or None),
+            history(applied, refused, since_step=state.since_step, edge_bytes=edge),
             pending=bool(own.pending),
             budget=state.budget,
         )

@@ -515,8 +515,9 @@ class Sampler(threading.Thread):
         self._watched = watched
         """Whether a viewer is subscribed or a recording written (the agent says)."""
         self._memory_limit = memory_limit
-        self._stand_in_heap = stand_in_heap
-        """Whether a CPU probe under a memory limit fixes glibc's mmap threshold."""
+        self._stand_in = memory_limit is not None and stand_in_heap
+        """Whether a CPU probe is a device's stand-in (a memory limit given) fixing glibc's mmap
+        threshold."""
         self._reset_peaks = reset_peaks
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
@@ -574,7 +575,7 @@ class Sampler(threading.Thread):
                         device.cuda_index,
                         self.host,
                         self._reset_peaks,
-                        stand_in=self._memory_limit is not None and self._stand_in_heap,
+                        stand_in=self._stand_in,
                     )
                 self.device_samples.append(self.probe.sample(self._step()))
                 if now >= next_host:

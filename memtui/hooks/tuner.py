@@ -88,9 +88,7 @@ class Options:
     the allocator's and the kernel's high-water marks), and each wake-up takes the GIL."""
     host_period_s: float = 1.0
     """How often host memory is sampled (psutil)."""
-    reset_peaks: bool = field(
-        default_factory=lambda: os.environ.get("MEMTUI_RESET_PEAKS", "") in ("1", "true", "yes")
-    )
+    reset_peaks: bool = field(default_factory=lambda: _flag_env("MEMTUI_RESET_PEAKS"))
     """Reset torch's CUDA peak counters after every device sample (``MEMTUI_RESET_PEAKS=1``):
     per-sample peaks, but the training's own ``torch.cuda.max_memory_allocated()`` then covers
     only the last sample period. Off (the default), memtui resets them only when it applies a
@@ -113,11 +111,7 @@ class Options:
     """On CPU runs, the budget the device (the process tree) is held to; default: the cgroup's
     limit, else total RAM. Given, the process is a device's stand-in: memtui fixes glibc's mmap
     threshold so that its peak follows its live tensors (unless ``stand_in_heap`` is off)."""
-    stand_in_heap: bool = field(
-        default_factory=lambda: (
-            os.environ.get("MEMTUI_STAND_IN_HEAP", "1") not in ("0", "false", "no")
-        )
-    )
+    stand_in_heap: bool = field(default_factory=lambda: _flag_env("MEMTUI_STAND_IN_HEAP", True))
     """With ``memory_limit`` on a CPU run, fix glibc's mmap threshold (``MEMTUI_STAND_IN_HEAP=0``:
     leave glibc alone, its peaks then follow its heap's history); it costs CPU, the kernel zeroing
     fresh pages for every large tensor (README, "Checked against what runs do")."""
@@ -128,14 +122,23 @@ class Options:
     )
     """An out-of-memory error inside ``tuner.guard()`` within this many steps after an applied
     change reverts that change and training goes on (0: never roll back)."""
-    autotune: bool = field(
-        default_factory=lambda: os.environ.get("MEMTUI_AUTOTUNE", "") in ("1", "true", "yes")
-    )
+    autotune: bool = field(default_factory=lambda: _flag_env("MEMTUI_AUTOTUNE"))
     """Start with the autopilot on (``MEMTUI_AUTOTUNE=1``): it tunes the knobs by itself."""
     autotune_budget: int = field(
         default_factory=lambda: int(os.environ.get("MEMTUI_AUTOTUNE_BUDGET", str(BUDGET)))
     )
     """The most checkpoint boundaries the autopilot's trials and reverts may take."""
+
+
+def _flag_env(name: str, default: bool = False) -> bool:
+    """The environment variable ``name`` as a switch: 1, true or yes on; 0, false or no off;
+    unset or empty ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return default
 
 
 def _size_env(name: str) -> int | None:
@@ -284,7 +287,7 @@ class Tuner:
         self.oom.install_excepthook(lambda: self._closed)
         _live_tuners.add(self)
         atexit.register(self.close)
-        disabled = os.environ.get("MEMTUI_DISABLE", "") in ("1", "true", "yes")
+        disabled = _flag_env("MEMTUI_DISABLE")
         if self.options.publish and not disabled:
             self._start_threads()
         self.coordinate()
