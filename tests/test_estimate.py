@@ -189,6 +189,20 @@ def test_live_breakdown_uses_the_same_arithmetic() -> None:
     assert before.optimizer_bytes == after.optimizer_bytes == static.optimizer_bytes
     assert before.parameters_bytes == after.parameters_bytes == static.parameters
     assert before.gradients_bytes == after.gradients_bytes == static.gradients
+    assert before.gradients_held_bytes is None and after.gradients_held_bytes is None
+
+
+def test_a_boundary_counts_the_gradients_held_between_steps() -> None:
+    """At a checkpoint boundary the hook counts the gradients that exist: all of them where the
+    loop keeps them, none after ``zero_grad(set_to_none=True)``."""
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters())
+    train_step(model, optimizer)
+    kept = static_memory(model, optimizer, "cpu", between_steps=True)
+    assert kept.gradients_held_bytes == kept.gradients_bytes > 0
+    optimizer.zero_grad(set_to_none=True)
+    freed = static_memory(model, optimizer, "cpu", between_steps=True)
+    assert freed.gradients_held_bytes == 0
 
 
 def test_seed_002_budget_and_where_the_hand_arithmetic_goes_wrong() -> None:

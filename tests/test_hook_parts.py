@@ -185,6 +185,22 @@ def test_observe_waits_for_settled_samples_and_takes_the_floor_and_peak() -> Non
     assert seen.steady_bytes == (100 + 13) * MIB and seen.peak_allocated_bytes == 169 * MIB
 
 
+def test_observe_on_cpu_counts_gradients_made_within_each_step_as_steady() -> None:
+    """Gradients freed before every boundary are missing from the memory between steps but do
+    not grow with the batch: the one-point model counts them as steady, not per sample."""
+    samples = [sample(s, 500 * MIB, peak=580 * MIB) for s in range(5, 10)]
+    freed = StaticMemory(kind="cpu", gradients_bytes=40 * MIB, gradients_held_bytes=0)
+    kept = StaticMemory(kind="cpu", gradients_bytes=40 * MIB, gradients_held_bytes=40 * MIB)
+    unseen = StaticMemory(kind="cpu", gradients_bytes=40 * MIB)
+    made = observe(samples, 32, 0, freed)
+    assert made is not None and made.steady_bytes == 540 * MIB
+    for static in (kept, unseen, None):
+        seen = observe(samples, 32, 0, static)
+        assert seen is not None and seen.steady_bytes == 500 * MIB
+    model = fit(made)
+    assert model.per_sample_bytes == pytest.approx(40 * MIB / 32)
+
+
 def test_observe_on_cuda_counts_the_exact_static_and_beyond_torch() -> None:
     static = StaticMemory(kind="cuda", parameters_bytes=300 * MIB, optimizer_bytes=100 * MIB)
     samples = [sample(s, 200 * MIB, kind="cuda", nvml_used_bytes=700 * MIB) for s in range(5, 10)]
@@ -238,19 +254,34 @@ def test_effects_due_compares_before_and_after_once_enough_ran() -> None:
 
 def test_a_fast_run_s_effect_waits_for_device_samples_at_the_new_config() -> None:
     """Steps faster than the sampler: the 20 steps compared fall between two samples, so the
-    peak after is taken over the samples at the new config once three have come."""
+    peak after is taken over the samples read wholly at the new config once three have come
+    (the first after the change began reading at the old one: its high-water mark is the old
+    micro-batch's, advice_truth run J's 16 -> 3 "observed" at 16's peak)."""
     ledger = StepLedger()
     change = AppliedChange(ids=[1], step=200, time=0.0, changes={"batch_size": KnobDiff(8, 16)})
     steps = [raw(s, 0.02) for s in range(150, 260)]
     before = [sample(s, 100 * MIB) for s in (120, 160, 199)]
-    one_after = [sample(270, 180 * MIB)]
-    assert effects_due([change], steps, before + one_after, ledger.records) == [], "waits"
-    three_after = [*one_after, sample(310, 190 * MIB), sample(350, 185 * MIB)]
-    (measured,) = effects_due([change], steps, before + three_after, ledger.records)
-    assert measured.peak_after == 190 * MIB and measured.effect.peak_bytes_before == 100 * MIB
+    straddling = [sample(250, 180 * MIB, peak=300 * MIB)]
+    three_after = [sample(270, 180 * MIB), sample(310, 190 * MIB), sample(350, 185 * MIB)]
+    samples = before + straddling + three_after
+    assert effects_due([change], steps, samples[:-1], ledger.records) == [], "waits"
+    (measured,) = effects_due([change], steps, samples, ledger.records)
+    assert measured.peak_after == 190 * MIB, "not the straddling sample's 300 MiB"
+    assert measured.effect.peak_bytes_before == 100 * MIB
     later = AppliedChange(ids=[2], step=300, time=0.0, changes={"batch_size": KnobDiff(16, 4)})
-    (first,) = effects_due([change, later], steps, before + three_after, ledger.records, final=True)
+    (first,) = effects_due([change, later], steps, samples, ledger.records, final=True)
     assert first.peak_after == 180 * MIB, "the peak stops at the next change (not measured yet)"
+
+
+def test_observe_leaves_out_a_sample_whose_reading_began_before_the_change() -> None:
+    """The model's observation after a decrease takes no sample that began reading at the
+    larger micro-batch: its peak is that batch's, and a point at it would flatten the line."""
+    old = [sample(s, 500 * MIB) for s in (90, 95, 99)]
+    straddling = sample(103, 200 * MIB, peak=515 * MIB)
+    new = [sample(s, 200 * MIB, peak=(300 + s % 3) * MIB) for s in (110, 118, 126, 134)]
+    seen = observe([*old, straddling, *new], 3, since_step=100, static=None)
+    assert seen is not None and seen.samples == 4, "from 110 on: each began reading after step 102"
+    assert seen.peak_allocated_bytes <= 302 * MIB
 
 
 # ---------------------------------------------------------------------- one prediction

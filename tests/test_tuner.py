@@ -177,6 +177,28 @@ def test_auto_step_from_the_optimizer(tmp_path: Path) -> None:
     assert tuner.step_count == 3, "close() removes the hook"
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_first_step_counts_the_gradients_the_loop_keeps(
+    tmp_path: Path, set_to_none: bool
+) -> None:
+    """The first step's end counts the gradients held between steps (the memory model's steady
+    part on the CPU), once: later steps are the ledger's own call, the hot path."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tuner = quiet(Config(), tmp_path, model=model, optimizer=optimizer)
+    assert tuner.control.static is not None and tuner.control.static.gradients_held_bytes is None
+    for _ in range(2):
+        model(torch.ones(1, 64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        tuner.step()
+    static = tuner.control.static
+    assert static is not None and static.gradients_bytes == (64 * 64 + 64) * 4
+    assert static.gradients_held_bytes == (0 if set_to_none else static.gradients_bytes)
+    assert tuner.step == tuner.ledger.close_step and tuner.step_count == 2
+    tuner.close()
+
+
 def test_timed_batches_count_a_batch_function_and_follow_a_change(tmp_path: Path) -> None:
     """A batch function over a tensor (nanoGPT's ``get_batch``, its config in ``globals()``): each
     call is a micro-batch whose wait and samples the step records, a ``batch_size`` change lands

@@ -121,12 +121,17 @@ class DeviceTracker:
         except Exception:
             self.baseline_bytes = 0
 
-    def static(self, model: Any, optimizer: Any) -> StaticMemory | None:
-        """Parameters, gradients and optimizer state from the tensors (None without either)."""
+    def static(
+        self, model: Any, optimizer: Any, between_steps: bool = False
+    ) -> StaticMemory | None:
+        """Parameters, gradients and optimizer state from the tensors (None without either);
+        ``between_steps`` at a checkpoint boundary, where the gradients held are counted too."""
         if model is None and optimizer is None:
             return None
         try:
-            return static_memory(model, optimizer, self.kind, self.baseline_bytes)
+            return static_memory(
+                model, optimizer, self.kind, self.baseline_bytes, between_steps=between_steps
+            )
         except Exception as exc:
             self._report(exc, "static memory")
             return None

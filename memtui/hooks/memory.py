@@ -56,12 +56,15 @@ def _expected_optimizer(
     return states, f"expected before the first step: {name} keeps {named}"
 
 
-def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0) -> StaticMemory:
+def static_memory(
+    model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0, between_steps: bool = False
+) -> StaticMemory:
     """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``.
 
     Parameters and gradients come from the shared arithmetic (``memtui.memmath``) over the
     live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
-    the same arithmetic's expectation before the first step.
+    the same arithmetic's expectation before the first step. ``between_steps`` (a checkpoint
+    boundary) also counts the gradients that exist there.
     """
     seen: set[int] = set()
     params: list[Any] = []
@@ -102,6 +105,9 @@ def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0
             for s in expected:
                 if s.bytes:
                     by_dtype["optimizer"][s.dtype.split("/")[0]] += s.bytes
+    held = None
+    if between_steps:
+        held = sum(_nbytes(p.grad) for p in params if getattr(p, "grad", None) is not None)
     return StaticMemory(
         kind=kind,
         parameters_bytes=static.parameters,
@@ -111,4 +117,5 @@ def static_memory(model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0
         by_dtype={part: dict(sizes) for part, sizes in by_dtype.items()},
         optimizer_note=note,
         baseline_bytes=baseline_bytes,
+        gradients_held_bytes=held,
     )

@@ -171,8 +171,9 @@ class Tuner:
         """Report a failure inside memtui (``report(exc, where)``): counted, logged, published."""
         self.ledger = StepLedger(self.report)
         # ``step()`` is the ledger's own method, bound here: one Python call per optimizer step
-        # instead of two (the hot path); it never raises, and it reports what fails
-        self.step = self.ledger.close_step  # type: ignore[method-assign]
+        # instead of two (the hot path); it never raises, and it reports what fails. The first
+        # step also counts the gradients the loop keeps between steps, then binds the ledger's
+        self.step = self._first_step  # type: ignore[method-assign]
         self.options = options or Options()
         self.model = model
         self.optimizer = optimizer
@@ -589,9 +590,10 @@ class Tuner:
         """The knobs this run can change."""
         return self.store.tunable()
 
-    def _refresh_static(self) -> None:
-        """Publish parameters, gradients and optimizer state computed from the tensors."""
-        static = self.device.static(self.model, self.optimizer)
+    def _refresh_static(self, between_steps: bool = False) -> None:
+        """Publish parameters, gradients and optimizer state computed from the tensors (and, at a
+        checkpoint boundary, the gradients held between steps)."""
+        static = self.device.static(self.model, self.optimizer, between_steps)
         if static is not None:
             self.control.set_static(static)
 
@@ -643,9 +645,18 @@ class Tuner:
     def step(self, samples: int | None = None) -> None:
         """Mark the end of one optimizer step (``samples``: override the count the loader made).
 
-        Each Tuner replaces this with its ledger's ``close_step`` (the same, one call shorter).
+        Each Tuner replaces this with its ledger's ``close_step`` (the same, one call shorter)
+        once its first step has run (``_first_step``).
         """
         self.ledger.close_step(samples)
+
+    def _first_step(self, samples: int | None = None) -> None:
+        """The first step's end in this process: the ledger's, then, once, the gradients held
+        between steps (none where the loop frees them before its step ends): the memory model
+        learns it before the first boundary, whose change it predicts."""
+        self.step = self.ledger.close_step  # type: ignore[method-assign]
+        self.ledger.close_step(samples)
+        self._refresh_static(between_steps=True)
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook); its
@@ -675,7 +686,7 @@ class Tuner:
         applied: Applied | None = None
         try:
             self.device.refresh(self.model)
-            self._refresh_static()
+            self._refresh_static(between_steps=ledger.step > 0)
             step = ledger.step
             applied = self.boundary.run(step)
             if applied is not None:  # the peak so far was the old config's
