@@ -2,8 +2,9 @@
 
 Pure. The steady part is what does not grow with the batch: on CUDA the parameters, gradients
 and optimizer state computed exactly from the tensors (or the lowest allocation seen between
-steps, if higher); on CPU the process's memory when the hook was installed plus the gradients
-and optimizer state created since. The per-sample part comes from the run itself: the step peak
+steps, if higher); on CPU the lowest memory in use between steps (less the loader workers'),
+plus the gradients each step makes where the loop frees them before its step ends (``measure.
+gradients_made_per_step``). The per-sample part comes from the run itself: the step peak
 minus the steady part, over the micro-batch (one point). Every applied change of the micro-batch
 adds an observed (batch, peak) point; with two or more distinct batches the model is a least-
 squares line through them, and its fit error is reported. The device total adds the allocator's
