@@ -1,4 +1,9 @@
-"""Many ranks, one decision: real torchrun (gloo, CPU) with two processes."""
+"""Many ranks, one decision: two processes over gloo on the CPU.
+
+The ranks are forked with torchrun's environment (``launch_ranks``: a job costs its training, not a
+launcher and an import of torch per rank; ``MEMTUI_TEST_FORK=0`` runs them under torchrun), but for
+``memtui demo --ranks 2``, which starts torchrun itself.
+"""
 
 from __future__ import annotations
 
@@ -27,11 +32,14 @@ from tests.conftest import (
     ROOT,
     DemoRun,
     SharedDemo,
+    launch_ranks,
     memtui_cli,
     shared_demo,
     status_json,
+    stop_all,
     wait_for,
 )
+from tests.forkserver import ForkedJob
 from tests.test_export import agrees, exporter, rank_labels, scraped_with
 
 EVERY = 4
@@ -231,7 +239,10 @@ def test_a_dead_rank_does_not_hang_the_viewer(
         assert ranks.get(1) is False
     else:
         assert "memtui:" in result.stderr
-    assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
+    if isinstance(demo.proc, ForkedJob):  # no launcher ends the job: rank 0 may wait for rank 1
+        demo.stop()
+    else:
+        assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
 
 
 MISMATCH = textwrap.dedent(
@@ -273,24 +284,15 @@ def run_mismatch(tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
     """Run the job whose rank 1 misses one boundary; its output and how long it took."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
+    log = tmp_path / "mismatch.log"
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    job = launch_ranks([], env, ROOT, log, 2, script=str(script))
+    try:
+        code = job.wait(120)
+    finally:
+        stop_all([DemoRun(job, tmp_path, log)])
+    output = log.read_text()
+    assert code == 0, output
     assert "rank 0 accum 1 disabled" in output and "rank 1 accum 1 disabled" in output, (
         "nothing applied anywhere\n" + output
     )

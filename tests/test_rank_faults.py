@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, DemoRun, launch_ranks, stop_all
 
 NANOGPT = textwrap.dedent(
     """
@@ -111,15 +111,28 @@ NANOGPT = textwrap.dedent(
 )
 
 
-def run_job(tmp_path: Path, python: str = sys.executable, fault: str = "") -> tuple[str, float]:
-    """Run the nanoGPT-shaped job on two ranks; its output (asserted exit 0) and its duration."""
+def run_job(
+    tmp_path: Path, python: str = sys.executable, fault: str = "", forked: bool = False
+) -> tuple[str, float]:
+    """Run the nanoGPT-shaped job on two ranks under torchrun (``forked``: its ranks forked with
+    torchrun's environment, ``launch_ranks``); its output (asserted exit 0) and its duration."""
     script = tmp_path / "train_gpt.py"
     script.write_text(NANOGPT)
     env = {k: v for k, v in os.environ.items() if k != "MEMTUI_BOUNDARY_TIMEOUT"}
     # numpy blocked in every job: memtui's own dependencies do without it (the runtime venv
-    # test proves the package's declared dependencies suffice, with no numpy installed at all)
+    # test proves the package's declared dependencies suffice, with no numpy installed at all;
+    # a forked rank blocks it only after the fork server's torch imported it)
     env.update(FAULT=fault, OMP_NUM_THREADS="1", BLOCK_NUMPY="1")
     started = time.monotonic()
+    if forked:
+        log = tmp_path / "job.log"
+        job = launch_ranks([], env, tmp_path, log, 2, script=str(script))
+        try:
+            code = job.wait(180)
+        finally:
+            stop_all([DemoRun(job, tmp_path, log)])
+        assert code == 0, log.read_text()
+        return log.read_text(), time.monotonic() - started
     launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = subprocess.run(
         [*launcher, str(script)],
@@ -188,7 +201,8 @@ def test_only_the_package_s_own_dependencies_two_ranks_one_decision(tmp_path: Pa
 def test_a_rank_failing_at_install_switches_changes_off_everywhere_at_once(
     tmp_path: Path,
 ) -> None:
-    output, took = run_job(tmp_path, fault="install")
+    """Its ranks forked (the next test's job is the file's torchrun, numpy blocked from the start)."""
+    output, took = run_job(tmp_path, fault="install", forked=True)
     ranks = finals(output)
     assert ranks[0][:2] == (2, 4) and ranks[1][:2] == (2, 4), "nothing applied anywhere\n" + output
     assert "rank 1 could not coordinate (RuntimeError: injected install failure)" in ranks[1][2]
