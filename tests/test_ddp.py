@@ -34,6 +34,7 @@ from tests.conftest import (
     SharedDemo,
     launch_ranks,
     memtui_cli,
+    memtui_here,
     shared_demo,
     status_json,
     stop_all,
@@ -138,11 +139,11 @@ def test_two_ranks_one_view_one_decision(
     two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     demo = two_ranks.adopt(monkeypatch)
-    listed = json.loads(memtui_cli("ls", "--json").stdout)
+    listed = json.loads(memtui_here("ls", "--json").stdout)
     assert len(listed) == 1 and listed[0]["ranks"] == 2
     assert [e["rank"] for e in listed[0]["endpoints"]] == [0, 1]
 
-    status = json.loads(memtui_cli("status", "--json").stdout)
+    status = status_json()
     assert status["world_size"] == 2
     assert [r["rank"] for r in status["ranks"]] == [0, 1]
     for entry in status["ranks"]:
@@ -156,8 +157,8 @@ def test_two_ranks_one_view_one_decision(
         }
     assert status["effective_batch"] == 8 * 2 * 2
 
-    keep = memtui_cli("set", "batch_size=16", "--keep-effective-batch")
-    assert keep.returncode == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
+    keep = memtui_here("set", "batch_size=16", "--keep-effective-batch")
+    assert keep.exit_code == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
     wait_for(lambda: status_json()["applied"], 60, 0.2, "the change")
     run_trials(demo, 5, seed=1, lr_scale="linear")
     applied = check_one_decision(demo)
@@ -165,7 +166,7 @@ def test_two_ranks_one_view_one_decision(
     factors = [factor for *_, factor in applied]
     # 16 x 1 (kept) -> 16 x 3 -> 12 x 3 -> 8 x 1 -> 8 x 2 -> 16 x 2 samples per rank and step
     assert factors == [None, 3.0, 36 / 48, 8 / 36, 2.0, 2.0]
-    human = memtui_cli("status").stdout
+    human = memtui_here("status").stdout
     assert "rank  host" in human and "   1  " in human
 
 
@@ -176,8 +177,8 @@ def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
     the same step, and they end on the same config."""
     demo = two_ranks.adopt(monkeypatch)
     before = len(status_json()["applied"])
-    on = memtui_cli("autotune", "on")
-    assert on.returncode == 0, on.stderr
+    on = memtui_here("autotune", "on")
+    assert on.exit_code == 0, on.stderr
 
     def settled() -> dict[str, Any] | None:
         status = status_json()
@@ -186,7 +187,7 @@ def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
         return status if own and done and not status["pending"] else None
 
     wait_for(settled, 180, 0.3, "the autopilot's trials to land")
-    assert memtui_cli("autotune", "off").returncode == 0
+    assert memtui_here("autotune", "off").exit_code == 0
     check_one_decision(demo)
     configs = [s.control.config for s in snapshots(demo.run_id)]
     assert configs[0] == configs[1]
