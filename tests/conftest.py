@@ -204,6 +204,19 @@ def launch_ranks(
     )  # fmt: skip
 
 
+def run_ranks(
+    script: Path, env: dict[str, str], cwd: Path, log: Path, ranks: int = 2, timeout: float = 120.0
+) -> tuple[int, str]:
+    """Run a job of ``ranks`` ranks of ``python SCRIPT`` to its end (``launch_ranks``): its exit
+    status and output (``subprocess.TimeoutExpired`` after ``timeout`` seconds, the job stopped)."""
+    job = launch_ranks([], env, cwd, log, ranks, script=str(script))
+    try:
+        code = job.wait(timeout)
+    finally:
+        stop_all([DemoRun(job, log.parent, log)])
+    return code, log.read_text()
+
+
 def free_port() -> int:
     """A TCP port free on the loopback address now."""
     with socket.socket() as sock:

@@ -157,8 +157,14 @@ class ForkServer:
     ) -> ForkedDemo:
         """Fork ``python -m MODULE ARGV`` (or ``python PATH ARGV``) with ``env`` in ``cwd``, its
         output to ``log``."""
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "path": path}
-        request["module"] = module
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": str(cwd),
+            "log": str(log),
+            "path": path,
+            "module": module,
+        }
         with self._lock, self._changed:
             seen = len(self._started)
             self._stdin.write(json.dumps(request) + "\n")

@@ -32,12 +32,11 @@ from tests.conftest import (
     ROOT,
     DemoRun,
     SharedDemo,
-    launch_ranks,
     memtui_cli,
     memtui_here,
+    run_ranks,
     shared_demo,
     status_json,
-    stop_all,
     wait_for,
 )
 from tests.forkserver import ForkedJob
@@ -285,14 +284,8 @@ def run_mismatch(tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
     """Run the job whose rank 1 misses one boundary; its output and how long it took."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
-    log = tmp_path / "mismatch.log"
     started = time.monotonic()
-    job = launch_ranks([], env, ROOT, log, 2, script=str(script))
-    try:
-        code = job.wait(120)
-    finally:
-        stop_all([DemoRun(job, tmp_path, log)])
-    output = log.read_text()
+    code, output = run_ranks(script, env, ROOT, tmp_path / "mismatch.log")
     assert code == 0, output
     assert "rank 0 accum 1 disabled" in output and "rank 1 accum 1 disabled" in output, (
         "nothing applied anywhere\n" + output

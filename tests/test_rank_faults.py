@@ -1,4 +1,5 @@
-"""One rank's failure never stalls the job: real torchrun (gloo, CPU), a nanoGPT-shaped loop.
+"""One rank's failure never stalls the job: two ranks over gloo on the CPU, a nanoGPT-shaped loop
+(under real torchrun, numpy blocked before torch is imported; the install fault's ranks forked).
 
 memtui coordinates ranks through the job's c10d store only (no collective), and a rank whose
 memtui fails says so there at once, so the others switch changes off in seconds instead of
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, DemoRun, launch_ranks, stop_all
+from tests.conftest import ROOT, run_ranks
 
 NANOGPT = textwrap.dedent(
     """
@@ -125,14 +126,9 @@ def run_job(
     env.update(FAULT=fault, OMP_NUM_THREADS="1", BLOCK_NUMPY="1")
     started = time.monotonic()
     if forked:
-        log = tmp_path / "job.log"
-        job = launch_ranks([], env, tmp_path, log, 2, script=str(script))
-        try:
-            code = job.wait(180)
-        finally:
-            stop_all([DemoRun(job, tmp_path, log)])
-        assert code == 0, log.read_text()
-        return log.read_text(), time.monotonic() - started
+        code, output = run_ranks(script, env, tmp_path, tmp_path / "job.log", timeout=180)
+        assert code == 0, output
+        return output, time.monotonic() - started
     launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = subprocess.run(
         [*launcher, str(script)],
