@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from memtui.cli import demo_command_line
-from tests.forkserver import ForkedDemo, ForkServer
+from tests.forkserver import ForkedDemo, ForkedJob, ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +88,7 @@ def wait_for(
 class DemoRun:
     """The demo training running in a subprocess."""
 
-    proc: subprocess.Popen[str] | ForkedDemo
+    proc: subprocess.Popen[str] | ForkedDemo | ForkedJob
     out: Path
     log: Path
     run_id: str = ""
@@ -126,21 +127,16 @@ _FORK_SERVER: list[ForkServer] = []
 
 def launch_demo(
     argv: list[str], env: dict[str, str], log: Path, ranks: int = 1, fork: bool = True
-) -> subprocess.Popen[str] | ForkedDemo:
+) -> subprocess.Popen[str] | ForkedDemo | ForkedJob:
     """Start the demo training with ``argv``, its output to ``log``: forked from this worker's
-    fork server (one rank; ``MEMTUI_TEST_FORK=0`` turns it off), else as a subprocess."""
-    if fork and ranks == 1 and forking():
+    fork server (several ranks: each forked, as ``launch_ranks``; ``MEMTUI_TEST_FORK=0`` turns
+    it off), else as a subprocess (under torchrun with several ranks)."""
+    if fork and forking():
+        if ranks > 1:
+            return launch_ranks(argv, env, ROOT, log, ranks)
         log.touch()
         return fork_server().start(argv, env, ROOT, log)
-    with open(log, "w") as handle:
-        return subprocess.Popen(
-            demo_command_line(argv, ranks),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
+    return logged_subprocess(demo_command_line(argv, ranks), env, ROOT, log)
 
 
 def launch_script(
@@ -151,15 +147,81 @@ def launch_script(
     if forking():
         log.touch()
         return fork_server().start(argv, env, cwd, log, path=str(script))
+    return logged_subprocess([sys.executable, str(script), *argv], env, cwd, log)
+
+
+def logged_subprocess(
+    command: list[str], env: dict[str, str], cwd: Path, log: Path
+) -> subprocess.Popen[str]:
+    """Start ``command`` with ``env`` in ``cwd``, its output (stdout and stderr) to ``log``."""
     with open(log, "w") as handle:
         return subprocess.Popen(
-            [sys.executable, str(script), *argv],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=cwd,
+            command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
         )
+
+
+def launch_memtui(
+    argv: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[str] | ForkedDemo:
+    """The ``memtui ARGV`` command line (``python -m memtui``), its output to ``log``: forked
+    from this worker's fork server (``memtui demo --no-tui`` trains in the command's own process,
+    which has then imported torch already; ``MEMTUI_TEST_FORK=0`` turns it off), else as a
+    subprocess."""
+    if forking():
+        log.touch()
+        return fork_server().start(argv, env, ROOT, log, module="memtui")
+    return logged_subprocess([sys.executable, "-m", "memtui", *argv], env, ROOT, log)
+
+
+def launch_ranks(
+    argv: list[str], env: dict[str, str], cwd: Path, log: Path, ranks: int, script: str = ""
+) -> subprocess.Popen[str] | ForkedJob:
+    """The ``ranks`` processes of one job (``python -m memtui.demo ARGV``, or ``python SCRIPT
+    ARGV`` in ``cwd``), their output to ``log``: each forked from this worker's fork server with
+    the environment torchrun gives its ranks (rank 0 hosts the job's store; a job costs its
+    training, not a launcher and an import of torch per rank), or under torchrun itself with
+    ``MEMTUI_TEST_FORK=0``."""
+    if not forking():
+        target = [script] if script else ["-m", "memtui.demo"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        return logged_subprocess(
+            [*launcher, f"--nproc_per_node={ranks}", *target, *argv], env, cwd, log
+        )
+    log.touch()
+    port = str(free_port())
+    return ForkedJob(
+        [
+            fork_server().start(
+                argv,
+                {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                cwd,
+                log,
+                path=script,
+            )
+            for rank in range(ranks)
+        ]
+    )  # fmt: skip
+
+
+def run_ranks(
+    script: Path, env: dict[str, str], cwd: Path, log: Path, ranks: int = 2, timeout: float = 120.0
+) -> tuple[int, str]:
+    """Run a job of ``ranks`` ranks of ``python SCRIPT`` to its end (``launch_ranks``): its exit
+    status and output (``subprocess.TimeoutExpired`` after ``timeout`` seconds, the job stopped)."""
+    job = launch_ranks([], env, cwd, log, ranks, script=str(script))
+    try:
+        code = job.wait(timeout)
+    finally:
+        stop_all([DemoRun(job, log.parent, log)])
+    return code, log.read_text()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def forking() -> bool:
@@ -254,7 +316,9 @@ def shared_demo(
         shutil.rmtree(base, ignore_errors=True)
 
 
-def demo_run_id(log: Path, proc: subprocess.Popen[Any] | ForkedDemo, timeout: float = 60.0) -> str:
+def demo_run_id(
+    log: Path, proc: subprocess.Popen[Any] | ForkedDemo | ForkedJob, timeout: float = 60.0
+) -> str:
     """Wait for the ``run <id>`` line a demo prints to ``log``; fail the test if it exits first."""
 
     def found() -> str | None:

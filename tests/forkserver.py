@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,45 @@ class ForkedDemo:
         self.send_signal(signal.SIGKILL)
 
 
+class ForkedJob:
+    """The ranks of one job, each forked with the environment a launcher gives its ranks, with the
+    part of ``subprocess.Popen`` tests use (``pid``: rank 0's; the job runs while a rank runs, and
+    ends with the first failing rank's status). Unlike torchrun, nothing stops the other ranks
+    when one dies."""
+
+    def __init__(self, ranks: list[ForkedDemo]) -> None:
+        self.ranks = ranks
+        self.pid = ranks[0].pid
+        self.args = ranks[0].args
+
+    def poll(self) -> int | None:
+        """The job's exit status if every rank ended, else None."""
+        codes = [rank.poll() for rank in self.ranks]
+        if None in codes:
+            return None
+        return next((code for code in codes if code), 0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for every rank to end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rank in self.ranks:
+            rank.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return next((rank.returncode for rank in self.ranks if rank.returncode), 0)
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to every rank still running."""
+        for rank in self.ranks:
+            rank.send_signal(sig)
+
+    def terminate(self) -> None:
+        """SIGTERM to every rank."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to every rank."""
+        self.send_signal(signal.SIGKILL)
+
+
 class ForkServer:
     """The client side: one server process, the exit statuses it reports."""
 
@@ -107,11 +147,24 @@ class ForkServer:
             self._changed.notify_all()
 
     def start(
-        self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, path: str = ""
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        log: Path,
+        path: str = "",
+        module: str = "memtui.demo",
     ) -> ForkedDemo:
-        """Fork ``python -m memtui.demo ARGV`` (or ``python PATH ARGV``) with ``env`` in ``cwd``,
-        its output to ``log``."""
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "path": path}
+        """Fork ``python -m MODULE ARGV`` (or ``python PATH ARGV``) with ``env`` in ``cwd``, its
+        output to ``log``."""
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": str(cwd),
+            "log": str(log),
+            "path": path,
+            "module": module,
+        }
         with self._lock, self._changed:
             seen = len(self._started)
             self._stdin.write(json.dumps(request) + "\n")
@@ -119,7 +172,7 @@ class ForkServer:
             if not self._changed.wait_for(lambda: len(self._started) > seen, 30):
                 raise RuntimeError("the fork server did not answer")
             pid = self._started[seen]
-        command = [path] if path else ["-m", "memtui.demo"]
+        command = [path] if path else ["-m", module]
         return ForkedDemo(self, pid, [sys.executable, *command, *argv])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
@@ -168,9 +221,9 @@ def _child(request: dict[str, Any]) -> None:
             sys.argv = [request["path"], *request["argv"]]
             sys.path[0] = os.path.dirname(os.path.abspath(request["path"]))
             runpy.run_path(request["path"], run_name="__main__")
-        else:  # python -m memtui.demo ARGV
-            sys.argv = [str(ROOT / "memtui" / "demo" / "__main__.py"), *request["argv"]]
-            runpy.run_module("memtui.demo", run_name="__main__", alter_sys=True)
+        else:  # python -m MODULE ARGV (alter_sys: argv[0] becomes the module's file)
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code
     except BaseException:  # as the interpreter: the excepthook (the hook may have set it), 1

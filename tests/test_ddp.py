@@ -1,4 +1,9 @@
-"""Many ranks, one decision: real torchrun (gloo, CPU) with two processes."""
+"""Many ranks, one decision: two processes over gloo on the CPU.
+
+The ranks are forked with torchrun's environment (``launch_ranks``: a job costs its training, not a
+launcher and an import of torch per rank; ``MEMTUI_TEST_FORK=0`` runs them under torchrun), but for
+``memtui demo --ranks 2``, which starts torchrun itself.
+"""
 
 from __future__ import annotations
 
@@ -28,10 +33,13 @@ from tests.conftest import (
     DemoRun,
     SharedDemo,
     memtui_cli,
+    memtui_here,
+    run_ranks,
     shared_demo,
     status_json,
     wait_for,
 )
+from tests.forkserver import ForkedJob
 from tests.test_export import agrees, exporter, rank_labels, scraped_with
 
 EVERY = 4
@@ -130,11 +138,11 @@ def test_two_ranks_one_view_one_decision(
     two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     demo = two_ranks.adopt(monkeypatch)
-    listed = json.loads(memtui_cli("ls", "--json").stdout)
+    listed = json.loads(memtui_here("ls", "--json").stdout)
     assert len(listed) == 1 and listed[0]["ranks"] == 2
     assert [e["rank"] for e in listed[0]["endpoints"]] == [0, 1]
 
-    status = json.loads(memtui_cli("status", "--json").stdout)
+    status = status_json()
     assert status["world_size"] == 2
     assert [r["rank"] for r in status["ranks"]] == [0, 1]
     for entry in status["ranks"]:
@@ -148,8 +156,8 @@ def test_two_ranks_one_view_one_decision(
         }
     assert status["effective_batch"] == 8 * 2 * 2
 
-    keep = memtui_cli("set", "batch_size=16", "--keep-effective-batch")
-    assert keep.returncode == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
+    keep = memtui_here("set", "batch_size=16", "--keep-effective-batch")
+    assert keep.exit_code == 0 and "effective batch kept at 32 (16 x 1 x 2 ranks)" in keep.stderr
     wait_for(lambda: status_json()["applied"], 60, 0.2, "the change")
     run_trials(demo, 5, seed=1, lr_scale="linear")
     applied = check_one_decision(demo)
@@ -157,7 +165,7 @@ def test_two_ranks_one_view_one_decision(
     factors = [factor for *_, factor in applied]
     # 16 x 1 (kept) -> 16 x 3 -> 12 x 3 -> 8 x 1 -> 8 x 2 -> 16 x 2 samples per rank and step
     assert factors == [None, 3.0, 36 / 48, 8 / 36, 2.0, 2.0]
-    human = memtui_cli("status").stdout
+    human = memtui_here("status").stdout
     assert "rank  host" in human and "   1  " in human
 
 
@@ -168,8 +176,8 @@ def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
     the same step, and they end on the same config."""
     demo = two_ranks.adopt(monkeypatch)
     before = len(status_json()["applied"])
-    on = memtui_cli("autotune", "on")
-    assert on.returncode == 0, on.stderr
+    on = memtui_here("autotune", "on")
+    assert on.exit_code == 0, on.stderr
 
     def settled() -> dict[str, Any] | None:
         status = status_json()
@@ -178,7 +186,7 @@ def test_the_autopilot_takes_both_ranks_to_the_same_config_at_the_same_steps(
         return status if own and done and not status["pending"] else None
 
     wait_for(settled, 180, 0.3, "the autopilot's trials to land")
-    assert memtui_cli("autotune", "off").returncode == 0
+    assert memtui_here("autotune", "off").exit_code == 0
     check_one_decision(demo)
     configs = [s.control.config for s in snapshots(demo.run_id)]
     assert configs[0] == configs[1]
@@ -231,7 +239,10 @@ def test_a_dead_rank_does_not_hang_the_viewer(
         assert ranks.get(1) is False
     else:
         assert "memtui:" in result.stderr
-    assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
+    if isinstance(demo.proc, ForkedJob):  # no launcher ends the job: rank 0 may wait for rank 1
+        demo.stop()
+    else:
+        assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
 
 
 MISMATCH = textwrap.dedent(
@@ -274,23 +285,8 @@ def run_mismatch(tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    code, output = run_ranks(script, env, ROOT, tmp_path / "mismatch.log")
+    assert code == 0, output
     assert "rank 0 accum 1 disabled" in output and "rank 1 accum 1 disabled" in output, (
         "nothing applied anywhere\n" + output
     )

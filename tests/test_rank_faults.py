@@ -1,4 +1,5 @@
-"""One rank's failure never stalls the job: real torchrun (gloo, CPU), a nanoGPT-shaped loop.
+"""One rank's failure never stalls the job: two ranks over gloo on the CPU, a nanoGPT-shaped loop
+(under real torchrun, numpy blocked before torch is imported; the install fault's ranks forked).
 
 memtui coordinates ranks through the job's c10d store only (no collective), and a rank whose
 memtui fails says so there at once, so the others switch changes off in seconds instead of
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 
 NANOGPT = textwrap.dedent(
     """
@@ -111,15 +112,23 @@ NANOGPT = textwrap.dedent(
 )
 
 
-def run_job(tmp_path: Path, python: str = sys.executable, fault: str = "") -> tuple[str, float]:
-    """Run the nanoGPT-shaped job on two ranks; its output (asserted exit 0) and its duration."""
+def run_job(
+    tmp_path: Path, python: str = sys.executable, fault: str = "", forked: bool = False
+) -> tuple[str, float]:
+    """Run the nanoGPT-shaped job on two ranks under torchrun (``forked``: its ranks forked with
+    torchrun's environment, ``launch_ranks``); its output (asserted exit 0) and its duration."""
     script = tmp_path / "train_gpt.py"
     script.write_text(NANOGPT)
     env = {k: v for k, v in os.environ.items() if k != "MEMTUI_BOUNDARY_TIMEOUT"}
     # numpy blocked in every job: memtui's own dependencies do without it (the runtime venv
-    # test proves the package's declared dependencies suffice, with no numpy installed at all)
+    # test proves the package's declared dependencies suffice, with no numpy installed at all;
+    # a forked rank blocks it only after the fork server's torch imported it)
     env.update(FAULT=fault, OMP_NUM_THREADS="1", BLOCK_NUMPY="1")
     started = time.monotonic()
+    if forked:
+        code, output = run_ranks(script, env, tmp_path, tmp_path / "job.log", timeout=180)
+        assert code == 0, output
+        return output, time.monotonic() - started
     launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = subprocess.run(
         [*launcher, str(script)],
@@ -188,7 +197,8 @@ def test_only_the_package_s_own_dependencies_two_ranks_one_decision(tmp_path: Pa
 def test_a_rank_failing_at_install_switches_changes_off_everywhere_at_once(
     tmp_path: Path,
 ) -> None:
-    output, took = run_job(tmp_path, fault="install")
+    """Its ranks forked (the next test's job is the file's torchrun, numpy blocked from the start)."""
+    output, took = run_job(tmp_path, fault="install", forked=True)
     ranks = finals(output)
     assert ranks[0][:2] == (2, 4) and ranks[1][:2] == (2, 4), "nothing applied anywhere\n" + output
     assert "rank 1 could not coordinate (RuntimeError: injected install failure)" in ranks[1][2]

@@ -25,7 +25,18 @@ from memtui.hooks import Options, Tuner
 from memtui.security import keygen, load_keys
 from memtui.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
-from tests.conftest import LIGHT, ROOT, memtui_cli, wait_for
+from tests.conftest import (
+    LIGHT,
+    ROOT,
+    DemoRun,
+    demo_run_id,
+    free_port,
+    launch_memtui,
+    launch_ranks,
+    launch_script,
+    memtui_cli,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -183,28 +194,18 @@ for step in range(1, 100000):
 
 
 def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> None:
-    """Two ranks publishing over CURVE TCP (loopback stands in for a second node)."""
+    """Two ranks publishing over CURVE TCP (loopback stands in for a second node), forked with
+    torchrun's environment (``launch_ranks``)."""
     script = tmp_path / "tcp_job.py"
     script.write_text(TORCHRUN_TCP)
-    env = {**dict(__import__("os").environ), "MEMTUI_TCP": "127.0.0.1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=ROOT,
-        env=env,
+    env = {**os.environ, "MEMTUI_TCP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    job = DemoRun(
+        launch_ranks([], env, ROOT, tmp_path / "job.log", 2, str(script)),
+        tmp_path,
+        tmp_path / "job.log",
     )
     try:
-        assert proc.stdout is not None
-        run_id = proc.stdout.readline().split()[1]
+        run_id = demo_run_id(job.log, job.proc)
         record = wait_for(lambda: registry.find_run(run_id).record, 30, what="the registry")
         ranks = record.ranks  # type: ignore[attr-defined]
         assert [r.rank for r in ranks] == [0, 1]
@@ -224,8 +225,7 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
             "the change on both ranks, seen over TCP",
         )
     finally:
-        proc.terminate()
-        proc.wait(30)
+        job.stop()
 
 
 def telemetry_from(source: LiveSource, want: set[str], timeout: float = 20.0) -> set[str]:
@@ -297,12 +297,6 @@ def namespaces_permitted() -> bool:
     return probe.returncode == 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_path: Path) -> None:
     """Two "nodes": rank 0 in a UTS namespace named node0, rank 1 here (a real hostname).
 
@@ -324,26 +318,22 @@ def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_pat
         "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONUNBUFFERED": "1",
     }
-    node0 = ["unshare", "-r", "--uts", sys.executable, str(script)]
-    procs = [
-        subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env={**base, "RANK": str(rank), **extra},
-        )
-        for rank, command, extra in (
-            (0, node0, {"FAKE_HOSTNAME": "node0"}),
-            (1, [sys.executable, str(script)], {}),
-        )
-    ]
+    node0 = subprocess.Popen(
+        ["unshare", "-r", "--uts", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**base, "RANK": "0", "FAKE_HOSTNAME": "node0"},
+    )
+    # rank 1, on this node, forked from the fork server (its imports of torch already made)
+    node1 = launch_script(script, [], {**base, "RANK": "1"}, ROOT, tmp_path / "rank1.log")
+    procs = [node0, node1]
     source: LiveSource | None = None
     try:
-        assert procs[0].stdout is not None
-        line = procs[0].stdout.readline()
-        assert line.startswith("rank 0 node0 tcp://127.0.0.1:"), line + procs[0].stdout.read()
+        assert node0.stdout is not None
+        line = node0.stdout.readline()
+        assert line.startswith("rank 0 node0 tcp://127.0.0.1:"), line + node0.stdout.read()
         control_tcp = line.split()[3]
         source = LiveSource(control_tcp)
         source.connect()
@@ -393,17 +383,17 @@ def test_demo_refuses_tcp_without_keys_and_insecure_off_loopback(
 def test_demo_insecure_on_loopback_publishes_plain_tcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``memtui demo --tcp 127.0.0.1 --insecure``: plain TCP, reached by ``attach --insecure``."""
+    """``memtui demo --tcp 127.0.0.1 --insecure``: plain TCP, reached by ``attach --insecure``
+    (the command forked from the fork server: ``launch_memtui``)."""
     monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "none"))
     monkeypatch.delenv("MEMTUI_INSECURE", raising=False)
     log = tmp_path / "demo.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "memtui.cli", "demo", "--no-tui", "--tcp", "127.0.0.1",
-             "--insecure", "--steps", "100000", "--out", str(tmp_path / "out"), *LIGHT],
-            stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+    proc = launch_memtui(
+        ["demo", "--no-tui", "--tcp", "127.0.0.1", "--insecure", "--steps", "100000",
+         "--out", str(tmp_path / "out"), *LIGHT],
+        {**os.environ, "PYTHONUNBUFFERED": "1"},
+        log,
+    )  # fmt: skip
     server = f"memtui-insecure-{os.getpid()}"
     tmux = ["tmux", "-L", server]
     try:

@@ -1,6 +1,7 @@
-"""The viewer on a real two-rank run (torchrun, gloo on CPU): one view, one decision, a rank lost.
+"""The viewer on a real two-rank run (gloo on CPU): one view, one decision, a rank lost.
 
-One torchrun start (about 5 s) for the whole file: both ranks' rows appear and advance, a change
+One job for the whole file, its two ranks forked with torchrun's environment (``launch_ranks``;
+under torchrun itself with ``MEMTUI_TEST_FORK=0``): both ranks' rows appear and advance, a change
 queued with the keys lands on both ranks at the same step, then rank 1 is stopped (SIGSTOP) and
 its row goes silent while the viewer stays live on rank 0.
 """
