@@ -132,15 +132,7 @@ def launch_demo(
     if fork and ranks == 1 and forking():
         log.touch()
         return fork_server().start(argv, env, ROOT, log)
-    with open(log, "w") as handle:
-        return subprocess.Popen(
-            demo_command_line(argv, ranks),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
+    return popen_logged(demo_command_line(argv, ranks), env, ROOT, log)
 
 
 def launch_script(
@@ -151,14 +143,28 @@ def launch_script(
     if forking():
         log.touch()
         return fork_server().start(argv, env, cwd, log, path=str(script))
+    return popen_logged([sys.executable, str(script), *argv], env, cwd, log)
+
+
+def launch_cli(
+    argv: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[str] | ForkedDemo:
+    """``memtui ARGV`` (``python -m memtui.cli``), its output to ``log``: forked from this
+    worker's fork server (a command that trains in its own process, ``memtui demo --no-tui``,
+    then skips torch's imports; ``MEMTUI_TEST_FORK=0`` turns it off), else as a subprocess."""
+    if forking():
+        log.touch()
+        return fork_server().start(argv, env, ROOT, log, module="memtui.cli")
+    return popen_logged([sys.executable, "-m", "memtui.cli", *argv], env, ROOT, log)
+
+
+def popen_logged(
+    command: list[str], env: dict[str, str], cwd: Path, log: Path
+) -> subprocess.Popen[str]:
+    """``command`` as a subprocess in ``cwd``, its output (stdout and stderr) to ``log``."""
     with open(log, "w") as handle:
         return subprocess.Popen(
-            [sys.executable, str(script), *argv],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=cwd,
+            command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
         )
 
 

@@ -107,11 +107,18 @@ class ForkServer:
             self._changed.notify_all()
 
     def start(
-        self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, path: str = ""
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        log: Path,
+        path: str = "",
+        module: str = "memtui.demo",
     ) -> ForkedDemo:
-        """Fork ``python -m memtui.demo ARGV`` (or ``python PATH ARGV``) with ``env`` in ``cwd``,
-        its output to ``log``."""
+        """Fork ``python -m MODULE ARGV`` (or ``python PATH ARGV``) with ``env`` in ``cwd``, its
+        output to ``log``."""
         request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "path": path}
+        request["module"] = module
         with self._lock, self._changed:
             seen = len(self._started)
             self._stdin.write(json.dumps(request) + "\n")
@@ -119,7 +126,7 @@ class ForkServer:
             if not self._changed.wait_for(lambda: len(self._started) > seen, 30):
                 raise RuntimeError("the fork server did not answer")
             pid = self._started[seen]
-        command = [path] if path else ["-m", "memtui.demo"]
+        command = [path] if path else ["-m", module]
         return ForkedDemo(self, pid, [sys.executable, *command, *argv])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
@@ -143,7 +150,8 @@ class ForkServer:
 
 
 def _child(request: dict[str, Any]) -> None:
-    """In the forked child: become ``python -m memtui.demo ARGV`` and never return."""
+    """In the forked child: become ``python -m MODULE ARGV`` (or ``python PATH ARGV``) and
+    never return."""
     code: Any = 0
     try:
         os.setpgid(0, 0)  # its own process group, as a process a test starts is signalled alone
@@ -168,9 +176,9 @@ def _child(request: dict[str, Any]) -> None:
             sys.argv = [request["path"], *request["argv"]]
             sys.path[0] = os.path.dirname(os.path.abspath(request["path"]))
             runpy.run_path(request["path"], run_name="__main__")
-        else:  # python -m memtui.demo ARGV
-            sys.argv = [str(ROOT / "memtui" / "demo" / "__main__.py"), *request["argv"]]
-            runpy.run_module("memtui.demo", run_name="__main__", alter_sys=True)
+        else:  # python -m MODULE ARGV (sys.argv[0] becomes the module's file)
+            sys.argv = ["-m", *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code
     except BaseException:  # as the interpreter: the excepthook (the hook may have set it), 1

@@ -176,7 +176,7 @@ def test_the_command_palette_runs_a_command(start_hook_loop: Callable[..., HookL
         await until(pilot, lambda: state.control is not None, 20, "the run's config")
         await pilot.press("ctrl+p")
         assert isinstance(app.screen, CommandPalette)
-        await pilot.press(*"keep-effective")
+        type_ahead(app, *"keep-effective")  # as typed fast (a press waits for a redraw per key)
         await until(pilot, lambda: "Toggle keep-effective-batch" in screen_text(app), 5,
                     "the command to be listed")  # fmt: skip
         await pilot.press("enter")
@@ -184,7 +184,8 @@ def test_the_command_palette_runs_a_command(start_hook_loop: Callable[..., HookL
         assert app.keep_effective_batch
         assert "keep effective batch on" in text_of(pilot, "#config")
 
-        await pilot.press("ctrl+p", *"set num_workers")
+        await pilot.press("ctrl+p")
+        type_ahead(app, *"set num_workers")
         await until(pilot, lambda: "Set num_workers" in screen_text(app), 5, "listed")
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, EditKnobScreen), 5, "the editor")
