@@ -46,8 +46,8 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     env = dict(os.environ)
     proc = launch_script(script, ["--steps", "1000", "--out", str(out)], env, tmp_path, log)
     try:
-        runs = wait_for(
-            lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
+        runs = wait_for(  # asked by click in this process (a subprocess per look: 0.3 CPU-s)
+            lambda: json.loads(memtui_here("ls", "--json").stdout), 60, 0.1, "the example's run"
         )
         assert runs[0]["run"].startswith("train-")  # type: ignore[index]
         result = memtui_cli("set", "batch_size=64", "--keep-effective-batch")

@@ -22,7 +22,10 @@ from memtui.wire import RankInfo, Telemetry, encode
 from tests.conftest import PLUMBING, DemoRun, memtui_cli
 from tests.tui.conftest import HookLoop, run, screen_text, until
 
-CHECKPOINT_EVERY = 20
+CHECKPOINT_EVERY = 50
+"""Steps between the live demo's boundaries: about 4 s of its light model at workers 0, so that
+a change queued just after one is seen pending by a viewer on a loaded machine (at 20, under
+two CPU hogs and the suite, the change landed before the viewer had drawn it pending)."""
 
 
 def live_app(selector: str | None, **options: Any) -> MemtuiApp:
@@ -48,7 +51,7 @@ def test_queue_a_change_with_keys_and_see_it_land(start_demo: Callable[..., Demo
         assert re.search(r"step \d+ +elapsed", screen_text(app))
         assert state.connection.status is Status.LIVE
 
-        # queued just after a boundary: pending for most of the 20 steps to the next one (queued
+        # queued just after a boundary: pending for most of the steps to the next one (queued
         # just before one, a loaded viewer may fold the pending state and the boundary's batch
         # into one refresh and never show it pending)
         await until(pilot, lambda: 0 < state.step % CHECKPOINT_EVERY < CHECKPOINT_EVERY // 3,
