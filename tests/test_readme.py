@@ -22,6 +22,7 @@ from tests.conftest import (
     PLUMBING,
     ROOT,
     DemoRun,
+    launch_memtui,
     launch_script,
     memtui_cli,
     memtui_here,
@@ -45,8 +46,8 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     env = dict(os.environ)
     proc = launch_script(script, ["--steps", "1000", "--out", str(out)], env, tmp_path, log)
     try:
-        runs = wait_for(
-            lambda: json.loads(memtui_cli("ls", "--json").stdout), 60, 0.1, "the example's run"
+        runs = wait_for(  # asked by click in this process (a subprocess per look: 0.3 CPU-s)
+            lambda: json.loads(memtui_here("ls", "--json").stdout), 60, 0.1, "the example's run"
         )
         assert runs[0]["run"].startswith("train-")  # type: ignore[index]
         result = memtui_cli("set", "batch_size=64", "--keep-effective-batch")
@@ -171,15 +172,18 @@ def test_every_memtui_demo_command_in_the_readme_is_accepted() -> None:
 
 
 def test_readme_seed_004_command_runs(tmp_path: Path) -> None:
-    """The README's seed-004 line really trains through ``memtui demo`` (a few steps)."""
+    """The README's seed-004 line really trains through ``memtui demo`` (a few steps; the
+    command forked from the fork server, with torch imported: it trains in its own process)."""
     line = next(c for c in readme_demo_commands() if "--memory-limit" in c and "[" not in c)
-    result = memtui_cli(
-        *line.split()[1:],
-        *("--no-tui", "--steps", "3", "--slow-data-ms", "0", "--out", str(tmp_path)),
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "done: 3 steps" in result.stdout, result.stdout
+    log = tmp_path / "demo.log"
+    argv = [*line.split()[1:], "--no-tui", "--steps", "3", "--slow-data-ms", "0"]
+    proc = launch_memtui([*argv, "--out", str(tmp_path)], dict(os.environ), log)
+    try:
+        code = proc.wait(120)
+    finally:
+        proc.kill()
+    assert code == 0, log.read_text()
+    assert "done: 3 steps" in log.read_text(), log.read_text()
     assert (tmp_path / "checkpoint.pt").exists()
 
 
@@ -210,8 +214,9 @@ def inline_commands(section: str) -> list[str]:
 
 def test_readme_command_line_runs_against_a_demo(start_demo: Callable[..., DemoRun]) -> None:
     """Every ``memtui`` line of the README's CLI section, then the commands the 'Two commands'
-    section names, run as written (in that order) against one live demo run: each exits 0, the
-    confirmations in the comments come true, and ``memtui status`` prints the example's lines."""
+    section names, run as written (in that order, by click in this process) against one live
+    demo run: each exits 0, the confirmations in the comments come true, and ``memtui status``
+    prints the example's lines."""
     demo = start_demo("--steps", "1000000", "--checkpoint-every", "1000000", *PLUMBING)
     section = readme_section("The command line")
     lines = [line for line in shell_lines(section) if "[" not in line]
@@ -225,9 +230,9 @@ def test_readme_command_line_runs_against_a_demo(start_demo: Callable[..., DemoR
     two_commands = inline_commands(readme_section("Two commands"))
     assert two_commands == ["memtui status", "memtui set num_workers=4"], two_commands
     outputs = {}
-    for line in [*lines, *two_commands]:
-        result = memtui_cli(*shlex.split(line)[1:])
-        assert result.returncode == 0, f"{line}: {result.stdout}{result.stderr}"
+    for line in [*lines, *two_commands]:  # by click in this process (memtui_here)
+        result = memtui_here(*shlex.split(line)[1:])
+        assert result.exit_code == 0, f"{line}: {result.output}"
         outputs[line] = result.stdout + result.stderr
         said = comments.get(line, "").replace("demo-...", demo.run_id)
         if said.startswith(("queued #", "cancelled #")):

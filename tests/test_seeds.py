@@ -89,17 +89,20 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     start_demo: Callable[..., DemoRun],
 ) -> None:
     demo = start_demo(
-        # the overshoot lands at step 15 on a quiet machine: 15 more leave room under load
-        "--steps", "30", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
+        # the overshoot lands at step 10 on a quiet machine (the refused sets asked in this
+        # process): 10 more leave room under load, and a step of this model costs 0.6 CPU-s
+        "--steps", "20", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
         "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
     run = demo.run_id
     fitted = until(run, lambda s: s["model"] is not None, 60, "the memory model")
     assert fitted["model"]["returns_freed"], "the CPU stand-in fixed glibc's mmap threshold"
-    dry = memtui_cli("set", run, "batch_size=16", "--dry-run")
-    assert dry.returncode == 0 and "it would need --force" in dry.stdout, dry.stdout
-    refused = memtui_cli("set", run, "batch_size=16")
-    assert refused.returncode == 2 and "over the 90% danger band" in refused.stderr
+    # the dry run and the refusal by click in this process (a subprocess each took a second of
+    # wall time from the steps before the overshoot), the forced change by the command line
+    dry = memtui_here("set", run, "batch_size=16", "--dry-run")
+    assert dry.exit_code == 0 and "it would need --force" in dry.stdout, dry.output
+    refused = memtui_here("set", run, "batch_size=16")
+    assert refused.exit_code == 2 and "over the 90% danger band" in refused.stderr
     assert "largest micro-batch predicted under 85%" in refused.stderr
     forced = memtui_cli("set", run, "batch_size=16", "--force")
     assert forced.returncode == 0, forced.stderr
