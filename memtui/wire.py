@@ -282,9 +282,10 @@ class StaticMemory(Struct, omit_defaults=True):
     baseline_bytes: int = 0
     """Device allocated (CUDA) or process-tree RSS (CPU) when the hook was installed."""
     gradients_held_bytes: int | None = None
-    """Gradients that existed at the last checkpoint boundary, between two steps (None: no
-    boundary yet). 0 where the loop frees them (``zero_grad(set_to_none=True)`` before the
-    boundary): they are then made within each step and the memory between steps lacks them."""
+    """Gradients that existed between two steps, at the first step's end and at the last
+    checkpoint boundary (None: no step yet). 0 where the loop frees them (``zero_grad(
+    set_to_none=True)`` before its step ends): they are then made within each step and the
+    memory between steps lacks them."""
 
 
 class OomEvent(Struct, omit_defaults=True):

@@ -63,8 +63,8 @@ def static_memory(
 
     Parameters and gradients come from the shared arithmetic (``memtui.memmath``) over the
     live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
-    the same arithmetic's expectation before the first step. ``between_steps`` (a checkpoint
-    boundary) also counts the gradients that exist there.
+    the same arithmetic's expectation before the first step. ``between_steps`` (a step's end or
+    a checkpoint boundary) also counts the gradients that exist there.
     """
     seen: set[int] = set()
     params: list[Any] = []

@@ -656,7 +656,10 @@ class Tuner:
         learns it before the first boundary, whose change it predicts."""
         self.step = self.ledger.close_step  # type: ignore[method-assign]
         self.ledger.close_step(samples)
-        self._refresh_static(between_steps=True)
+        try:
+            self._refresh_static(between_steps=True)
+        except Exception as exc:  # never into training
+            self.report(exc, "first step")
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook); its
