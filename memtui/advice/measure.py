@@ -164,9 +164,8 @@ def read_after(
     for sample in samples:
         began = previous.step if previous is not None else first_step
         previous = sample
-        if began >= first_step and first_step < sample.step:
-            if last_step is not None and sample.step > last_step:
-                continue
+        after = began >= first_step and sample.step > first_step
+        if after and (last_step is None or sample.step <= last_step):
             found.append(sample)
     return found
 

@@ -591,8 +591,8 @@ class Tuner:
         return self.store.tunable()
 
     def _refresh_static(self, between_steps: bool = False) -> None:
-        """Publish parameters, gradients and optimizer state computed from the tensors (and, at a
-        checkpoint boundary, the gradients held between steps)."""
+        """Publish parameters, gradients and optimizer state computed from the tensors (and,
+        ``between_steps``, at a step's end or a boundary, the gradients held there)."""
         static = self.device.static(self.model, self.optimizer, between_steps)
         if static is not None:
             self.control.set_static(static)

@@ -41,8 +41,9 @@ sys.argv = ["memtui", "demo", "--out", {out!r}, "--steps", "100000", "--progress
 main()
 """
 """``memtui demo`` with a stand-in viewer (its module, in place of the real one's: a second of
-CPU less than importing Textual to replace its ``run_app``) that, after a second, raises, ends as Textual ends an
-app that crashed (status 1), quits normally (q), or sees the training killed and then quits."""
+CPU less than importing Textual to replace its ``run_app``) that, after a second, raises, ends
+as Textual ends an app that crashed (status 1), quits normally (q), or sees the training killed
+and then quits."""
 
 
 @pytest.fixture
