@@ -266,10 +266,10 @@ def test_a_loop_that_never_calls_step_stays_bounded() -> None:
         loader = tuner.loader(lambda batch_size: DataLoader(Indices(20_000), batch_size=batch_size))
         for _ in loader:
             pass
-        assert len(tuner.ledger._batches) == MAX_STEP_BATCHES
+        assert len(tuner.ledger.open.batches) == MAX_STEP_BATCHES
         requeued, skipped = tuner.ledger.requeue()
         assert requeued + skipped == 20_000  # none unaccounted for
-        assert not tuner.ledger._batches
+        assert not tuner.ledger.open.batches
     finally:
         tuner.close()
 

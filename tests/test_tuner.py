@@ -157,7 +157,7 @@ def test_resume_loads_the_tuned_config_into_the_users_config(tmp_path: Path) -> 
 
 def test_hot_path_never_raises(tmp_path: Path) -> None:
     tuner = quiet(Config(), tmp_path)
-    tuner.ledger._outbox = None  # type: ignore[assignment]  # break the internals on purpose
+    tuner.ledger.open = None  # type: ignore[assignment]  # break the ledger on purpose
     tuner.step()
     tuner.boundary = None  # type: ignore[assignment]
     assert tuner.checkpoint() is None

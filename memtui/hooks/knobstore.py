@@ -54,7 +54,10 @@ class KnobStore:
                 parsed[knob][1],
                 knob,
             )
-        self._loader_generation = 0
+        self.loader_generation = 0
+        """Bumped whenever loaders must look again (a loader knob changed, samples re-queued):
+        read by each loader once per batch, so a plain attribute (a property is a call); only
+        ``touch_loaders`` writes it."""
         self.memory_since_step = 0
         """The step at which the current micro-batch and loader began (the memory model's window:
         samples taken at another worker count would count the workers' memory as noise)."""
@@ -81,11 +84,6 @@ class KnobStore:
         knobs = self._knobs
         return tuple(getattr(knobs, k) for k in LOADER_KNOBS)
 
-    @property
-    def loader_generation(self) -> int:
-        """Bumped whenever loaders must look again (a loader knob changed, samples re-queued)."""
-        return self._loader_generation
-
     # ------------------------------------------------------------ writing (training thread)
 
     def adopt(self, found: Mapping[str, Any]) -> None:
@@ -96,7 +94,7 @@ class KnobStore:
 
     def touch_loaders(self) -> None:
         """Make every loader look at its knobs again at its next batch."""
-        self._loader_generation += 1
+        self.loader_generation += 1
 
     def check(self, changes: Mapping[str, KnobValue]) -> None:
         """Raise KnobError if a change names a knob this run cannot change or a value out of range."""
@@ -126,7 +124,7 @@ class KnobStore:
         self._knobs = knobs_with(self._knobs, {k: d.new for k, d in diffs.items()})
         if any(k in LOADER_KNOBS for k in diffs):
             self.memory_since_step = step
-            self._loader_generation += 1
+            self.loader_generation += 1
         return diffs
 
     def resume(self, values: Mapping[str, KnobValue], path: Path) -> dict[str, KnobDiff]:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
-from memtui.hooks.ledger import StepLedger
+from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
 from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.wire import STEP_LOADER_REBUILT
 
@@ -293,10 +293,11 @@ class TunedLoader:
         perf = time.perf_counter
         ledger, store = self._ledger, self._store
         ledger.start_clock()
-        # The hot path, once per micro-batch: two clock reads and one ledger call with the wait,
-        # the samples and (exact mode) the delivered indices, moved from in-flight, for an OOM
-        # re-queue. Everything else is a local.
-        on_batch = ledger.on_batch
+        # The hot path, once per micro-batch: two clock reads, and the wait, the samples and
+        # (exact mode) the delivered indices, moved from in-flight for an OOM re-queue, added to
+        # the ledger's open step in place (no call). Everything else is a local.
+        tally = ledger.open
+        kept = tally.batches
         world = self.shard[1]
         place = self._place
         generation = store.loader_generation
@@ -308,13 +309,20 @@ class TunedLoader:
             t0 = perf()
             for batch in iterator:
                 t1 = perf()
+                tally.wait += t1 - t0
+                micro = tally.micro + 1
+                tally.micro = micro
                 if inflight:
                     indices = inflight.popleft()
                     n = len(indices)
                     stream.consumed += n  # type: ignore[union-attr]
-                    on_batch(t1 - t0, -(-n // world) if world > 1 else n, self, indices)
+                    tally.samples += -(-n // world) if world > 1 else n
+                    if micro <= MAX_STEP_BATCHES:
+                        kept.append((self, indices))
                 else:
-                    on_batch(t1 - t0, batch_size, self)
+                    tally.samples += batch_size
+                    if micro <= MAX_STEP_BATCHES:
+                        kept.append((self, batch_size))
                 yield batch if place is None else place(batch)
                 if generation != store.loader_generation:  # a boundary may have changed knobs
                     generation = store.loader_generation
