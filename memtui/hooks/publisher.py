@@ -57,9 +57,10 @@ class Publisher:
         self._control = control
         self._sampler = sampler
         self.heartbeat_s = heartbeat_s
-        self._unsent: deque[RawStep] = deque(maxlen=UNSENT_RECORDS)
+        self._unsent: deque[RawStep] = deque(maxlen=HISTORY_STEPS)
         """Records drained (by a flush or a snapshot) and not yet published: nobody watching,
-        they wait (bounded) for a viewer and are never converted to wire records."""
+        the history's worth of them waits for a viewer (the deque's bound drops the older ones,
+        in C), never converted to wire records; watched, up to ``UNSENT_RECORDS``."""
         self._unsent_device: list[DeviceSample] = []
         """Device samples drained from the sampler and not yet published (its deque's bound)."""
         self._unsent_host: HostSample | None = None
@@ -123,17 +124,19 @@ class Publisher:
     ) -> Telemetry | None:
         """The next batch with everything new since the previous one, or a heartbeat; None when
         there is nothing to say yet. Call ``sent`` once it left."""
+        sending = watched or ended
+        bound = UNSENT_RECORDS if sending else HISTORY_STEPS
+        if self._unsent.maxlen != bound:
+            # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
+            # subscription is reported after its snapshot was taken
+            self._unsent = deque(self._unsent, maxlen=bound)
         self.drain()
         records: list[StepRecord] = []
-        if watched or ended:  # a snapshot in between drained some: they go out too
+        if sending:  # a snapshot in between drained some: they go out too
             # the raw tuples are StepRecords' fields in order and encode exactly as them: building
             # a Struct per step cost the agent ~21 µs per 250 steps, holding the GIL
             records = cast("list[StepRecord]", list(self._unsent))
             self._unsent.clear()
-        elif len(self._unsent) > HISTORY_STEPS:
-            # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
-            # subscription is reported after its snapshot was taken
-            self._unsent = deque(list(self._unsent)[-HISTORY_STEPS:], maxlen=UNSENT_RECORDS)
         device, self._unsent_device = self._unsent_device, []
         host, self._unsent_host = self._unsent_host, None
         checkpoints, self._unsent_checkpoints = self._unsent_checkpoints, []
