@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from memtui.hooks.sampler import CpuDeviceProbe, HostProbe, ProcWorker, proc_descendants
+from memtui.hooks.sampler import CpuDeviceProbe, HostProbe, ProcWorker, Waker, proc_descendants
 from tests.conftest import wait_for
 
 
@@ -139,6 +140,28 @@ def test_a_worker_that_ended_is_dropped_at_once(forked: Any) -> None:
         zombie.join(10)
 
 
+def test_workers_uss_is_read_within_its_cpu_share_and_follows_their_rss(forked: Any) -> None:
+    """Reading a worker's USS walks its page tables (ms); between reads, the workers' RSS
+    change is added to it, and a read that costs more than its share of a core waits longer
+    than ``USS_PERIOD_S``."""
+    host = HostProbe(os.getpid())
+    host.USS_CPU_SHARE = 1e-9  # any read is costly: the next one waits longer than the period
+    now = 1000.0
+    _main, _workers, rss = host.tree_rss(now)
+    uss = host.workers_own_bytes(now, rss)
+    assert 0 < uss < rss
+    later = now + 2 * HostProbe.USS_PERIOD_S
+    assert host.workers_own_bytes(later, rss + (8 << 20)) == uss + (8 << 20), "allocated"
+    assert host.workers_own_bytes(later, rss - (1 << 20)) == uss - (1 << 20), "freed"
+
+    cheap = HostProbe(os.getpid())
+    cheap.USS_CPU_SHARE = 1.0  # any read is cheap: read again after the period
+    _main, _workers, rss = cheap.tree_rss(now)
+    first = cheap.workers_own_bytes(now, rss)
+    again = cheap.workers_own_bytes(now + HostProbe.USS_PERIOD_S, rss + (64 << 20))
+    assert abs(again - first) < 8 << 20, "read again after the period: the RSS moved, not USS"
+
+
 def test_host_cpu_is_the_process_time_over_the_wall_time() -> None:
     """The host sample's CPU: this process's CPU time (one clock read) over the time between
     two samples, in percent of a core."""
@@ -249,3 +272,17 @@ def test_the_stand_in_heap_switch_leaves_glibc_alone(monkeypatch: pytest.MonkeyP
     finally:
         sampler.stop()
         sampler.join(10.0)
+
+
+def test_the_samplers_waker_ends_one_wait_per_set() -> None:
+    """``set`` ends the wait under way or the next one, once however often it was called; a
+    wait nobody ends lasts its timeout."""
+    waker = Waker()
+    start = time.monotonic()
+    assert not waker.wait(0.05) and time.monotonic() - start >= 0.04
+    waker.set()
+    waker.set()
+    assert waker.wait(30.0), "a wake-up set before the wait ends it at once"
+    assert not waker.wait(0.0), "and only that one"
+    threading.Timer(0.05, waker.set).start()
+    assert waker.wait(30.0), "a wake-up set during the wait ends it"

@@ -86,8 +86,9 @@ class Publisher:
         """Whether the control state moved since it was last sent (a change queued or cancelled)."""
         return self._control.seq != self._sent_control_seq
 
-    def drain(self) -> None:
-        """Move new steps, samples and checkpoints into the history and what the next batch sends.
+    def drain(self, keep: bool = True) -> list[RawStep]:
+        """Move new steps, samples and checkpoints into the history and what the next batch sends
+        (the steps too where ``keep``); returns the steps taken.
 
         A snapshot drains too (a viewer asking between flushes sees the newest state), so what
         it took waits in the unsent buffers for the next flush.
@@ -110,14 +111,16 @@ class Publisher:
         del self._unsent_checkpoints[:-CHECKPOINT_RECORDS]
         taken = self._ledger.drain_steps()
         if not taken:
-            return
+            return taken
         # a full outbox drops its oldest records, so a gap can only open before the first
         last = self._last_step
         if last and taken[0][0] > last + 1:
             self.records_dropped += taken[0][0] - last - 1
         self._last_step = taken[-1][0]
         self.steps.extend(taken)
-        self._unsent.extend(taken)
+        if keep:
+            self._unsent.extend(taken)
+        return taken
 
     def telemetry(
         self, *, run: str, rank: int, counters: HookCounters, watched: bool, ended: bool = False
@@ -130,12 +133,13 @@ class Publisher:
             # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
             # subscription is reported after its snapshot was taken
             self._unsent = deque(self._unsent, maxlen=bound)
-        self.drain()
+        # watched, the steps taken go out as they are, unless a snapshot in between drained some
+        taken = self.drain(keep=not sending or bool(self._unsent))
         records: list[StepRecord] = []
-        if sending:  # a snapshot in between drained some: they go out too
+        if sending:
             # the raw tuples are StepRecords' fields in order and encode exactly as them: building
             # a Struct per step cost the agent ~21 µs per 250 steps, holding the GIL
-            records = cast("list[StepRecord]", list(self._unsent))
+            records = cast("list[StepRecord]", taken if not self._unsent else list(self._unsent))
             self._unsent.clear()
         device, self._unsent_device = self._unsent_device, []
         host, self._unsent_host = self._unsent_host, None

@@ -1,4 +1,4 @@
-"""The sampler thread: device memory (torch allocator, NVML) and host memory (psutil), at bounded rates.
+"""The sampler thread: device memory (torch allocator, NVML) and host memory (/proc, else psutil), at bounded rates.
 
 It runs only in the training process (never in loader workers: threads do not survive the fork
 and the tuner disables itself in forked children). The training thread never waits on it; it
@@ -339,6 +339,10 @@ class HostProbe:
 
     CHILD_REFRESH_S = 5.0
     USS_PERIOD_S = 5.0
+    USS_CPU_SHARE = 0.001
+    """The share of a core the workers' USS may take: to read it the kernel walks each worker's
+    page tables (~20 ms for a worker forked from a 500 MiB process), so a costlier read is
+    repeated less often than every ``USS_PERIOD_S``."""
 
     def __init__(
         self,
@@ -361,8 +365,9 @@ class HostProbe:
         self._workers: dict[int, ProcWorker | PsutilWorker] = {}
         """The workers found at the last listing (a fresh reader each: a pid may be reused)."""
         self._children_at = 0.0
-        self._uss_at = 0.0
-        self._workers_uss: int | None = None
+        self._uss_next = 0.0
+        self._uss_read: tuple[int, int] | None = None
+        """The workers' USS and their RSS when it was read."""
         self._cpu_times: tuple[float, float] | None = None
         self._meminfo = MemInfo()
         self.refresh_requested = True
@@ -371,7 +376,7 @@ class HostProbe:
         if self.refresh_requested or now - self._children_at > self.CHILD_REFRESH_S:
             self.refresh_requested = False
             self._children_at = now
-            self._uss_at = 0.0  # measure the (possibly new) workers' own memory at once
+            before = set(self._workers)
             for old in self._workers.values():
                 old.close()
             found: dict[int, ProcWorker | PsutilWorker]
@@ -384,6 +389,8 @@ class HostProbe:
                     children = []
                 found = {child.pid: PsutilWorker(child.pid, child) for child in children}
             self._workers = found
+            if set(found) != before:
+                self._uss_next = 0.0  # measure the new workers' own memory at once
 
     def workers(self) -> list[int]:
         """The ids of the worker processes found at the last listing that had not ended since."""
@@ -404,26 +411,35 @@ class HostProbe:
             if rss is None:
                 worker.close()
                 del self._workers[pid]
+                self._uss_next = 0.0  # the USS read included it
                 continue
             workers_rss += rss
             workers += 1
         return main, workers, workers_rss
 
-    def _uss(self, now: float) -> int | None:
-        if now - self._uss_at >= self.USS_PERIOD_S:
-            self._uss_at = now
-            self._workers_uss = sum(worker.uss() or 0 for worker in self._workers.values())
-        return self._workers_uss
+    def _uss(self, now: float, workers_rss: int) -> int | None:
+        """The workers' USS as last read, plus how much their RSS moved since (what they
+        allocated or freed); read again every ``USS_PERIOD_S`` at most ``USS_CPU_SHARE`` of a
+        core, and at once when the workers changed."""
+        if now >= self._uss_next:
+            start = time.thread_time()
+            uss = sum(worker.uss() or 0 for worker in self._workers.values())
+            cost = time.thread_time() - start
+            self._uss_next = now + max(self.USS_PERIOD_S, cost / self.USS_CPU_SHARE)
+            self._uss_read = (uss, workers_rss)
+        if self._uss_read is None:
+            return None
+        uss, rss_then = self._uss_read
+        return max(0, uss + workers_rss - rss_then)
 
     def workers_own_bytes(self, now: float, workers_rss: int) -> int:
         """The workers' memory not shared with the main process (USS), else their RSS.
 
         Forked loader workers share the main process's pages until they write to them, so
-        their RSS counts those pages a second time; USS (sampled every ``USS_PERIOD_S``: the
-        kernel walks the worker's page tables, a few ms for a worker of a large process)
-        counts only what each worker holds alone.
+        their RSS counts those pages a second time; USS (``_uss``: read every few seconds,
+        followed in between by their RSS) counts only what each worker holds alone.
         """
-        uss = self._uss(now) if self._workers else None
+        uss = self._uss(now, workers_rss) if self._workers else None
         return uss if uss is not None else workers_rss
 
     def _cpu_percent(self, now: float) -> float | None:
@@ -451,7 +467,7 @@ class HostProbe:
             main_rss_bytes=main,
             workers=workers,
             workers_rss_bytes=workers_rss,
-            workers_uss_bytes=self._uss(now) if workers else None,
+            workers_uss_bytes=self._uss(now, workers_rss) if workers else None,
             cpu_percent=self._cpu_percent(now),
         )
 
@@ -658,6 +674,25 @@ def make_device_probe(
     return CpuDeviceProbe(host, stand_in)
 
 
+class Waker:
+    """Ends one thread's timed wait early: a held lock that ``set`` releases and the wait takes
+    back. One lock acquired with a timeout, without ``threading.Event``'s condition and its
+    lock per wait: about a third less CPU per wake-up beside a busy training thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """End the current wait at once (or the next one, if none is under way)."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake-up is pending
+            self._lock.release()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` or until ``set``; True when set (the wake-up is taken)."""
+        return self._lock.acquire(True, max(0.0, seconds))
+
+
 class Sampler(threading.Thread):
     """Samples the device every ``device_period_s`` (``idle_device_period_s`` while nobody
     watches) and the host every ``host_period_s``."""
@@ -692,7 +727,7 @@ class Sampler(threading.Thread):
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
         self.host_period_s = host_period_s
-        self.wake = threading.Event()
+        self.wake = Waker()
         """Set to end the current wait early (a viewer arrived, or stop)."""
         self.device_samples: deque[DeviceSample] = deque(maxlen=512)
         self.host_samples: deque[HostSample] = deque(maxlen=64)
@@ -721,7 +756,6 @@ class Sampler(threading.Thread):
 
     def _wait(self, seconds: float) -> None:
         self.wake.wait(seconds)
-        self.wake.clear()
 
     def run(self) -> None:
         """Sample until stopped; a failing probe is reported and retried later."""
