@@ -1,4 +1,4 @@
-"""The sampler thread: device memory (torch allocator, NVML) and host memory (/proc, else psutil), at bounded rates.
+"""The sampler thread: device memory (torch allocator, NVML), host memory (/proc), at bounded rates.
 
 It runs only in the training process (never in loader workers: threads do not survive the fork
 and the tuner disables itself in forked children). The training thread never waits on it; it
