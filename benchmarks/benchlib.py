@@ -5,17 +5,21 @@ found as the threads of this process that appeared when the hook was installed, 
 do not depend on how the hook names or stores them.
 
 Run as a script (``python benchmarks/benchlib.py subscribe``) it is the viewer-like subscriber
-that ``Watcher`` starts: it reads commands on stdin (``watch RUN_ID`` / ``stop``), answers one
-line each, and while watching does what ``memtui attach`` does to a run: a hello on the control
+that ``Watcher`` starts (through ``launch``, which starts it and exits, so that it is not the
+benchmark's child): it says its pid, reads commands on stdin (``watch RUN_ID`` / ``stop``),
+answers one line each, and while watching does what ``memtui attach`` does to a run: a hello on the control
 socket (with history), then a SUB on every rank's telemetry socket, decoding every frame.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -231,28 +235,42 @@ def paired(diffs: list[float], digits: int = 3) -> dict[str, Any]:
 
 
 class Watcher:
-    """A viewer-like subscriber in its own process (``memtui attach`` minus the drawing)."""
+    """A viewer-like subscriber in its own process (``memtui attach`` minus the drawing).
+
+    The subscriber is not a child of this process: a launcher starts it and exits at once, so it
+    is reparented away and talks through the inherited pipes only. The benchmarks measure in
+    the training process, and the hook counts the training's child processes as its loader
+    workers (their RSS, USS and CPU, every sample): a viewer started as the training's child
+    would be sampled as one, which a real ``memtui attach`` never is.
+    """
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "subscribe"],
+        launcher = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "launch"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=dict(os.environ),
         )
+        launcher.wait()
+        assert launcher.stdin is not None and launcher.stdout is not None
+        self.stdin, self.stdout = launcher.stdin, launcher.stdout
+        self.pid = int(self._answer()["pid"])
+        """The subscriber's process id (not a child of this process)."""
 
-    def _ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
+    def _answer(self) -> dict[str, Any]:
+        answer = self.stdout.readline()
         if not answer:
-            raise RuntimeError(f"the subscriber ended (exit {self.proc.wait()})")
+            raise RuntimeError("the subscriber ended")
         reply: dict[str, Any] = json.loads(answer)
         if "error" in reply:
             raise RuntimeError(f"the subscriber: {reply['error']}")
         return reply
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+        return self._answer()
 
     def watch(self, run_id: str) -> dict[str, Any]:
         """Attach to the run and return once its first telemetry frame arrived."""
@@ -263,14 +281,16 @@ class Watcher:
         return self._ask("stop")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """End the subscriber: its stdin closed, it exits (its stdout ends); killed after 5 s."""
+        if self.stdin.closed:
+            return
+        with contextlib.suppress(OSError):
+            self.stdin.close()
+        ended, _, _ = select.select([self.stdout], [], [], 5.0)
+        if not ended:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.stdout.close()
 
     def __enter__(self) -> Watcher:
         return self
@@ -297,6 +317,8 @@ def _subscribe() -> None:
 
     def say(reply: dict[str, Any]) -> None:
         print(json.dumps(reply), flush=True)
+
+    say({"pid": os.getpid()})
 
     def receive(sock: zmq.Socket) -> None:
         nonlocal frames, size
@@ -362,5 +384,9 @@ def _subscribe() -> None:
             say({"error": f"unknown command {command!r}"})
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["subscribe"]:
+if __name__ == "__main__" and sys.argv[1:] == ["launch"]:
+    # the subscriber inherits this launcher's stdin and stdout (the Watcher's pipes); the
+    # launcher exits at once, so the subscriber is nobody's child in the benchmark's tree
+    subprocess.Popen([sys.executable, __file__, "subscribe"])
+elif __name__ == "__main__" and sys.argv[1:] == ["subscribe"]:
     _subscribe()

@@ -6,10 +6,18 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from memtui.advice.effect import SETTLE_STEPS
-from memtui.advice.measure import EFFECT_STEPS, effects_due, model_moved, observe, peak_between
+from memtui.advice.measure import (
+    EFFECT_STEPS,
+    effects_due,
+    measuring,
+    model_moved,
+    observe,
+    peak_between,
+)
 from memtui.advice.predict import fit
 from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds
@@ -250,6 +258,25 @@ def test_effects_due_compares_before_and_after_once_enough_ran() -> None:
     assert measured.peak_after == 180 * MIB and measured.effect.peak_bytes_before == 100 * MIB
     rollback = AppliedChange(ids=[], step=20, time=0.0, changes={}, rollback=True)
     assert effects_due([rollback], before + after, samples, ledger.records) == []
+
+
+def test_measuring_says_when_a_change_waits_for_its_effect_or_speed_prediction() -> None:
+    """The agent's once-a-second learning skips the effect and speed measures unless this says
+    that one of them may find something: exactly the changes ``effects_due`` and
+    ``speed_prediction_due`` would look at."""
+    ledger = StepLedger()
+    change = AppliedChange(ids=[1], step=20, time=0.0, changes={"batch_size": KnobDiff(8, 16)})
+    assert not measuring([]) and measuring([change])
+    before = [raw(s, 0.10) for s in range(1, 21)]
+    after = [raw(s, 0.05) for s in range(21, 21 + SETTLE_STEPS + EFFECT_STEPS)]
+    samples = [sample(s, (100 if s < 20 else 180) * MIB) for s in range(1, 45)]
+    (measured,) = effects_due([change], before + after, samples, ledger.records)
+    done = msgspec.structs.replace(change, effect=measured.effect, speed_note="predicted")
+    assert not measuring([done]), "measured and predicted: nothing to do"
+    assert measuring([msgspec.structs.replace(done, speed_note="")]), "its speed is not predicted"
+    rollback = AppliedChange(ids=[], step=30, time=0.0, changes={}, rollback=True)
+    assert not measuring([done, rollback]), "a rollback is neither measured nor predicted"
+    assert measuring([msgspec.structs.replace(done, effect=None), rollback]), "an effect waits"
 
 
 def test_a_fast_run_s_effect_waits_for_device_samples_at_the_new_config() -> None:

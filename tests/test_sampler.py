@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from memtui.hooks.sampler import CpuDeviceProbe, HostProbe
+from memtui.hooks.sampler import CpuDeviceProbe, HostProbe, ProcWorker, Waker, proc_descendants
+from tests.conftest import wait_for
 
 
 class Ballast(torch.utils.data.Dataset[torch.Tensor]):
@@ -45,6 +53,126 @@ def test_workers_count_with_their_own_memory() -> None:
         assert abs(sample.reserved_bytes - (main + uss)) < 32 << 20
     finally:
         del iterator
+
+
+def _hold(ready: Any, done: Any, grandchild: Any) -> None:
+    """A forked child as a loader worker is: 64 MiB of its own, and a forked child of its own."""
+    ballast = bytearray(64 << 20)
+    ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: resident
+    pid = os.fork()
+    if pid == 0:
+        done.wait(120)
+        os._exit(0)
+    grandchild.value = pid
+    ready.set()
+    done.wait(120)
+    os.waitpid(pid, 0)
+    os._exit(0)
+
+
+@pytest.fixture
+def forked() -> Iterator[tuple[Any, int, Any]]:
+    """A forked child holding 64 MiB and its grandchild: (process, grandchild's pid, its end)."""
+    context = multiprocessing.get_context("fork")
+    ready, done, grandchild = context.Event(), context.Event(), context.Value("i", 0)
+    child = context.Process(target=_hold, args=(ready, done, grandchild), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60), "the child did not start"
+        yield child, grandchild.value, done
+    finally:
+        done.set()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+
+
+def test_proc_readers_find_a_forked_child_and_read_it_as_psutil_does(forked: Any) -> None:
+    """Children and grandchildren listed from /proc, as psutil finds them by scanning every
+    process (the fallback: the same workers); each read from its kept files as psutil reads it."""
+    child, grandchild, _done = forked
+    assert {child.pid, grandchild} <= set(proc_descendants(os.getpid()))
+    probe = HostProbe(os.getpid())
+    fallback = HostProbe(os.getpid(), proc_children=False)
+    assert probe.proc_children and not fallback.proc_children
+    for host in (probe, fallback):
+        main, workers, workers_rss = host.tree_rss(0.0)
+        assert {child.pid, grandchild} <= set(host.workers()) and workers == len(host.workers())
+        assert abs(main - psutil.Process().memory_info().rss) < 64 << 20
+        assert workers_rss > 2 * (64 << 20), "both hold the ballast (shared after the fork)"
+
+    worker, process = ProcWorker(child.pid), psutil.Process(child.pid)
+    rss, uss, cpu_s = worker.rss(), worker.uss(), worker.cpu_s()
+    times = process.cpu_times()
+    assert rss is not None and abs(rss - process.memory_info().rss) < 1 << 20
+    assert rss > 64 << 20
+    assert uss is not None and abs(uss - process.memory_full_info().uss) < 4 << 20
+    assert cpu_s is not None and abs(cpu_s - (times.user + times.system)) < 0.05
+    worker.close()
+
+
+def test_a_worker_that_ended_is_dropped_at_once(forked: Any) -> None:
+    """An ended worker (reaped, or a zombie nobody reaped yet) is dropped at the next read, not
+    counted until the next listing."""
+    child, grandchild, done = forked
+    context = multiprocessing.get_context("fork")
+    zombie = context.Process(target=time.sleep, args=(120,), daemon=True)
+    zombie.start()
+    try:
+        host = HostProbe(os.getpid())
+        host.tree_rss(0.0)
+        assert {child.pid, grandchild, zombie.pid} <= set(host.workers())
+        done.set()
+        child.join(30)  # the child reaps the grandchild, then is reaped
+        assert zombie.pid is not None
+        os.kill(zombie.pid, signal.SIGKILL)
+        wait_for(
+            lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE,
+            30,
+            what="the killed child to be a zombie",
+        )
+        _main, workers, _rss = host.tree_rss(0.0)  # the same moment: no new listing
+        assert not {child.pid, grandchild, zombie.pid} & set(host.workers())
+        assert workers == len(host.workers())
+    finally:
+        zombie.kill()
+        zombie.join(10)
+
+
+def test_workers_uss_is_read_within_its_cpu_share_and_follows_their_rss(forked: Any) -> None:
+    """Reading a worker's USS walks its page tables (ms); between reads, the workers' RSS
+    change is added to it, and a read that costs more than its share of a core waits longer
+    than ``USS_PERIOD_S``."""
+    host = HostProbe(os.getpid())
+    host.USS_CPU_SHARE = 1e-9  # any read is costly: the next one waits longer than the period
+    now = 1000.0
+    _main, _workers, rss = host.tree_rss(now)
+    uss = host.workers_own_bytes(now, rss)
+    assert 0 < uss < rss
+    later = now + 2 * HostProbe.USS_PERIOD_S
+    assert host.workers_own_bytes(later, rss + (8 << 20)) == uss + (8 << 20), "allocated"
+    assert host.workers_own_bytes(later, rss - (1 << 20)) == uss - (1 << 20), "freed"
+
+    cheap = HostProbe(os.getpid())
+    cheap.USS_CPU_SHARE = 1.0  # any read is cheap: read again after the period
+    _main, _workers, rss = cheap.tree_rss(now)
+    first = cheap.workers_own_bytes(now, rss)
+    again = cheap.workers_own_bytes(now + HostProbe.USS_PERIOD_S, rss + (64 << 20))
+    assert abs(again - first) < 8 << 20, "read again after the period: the RSS moved, not USS"
+
+
+def test_host_cpu_is_the_process_time_over_the_wall_time() -> None:
+    """The host sample's CPU: this process's CPU time (one clock read) over the time between
+    two samples, in percent of a core."""
+    host = HostProbe()
+    assert host.sample().cpu_percent is None, "the first sample has nothing to compare with"
+    start, cpu = time.monotonic(), time.process_time()
+    while time.process_time() - cpu < 0.2:
+        pass
+    percent = host.sample().cpu_percent
+    elapsed = time.monotonic() - start
+    assert percent is not None and percent >= 100 * 0.2 / elapsed * 0.95
 
 
 def test_proc_readers_agree_with_psutil_and_the_peak_resets() -> None:
@@ -144,3 +272,17 @@ def test_the_stand_in_heap_switch_leaves_glibc_alone(monkeypatch: pytest.MonkeyP
     finally:
         sampler.stop()
         sampler.join(10.0)
+
+
+def test_the_samplers_waker_ends_one_wait_per_set() -> None:
+    """``set`` ends the wait under way or the next one, once however often it was called; a
+    wait nobody ends lasts its timeout."""
+    waker = Waker()
+    start = time.monotonic()
+    assert not waker.wait(0.05) and time.monotonic() - start >= 0.04
+    waker.set()
+    waker.set()
+    assert waker.wait(30.0), "a wake-up set before the wait ends it at once"
+    assert not waker.wait(0.0), "and only that one"
+    threading.Timer(0.05, waker.set).start()
+    assert waker.wait(30.0), "a wake-up set during the wait ends it"

@@ -235,6 +235,17 @@ def effects_due(
     return found
 
 
+def measuring(applied: Sequence[AppliedChange]) -> bool:
+    """Whether ``effects_due`` or ``speed_prediction_due`` may find something: a change waits
+    for its effect, or the latest for its speed prediction."""
+    if not applied:
+        return False
+    latest = applied[-1]
+    if latest.changes and not latest.rollback and not latest.speed_note:
+        return True
+    return any(change.effect is None and not change.rollback for change in applied)
+
+
 def speed_prediction_due(
     applied: Sequence[AppliedChange],
     steps: Sequence[RawStepT],

@@ -42,6 +42,7 @@ from memtui import registry
 from memtui.advice.measure import (
     EFFECT_STEPS,
     effects_due,
+    measuring,
     model_moved,
     observe,
     speed_prediction_due,
@@ -162,6 +163,8 @@ class Agent(threading.Thread):
         self._recorder: Recorder | None = None
         self._points: dict[int, ModelPoint] = {}
         """The latest observed (micro-batch, peak) point of each micro-batch size."""
+        self._observed: tuple[object, ...] = ()
+        """What the last memory observation was made of (the newest samples, the config)."""
         self._polled: tuple[zmq.Socket | int, ...] = ()
         self._poll = zmq.Poller()
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}
@@ -591,50 +594,71 @@ class Agent(threading.Thread):
     # ------------------------------------------------------------------ what the run teaches
 
     def learn(self, final: bool = False) -> None:
-        """Refit the memory model and measure the applied changes whose steps after have run."""
+        """Refit the memory model and measure the applied changes whose steps after have run;
+        what has nothing new to work on is skipped (no new sample, no change to measure)."""
         parts, publisher = self.parts, self.publisher
         control = parts.control
+        self._observe()
+        applied = control.applied_changes()
+        if final or measuring(applied):
+            steps = list(publisher.steps)
+            due = speed_prediction_due(
+                applied,
+                steps,
+                parts.ledger.records,
+                parts.store.knobs,
+                control.thresholds.starved_wait_fraction,
+            )
+            if due is not None:
+                control.record_speed_prediction(*due)
+            for measured in effects_due(
+                control.applied_changes(),
+                steps,
+                list(publisher.device),
+                parts.ledger.records,
+                final=final,
+            ):
+                control.record_effect(measured)
+        autopilot = parts.autopilot
+        if autopilot is not None and not final and autopilot.acting():
+            autopilot.tick(
+                parts.ledger.records(list(publisher.steps)[-2 * EFFECT_STEPS :]),
+                publisher.host[-1] if publisher.host else None,
+                parts.info(),
+            )
+
+    def _observe(self) -> None:
+        """Offer the memory model a refit from the samples at the current micro-batch, unless
+        none of what the observation is made of changed since the last one."""
+        parts, publisher = self.parts, self.publisher
         batch = parts.store.value("batch_size")
-        if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
-            workers = parts.store.value("num_workers")
-            sampler = parts.sampler()
-            observation = observe(
-                publisher.device,
-                batch,
-                parts.store.memory_since_step,
-                control.static,
-                workers=workers if isinstance(workers, int) else None,
-                host=publisher.host[-1] if publisher.host else None,
-                returns_freed=sampler is not None and sampler.returns_freed(),
-            )
-            if observation is not None:
-                model = fit(observation, list(self._points.values()))
-                # the points the fit used are the history: one it left out (a CPU peak after a
-                # decrease) does not replace the one measured at that batch before
-                self._points = {p.batch_size: p for p in model.points}
-                control.offer_model(model, lambda old: model_moved(old, model, batch))
-        due = speed_prediction_due(
-            control.applied_changes(),
-            list(publisher.steps),
-            parts.ledger.records,
-            parts.store.knobs,
-            control.thresholds.starved_wait_fraction,
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            return
+        workers = parts.store.value("num_workers")
+        sampler = parts.sampler()
+        host = publisher.host[-1] if publisher.host else None
+        since, static = parts.store.memory_since_step, parts.control.static
+        returns_freed = sampler is not None and sampler.returns_freed()
+        newest = publisher.device[-1] if publisher.device else None
+        inputs = (newest, host, batch, since, static, workers, returns_freed)
+        if inputs == self._observed:
+            return
+        self._observed = inputs
+        observation = observe(
+            publisher.device,
+            batch,
+            since,
+            static,
+            workers=workers if isinstance(workers, int) else None,
+            host=host,
+            returns_freed=returns_freed,
         )
-        if due is not None:
-            control.record_speed_prediction(*due)
-        for measured in effects_due(
-            control.applied_changes(),
-            list(publisher.steps),
-            list(publisher.device),
-            parts.ledger.records,
-            final=final,
-        ):
-            control.record_effect(measured)
-        if parts.autopilot is not None and not final:
-            steps = parts.ledger.records(list(publisher.steps)[-2 * EFFECT_STEPS :])
-            parts.autopilot.tick(
-                steps, publisher.host[-1] if publisher.host else None, parts.info()
-            )
+        if observation is not None:
+            model = fit(observation, list(self._points.values()))
+            # the points the fit used are the history: one it left out (a CPU peak after a
+            # decrease) does not replace the one measured at that batch before
+            self._points = {p.batch_size: p for p in model.points}
+            parts.control.offer_model(model, lambda old: model_moved(old, model, batch))
 
     # ------------------------------------------------------------------ recording
 

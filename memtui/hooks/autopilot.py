@@ -98,10 +98,16 @@ class Autopilot:
         self._control.audit_event("autotune", {"paused": what})
         self._control.withdraw(AUTOPILOT)
 
+    def acting(self) -> bool:
+        """Whether a tick decides anything now: on, on rank 0 (else its inputs need no making)."""
+        with self._lock:
+            on = self._state.mode == "on"
+        return on and self._leader()
+
     def tick(self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo) -> None:
         """Decide and act once (rank 0, the agent thread): queue a trial or a revert, or say why
         not; nothing while off or paused, or on a rank other than 0."""
-        if self.state().mode != "on" or not self._leader():
+        if not self.acting():
             return
         situation = self._situation(steps, host, info)
         done = situation.history

@@ -57,9 +57,10 @@ class Publisher:
         self._control = control
         self._sampler = sampler
         self.heartbeat_s = heartbeat_s
-        self._unsent: deque[RawStep] = deque(maxlen=UNSENT_RECORDS)
+        self._unsent: deque[RawStep] = deque(maxlen=HISTORY_STEPS)
         """Records drained (by a flush or a snapshot) and not yet published: nobody watching,
-        they wait (bounded) for a viewer and are never converted to wire records."""
+        the history's worth of them waits for a viewer (the deque's bound drops the older ones,
+        in C), never converted to wire records; watched, up to ``UNSENT_RECORDS``."""
         self._unsent_device: list[DeviceSample] = []
         """Device samples drained from the sampler and not yet published (its deque's bound)."""
         self._unsent_host: HostSample | None = None
@@ -85,8 +86,9 @@ class Publisher:
         """Whether the control state moved since it was last sent (a change queued or cancelled)."""
         return self._control.seq != self._sent_control_seq
 
-    def drain(self) -> None:
-        """Move new steps, samples and checkpoints into the history and what the next batch sends.
+    def drain(self, keep: bool = True) -> list[RawStep]:
+        """Move new steps, samples and checkpoints into the history and what the next batch sends
+        (the steps too where ``keep``); returns the steps taken.
 
         A snapshot drains too (a viewer asking between flushes sees the newest state), so what
         it took waits in the unsent buffers for the next flush.
@@ -109,31 +111,36 @@ class Publisher:
         del self._unsent_checkpoints[:-CHECKPOINT_RECORDS]
         taken = self._ledger.drain_steps()
         if not taken:
-            return
+            return taken
         # a full outbox drops its oldest records, so a gap can only open before the first
         last = self._last_step
         if last and taken[0][0] > last + 1:
             self.records_dropped += taken[0][0] - last - 1
         self._last_step = taken[-1][0]
         self.steps.extend(taken)
-        self._unsent.extend(taken)
+        if keep:
+            self._unsent.extend(taken)
+        return taken
 
     def telemetry(
         self, *, run: str, rank: int, counters: HookCounters, watched: bool, ended: bool = False
     ) -> Telemetry | None:
         """The next batch with everything new since the previous one, or a heartbeat; None when
         there is nothing to say yet. Call ``sent`` once it left."""
-        self.drain()
-        records: list[StepRecord] = []
-        if watched or ended:  # a snapshot in between drained some: they go out too
-            # the raw tuples are StepRecords' fields in order and encode exactly as them: building
-            # a Struct per step cost the agent ~21 µs per 250 steps, holding the GIL
-            records = cast("list[StepRecord]", list(self._unsent))
-            self._unsent.clear()
-        elif len(self._unsent) > HISTORY_STEPS:
+        sending = watched or ended
+        bound = UNSENT_RECORDS if sending else HISTORY_STEPS
+        if self._unsent.maxlen != bound:
             # nobody listens: keep what the history keeps (the same tuples), in case a viewer's
             # subscription is reported after its snapshot was taken
-            self._unsent = deque(list(self._unsent)[-HISTORY_STEPS:], maxlen=UNSENT_RECORDS)
+            self._unsent = deque(self._unsent, maxlen=bound)
+        # watched, the steps taken go out as they are, unless a snapshot in between drained some
+        taken = self.drain(keep=not sending or bool(self._unsent))
+        records: list[StepRecord] = []
+        if sending:
+            # the raw tuples are StepRecords' fields in order and encode exactly as them: building
+            # a Struct per step cost the agent ~21 µs per 250 steps, holding the GIL
+            records = cast("list[StepRecord]", taken if not self._unsent else list(self._unsent))
+            self._unsent.clear()
         device, self._unsent_device = self._unsent_device, []
         host, self._unsent_host = self._unsent_host, None
         checkpoints, self._unsent_checkpoints = self._unsent_checkpoints, []

@@ -1,4 +1,4 @@
-"""The sampler thread: device memory (torch allocator, NVML) and host memory (psutil), at bounded rates.
+"""The sampler thread: device memory (torch allocator, NVML), host memory (/proc), at bounded rates.
 
 It runs only in the training process (never in loader workers: threads do not survive the fork
 and the tuner disables itself in forked children). The training thread never waits on it; it
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("memtui")
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def cgroup_memory_limit() -> int | None:
@@ -150,36 +151,33 @@ class PeakRss:
             self.close()
 
 
-class MemInfo:
-    """RAM and swap from one read of /proc/meminfo (Linux), else from psutil's two calls."""
+class ProcFile:
+    """One /proc file kept open and read whole with one ``pread`` at offset 0 (the kernel writes
+    it anew): one system call a read instead of three, each of which gives the GIL up. A
+    descriptor of ``/proc/PID/...`` stays bound to that process: once it ended, reads fail, even
+    if its pid was given to another one."""
 
-    def __init__(self) -> None:
-        self._pid = -1
+    def __init__(self, path: str, size: int = 4096) -> None:
+        self.path = path
+        self.size = size
         self._fd = -1
+        self._pid = -1
+        """The process that opened it: a forked child opens its own."""
 
-    def read(self) -> tuple[int, int, int, int]:
-        """(RAM total, RAM available, swap total, swap used) in bytes."""
+    def read(self) -> bytes:
+        """The file's content now; OSError (the file closed) where it cannot be read."""
         try:
             if self._pid != os.getpid():
                 self.close()
-                self._fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
                 self._pid = os.getpid()
-            text = os.pread(self._fd, 32768, 0)
-            swap_total = _status_kib(text, b"SwapTotal:")
-            return (
-                _status_kib(text, b"MemTotal:"),
-                _status_kib(text, b"MemAvailable:"),
-                swap_total,
-                swap_total - _status_kib(text, b"SwapFree:"),
-            )
-        except (OSError, ValueError):
+            return os.pread(self._fd, self.size, 0)
+        except OSError:
             self.close()
-            vm = psutil.virtual_memory()
-            swap = psutil.swap_memory()
-            return vm.total, vm.available, swap.total, swap.used
+            raise
 
     def close(self) -> None:
-        """Close /proc/meminfo."""
+        """Close the file (a forked child leaves its parent's descriptor alone)."""
         if self._fd >= 0 and self._pid == os.getpid():
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -190,20 +188,186 @@ class MemInfo:
         self.close()
 
 
+class MemInfo:
+    """RAM and swap from one read of /proc/meminfo (Linux), else from psutil's two calls."""
+
+    def __init__(self) -> None:
+        self._file = ProcFile("/proc/meminfo", 32768)
+
+    def read(self) -> tuple[int, int, int, int]:
+        """(RAM total, RAM available, swap total, swap used) in bytes."""
+        try:
+            text = self._file.read()
+            swap_total = _status_kib(text, b"SwapTotal:")
+            return (
+                _status_kib(text, b"MemTotal:"),
+                _status_kib(text, b"MemAvailable:"),
+                swap_total,
+                swap_total - _status_kib(text, b"SwapFree:"),
+            )
+        except (OSError, ValueError):
+            vm = psutil.virtual_memory()
+            swap = psutil.swap_memory()
+            return vm.total, vm.available, swap.total, swap.used
+
+    def close(self) -> None:
+        """Close /proc/meminfo."""
+        self._file.close()
+
+
+def _read_whole(path: str) -> bytes:
+    """A small file's content, opened and closed (``open`` would add a Python buffer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
+
+
+def proc_descendants(pid: int, limit: int = 4096) -> list[int]:
+    """The ids of ``pid``'s descendant processes, children first, from the kernel's list of each
+    thread's children (``/proc/PID/task/TID/children``, one small read per thread): a few reads
+    where psutil reads the status of every process on the machine. A process that ends
+    meanwhile is left out."""
+    found: list[int] = []
+    seen = {pid}
+    parents = [pid]
+    while parents and len(found) < limit:
+        parent = parents.pop(0)
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue  # it ended
+        for tid in threads:
+            try:
+                listed = _read_whole(f"/proc/{parent}/task/{tid}/children").split()
+            except OSError:
+                continue  # the thread ended
+            for child in map(int, listed):
+                if child not in seen:
+                    seen.add(child)
+                    found.append(child)
+                    parents.append(child)
+    return found[:limit]
+
+
+class ProcWorker:
+    """One process of the training's tree read from its kept-open /proc files: RSS (``statm``),
+    CPU time (``stat``) and own memory (``smaps_rollup``); each read is one ``pread``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._statm = ProcFile(f"/proc/{pid}/statm", 256)
+        self._stat = ProcFile(f"/proc/{pid}/stat", 1024)
+        self._smaps = ProcFile(f"/proc/{pid}/smaps_rollup")
+
+    def rss(self) -> int | None:
+        """Resident bytes; None once it ended (a zombie, its memory gone, reads size 0)."""
+        try:
+            size, resident = self._statm.read().split()[:2]
+        except (OSError, ValueError):
+            return None
+        return int(resident) * _PAGE if int(size) else None
+
+    def cpu_s(self) -> float | None:
+        """User and system CPU seconds so far (``stat``'s clock ticks); None once it ended."""
+        try:
+            text = self._stat.read()
+            fields = text[text.rindex(b")") + 2 :].split()
+            return (int(fields[11]) + int(fields[12])) / _TICKS
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def uss(self) -> int | None:
+        """Bytes it alone holds (``Private_*`` of ``smaps_rollup``, as psutil sums them; psutil
+        where the kernel has no rollup); None once it ended."""
+        try:
+            text = self._smaps.read()
+        except FileNotFoundError:
+            return PsutilWorker(self.pid).uss()
+        except OSError:
+            return None
+        private = (line.split()[1] for line in text.splitlines() if line.startswith(b"Private_"))
+        return sum(map(int, private)) * 1024
+
+    def close(self) -> None:
+        """Close its files."""
+        for file in (self._statm, self._stat, self._smaps):
+            file.close()
+
+
+class PsutilWorker:
+    """One process of the training's tree read through psutil (where /proc lists no children)."""
+
+    def __init__(self, pid: int, process: psutil.Process | None = None) -> None:
+        self.pid = pid
+        self._process = process or psutil.Process(pid)
+
+    def rss(self) -> int | None:
+        """Resident bytes; None once it ended."""
+        try:
+            return int(self._process.memory_info().rss)
+        except psutil.Error:
+            return None
+
+    def cpu_s(self) -> float | None:
+        """User and system CPU seconds so far; None once it ended."""
+        try:
+            times = self._process.cpu_times()
+        except psutil.Error:
+            return None
+        return float(times.user + times.system)
+
+    def uss(self) -> int | None:
+        """Bytes it alone holds; None once it ended."""
+        try:
+            return int(self._process.memory_full_info().uss)
+        except psutil.Error:
+            return None
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 class HostProbe:
-    """Host memory and the RSS of the training's process tree, with cached psutil objects."""
+    """Host memory and the RSS of the training's process tree, each process's /proc files kept open.
+
+    Its loader workers are the training's descendants, listed again every ``CHILD_REFRESH_S``
+    and when asked (a loader rebuilt). Where the kernel keeps no list of a thread's children
+    (``proc_children`` false) psutil lists them and reads every process, as it used to.
+    """
 
     CHILD_REFRESH_S = 5.0
     USS_PERIOD_S = 5.0
+    USS_CPU_SHARE = 0.001
+    """The share of a core the workers' USS may take: to read it the kernel walks each worker's
+    page tables (~20 ms for a worker forked from a 500 MiB process), so a costlier read is
+    repeated less often than every ``USS_PERIOD_S``."""
 
-    def __init__(self, pid: int | None = None, limit_bytes: int | None = None) -> None:
-        self.process = psutil.Process(pid)
+    def __init__(
+        self,
+        pid: int | None = None,
+        limit_bytes: int | None = None,
+        proc_children: bool | None = None,
+    ) -> None:
+        self.pid = pid or os.getpid()
         self.limit_bytes = limit_bytes or cgroup_memory_limit() or psutil.virtual_memory().total
         """The CPU device's capacity: the budget given, else the cgroup's limit, else total RAM."""
-        self._children: list[psutil.Process] = []
+        if proc_children is None:
+            proc_children = os.path.exists(f"/proc/{self.pid}/task/{self.pid}/children")
+        self.proc_children = proc_children
+        """Whether /proc lists the children (else psutil, which scans every process)."""
+        self._main: ProcWorker | PsutilWorker = (
+            ProcWorker(self.pid) if proc_children else PsutilWorker(self.pid)
+        )
+        self._own = self.pid == os.getpid()
+        """The process sampled is this one: its CPU time is one clock read."""
+        self._workers: dict[int, ProcWorker | PsutilWorker] = {}
+        """The workers found at the last listing (a fresh reader each: a pid may be reused)."""
         self._children_at = 0.0
-        self._uss_at = 0.0
-        self._workers_uss: int | None = None
+        self._uss_next = 0.0
+        self._uss_read: tuple[int, int] | None = None
+        """The workers' USS and their RSS when it was read."""
         self._cpu_times: tuple[float, float] | None = None
         self._meminfo = MemInfo()
         self.refresh_requested = True
@@ -212,53 +376,75 @@ class HostProbe:
         if self.refresh_requested or now - self._children_at > self.CHILD_REFRESH_S:
             self.refresh_requested = False
             self._children_at = now
-            self._uss_at = 0.0  # measure the (possibly new) workers' own memory at once
-            try:
-                self._children = self.process.children(recursive=True)
-            except psutil.Error:
-                self._children = []
+            before = set(self._workers)
+            for old in self._workers.values():
+                old.close()
+            found: dict[int, ProcWorker | PsutilWorker]
+            if self.proc_children:
+                found = {pid: ProcWorker(pid) for pid in proc_descendants(self.pid)}
+            else:
+                try:
+                    children = psutil.Process(self.pid).children(recursive=True)
+                except psutil.Error:
+                    children = []
+                found = {child.pid: PsutilWorker(child.pid, child) for child in children}
+            self._workers = found
+            if set(found) != before:
+                self._uss_next = 0.0  # measure the new workers' own memory at once
+
+    def workers(self) -> list[int]:
+        """The ids of the worker processes found at the last listing that had not ended since."""
+        return list(self._workers)
 
     def tree_rss(self, now: float, main: int | None = None) -> tuple[int, int, int]:
-        """(main RSS, live workers, workers' RSS summed); ``main`` when the caller read it."""
+        """(main RSS, live workers, workers' RSS summed); ``main`` when the caller read it. A
+        worker found ended is dropped."""
         self._refresh_children(now)
         if main is None:
-            main = self.process.memory_info().rss
+            main = self._main.rss()
+            if main is None:
+                raise ProcessLookupError(f"no memory read for process {self.pid}")
         workers = 0
         workers_rss = 0
-        for child in self._children:
-            try:
-                workers_rss += child.memory_info().rss
-                workers += 1
-            except psutil.Error:
+        for pid, worker in list(self._workers.items()):
+            rss = worker.rss()
+            if rss is None:
+                worker.close()
+                del self._workers[pid]
+                self._uss_next = 0.0  # the USS read included it
                 continue
+            workers_rss += rss
+            workers += 1
         return main, workers, workers_rss
 
-    def _uss(self, now: float) -> int | None:
-        if now - self._uss_at >= self.USS_PERIOD_S:
-            self._uss_at = now
-            total = 0
-            for child in self._children:
-                with contextlib.suppress(psutil.Error):
-                    total += child.memory_full_info().uss
-            self._workers_uss = total
-        return self._workers_uss
+    def _uss(self, now: float, workers_rss: int) -> int | None:
+        """The workers' USS as last read, plus how much their RSS moved since (what they
+        allocated or freed); read again every ``USS_PERIOD_S`` at most ``USS_CPU_SHARE`` of a
+        core, and at once when the workers changed."""
+        if now >= self._uss_next:
+            start = time.thread_time()
+            uss = sum(worker.uss() or 0 for worker in self._workers.values())
+            cost = time.thread_time() - start
+            self._uss_next = now + max(self.USS_PERIOD_S, cost / self.USS_CPU_SHARE)
+            self._uss_read = (uss, workers_rss)
+        if self._uss_read is None:
+            return None
+        uss, rss_then = self._uss_read
+        return max(0, uss + workers_rss - rss_then)
 
     def workers_own_bytes(self, now: float, workers_rss: int) -> int:
         """The workers' memory not shared with the main process (USS), else their RSS.
 
         Forked loader workers share the main process's pages until they write to them, so
-        their RSS counts those pages a second time; USS (sampled every ``USS_PERIOD_S``, about
-        0.2 ms per worker) counts only what each worker holds alone.
+        their RSS counts those pages a second time; USS (``_uss``: read every few seconds,
+        followed in between by their RSS) counts only what each worker holds alone.
         """
-        uss = self._uss(now) if self._children else None
+        uss = self._uss(now, workers_rss) if self._workers else None
         return uss if uss is not None else workers_rss
 
     def _cpu_percent(self, now: float) -> float | None:
-        used = 0.0
-        for proc in [self.process, *self._children]:
-            with contextlib.suppress(psutil.Error):
-                times = proc.cpu_times()
-                used += times.user + times.system
+        used = time.process_time() if self._own else (self._main.cpu_s() or 0.0)
+        used += sum(worker.cpu_s() or 0.0 for worker in self._workers.values())
         previous = self._cpu_times
         self._cpu_times = (now, used)
         if previous is None or now <= previous[0]:
@@ -281,7 +467,7 @@ class HostProbe:
             main_rss_bytes=main,
             workers=workers,
             workers_rss_bytes=workers_rss,
-            workers_uss_bytes=self._uss(now) if workers else None,
+            workers_uss_bytes=self._uss(now, workers_rss) if workers else None,
             cpu_percent=self._cpu_percent(now),
         )
 
@@ -488,6 +674,25 @@ def make_device_probe(
     return CpuDeviceProbe(host, stand_in)
 
 
+class Waker:
+    """Ends one thread's timed wait early: a held lock that ``set`` releases and the wait takes
+    back. One lock acquired with a timeout, without ``threading.Event``'s condition and its
+    lock per wait: about a third less CPU per wake-up beside a busy training thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """End the current wait at once (or the next one, if none is under way)."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake-up is pending
+            self._lock.release()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` or until ``set``; True when set (the wake-up is taken)."""
+        return self._lock.acquire(True, max(0.0, seconds))
+
+
 class Sampler(threading.Thread):
     """Samples the device every ``device_period_s`` (``idle_device_period_s`` while nobody
     watches) and the host every ``host_period_s``."""
@@ -522,7 +727,7 @@ class Sampler(threading.Thread):
         self.device_period_s = device_period_s
         self.idle_device_period_s = max(idle_device_period_s or device_period_s, device_period_s)
         self.host_period_s = host_period_s
-        self.wake = threading.Event()
+        self.wake = Waker()
         """Set to end the current wait early (a viewer arrived, or stop)."""
         self.device_samples: deque[DeviceSample] = deque(maxlen=512)
         self.host_samples: deque[HostSample] = deque(maxlen=64)
@@ -551,7 +756,6 @@ class Sampler(threading.Thread):
 
     def _wait(self, seconds: float) -> None:
         self.wake.wait(seconds)
-        self.wake.clear()
 
     def run(self) -> None:
         """Sample until stopped; a failing probe is reported and retried later."""
