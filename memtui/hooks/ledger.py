@@ -72,6 +72,19 @@ class OpenStep:
 class StepLedger:
     """The open step's wait, samples and micro-batches, and the closed steps for the agent."""
 
+    __slots__ = (
+        "_checkpoints",
+        "_flags",
+        "_outbox",
+        "_post",
+        "_report",
+        "_step",
+        "_t_last",
+        "open",
+        "wall_offset",
+    )
+    """The fields in the object itself: each step touches fewer cache lines."""
+
     def __init__(self, report: Callable[[BaseException, str], None] | None = None) -> None:
         self._report = report
         self._step = 0
