@@ -164,6 +164,7 @@ class StepLedger:
             )
             self._t_last = now
             self._flags = 0
+            # ``tally.clear()`` inlined: this runs once per optimizer step
             tally.wait = 0.0
             tally.samples = 0
             tally.micro = 0

@@ -312,17 +312,17 @@ class TunedLoader:
                 tally.wait += t1 - t0
                 micro = tally.micro + 1
                 tally.micro = micro
+                delivered: list[int] | int
                 if inflight:
-                    indices = inflight.popleft()
-                    n = len(indices)
+                    delivered = inflight.popleft()
+                    n = len(delivered)
                     stream.consumed += n  # type: ignore[union-attr]
                     tally.samples += -(-n // world) if world > 1 else n
-                    if micro <= MAX_STEP_BATCHES:
-                        kept.append((self, indices))
                 else:
+                    delivered = batch_size
                     tally.samples += batch_size
-                    if micro <= MAX_STEP_BATCHES:
-                        kept.append((self, batch_size))
+                if micro <= MAX_STEP_BATCHES:
+                    kept.append((self, delivered))
                 yield batch if place is None else place(batch)
                 if generation != store.loader_generation:  # a boundary may have changed knobs
                     generation = store.loader_generation

@@ -103,75 +103,39 @@ def _status_kib(text: bytes, key: bytes) -> int:
     return int(text[start : text.index(b"kB", start)]) * 1024
 
 
-class PeakRss:
-    """The main process's RSS and its peak since the last read (VmHWM), reset after each read.
-
-    Linux only. Both proc files stay open: ``pread`` at offset 0 regenerates ``status`` and a
-    write to ``clear_refs`` resets the mark. Two system calls a sample, not the six of opening
-    and closing them: each one gives the GIL up, and a sampler that takes it back from a busy
-    training thread costs that thread a forced switch.
-    """
-
-    def __init__(self) -> None:
-        self._pid = -1
-        self._status = -1
-        self._clear = -1
-
-    def _open(self) -> None:
-        self.close()
-        self._pid = os.getpid()
-        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-        self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
-
-    def read_and_reset(self) -> tuple[int, int] | None:
-        """(RSS, peak RSS since the previous call) in bytes; None where the kernel does not say."""
-        try:
-            if self._pid != os.getpid():
-                self._open()
-            text = os.pread(self._status, 8192, 0)
-            peak = _status_kib(text, b"VmHWM:")
-            rss = _status_kib(text, b"VmRSS:")
-            os.write(self._clear, b"5")
-            return rss, max(peak, rss)
-        except (OSError, ValueError):
-            self.close()
-            return None
-
-    def close(self) -> None:
-        """Close the proc files."""
-        for fd in (self._status, self._clear):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._status = self._clear = -1
-        self._pid = -1
-
-    def __del__(self) -> None:
-        if self._pid == os.getpid():  # a forked child never closes its parent's descriptors
-            self.close()
-
-
 class ProcFile:
     """One /proc file kept open and read whole with one ``pread`` at offset 0 (the kernel writes
-    it anew): one system call a read instead of three, each of which gives the GIL up. A
-    descriptor of ``/proc/PID/...`` stays bound to that process: once it ended, reads fail, even
-    if its pid was given to another one."""
+    it anew), or written with one ``write``: one system call instead of three, each of which
+    gives the GIL up. A descriptor of ``/proc/PID/...`` stays bound to that process: once it
+    ended, reads fail, even if its pid was given to another one."""
 
-    def __init__(self, path: str, size: int = 4096) -> None:
+    def __init__(self, path: str, size: int = 4096, flags: int = os.O_RDONLY) -> None:
         self.path = path
         self.size = size
+        self._flags = flags | os.O_CLOEXEC
         self._fd = -1
         self._pid = -1
         """The process that opened it: a forked child opens its own."""
 
+    def _opened(self) -> int:
+        if self._pid != os.getpid():
+            self.close()
+            self._fd = os.open(self.path, self._flags)
+            self._pid = os.getpid()
+        return self._fd
+
     def read(self) -> bytes:
         """The file's content now; OSError (the file closed) where it cannot be read."""
         try:
-            if self._pid != os.getpid():
-                self.close()
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                self._pid = os.getpid()
-            return os.pread(self._fd, self.size, 0)
+            return os.pread(self._opened(), self.size, 0)
+        except OSError:
+            self.close()
+            raise
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` (a ``clear_refs`` command); OSError (the file closed) where it fails."""
+        try:
+            os.write(self._opened(), data)
         except OSError:
             self.close()
             raise
@@ -186,6 +150,37 @@ class ProcFile:
 
     def __del__(self) -> None:
         self.close()
+
+
+class PeakRss:
+    """The main process's RSS and its peak since the last read (VmHWM), reset after each read.
+
+    Linux only. Both proc files stay open: ``pread`` at offset 0 regenerates ``status`` and a
+    write to ``clear_refs`` resets the mark. Two system calls a sample, not the six of opening
+    and closing them: each one gives the GIL up, and a sampler that takes it back from a busy
+    training thread costs that thread a forced switch.
+    """
+
+    def __init__(self) -> None:
+        self._status = ProcFile("/proc/self/status", 8192)
+        self._clear = ProcFile("/proc/self/clear_refs", flags=os.O_WRONLY)
+
+    def read_and_reset(self) -> tuple[int, int] | None:
+        """(RSS, peak RSS since the previous call) in bytes; None where the kernel does not say."""
+        try:
+            text = self._status.read()
+            peak = _status_kib(text, b"VmHWM:")
+            rss = _status_kib(text, b"VmRSS:")
+            self._clear.write(b"5")
+            return rss, max(peak, rss)
+        except (OSError, ValueError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        """Close the proc files."""
+        self._status.close()
+        self._clear.close()
 
 
 class MemInfo:
