@@ -88,8 +88,10 @@ def test_ledger_bounds_what_it_keeps() -> None:
     source = Source()
     for i in range(MAX_STEP_BATCHES + 10):
         ledger.on_batch(0.0, 1, source, [i])
+    assert ledger.open_step() == (MAX_STEP_BATCHES + 10, MAX_STEP_BATCHES + 10), "all counted"
     requeued, skipped = ledger.requeue()
     assert (requeued, skipped) == (MAX_STEP_BATCHES, 10), "beyond the cap: counted as skipped"
+    assert source.back == list(range(10, MAX_STEP_BATCHES + 10)), "the latest are kept"
     for _ in range(20_000):
         ledger.close_step()
     assert len(ledger.drain_steps()) == 16384, "the outbox keeps the newest records"

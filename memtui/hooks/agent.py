@@ -1,6 +1,6 @@
 """The agent thread: owns the ZeroMQ sockets, publishes telemetry in batches, serves the control socket.
 
-Every ``flush_period_s`` (250 ms) while a viewer is subscribed or a recording is written, else
+Every ``flush_period_s`` (500 ms) while a viewer is subscribed or a recording is written, else
 every ``idle_flush_s`` (1 s), it drains the training thread's outbox of step records, adds the
 sampler's latest samples and any change of the control state, and sends one Telemetry frame with
 ``NOBLOCK`` on the PUB socket (a full queue drops the frame and counts it; the history ring keeps
@@ -114,7 +114,7 @@ class Agent(threading.Thread):
         parts: HookParts,
         run_dir: registry.RunDir,
         *,
-        flush_period_s: float = 0.25,
+        flush_period_s: float = 0.5,
         heartbeat_s: float = 1.0,
         idle_flush_s: float = 1.0,
     ) -> None:

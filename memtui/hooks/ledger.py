@@ -24,8 +24,8 @@ OUTBOX_RECORDS = 16384
 CHECKPOINT_RECORDS = 256
 """Checkpoint boundaries held for the agent."""
 MAX_STEP_BATCHES = 4096
-"""Micro-batches of the current step kept for a re-queue: a loop that never closes a step does
-not grow the list without bound (beyond it a re-queue counts the samples as skipped)."""
+"""Micro-batches of the current step kept for a re-queue (the latest): a loop that never closes
+a step does not grow them without bound (a re-queue counts the samples of older ones skipped)."""
 
 RawStep = tuple[int, float, float, float, int, int, int]
 """One step as the training thread records it: a ``StepRecord``'s fields in order, so it is
@@ -57,9 +57,9 @@ class OpenStep:
         """Samples delivered in the step."""
         self.micro = 0
         """Micro-batches delivered in the step."""
-        self.batches: list[tuple[Requeue, list[int] | int]] = []  # cleared, never replaced
+        self.batches: deque[tuple[Requeue, list[int] | int]] = deque(maxlen=MAX_STEP_BATCHES)
         """The micro-batches delivered (their source and indices, or their sample count), for a
-        rollback to re-queue; at most ``MAX_STEP_BATCHES`` are kept."""
+        rollback to re-queue: the latest ``MAX_STEP_BATCHES`` (cleared, never replaced)."""
 
     def clear(self) -> None:
         """Start the tallies over."""
@@ -133,9 +133,8 @@ class StepLedger:
         tally = self.open
         tally.wait += wait_s
         tally.samples += samples
-        count = tally.micro + micro
-        tally.micro = count
-        if source is not None and count <= MAX_STEP_BATCHES:
+        tally.micro += micro
+        if source is not None:
             tally.batches.append((source, samples if delivered is None else delivered))
 
     def mark(self, flag: int) -> None:
@@ -149,13 +148,15 @@ class StepLedger:
         try:
             step = self._step + 1
             self._step = step
-            t_last = self._t_last
             tally = self.open
-            self._post(
+            # the bound ``append`` read as a slot, then called: ``self._post(...)`` would look
+            # it up as a method, a slot is not one, and that lookup missed the type cache
+            post = self._post
+            post(
                 (
                     step,
                     now + self.wall_offset,
-                    now - (now if t_last is None else t_last),
+                    now - (self._t_last or now),  # None before the first batch: 0 s
                     tally.wait,
                     tally.samples if samples is None else samples,
                     tally.micro,
@@ -196,8 +197,8 @@ class StepLedger:
                 requeued += len(batch)
             else:
                 skipped += len(batch) if isinstance(batch, list) else batch
-        # beyond MAX_STEP_BATCHES micro-batches nothing was kept: those samples are counted as
-        # skipped, never lost silently
+        # beyond MAX_STEP_BATCHES micro-batches the oldest were not kept: their samples are
+        # counted as skipped, never lost silently
         skipped += max(0, tally.samples - requeued - skipped)
         tally.batches.clear()
         return requeued, skipped

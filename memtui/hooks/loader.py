@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
-from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
+from memtui.hooks.ledger import StepLedger
 from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.wire import STEP_LOADER_REBUILT
 
@@ -295,10 +295,12 @@ class TunedLoader:
         ledger.start_clock()
         # The hot path, once per micro-batch: two clock reads, and the wait, the samples and
         # (exact mode) the delivered indices, moved from in-flight for an OOM re-queue, added to
-        # the ledger's open step in place (no call). Everything else is a local.
+        # the ledger's open step in place (no call but the bounded deque's append). Everything
+        # else is a local.
         tally = ledger.open
-        kept = tally.batches
+        keep = tally.batches.append
         world = self.shard[1]
+        sharded = world > 1
         place = self._place
         generation = store.loader_generation
         while True:  # one pass per underlying loader: a knob change switches loaders mid-epoch
@@ -310,19 +312,17 @@ class TunedLoader:
             for batch in iterator:
                 t1 = perf()
                 tally.wait += t1 - t0
-                micro = tally.micro + 1
-                tally.micro = micro
+                tally.micro += 1
                 delivered: list[int] | int
                 if inflight:
                     delivered = inflight.popleft()
                     n = len(delivered)
                     stream.consumed += n  # type: ignore[union-attr]
-                    tally.samples += -(-n // world) if world > 1 else n
+                    tally.samples += -(-n // world) if sharded else n
                 else:
                     delivered = batch_size
                     tally.samples += batch_size
-                if micro <= MAX_STEP_BATCHES:
-                    kept.append((self, delivered))
+                keep((self, delivered))
                 yield batch if place is None else place(batch)
                 if generation != store.loader_generation:  # a boundary may have changed knobs
                     generation = store.loader_generation
