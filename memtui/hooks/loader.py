@@ -102,12 +102,16 @@ class _TrackedBatchSampler:
                 padded = batch + batch[:short]  # DistributedSampler does at an epoch's end
                 share = len(padded) // world
                 yield padded[rank * share : (rank + 1) * share]
-        while True:
-            batch = list(itertools.islice(source, size))
-            if not batch or (self.drop_last and len(batch) < size):
+        # once per micro-batch, in the training process: torch's own BatchSampler loop, plus the
+        # append that records the batch (every name a local)
+        islice, draw, drop_last = itertools.islice, inflight.append, self.drop_last
+        batch = [*islice(source, size)]
+        while batch:
+            if drop_last and len(batch) < size:
                 return
-            inflight.append(batch)
+            draw(batch)
             yield batch
+            batch = [*islice(source, size)]
 
     def __len__(self) -> int:
         total = len(self.sampler)
@@ -310,8 +314,7 @@ class TunedLoader:
             switched = False
             t0 = perf()
             for batch in iterator:
-                t1 = perf()
-                tally.wait += t1 - t0
+                tally.wait += perf() - t0
                 tally.micro += 1
                 delivered: list[int] | int
                 if inflight:
