@@ -318,3 +318,35 @@ def test_the_demo_refuses_bad_starting_values() -> None:
     refused = CliRunner().invoke(main, ["demo", "--workers", "-1", "--dry-run"])
     assert refused.exit_code == 2, refused.output
     assert "--workers" in refused.output and "-1" in refused.output, refused.output
+
+
+def test_a_placed_batch_is_handed_out_placed_and_its_placing_is_not_data_wait() -> None:
+    """``place`` (the accelerate adapter's move to the device) runs on each batch after its fetch
+    was timed: the batch comes out placed, the time it took is not counted as data wait, and a
+    knob change still rebuilds the loader mid-epoch."""
+    tuner = make_tuner(batch_size=2, grad_accum=1)
+    placed: list[list[int]] = []
+
+    def place(batch: torch.Tensor) -> tuple[str, list[int]]:
+        placed.append(flat(batch))
+        time.sleep(0.2)
+        return ("on device", flat(batch))
+
+    tuner.loader_options = {"place": place}
+    loader = tuner.loader(lambda batch_size: DataLoader(Indices(40), batch_size=batch_size))
+    seen = []
+    for index, batch in enumerate(loader):
+        seen.append(batch)
+        tuner.step()
+        if index == 1:
+            queue(tuner, batch_size=4)
+            tuner.checkpoint()
+        if index == 3:
+            break
+    assert seen == [("on device", b) for b in placed]
+    assert [b for _, b in seen] == [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    records = tuner.ledger.records(tuner.ledger.drain_steps())
+    assert len(records) == 4
+    assert all(r.data_wait_s < 0.2 for r in records[1:]), records  # the 200 ms of placing each
+    assert all(r.step_time_s >= 0.2 for r in records[1:]), records  # are the step's own
+    tuner.close()

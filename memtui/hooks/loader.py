@@ -272,7 +272,13 @@ class TunedLoader:
     # ---------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Any]:
-        """Iterate one epoch, timing each fetch and switching loaders when the knobs change."""
+        """Iterate one epoch, timing each fetch and switching loaders when the knobs change; each
+        batch is placed (moved to the device) after its fetch is timed, before it is handed out."""
+        batches = self._batches()
+        return batches if self._place is None else map(self._place, batches)
+
+    def _batches(self) -> Iterator[Any]:
+        """One epoch's batches as they arrive (``__iter__`` places them)."""
         rebuilt = self._stale()
         if rebuilt:  # a change landed between epochs
             self.close()
@@ -305,7 +311,6 @@ class TunedLoader:
         keep = tally.batches.append
         world = self.shard[1]
         sharded = world > 1
-        place = self._place
         generation = store.loader_generation
         while True:  # one pass per underlying loader: a knob change switches loaders mid-epoch
             stream = self._stream if self.mode == "exact" else None
@@ -326,7 +331,7 @@ class TunedLoader:
                     delivered = batch_size
                     tally.samples += batch_size
                 keep((self, delivered))
-                yield batch if place is None else place(batch)
+                yield batch
                 if generation != store.loader_generation:  # a boundary may have changed knobs
                     generation = store.loader_generation
                     if self._stale():
