@@ -1,7 +1,9 @@
 """The step ledger: the training thread's tallies of the step under way and the records it closed.
 
-The hot path lives here and only here. Per micro-batch, ``on_batch`` adds the wait, the samples
-and (for a re-queue after an out-of-memory rollback) what was delivered; per optimizer step,
+The hot path's state lives here and only here. Per micro-batch, the open step (``OpenStep``)
+gets the wait, the samples and (for a re-queue after an out-of-memory rollback) what was
+delivered, in place from the loader's loop and a timed batch function, else through
+``on_batch``; per optimizer step,
 ``close_step`` appends one raw tuple to a bounded outbox. The agent thread takes the records with
 ``drain_steps`` (the training thread only appends, the agent only pops: a deque does both
 without a lock) and turns them into wire records with ``records``.
@@ -43,9 +45,10 @@ class Requeue(Protocol):
 class OpenStep:
     """The open step's tallies: the wait, the samples, the micro-batches and what was delivered.
 
-    The ledger owns it and resets it when a step closes. The DataLoader wrapper's loop adds each
-    micro-batch to it in place (three additions and one append: a method call per batch was a
-    third of the wrapper's cost); everyone else goes through ``StepLedger.on_batch``.
+    The ledger owns it and resets it when a step closes (never replaces it). The DataLoader
+    wrapper's loop and a timed batch function add each micro-batch to it in place (three
+    additions, and the loader's one append: a method call per batch was a third of the wrapper's
+    cost); everyone else goes through ``StepLedger.on_batch``.
     """
 
     __slots__ = ("batches", "micro", "samples", "wait")
