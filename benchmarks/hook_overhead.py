@@ -18,7 +18,7 @@ Three measurements, printed as one JSON line:
    core (per thread, from /proc's schedstat), with nobody watching (the threads wake once a
    second); ``background_cpu_pct_watched`` the same with a viewer attached (a subscriber in
    its own process that does what ``memtui attach`` does: a hello, then every telemetry frame
-   received and decoded; two flushes and two device samples a second). The subscriber is not
+   received and decoded; two flushes and one device sample a second). The subscriber is not
    this process's child (``benchlib.Watcher``): the hook counts the training's children as its
    loader workers and samples each, which it never does to a real viewer. Charged in full to
    the training, as if every microsecond of it held the GIL (worst case). ``_all``: every
