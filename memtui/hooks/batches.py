@@ -4,10 +4,9 @@ nanoGPT's ``train.py`` draws each micro-batch with ``get_batch('train')``, a fun
 data that reads ``batch_size`` from the module's globals. ``tuner.timed_batches(get_batch)``
 returns a function that calls it with the same arguments and returns what it returns, and hands
 the step ledger the call's time as the micro-batch's data wait and its samples (the first
-dimension of the first tensor returned, or a ``samples`` callable), added to the ledger's open
-step in place as the DataLoader wrapper does (the sum ``StepLedger.on_batch`` makes, without
-its call). Nothing is rebuilt: a ``batch_size`` change reaches the function through the config
-it reads, and the count follows what it returns.
+dimension of the first tensor returned, or a ``samples`` callable), through
+``StepLedger.on_batch`` as the DataLoader wrapper does. Nothing is rebuilt: a ``batch_size`` change reaches the function
+through the config it reads, and the count follows what it returns.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def timed_batches(
     """``fetch`` with each call timed as one micro-batch's data wait and its samples counted
     into ``ledger``'s open step (memtui's own failures are reported, never raised)."""
     perf = time.perf_counter
-    tally = ledger.open  # the ledger resets it, never replaces it
+    on_batch = ledger.on_batch
     count = first_len if samples is None else _as_int(samples)
     started = False
 
@@ -67,7 +66,7 @@ def timed_batches(
         if not started:  # the first step's clock starts at its first batch, as with a loader
             started = True
             ledger.start_clock()
-        # the hot path, once per micro-batch: two clock reads and three additions
+        # the hot path, once per micro-batch: two clock reads and one ledger call
         t0 = perf()
         batch = fetch(*args, **kwargs)
         t1 = perf()
@@ -76,9 +75,7 @@ def timed_batches(
         except Exception as exc:
             report(exc, "counting a batch's samples")
             n = 0
-        tally.wait += t1 - t0
-        tally.samples += n
-        tally.micro += 1
+        on_batch(t1 - t0, n)
         return batch
 
     return timed

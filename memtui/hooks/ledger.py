@@ -2,8 +2,8 @@
 
 The hot path's state lives here and only here. Per micro-batch, the open step (``OpenStep``)
 gets the wait, the samples and (for a re-queue after an out-of-memory rollback) what was
-delivered, in place from the loader's loop and a timed batch function, else through
-``on_batch``; per optimizer step,
+delivered: in place from the DataLoader wrapper's loop, else through ``on_batch``; per optimizer
+step,
 ``close_step`` appends one raw tuple to a bounded outbox. The agent thread takes the records with
 ``drain_steps`` (the training thread only appends, the agent only pops: a deque does both
 without a lock) and turns them into wire records with ``records``.
@@ -45,10 +45,10 @@ class Requeue(Protocol):
 class OpenStep:
     """The open step's tallies: the wait, the samples, the micro-batches and what was delivered.
 
-    The ledger owns it and resets it when a step closes (never replaces it). The DataLoader
-    wrapper's loop and a timed batch function add each micro-batch to it in place (three
-    additions, and the loader's one append: a method call per batch was a third of the wrapper's
-    cost); everyone else goes through ``StepLedger.on_batch``.
+    The ledger owns it and resets it when a step closes (never replaces it: the loader's loop
+    holds it for the whole epoch). The DataLoader wrapper's loop adds each
+    micro-batch to it in place (three additions and one append: a method call per batch was a
+    third of the wrapper's cost); everyone else goes through ``StepLedger.on_batch``.
     """
 
     __slots__ = ("batches", "micro", "samples", "wait")
@@ -152,8 +152,8 @@ class StepLedger:
             step = self._step + 1
             self._step = step
             tally = self.open
-            # the bound ``append`` read as a slot, then called: ``self._post(...)`` would look
-            # it up as a method, a slot is not one, and that lookup missed the type cache
+            # the bound ``append`` read as a slot, then called: ``self._post(...)`` compiles to a
+            # method load, which cannot specialise on a slot and takes the generic lookup each call
             post = self._post
             post(
                 (
