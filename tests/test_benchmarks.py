@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,36 @@ def test_cli_startup_runs() -> None:
             re.escape(command) + r" +wall median +\d+ ms .* cpu median +\d+ ms", out
         ), out
     assert "load average before" in out and "load average after" in out
+
+
+@pytest.mark.slow  # a minute under valgrind; `make bench-instructions` runs it in full
+def test_hook_instructions_one_process() -> None:
+    """Every loop is counted in one process, so the hook's figure is its own process's
+    difference (another process's layout moves the bare loop by ~1.5k instructions)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        pytest.skip("valgrind is not installed")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/hook_instructions.py",
+            "--repeat",
+            "1",
+            "--rounds",
+            "1",
+            "--steps",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    per_step = result["instructions_per_step"]
+    assert set(per_step) == {"bare", "loader", "hooked", "floor"}
+    hook = result["hook_instructions_per_step"]["median"]
+    assert hook == per_step["hooked"]["median"] - per_step["bare"]["median"]
+    # the floor does less than the loader wrapper, which does less than the wrapper and a step
+    assert 0 < result["floor_instructions_per_step"]["median"] < hook
+    assert 0 < result["loader_only_instructions_per_step"]["median"] < hook
