@@ -54,7 +54,7 @@ from memtui import hooks
 
 torch.set_num_threads(1)
 loops, short, long, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-data = list(range(2 * rounds * (short + long) + 4000))
+data = list(range(long + 1000))  # every loop starts a fresh epoch
 
 
 def first(batch):
@@ -68,7 +68,6 @@ def factory(batch_size):
 tuner = hooks.install(SimpleNamespace(batch_size=1), state_dir=tempfile.mkdtemp(), name="bench")
 wrapped = tuner.loader(factory)
 plain = factory(1)
-floor_plain = factory(1)
 batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
 
 
@@ -122,7 +121,7 @@ def run(loop, n):
             if index == n:
                 break
     elif loop == "floor":
-        for index, _ in enumerate(floor_batches(floor_plain)):
+        for index, _ in enumerate(floor_batches(plain)):
             floor_step()
             if index == n:
                 break

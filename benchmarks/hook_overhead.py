@@ -129,7 +129,7 @@ def fast_rounds_cost(bare: list[float], hooked: list[float]) -> tuple[float, int
     speed (within ``FAST_ROUND`` of the fastest), and how many rounds those were.
 
     This VM runs the same bare loop at two speeds, ~11-13 µs a step or ~21-26 µs (its host's
-    contention: the load average does not show it), and the hook's cost moves with it (18-20%
+    contention: the load average does not show it), and the hook's cost moves with it (15-20%
     of the bare step either way), so the median over all rounds says which speed the machine
     ran at as much as what the hook costs. Conditioning on the bare round can only overstate
     the cost: a hooked round after a fast bare one is sometimes already slow, never faster.

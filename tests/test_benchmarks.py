@@ -39,22 +39,22 @@ def test_hook_overhead_quick() -> None:
     assert abs(result["hook_us_per_step_fast_rounds"]) < 50
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, timeout: float = 180) -> str:
     """Run a benchmark script and return its stdout."""
     out = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=180,
+        timeout=timeout,
         check=True,
     )
     return out.stdout
 
 
-def _run_json(*args: str) -> dict[str, Any]:
+def _run_json(*args: str, timeout: float = 180) -> dict[str, Any]:
     """Run a benchmark script and return its last stdout line, parsed."""
-    result: dict[str, Any] = json.loads(_run(*args).strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(_run(*args, timeout=timeout).strip().splitlines()[-1])
     return result
 
 
@@ -162,28 +162,16 @@ def test_hook_instructions_one_process() -> None:
     difference (another process's layout moves the bare loop by ~1.5k instructions)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         pytest.skip("valgrind is not installed")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/hook_instructions.py",
-            "--repeat",
-            "1",
-            "--rounds",
-            "1",
-            "--steps",
-            "200",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    result = _run_json(
+        "benchmarks/hook_instructions.py",
+        *("--repeat", "1", "--rounds", "1", "--steps", "200"),
         timeout=600,
-        check=True,
     )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     per_step = result["instructions_per_step"]
     assert set(per_step) == {"bare", "loader", "hooked", "floor"}
     hook = result["hook_instructions_per_step"]["median"]
-    assert hook == per_step["hooked"]["median"] - per_step["bare"]["median"]
+    # each figure is rounded on its own: the difference of two rounded ones may be 1 off
+    assert abs(hook - (per_step["hooked"]["median"] - per_step["bare"]["median"])) <= 1
     # the floor does less than the loader wrapper, which does less than the wrapper and a step
     assert 0 < result["floor_instructions_per_step"]["median"] < hook
     assert 0 < result["loader_only_instructions_per_step"]["median"] < hook

@@ -3,10 +3,9 @@
 The hot path's state lives here and only here. Per micro-batch, the open step (``OpenStep``)
 gets the wait, the samples and (for a re-queue after an out-of-memory rollback) what was
 delivered: in place from the DataLoader wrapper's loop, else through ``on_batch``; per optimizer
-step,
-``close_step`` appends one raw tuple to a bounded outbox. The agent thread takes the records with
-``drain_steps`` (the training thread only appends, the agent only pops: a deque does both
-without a lock) and turns them into wire records with ``records``.
+step, ``close_step`` appends one raw tuple to a bounded outbox. The agent thread takes the
+records with ``drain_steps`` (the training thread only appends, the agent only pops: a deque
+does both without a lock) and turns them into wire records with ``records``.
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ class OpenStep:
     """The open step's tallies: the wait, the samples, the micro-batches and what was delivered.
 
     The ledger owns it and resets it when a step closes (never replaces it: the loader's loop
-    holds it for the whole epoch). The DataLoader wrapper's loop adds each
-    micro-batch to it in place (three additions and one append: a method call per batch was a
+    holds it for the whole epoch). The DataLoader wrapper's loop adds each micro-batch to it in
+    place (three additions and one append: a method call per batch was a
     third of the wrapper's cost); everyone else goes through ``StepLedger.on_batch``.
     """
 
