@@ -517,6 +517,8 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cpu_model": benchlib.cpu_model(),
+        "commit": benchlib.commit(),
     }
     print(json.dumps(result), flush=True)
 

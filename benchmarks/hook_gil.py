@@ -363,6 +363,8 @@ def main() -> None:
         "seconds": round(time.time() - started, 1),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "cpu_model": benchlib.cpu_model(),
+        "commit": benchlib.commit(),
     }
     print(json.dumps(result), flush=True)
 

@@ -14,8 +14,11 @@ process's memory layout to the next: in one comparison a bare process against a 
 and two additions per batch, one clock read and a tuple appended per step: no delivery
 accounting, no re-queue, no knob switch; not memtui's code), each in a window opened and closed
 with ``callgrind_control`` and dumped on its own, at two lengths: the difference of the two is
-the per-step cost, free of the window's own calls. ``--repeat`` processes (each with its own
-layout) give the median and the spread. The hook's own threads run under valgrind too and take
+the per-step cost, free of the window's own calls. ``--repeat`` processes give the median and
+the spread; each first makes a random number of classes, names and allocations, because
+valgrind lays every process out the same way (no address randomisation) and the spread would
+otherwise hide the layout luck that every real run draws (in stop 30 the same code counted 6.9k
+a step in unrandomised processes and 6.5k-8.2k over randomised ones). The hook's own threads run under valgrind too and take
 the GIL now and then, so a figure still moves by a few percent.
 
 Prints one JSON line: per loop, the median instructions per step and its spread over the
@@ -45,7 +48,19 @@ from pathlib import Path
 import benchlib
 
 CHILD = r"""
-import os, subprocess, sys, tempfile, time
+import os, random
+# a layout of its own for each process: valgrind places every process's memory the same way (no
+# address randomisation), so without this the processes' spread would hide the method cache's
+# layout luck that a real run (randomised) draws: type version tags and interned names shift by
+# a random number of classes, names and allocations made before anything else is imported
+_draw = random.Random(int.from_bytes(os.urandom(8), "little"))
+_layout = (
+    [type(f"_L{i}", (), {f"a{i}_{j}": j for j in range(_draw.randrange(30))})
+     for i in range(_draw.randrange(1, 400))],
+    [bytes(_draw.randrange(1, 2000)) for _ in range(_draw.randrange(1, 300))],
+    [f"n{_draw.randrange(10**6)}_{i}" for i in range(_draw.randrange(1, 3000))],
+)
+import subprocess, sys, tempfile, time
 from collections import deque
 from types import SimpleNamespace
 import torch
@@ -224,7 +239,7 @@ def main() -> None:
     """Run ``--repeat`` callgrind processes and print one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="the longer window's extra steps")
-    parser.add_argument("--repeat", type=int, default=3, help="processes (each its own layout)")
+    parser.add_argument("--repeat", type=int, default=4, help="processes (each its own layout)")
     parser.add_argument("--rounds", type=int, default=2, help="windows of each loop per process")
     parser.add_argument(
         "--loop",

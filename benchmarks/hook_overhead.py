@@ -356,6 +356,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cpu_model": benchlib.cpu_model(),
+        "commit": benchlib.commit(),
     }
     return result
 
