@@ -37,6 +37,9 @@ def test_hook_overhead_quick() -> None:
     # the machine's speed is reported with the cost: the fastest bare round is a fast round
     assert result["fast_rounds"] >= 1 and result["bare_us_per_step"] > 0
     assert abs(result["hook_us_per_step_fast_rounds"]) < 50
+    # and which machine and code gave it: wall-clock figures differ ~2x between this
+    # project's VMs for the same code
+    assert result["cpu_model"] and "commit" in result
 
 
 def _run(*args: str, timeout: float = 180) -> str:
