@@ -89,9 +89,11 @@ def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
     start_demo: Callable[..., DemoRun],
 ) -> None:
     demo = start_demo(
-        # the overshoot lands at step 10 on a quiet machine (the refused sets asked in this
-        # process): 10 more leave room under load, and a step of this model costs 0.6 CPU-s
-        "--steps", "20", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
+        # the overshoot lands at step 10-20 (the refused sets asked in this process): a step
+        # of this model costs 0.3-0.6 CPU-s, and the fixed waits (the model's fit once a
+        # second, the CLI's start) span more steps the faster the machine; at 20 steps a
+        # 0.3 s step ran out before the change's step (stop 30), so 10 steps leave room
+        "--steps", "30", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
         "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
     run = demo.run_id
