@@ -402,6 +402,10 @@ def _pct(x: float | None, of: float) -> float | None:
     return None if x is None or not of else round(100 * x / of, 3)
 
 
+QUICK_WINDOW_S = 1.0
+"""The shortest measured window of a ``--quick`` arm, in seconds."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -432,7 +436,12 @@ def main() -> None:
     rounds: list[dict[str, dict[str, float]]] = []
     try:
         warm = make_loader(batch_size, num_workers, pin_memory)
-        train(model, optimizer, warm, None, 20, [0.0] * 20, [0.0] * 20, [0] * 20)
+        warm_walls = [0.0] * 20
+        train(model, optimizer, warm, None, 20, warm_walls, [0.0] * 20, [0] * 20)
+        if args.quick:
+            # each window at least a second long: the hook's threads wake once or twice a
+            # second, so a shorter window (30 steps of 7 ms on a fast VM) can hold no wake-up
+            args.steps = max(args.steps, math.ceil(QUICK_WINDOW_S / statistics.median(warm_walls)))
         for index in range(args.rounds):
             shift = index % len(arms)
             order = arms[shift:] + arms[:shift]
