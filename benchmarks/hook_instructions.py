@@ -18,8 +18,8 @@ the per-step cost, free of the window's own calls. ``--repeat`` processes give t
 the spread; each first makes a random number of classes, names and allocations, because
 valgrind lays every process out the same way (no address randomisation) and the spread would
 otherwise hide the layout luck that every real run draws (in stop 30 the same code counted 6.9k
-a step in unrandomised processes and 6.5k-8.2k over randomised ones). The hook's own threads run under valgrind too and take
-the GIL now and then, so a figure still moves by a few percent.
+a step in unrandomised processes and 6.5k-8.2k over randomised ones). The hook's own threads run
+under valgrind too and take the GIL now and then, so a figure still moves by a few percent.
 
 Prints one JSON line: per loop, the median instructions per step and its spread over the
 processes (``instructions_per_step``: bare, loader, hooked, floor), the hook's (hooked minus
