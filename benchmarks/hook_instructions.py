@@ -18,8 +18,10 @@ the per-step cost, free of the window's own calls. ``--repeat`` processes give t
 the spread; each first makes a random number of classes, names and allocations, because
 valgrind lays every process out the same way (no address randomisation) and the spread would
 otherwise hide the layout luck that every real run draws (in stop 30 the same code counted 6.9k
-a step in unrandomised processes and 6.5k-8.2k over randomised ones). The hook's own threads run
-under valgrind too and take the GIL now and then, so a figure still moves by a few percent.
+a step in unrandomised processes and 6.5k-8.2k over randomised ones). After the warm-up the heap
+is frozen (``gc.freeze()``), so that a full collection falling in one window does not charge its
+steps with all of torch's heap. The hook's own threads run under valgrind too and take the GIL
+now and then, so a figure still moves by a few percent.
 
 Prints one JSON line: per loop, the median instructions per step and its spread over the
 processes (``instructions_per_step``: bare, loader, hooked, floor), the hook's (hooked minus
@@ -156,6 +158,12 @@ def control(*args):
 for loop in loops:  # warm-up: the interpreter's specialisation settles
     run(loop, 300)
 tuner.step()
+# the heap so far (torch's, the layout's) out of the collector's reach: a full collection that
+# falls in one window would otherwise charge its steps with traversing all of it (a 200-step
+# window of the loader alone once counted 12.2k a step against 4.1k over 1,000)
+import gc
+gc.collect()
+gc.freeze()
 for index in range(rounds):
     for loop in loops:
         for n in (short, long):
