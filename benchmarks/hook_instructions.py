@@ -1,4 +1,4 @@
-"""What the hook's hot path costs in machine instructions: a count that does not vary with the VM.
+"""The hook's hot path in machine instructions: a count that the VM's speed does not move.
 
 Wall-clock timings of a few microseconds move by ±1 µs from one block to the next on a shared
 2-core VM (which also runs the same code at two speeds, ~1.8x apart), so they cannot tell a 10%
@@ -9,8 +9,9 @@ misses) of the training thread alone.
 and of the attribute's name, so how many of torch's hot lookups miss it differs from one
 process's memory layout to the next: in one comparison a bare process against a hooked one put
 8.3k instructions a step on the hook where the same code, counted in one process, gives
-6.7-7.1k (this script compared two processes up to stop 28). Here one process runs, in turn, the bare loop, the tuner's loader alone, the loader with ``tuner.step()``
-(the hook), and a *floor*: a plain DataLoader through the least a hook could do (two clock reads
+6.7-7.1k (this script compared two processes up to stop 28). Here one process runs, in turn,
+the bare loop, the tuner's loader alone, the loader with ``tuner.step()`` (the hook), and a
+*floor*: a plain DataLoader through the least a hook could do (two clock reads
 and two additions per batch, one clock read and a tuple appended per step: no delivery
 accounting, no re-queue, no knob switch; not memtui's code), each in a window opened and closed
 with ``callgrind_control`` and dumped on its own, at two lengths: the difference of the two is
@@ -50,7 +51,7 @@ from pathlib import Path
 import benchlib
 
 CHILD = r"""
-import os, random
+import gc, os, random
 # a layout of its own for each process: valgrind places every process's memory the same way (no
 # address randomisation), so without this the processes' spread would hide the method cache's
 # layout luck that a real run (randomised) draws: type version tags and interned names shift by
@@ -70,7 +71,8 @@ from torch.utils.data import DataLoader
 from memtui import hooks
 
 torch.set_num_threads(1)
-loops, short, long, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+loops = sys.argv[1].split(",")
+short, long, rounds = (int(arg) for arg in sys.argv[2:5])
 data = list(range(long + 1000))  # every loop starts a fresh epoch
 
 
@@ -161,7 +163,6 @@ tuner.step()
 # the heap so far (torch's, the layout's) out of the collector's reach: a full collection that
 # falls in one window would otherwise charge its steps with traversing all of it (a 200-step
 # window of the loader alone once counted 12.2k a step against 4.1k over 1,000)
-import gc
 gc.collect()
 gc.freeze()
 for index in range(rounds):

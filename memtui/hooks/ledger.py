@@ -46,8 +46,8 @@ class OpenStep:
 
     The ledger owns it and resets it when a step closes (never replaces it: the loader's loop
     holds it for the whole epoch). The DataLoader wrapper's loop adds each micro-batch to it in
-    place (three additions and one append: a method call per batch was a
-    third of the wrapper's cost); everyone else goes through ``StepLedger.on_batch``.
+    place (three additions and one append: a method call per batch was a third of the wrapper's
+    cost); everyone else goes through ``StepLedger.on_batch``.
     """
 
     __slots__ = ("batches", "micro", "samples", "wait")
