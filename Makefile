@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu lint bench bench-gil bench-instructions bench-tui bench-export bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-tui bench-export bench-hf screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +61,16 @@ $(FRAMEWORKS_STAMP): $(STAMP) pyproject.toml
 	$(PIP) install --quiet -e ".[test,frameworks]" "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	touch $(FRAMEWORKS_STAMP)
 
-test-frameworks: $(FRAMEWORKS_STAMP)
-	$(PY) -m pytest -q -m frameworks tests/frameworks
+# tests/clients runs third-party training scripts kept out of this repository: where their
+# files are in tests/clients/upstream/ (tests/clients/README.md), what they need is installed
+# too; without them those tests are skipped, each saying how to fetch its files
+CLIENTS_STAMP := $(VENV)/.installed-clients
+$(CLIENTS_STAMP): $(FRAMEWORKS_STAMP) pyproject.toml
+	$(PIP) install --quiet -e ".[test,frameworks,clients]" "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
+	touch $(CLIENTS_STAMP)
+
+test-frameworks: $(FRAMEWORKS_STAMP) $(if $(wildcard tests/clients/upstream/*),$(CLIENTS_STAMP))
+	$(PY) -m pytest -q -m frameworks tests/frameworks tests/clients
 
 bench-hf: $(FRAMEWORKS_STAMP)
 	$(PY) benchmarks/hf_overhead.py
@@ -74,6 +82,26 @@ test-slow: $(STAMP)
 # (the CPU build above sees none, and they are skipped, each with the reason)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# the wheels tests/gpu/run_on_device.sh installs on a CUDA machine whose python3 has torch and
+# nothing else of memtui's (no network there): the package's dependencies and the test runner's
+# (pytest, pytest-timeout), for CPython $(GPU_PYTHON) on x86-64 Linux, at the versions this venv
+# runs where it has them, into $(GPU_WHEELS)/ (git-ignored: copy it there beside the working
+# tree); memtui itself runs from the repository (PYTHONPATH)
+GPU_WHEELS ?= .whl
+GPU_PYTHON ?= 3.12
+GPU_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PIP) list --format=freeze --exclude-editable > $(GPU_WHEELS).constraints
+	$(PIP) download --quiet --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp $(GPU_PLATFORMS) --constraint $(GPU_WHEELS).constraints \
+		--dest $(GPU_WHEELS) $$($(PY) -c 'from pip._vendor import tomli; \
+			print(" ".join(tomli.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))') \
+		pytest pytest-timeout
+	rm -f $(GPU_WHEELS).constraints
+	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check memtui tests benchmarks screenshots

@@ -184,6 +184,12 @@ def status_command(run: str | None, as_json: bool, timeout: float) -> None:
 @click.option("--dry-run", is_flag=True, help="Validate and resolve only; queue nothing.")
 @click.option("--force", is_flag=True, help="Queue even when the change is predicted to be risky.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="Print only the change id on stdout (nothing for --dry-run); notes still go to stderr.",
+)
 @click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def set_command(
     args: tuple[str, ...],
@@ -193,12 +199,14 @@ def set_command(
     dry_run: bool,
     force: bool,
     as_json: bool,
+    quiet: bool,
     timeout: float,
 ) -> None:
     """Queue a change for the next checkpoint: memtui set [RUN] KEY=VALUE...
 
     Keys: batch_size, grad_accum, num_workers, pin_memory, prefetch_factor (aliases such as
-    per_device_train_batch_size or gradient_accumulation_steps work too). Prints the change id.
+    per_device_train_batch_size or gradient_accumulation_steps work too). Prints what was queued
+    with its id and predicted peak on stdout (the id alone with -q), notes on stderr.
     A change of micro x accum x ranks moves the LR by the run's rule (install(lr_scale=...),
     none unless set: the LR stays, with a warning), or by --lr-scale with --allow-effective-batch.
     """
@@ -213,6 +221,8 @@ def set_command(
         _fail("rejected: --keep-effective-batch and --allow-effective-batch contradict", 2)
     if lr_scale and not allow_effective_batch:
         _fail("rejected: --lr-scale needs --allow-effective-batch", 2)
+    if quiet and as_json:
+        _fail("rejected: --quiet and --json contradict", 2)
     words = list(args)
     run = words.pop(0) if words and "=" not in words[0] and not names_knob(words[0]) else None
     try:
@@ -240,7 +250,11 @@ def set_command(
     if not reply.ok:
         _fail(f"rejected: {reply.reason}", 2)
     bands = load_thresholds().thresholds  # the run reads the same config file at install
-    if dry_run:
+    # the answer on stdout, in the order it reads; notes (warnings among them) on stderr
+    if quiet:
+        if not dry_run:
+            click.echo(str(reply.id))
+    elif dry_run:
         click.echo(f"would queue {format_changes(reply.changes)}{where}")
         click.echo(_prediction_line(reply, bands.memory_edge_fraction))
         if reply.needs_force:
@@ -249,14 +263,12 @@ def set_command(
                 f"{bands.memory_danger_fraction:.0%} danger band"
             )
     else:
-        click.echo(str(reply.id))
         click.echo(
             f"queued #{reply.id}{where}: {format_changes(reply.changes)} (applies at the next "
-            "checkpoint)",
-            err=True,
+            "checkpoint)"
         )
-        click.echo(_prediction_line(reply, bands.memory_edge_fraction), err=True)
-    if reply.note and not (dry_run and reply.needs_force):
+        click.echo(_prediction_line(reply, bands.memory_edge_fraction))
+    if reply.note and not (dry_run and reply.needs_force and not quiet):
         click.echo(f"note: {reply.note}", err=True)
 
 

@@ -361,17 +361,25 @@ def format_lr(factor: float, rule: str) -> str:
 
 
 def lr_words(
-    old: Knobs, new: Knobs, rule: str, *, optimizer_known: bool, world_size: int = 1
+    old: Knobs,
+    new: Knobs,
+    rule: str,
+    *,
+    optimizer_known: bool,
+    world_size: int = 1,
+    why: str = "",
 ) -> str:
     """What a change from ``old`` to ``new`` does to the LR under ``rule``, in words: ``lr x2.0
-    (linear)``, a warning that it does not follow the effective batch, or "" if that stays."""
+    (linear)``, a warning that it does not follow the effective batch (``why``, where the
+    caller knows), or "" if that stays."""
     before, after = samples_per_rank_step(old), samples_per_rank_step(new)
     if before is None or after is None or before == after:
         return ""
     factor = lr_factor(old, new, rule)
-    if factor is not None and optimizer_known:
+    if factor is not None and optimizer_known and not why:
         return format_lr(factor, rule)
-    why = "no optimizer known to memtui" if factor is not None else "rule none"
+    if not why:
+        why = "no optimizer known to memtui" if factor is not None else "rule none"
     return (
         f"warning: effective batch {before * world_size} -> {after * world_size}, the LR does "
         f"not follow ({why})"

@@ -8,6 +8,7 @@ field below is a key of ``memtui status --json``; the text view reads nothing el
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -38,6 +39,7 @@ from memtui.wire import (
     Effect,
     HookCounters,
     HostSample,
+    LrState,
     MemoryModel,
     OomEvent,
     PendingChange,
@@ -52,6 +54,15 @@ StructT = TypeVar("StructT", bound=Struct)
 
 Config = dict[str, KnobValue | None]
 """Every knob by name, ``None`` where the run does not expose it."""
+
+
+def unused_knobs(config: Mapping[str, object]) -> dict[str, str]:
+    """The knobs whose value the run's loader does not use now, with why in a few words:
+    ``prefetch_factor`` without loader workers (torch uses it only with ``num_workers > 0``; the
+    value kept is the one workers would use)."""
+    if config.get("num_workers") == 0 and config.get("prefetch_factor") is not None:
+        return {"prefetch_factor": "no loader workers"}
+    return {}
 
 
 class Metrics(Struct):
@@ -232,6 +243,9 @@ class StatusReport(Struct):
     static_memory: StaticMemory | None
     recommendations: list[Option]
     max_safe_batch_size: int | None
+    """The largest micro-batch the memory model predicts under the edge band; where ``max_safe``
+    starts with ``>`` it is a guess past the micro-batches measured, and the text says only
+    that floor."""
     model: ModelReport | None
     prediction_accuracy: Accuracy
     ooms: list[OomEvent]
@@ -261,6 +275,12 @@ class StatusReport(Struct):
     """Pending changes cancelled, from any shell or viewer, most recent last."""
     autopilot: AutopilotState | None = None
     """The autopilot's state (None: an older hook)."""
+    config_unused: dict[str, str] = {}
+    """The knobs of ``config`` the run's loader does not use now, with why (``prefetch_factor``
+    without loader workers): ``config`` keeps their value, the one used once they apply."""
+    lr: LrState | None = None
+    """The factor the optimizers' LR carries over the script's own, as the hook last read it
+    before a step, and whether the script sets its LR itself (None: an older hook)."""
 
 
 # ---------------------------------------------------------------------------- building
@@ -391,6 +411,7 @@ def build_status(
         device=info.device,
         step=snapshot.step,
         config=_config(snapshot),
+        config_unused=unused_knobs(_config(snapshot)),
         tunable=control.tunable,
         effective_batch=eff,
         pending=list(control.pending),
@@ -430,6 +451,7 @@ def build_status(
         ooms=list(control.ooms),
         disabled=control.disabled,
         autopilot=control.autopilot,
+        lr=control.lr,
         ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
         last_step=snapshot.steps[-1] if snapshot.steps else None,
         host_memory=snapshot.host[-1] if snapshot.host else None,
@@ -454,6 +476,21 @@ def status_json(report: StatusReport) -> str:
 
 
 # ---------------------------------------------------------------------------- text
+
+
+def lr_line(lr: LrState, world_size: int = 1) -> str:
+    """The LR in one line: the factor over the script's own and where it comes from, or that
+    the script sets its LR itself ("" while the LR is the script's own and memtui may scale it)."""
+    if lr.script_schedule:
+        return f"lr: the script's own schedule, not scaled by memtui ({lr.script_schedule})"
+    if lr.factor == 1.0:
+        return ""
+    text = f"lr: x{round(lr.factor, 4)} the script's own"
+    if lr.rule and lr.anchor_batch:
+        text += f" ({lr.rule} from effective batch {lr.anchor_batch * world_size})"
+    if lr.fields:
+        text += f", with {', '.join(lr.fields)}"
+    return text
 
 
 def render_status(report: StatusReport, now: float | None = None) -> str:
@@ -524,9 +561,16 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
             + workers_memory(host)
         )
-    config = " ".join(f"{k}={format_value(v)}" for k, v in report.config.items())
+    config = " ".join(
+        f"{k}=- ({report.config_unused[k]})"
+        if k in report.config_unused
+        else f"{k}={format_value(v)}"
+        for k, v in report.config.items()
+    )
     eff = report.effective_batch
     lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
+    if report.lr is not None and (line := lr_line(report.lr, report.world_size)):
+        lines.append(line)
     for change in report.pending:
         note = f"  [{change.note}]" if change.note else ""
         predicted = ""

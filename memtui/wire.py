@@ -311,6 +311,34 @@ class OomEvent(Struct, omit_defaults=True):
     """The config written for the restart (the tuned YAML's ``config``)."""
 
 
+class LrState(Struct):
+    """What the optimizers' LR carries over the script's own, as the hook last checked it."""
+
+    factor: float = 1.0
+    """The factor memtui applied and the optimizer uses (1.0: the script's own LR)."""
+    anchor_batch: int | None = None
+    """The effective batch per rank the factor's rule computes from (None: no change yet)."""
+    anchor_factor: float = 1.0
+    """The factor that is right at ``anchor_batch``."""
+    rule: str = ""
+    """The rule of the last change that moved the LR ('' none)."""
+    fields: list[str] = []
+    """The config fields the script's own LR schedule reads, which memtui scales with it."""
+    script_schedule: str = ""
+    """Why memtui knows the script sets the optimizer's LR itself ('' it does not, so far):
+    memtui scales no LR then, and refuses LR rules."""
+
+
+class LrWithdrawn(Struct, omit_defaults=True):
+    """The script set the optimizer's LR itself: the factor memtui had applied no longer holds."""
+
+    time: float
+    step: int
+    factor: float
+    """The factor memtui had applied, withdrawn (the LR is the script's own from here)."""
+    note: str
+
+
 class RejectedChange(Struct, omit_defaults=True):
     """A change that was refused, when queued or at the boundary."""
 
@@ -394,6 +422,8 @@ class ControlState(Struct, omit_defaults=True):
     """Pending changes cancelled, most recent last, capped (an older hook sends none)."""
     autopilot: AutopilotState | None = None
     """The autopilot's state (None: an older hook, or a rank other than 0)."""
+    lr: LrState | None = None
+    """The LR factor and whether the script owns its schedule (None: an older hook)."""
 
 
 class HookCounters(Struct, omit_defaults=True):

@@ -75,9 +75,9 @@ def test_queue_apply_rebuild_persist_and_resume(start_demo: Callable[..., DemoRu
     assert before["host_memory"]["ram_total_bytes"] > 0
     assert workers_of(demo.proc.pid) == set()
 
-    result = memtui_cli("set", "batch_size=12", "grad_accum=3", "num_workers=2")
+    result = memtui_cli("set", "batch_size=12", "grad_accum=3", "num_workers=2", "-q")
     assert result.returncode == 0, result.stderr
-    change_id = int(result.stdout.strip())
+    change_id = int(result.stdout.strip())  # -q: the id alone
 
     applied = wait_applied(run, 1)[0]
     queued = next(e for e in audit(demo) if e["event"] == "queued")
@@ -216,7 +216,7 @@ def test_cli_without_a_run_and_with_several(start_demo: Callable[..., DemoRun]) 
     )
     cancel = memtui_cli("cancel", first.run_id, "7")
     assert cancel.returncode == 2 and "no pending change #7" in cancel.stderr
-    queued = memtui_cli("set", first.run_id, "pin_memory=true")
+    queued = memtui_cli("set", first.run_id, "pin_memory=true", "--quiet")
     assert "note: pin_memory=true has no effect on this run: torch sees no accelerator" in (
         queued.stderr
     ), "a CPU run queues pinning but says it does nothing there"

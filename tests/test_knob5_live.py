@@ -90,7 +90,7 @@ def test_prefetch_factor_and_the_lr_rule_on_a_live_run_and_across_a_restart(
     notes = [e.get("lr_note", "") for e in audit if e["event"] == "applied"]
     assert notes[0] == "lr x2.0 (linear)" and "LR does not follow" in notes[1]
     tuned = yaml.safe_load((demo.out / "memtui-tuned.yaml").read_text())
-    assert tuned["lr"] == {"factor": 2.0} and tuned["config"]["prefetch_factor"] == 4
+    assert tuned["lr"]["factor"] == 2.0 and tuned["config"]["prefetch_factor"] == 4
     demo.stop()
 
     (demo.out / "checkpoint.pt").unlink()  # only the tuned YAML carries the LR now

@@ -4,6 +4,7 @@ decodes back into the schema; the text is rendered from the report alone."""
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import pytest
@@ -11,6 +12,9 @@ import pytest
 from memtui.advice.verdict import load_thresholds
 from memtui.recording import read_recording
 from memtui.report import StatusReport, build_status, render_status, status_json
+from memtui.tui.events import ReceivedBatch
+from memtui.tui.state import RunState, ViewOptions
+from memtui.tui.widgets.config import ConfigPanel
 from memtui.wire import Decoder
 from tests.test_verdict_parity import RECORDINGS, HookHistories
 
@@ -74,3 +78,43 @@ def test_status_text_names_what_the_report_holds() -> None:
     assert f"verdict: {report.verdict.state}: {report.verdict.headline}" in text
     for applied in report.applied[-5:]:
         assert f"applied at step {applied.step}:" in text
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
+def test_status_says_one_largest_micro_batch(path: object) -> None:
+    """The model line and the options quote the same largest micro-batch under the edge band:
+    past 4x the largest micro-batch measured, only that floor (``> 64``), never the size a line
+    fitted on small micro-batches extrapolates to (a CPU run's option said 18606 beside it)."""
+    for report in _reports(path):
+        text = render_status(report, now=report.started + 60)
+        figures = set(re.findall(r"largest (?:micro-batch )?under \d+%: (> \d+|\d+)", text))
+        assert len(figures) <= 1, text
+        if report.max_safe.startswith(">"):
+            assert figures == {report.max_safe.split(" (")[0]}, text
+
+
+def test_prefetch_factor_without_loader_workers_is_shown_unused() -> None:
+    """A loader without workers ignores ``prefetch_factor`` (torch uses it only with workers):
+    the text shows none in effect and why; the JSON keeps the value (the one workers would use)
+    under its key and says why it is unused in ``config_unused``; the viewer's config panel
+    shows ``-``, and the value it takes once a pending change of workers lands."""
+    path = next(p for p in RECORDINGS if p.stem == "demo_autopilot")
+    reports = _reports(path)
+    without = next(r for r in reports if r.config["num_workers"] == 0)
+    with_workers = next(r for r in reports if r.config["num_workers"])
+    text = render_status(without, now=without.started + 60)
+    assert "num_workers=0 pin_memory=false prefetch_factor=- (no loader workers)" in text, text
+    data = json.loads(status_json(without))
+    assert data["config"]["prefetch_factor"] == 2
+    assert data["config_unused"] == {"prefetch_factor": "no loader workers"}
+    assert with_workers.config_unused == {}
+    assert "prefetch_factor=2" in render_status(with_workers, now=with_workers.started + 60)
+
+    state, decoder = RunState(), Decoder()
+    for frame in read_recording(path).frames:
+        state.apply(ReceivedBatch(events=[decoder.decode(frame.frame)], clock=frame.offset_s))
+        if state.knob_value("num_workers") == 0 and state.pending_values().get("num_workers"):
+            break
+    panel = str(ConfigPanel().build(state, ViewOptions(), 60)).splitlines()
+    assert re.search(r"^num_workers +0  → 1 ", panel[3]), panel
+    assert re.search(r"^prefetch_factor +-  → 2 ", panel[5]), panel

@@ -28,7 +28,7 @@ def test_set_and_cancel_refuse_to_guess_among_live_runs_and_name_the_run(tmp_pat
 
         named = memtui_cli("set", first.run_id, "num_workers=2")
         assert named.returncode == 0, named.stderr
-        assert f"queued #1 on {first.run_id}: num_workers=2" in named.stderr
+        assert named.stdout.startswith(f"queued #1 on {first.run_id}: num_workers=2")
         assert len(first.control.state().pending) == 1 and not second.control.state().pending
         dry = memtui_cli("set", second.run_id, "num_workers=3", "--dry-run")
         assert f"would queue num_workers=3 on {second.run_id}" in dry.stdout

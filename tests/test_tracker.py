@@ -85,7 +85,10 @@ print("done", tuner.step_count, flush=True)
 """
 
 
-REBUILT = "(the data loader is rebuilt at the next batch)"
+REBUILT = (
+    "(the data loader is rebuilt at the next batch; warning: effective batch 8 -> 16, the LR "
+    "does not follow (rule none))"
+)
 AT_16 = "batch_size=16 grad_accum=1 num_workers=0 pin_memory=false prefetch_factor=2"
 """The config the script runs out of memory at."""
 

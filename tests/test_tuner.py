@@ -225,7 +225,12 @@ def test_timed_batches_count_a_batch_function_and_follow_a_change(tmp_path: Path
     train_step()
     train_step(as_dict=True)
     queue(tuner, batch_size=6)
-    assert tuner.checkpoint() is not None and config["batch_size"] == 6
+    applied = tuner.checkpoint()
+    assert applied is not None and config["batch_size"] == 6
+    # no loader of memtui's: the note says who reads the new value, not that a loader is rebuilt
+    assert applied.note == (
+        "no data loader to rebuild: the script reads batch_size from its config at its next batch"
+    )
     train_step()
     train_step(tuner.timed_batches(lambda split: get_batch(split)[0].flatten()))
     train_step(tuner.timed_batches(lambda split: [get_batch(split)[0].tolist()]))  # len() of a list

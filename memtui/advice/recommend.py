@@ -18,7 +18,7 @@ from typing import TypedDict
 
 from memtui.advice.effect import measurable, speedup
 from memtui.advice.measure import per_worker_bytes
-from memtui.advice.predict import max_batch, predict_peak
+from memtui.advice.predict import predict_peak, safe_batch
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import (
@@ -371,7 +371,11 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
     edge = inputs.memory_edge_fraction
     underused = inputs.underused_memory_fraction
-    safe = max_batch(model, edge, inputs.ceiling)
+    found = safe_batch(model, edge, inputs.ceiling)
+    safe = found.size if found is not None else None
+    # quoted as the model line of `memtui status` and the viewer quote it: past the guess
+    # multiple only its floor (``> 32``), never the extrapolated size
+    shown = found.figure if found is not None else None
     starved = (
         inputs.steps is not None and inputs.steps.data_wait_fraction >= inputs.starved_wait_fraction
     )
@@ -402,7 +406,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                     else " (the effective batch grows)"
                 ),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {safe})",
+                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {shown})",
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
                 speed_delta=speed,
@@ -428,7 +432,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
                 changes=changes,
                 why=f"peak memory {frac_now:.0%} of capacity: {'danger' if frac_now >= inputs.memory_danger_fraction else 'edge'} band"
-                + (f" (largest under {edge:.0%}: {safe})" if safe is not None else ""),
+                + (f" (largest under {edge:.0%}: {shown})" if shown is not None else ""),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
                 speed_delta=speed,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memtui.hooks.adapters import UnsupportedTrainer, framework_of
@@ -47,6 +47,7 @@ def install(
     record: str | os.PathLike[str] | None = None,
     autotune: bool = False,
     lr_scale: str = "none",
+    lr_fields: Sequence[str] = (),
 ) -> Tuner:
     """Install memtui in this training process and return its Tuner.
 
@@ -64,6 +65,8 @@ def install(
     checkpoint, until nothing left is predicted to help (``Options.autotune`` likewise).
     ``lr_scale`` is the run's rule for the LR when a change moves the effective batch and names
     no rule of its own: ``linear``, ``sqrt`` or ``none`` (see "Changing the effective batch").
+    ``lr_fields`` names the config fields a loop's own LR schedule reads every step (nanoGPT's
+    ``("learning_rate", "min_lr")``): memtui multiplies them with the optimizer's LR.
     """
     if autotune:
         options = dataclasses.replace(options or Options(), autotune=True)
@@ -91,7 +94,9 @@ def install(
     if framework == "accelerate":
         from memtui.hooks.adapters import accelerate
 
-        return accelerate.install(trainer, knobs=knobs, config=config, **common)
+        return accelerate.install(
+            trainer, knobs=knobs, config=config, lr_fields=lr_fields, **common
+        )
     target = config if config is not None else trainer
     return Tuner(
         target,
@@ -105,4 +110,5 @@ def install(
         auto_step=auto_step,
         options=options,
         lr_scale=lr_scale,
+        lr_fields=lr_fields,
     ).start()

@@ -26,7 +26,6 @@ from memtui.knobs import (
     format_diffs,
     format_lr,
     knobs_with,
-    lr_factor,
     lr_words,
     merge,
     shrank,
@@ -71,6 +70,7 @@ class Boundary:
         report: Report,
         on_ranks_changed: Callable[[], None] = lambda: None,
         lr: LearningRate | None = None,
+        has_loader: Callable[[], bool] = lambda: True,
     ) -> None:
         self._lr = lr or LearningRate()
         self._store = store
@@ -79,6 +79,9 @@ class Boundary:
         self._tuned = tuned
         self._report = report
         self._on_ranks_changed = on_ranks_changed
+        self._has_loader = has_loader
+        """Whether a data loader follows the loader knobs (memtui's, or a framework's that the
+        adapter rebuilds): what the note of an applied change says happens next."""
 
     def run(self, step: int) -> Applied | None:
         """Take (rank 0), agree on and apply the pending changes at ``step``; what was applied."""
@@ -115,7 +118,7 @@ class Boundary:
         if not taken or not self._lr.known():
             return taken
         new = knobs_with(self._store.knobs, merge(c.changes for c in taken))
-        factor = lr_factor(self._store.knobs, new, lr_rule_of(taken))
+        factor = self._lr.decide(self._store.knobs, new, lr_rule_of(taken))
         return [msgspec.structs.replace(c, lr_factor=factor) for c in taken]
 
     def _apply(self, pending: list[PendingChange], step: int) -> Applied | None:
@@ -130,20 +133,20 @@ class Boundary:
             control.record_rejected(pending, str(exc), step)
             return None
         rule, factor = lr_rule_of(pending), pending[-1].lr_factor
+        lr = self._lr
         if factor is not None:
-            self._lr.scale(factor)
-            lr_note = format_lr(factor, rule)
-        else:  # rank 0 decided none: the rule is none, or it knows no optimizer
+            lr_note = lr.note(factor, rule, before, store.knobs)
+        else:  # rank 0 decided none: the rule is none, it knows no optimizer, or the script's
             lr_note = lr_words(
                 before,
                 store.knobs,
                 rule,
                 optimizer_known=False,
                 world_size=self._placement.world_size,
+                why=lr.owner if rule != "none" else "",
             )
-        note = (
-            "the data loader is rebuilt at the next batch" if set(diffs) & set(LOADER_KNOBS) else ""
-        )
+        lr.changed(factor, rule, before, store.knobs)
+        note = self._loader_note(set(diffs))
         applied = Applied(
             ids=[c.id for c in pending],
             step=step,
@@ -167,6 +170,23 @@ class Boundary:
         log.info("%s", describe_applied(applied))
         return applied
 
+    def _loader_note(self, changed: set[str]) -> str:
+        """What a change of loader knobs does next: the loader is rebuilt, or, in a loop without
+        one (a batch function over a tensor), the script reads the config memtui wrote into."""
+        knobs = [k for k in LOADER_KNOBS if k in changed]
+        if not knobs:
+            return ""
+        try:
+            has_loader = self._has_loader()
+        except Exception as exc:
+            self._report(exc, "the applied change's note")
+            has_loader = True
+        if has_loader:
+            return "the data loader is rebuilt at the next batch"
+        names = " and ".join(knobs)
+        when = " at its next batch" if knobs == ["batch_size"] else ""
+        return f"no data loader to rebuild: the script reads {names} from its config{when}"
+
     def revert(self, target: AppliedChange, step: int, note: str) -> AppliedChange | str:
         """Undo an applied change now (an out-of-memory rollback): the rollback record, or why
         it could not be undone."""
@@ -176,8 +196,7 @@ class Boundary:
         except KnobError as exc:
             return str(exc)
         undo = 1.0 / target.lr_factor if target.lr_factor else None
-        if undo is not None:
-            self._lr.scale(undo)
+        self._lr.revert(target.lr_factor)
         rollback = AppliedChange(
             ids=[],
             step=step,

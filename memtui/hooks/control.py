@@ -27,7 +27,6 @@ from memtui.knobs import (
     format_changes,
     format_diffs,
     knobs_with,
-    lr_words,
     merge,
     parse_changes,
     resolve,
@@ -203,6 +202,7 @@ class Control:
                 ooms=list(self.ooms),
                 ceiling=self.ceiling,
                 autopilot=self.pilot.state() if self.pilot is not None else None,
+                lr=self._lr.state(),
             )
 
     def touch(self) -> None:
@@ -250,13 +250,12 @@ class Control:
                 )
                 projected = knobs_with(self._projected(), resolved.changes)
                 prediction = self._predict(projected)
-                lr_note = lr_words(
-                    self._projected(),
-                    projected,
-                    rule,
-                    optimizer_known=self._lr.known(),
-                    world_size=self.world_size,
-                )
+                lr_note = self._lr.words(self._projected(), projected, rule, self.world_size)
+                if request.lr_scale and rule != "none" and self._lr.owner and lr_note:
+                    raise KnobError(
+                        f"--lr-scale {rule} cannot hold: {self._lr.owner}; queue it with "
+                        "--lr-scale none, or install with lr_fields= naming what the schedule reads"
+                    )
                 if request.dry_run:
                     return _reply(
                         prediction,

@@ -15,7 +15,16 @@ from typing import Any
 
 from memtui.hooks.binding import ConfigBinding
 from memtui.hooks.errors import Report
-from memtui.knobs import KNOBS, KnobError, as_dict, diff, format_diffs, knobs_with, parse_value
+from memtui.knobs import (
+    KNOBS,
+    KnobError,
+    as_dict,
+    diff,
+    format_diffs,
+    format_value,
+    knobs_with,
+    parse_value,
+)
 from memtui.stats import shown
 from memtui.wire import KnobDiff, Knobs, KnobValue
 
@@ -137,8 +146,18 @@ class KnobStore:
                 self.binding.write(knob, value)
         resumed = diff(self._knobs, wanted)
         self._knobs = knobs_with(self._knobs, wanted)
-        if resumed:
-            log.warning("memtui: resumed the tuned config from %s: %s", path, format_diffs(resumed))
+        # a knob no config holds (a framework's loader knobs) has no value to name yet: the
+        # loader that ``tuner.loader(factory)`` builds later takes the tuned one
+        known = {k: d for k, d in resumed.items() if d.old is not None}
+        later = [f"{k} {format_value(d.new)}" for k, d in resumed.items() if d.old is None]
+        said = [format_diffs(known)] if known else []
+        if later:
+            said.append(
+                f"tuner.loader() builds its loader with {', '.join(later)} (instead of the "
+                "factory's own values)"
+            )
+        if said:
+            log.warning("memtui: resumed the tuned config from %s: %s", path, "; ".join(said))
         return resumed
 
     def as_dict(self) -> dict[str, KnobValue | None]:

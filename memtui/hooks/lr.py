@@ -1,22 +1,42 @@
 """The learning rate's owner: the optimizers and LR schedulers memtui knows, the run's rule for
-a change of the effective batch, and the factor applied since the script's own LR.
+a change of the effective batch, and the factor the optimizers' LR carries over the script's own.
 
-A boundary that changes the effective batch (micro-batch x accumulation x ranks) multiplies
-every known optimizer param group's ``lr`` and ``initial_lr`` and every known scheduler's
-``base_lrs`` by the factor rank 0 decided (``scale``); an out-of-memory rollback divides by it
-again. The product of those factors is written with the tuned config (``persisted``), and a
-resumed run multiplies the optimizers and schedulers it is given by it (``resume``), so a
-restart keeps the LR that went with the tuned batch.
+The factor is a function of where the run is, not of the path it took: it is ``linear`` or
+``sqrt`` of the effective batch over an anchor (the effective batch at which a known factor was
+right: the script's own LR at the batch it started with, or the one a ``none`` change kept).
+A boundary multiplies every known optimizer param group's ``lr`` and ``initial_lr``, every known
+scheduler's ``base_lrs`` and the config fields the script's own schedule reads (``lr_fields``)
+by what takes the factor there; an out-of-memory rollback restores the factor before it.
+
+What memtui reports is what the optimizer uses: while the factor is not 1, a step pre-hook on
+each known optimizer reads the LR the step is about to use. An LR that moved between two steps
+with no LR scheduler memtui knows to move it (or not as that scheduler set it) is the script's
+own schedule: memtui withdraws its factor, says so, and refuses LR rules from then on (unless
+the script's schedule reads ``lr_fields``, which memtui scales).
+
+The tuned config keeps the factor, its anchor and the optimizers' scaled start LRs. A resumed run
+reconciles each optimizer it is given, when it is given and again before its first step (after
+any state the script or a Trainer loaded from a checkpoint): an LR that already carries the
+factor (a checkpoint saved after the change) is left, one that lacks it is multiplied.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any, TypeGuard
 
-from memtui.knobs import lr_rule
+from memtui.knobs import Knobs, format_lr, lr_rule, samples_per_rank_step
+from memtui.wire import LrState
 
 LR_SECTION = "lr"
 """The tuned config's section that keeps the LR factor."""
+
+HISTORY = 16
+"""Factors kept for out-of-memory rollbacks (each undoes the latest change)."""
+
+Lost = Callable[[str, float], None]
+"""Told ``(why, undo)`` when the script is found to set its own LR (memtui's factor withdrawn)."""
 
 
 def _unwrapped(optimizer: Any) -> Any:
@@ -31,18 +51,63 @@ def _groups(optimizer: Any) -> list[dict[str, Any]]:
     return list(groups) if isinstance(groups, list) else []
 
 
+def _close(a: float, b: float) -> bool:
+    """Whether two LRs are the same value (up to float rounding of a few multiplications)."""
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-15)
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    """A plain LR value memtui can read without touching a device (not a tensor, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def rule_factor(rule: str, ratio: float) -> float:
+    """What a rule makes of a ratio of effective batches (``none``: 1)."""
+    if rule == "linear":
+        return ratio
+    if rule == "sqrt":
+        return ratio**0.5
+    return 1.0
+
+
 class LearningRate:
     """The optimizers and schedulers whose LR follows the effective batch, and by how much."""
 
-    def __init__(self, rule: str = "none") -> None:
+    def __init__(
+        self,
+        rule: str = "none",
+        *,
+        fields: Sequence[str] = (),
+        config: Any = None,
+        report: Callable[[BaseException, str], None] | None = None,
+    ) -> None:
         self.rule = lr_rule(rule)
         """The run's rule for a change that names none (``hooks.install(..., lr_scale=...)``)."""
+        self.fields = tuple(fields)
+        """The config's fields the script's own LR schedule reads (``lr_fields``)."""
+        self._config = config
+        self._report = report or (lambda exc, where: None)
         self._optimizers: list[Any] = []
         self._schedulers: list[Any] = []
         self.factor = 1.0
-        """The product of the factors applied since the script's own LR (1.0: untouched)."""
-        self._owed = 1.0
-        """The resumed factor, applied to each optimizer and scheduler as it is made known."""
+        """What the optimizers' LR carries over the script's own (1.0: untouched)."""
+        self.anchor: tuple[int, float] | None = None
+        """(samples per rank step, the factor right there) that the rules compute from."""
+        self.last_rule = ""
+        """The rule of the last change that moved the LR ('' none since the anchor)."""
+        self.owner = ""
+        """Why memtui knows the script sets the optimizer's LR itself ('' it does not, so far)."""
+        self.on_lost: Lost | None = None
+        self._history: list[tuple[float, tuple[int, float] | None, str]] = []
+        self._starts: list[list[float]] | None = None
+        """Each optimizer's scaled start LRs as the tuned config kept them (resumed runs)."""
+        self._unchecked: set[int] = set()
+        """Optimizers (by position) still to reconcile with the resumed factor at their step."""
+        self._seen: dict[int, list[float]] = {}
+        """Each optimizer's LRs at its last step (or as memtui last wrote them)."""
+        self._hooks: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ what memtui knows
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """Make an optimizer's LR follow the effective batch (once; a resumed factor applies)."""
@@ -50,8 +115,11 @@ class LearningRate:
         if optimizer is None or any(o is optimizer for o in self._optimizers):
             return
         self._optimizers.append(optimizer)
-        if self._owed != 1.0:
-            _scale_groups(optimizer, self._owed)
+        index = len(self._optimizers) - 1
+        if self.factor != 1.0 and not self.fields:
+            self._reconcile(index)
+            self._unchecked.add(index)  # a checkpoint may still be loaded into it
+        self._arm()
 
     def watch_scheduler(self, scheduler: Any) -> None:
         """Make an LR scheduler's ``base_lrs`` follow the effective batch (and its optimizer's)."""
@@ -59,65 +127,389 @@ class LearningRate:
             return
         self._schedulers.append(scheduler)
         self.watch_optimizer(getattr(_inner(scheduler), "optimizer", None))
-        if self._owed != 1.0:  # its optimizer's initial LRs carry the resumed factor now
+        if self.factor != 1.0 and not self.fields:  # its optimizer's starts carry the factor now
             _rebase(scheduler)
 
     def known(self) -> bool:
         """Whether an optimizer is known: a change of the effective batch can move its LR."""
-        return bool(self._optimizers)
+        return bool(self._optimizers) or bool(self.fields)
+
+    def state(self) -> LrState:
+        """The factor, its anchor and rule, and whether the script owns its schedule."""
+        batch, factor = self.anchor or (None, 1.0)
+        return LrState(
+            factor=self.factor,
+            anchor_batch=batch,
+            anchor_factor=factor,
+            rule=self.last_rule,
+            fields=list(self.fields),
+            script_schedule=self.owner,
+        )
 
     def resolve(self, requested: str) -> str:
         """The rule a change follows: the one it names, else the run's (raise KnobError)."""
         return lr_rule(requested) if requested else self.rule
 
-    def scale(self, factor: float) -> None:
-        """Multiply every known LR by ``factor`` (param groups, initial LRs, schedulers' bases)."""
-        self._multiply(factor)
-        self.factor *= factor
+    # ------------------------------------------------------------------ a change's factor
 
-    def _multiply(self, factor: float) -> None:
-        """Multiply every known LR by ``factor`` without counting it (it was counted before)."""
+    def decide(self, old: Knobs, new: Knobs, rule: str) -> float | None:
+        """What every LR is multiplied by when the config goes from ``old`` to ``new`` under
+        ``rule``: the rule's factor from the anchor over the factor held now (None: it stays)."""
+        before, after = samples_per_rank_step(old), samples_per_rank_step(new)
+        if before is None or after is None or before == after or rule == "none" or self.owner:
+            return None
+        batch, factor = self.anchor or (before, self.factor)
+        multiplier = factor * rule_factor(rule, after / batch) / self.factor
+        return None if _close(multiplier, 1.0) else multiplier
+
+    def words(self, old: Knobs, new: Knobs, rule: str, world_size: int = 1) -> str:
+        """What a change does to the LR, in words: ``lr x2.0 (linear)``, or a warning that the
+        LR does not follow (and why), or "" when the effective batch stays."""
+        before, after = samples_per_rank_step(old), samples_per_rank_step(new)
+        if before is None or after is None or before == after:
+            return ""
+        if rule != "none" and self.known() and not self.owner:
+            multiplier = self.decide(old, new, rule) or 1.0
+            return self._said(multiplier, rule, before, after)
+        why = (
+            self.owner
+            if self.owner and rule != "none"
+            else "rule none"
+            if rule == "none"
+            else "no optimizer known to memtui"
+        )
+        return (
+            f"warning: effective batch {before * world_size} -> {after * world_size}, the LR does "
+            f"not follow ({why})"
+        )
+
+    def _said(self, multiplier: float, rule: str, before: int, after: int) -> str:
+        """The LR words of a change: its factor, the total over the script's own where that
+        differs, and a warning when its rule is not the one the factor came from."""
+        text = format_lr(multiplier, rule)
+        batch, factor = self.anchor or (before, self.factor)
+        total = factor * rule_factor(rule, after / batch)
+        if not _close(total, multiplier):
+            text += f"; the LR is then x{round(total, 4)} the script's own"
+        if self.last_rule and self.last_rule != rule:
+            text += (
+                f"; warning: the factor follows {rule} from effective batch {batch} per rank, "
+                f"the change before followed {self.last_rule}"
+            )
+        return text
+
+    def note(self, multiplier: float, rule: str, old: Knobs, new: Knobs) -> str:
+        """The applied change's LR words (before ``changed`` records it)."""
+        before, after = samples_per_rank_step(old) or 1, samples_per_rank_step(new) or 1
+        return self._said(multiplier, rule, before, after)
+
+    def changed(self, multiplier: float | None, rule: str, old: Knobs, new: Knobs) -> None:
+        """A boundary changed the config from ``old`` to ``new``: multiply every known LR by
+        ``multiplier`` (None: the LR stays, and the anchor moves to the new effective batch)."""
+        before, after = samples_per_rank_step(old), samples_per_rank_step(new)
+        if before is None or after is None or before == after:
+            return
+        self._history = [*self._history[-HISTORY + 1 :], (self.factor, self.anchor, self.last_rule)]
+        if multiplier is None:  # the LR stays: it is the one for the new effective batch
+            self.anchor, self.last_rule = (after, self.factor), ""
+            return
+        self.anchor = self.anchor or (before, self.factor)
+        self.last_rule = rule
+        self._scale(multiplier)
+
+    def revert(self, multiplier: float | None) -> None:
+        """Undo the latest change (an out-of-memory rollback): its factor and anchor."""
+        if self._history:
+            self.factor, self.anchor, self.last_rule = self._history.pop()
+        elif multiplier is not None:  # a change from before a restart: its factor is counted
+            self.factor /= multiplier
+        if multiplier is not None:
+            self._multiply(1.0 / multiplier)
+        self._arm()
+
+    def _scale(self, multiplier: float) -> None:
+        """Multiply every known LR by ``multiplier`` and count it in the factor."""
+        for optimizer in list(self._optimizers):
+            for scheduler in _unknown_schedulers(optimizer, self._schedulers):
+                self.watch_scheduler(scheduler)
+        self._multiply(multiplier)
+        self.factor *= multiplier
+        self._arm()
+
+    def _multiply(self, multiplier: float) -> None:
+        """Multiply every known LR (and the ``lr_fields``) by ``multiplier``."""
         for optimizer in self._optimizers:
-            _scale_groups(optimizer, factor)
+            _scale_groups(optimizer, multiplier)
         for scheduler in self._schedulers:
-            _scale_base(scheduler, factor)
+            _scale_base(scheduler, multiplier)
+        self._scale_fields(multiplier)
+        self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
+
+    def _scale_fields(self, multiplier: float) -> None:
+        """Multiply the config fields the script's own schedule reads."""
+        for name in self.fields:
+            value = _get(self._config, name)
+            if _number(value):
+                _set(self._config, name, value * multiplier)
 
     def replace(self, optimizer: Any, scheduler: Any, unsaved: float) -> None:
         """Follow an optimizer and scheduler loaded from a checkpoint instead of the ones known
         (a Trainer resuming in-process): ``unsaved`` is the factor applied since that checkpoint
         was saved, which its state lacks."""
+        self._disarm()
         self._optimizers, self._schedulers = [], []
-        self._owed = 1.0  # the checkpoint's state carries the resumed factor already
+        self._unchecked, self._seen = set(), {}
+        factor, self.factor = self.factor, 1.0  # the new objects are reconciled below, not here
         self.watch_optimizer(optimizer)
         self.watch_scheduler(scheduler)
+        self.factor = factor
         if unsaved != 1.0:
-            self._multiply(unsaved)
+            for known in self._optimizers:
+                _scale_groups(known, unsaved)
+            for known in self._schedulers:
+                _scale_base(known, unsaved)
+        self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
+        self._arm()
+
+    # ------------------------------------------------------------------ the tuned config
 
     def persisted(self) -> dict[str, Any]:
         """The tuned config's LR section (empty while the LR is the script's own)."""
-        if self.factor == 1.0:
-            return {}
-        return {LR_SECTION: {"factor": self.factor}}
+        section: dict[str, Any] = {}
+        if self.factor != 1.0:
+            section["factor"] = self.factor
+            if self.anchor is not None:
+                section["anchor"] = {"batch": self.anchor[0], "factor": self.anchor[1]}
+            if self.last_rule:
+                section["rule"] = self.last_rule
+            starts = [_starts(o) for o in self._optimizers]
+            if starts and all(starts) and not self.fields:
+                section["starts"] = starts
+            if self.fields:
+                section["fields"] = list(self.fields)
+        if self.owner:
+            section["script_schedule"] = self.owner
+        return {LR_SECTION: section} if section else {}
 
     def resume(self, section: Any) -> float:
         """Start from a tuned config's LR section: the optimizers and schedulers made known from
-        now on are multiplied by its factor; return it (1.0: none)."""
-        raw = section.get("factor") if isinstance(section, dict) else None
+        now on are reconciled with its factor; return it (1.0: none)."""
+        if not isinstance(section, Mapping):
+            return 1.0
+        owner = section.get("script_schedule")
+        if isinstance(owner, str) and owner and not self.fields:
+            self.owner = owner[:500]
+        raw = section.get("factor")
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1e6:
             return 1.0
-        self._owed = self.factor = float(raw)
-        for optimizer in self._optimizers:
-            _scale_groups(optimizer, self._owed)
+        self.factor = float(raw)
+        anchor = section.get("anchor")
+        if isinstance(anchor, Mapping):
+            batch, factor = anchor.get("batch"), anchor.get("factor")
+            if isinstance(batch, int) and batch > 0 and _number(factor) and 0 < factor < 1e6:
+                self.anchor = (batch, float(factor))
+        rule = section.get("rule")
+        self.last_rule = rule if rule in ("linear", "sqrt") else ""
+        starts = section.get("starts")
+        if isinstance(starts, list) and all(
+            isinstance(s, list) and all(_number(v) for v in s) for s in starts
+        ):
+            self._starts = [[float(v) for v in s] for s in starts]
+        self._scale_fields(self.factor)  # the script's own values, from its config
+        for index in range(len(self._optimizers)):
+            self._reconcile(index)
+            self._unchecked.add(index)
         for scheduler in self._schedulers:
             _rebase(scheduler)
+        self._arm()
         return self.factor
+
+    def _reconcile(self, index: int) -> None:
+        """Make optimizer ``index`` carry the factor once: left alone where its start LRs are the
+        tuned config's (a checkpoint saved after the change), multiplied where they lack it."""
+        if self.fields:
+            return  # the script's schedule sets its LR from the scaled fields
+        optimizer = self._optimizers[index]
+        now = _starts(optimizer)
+        kept = self._starts[index] if self._starts and index < len(self._starts) else None
+        if not now:
+            return
+        if kept is not None and len(kept) == len(now):
+            if all(_close(a, b) for a, b in zip(now, kept, strict=True)):
+                return  # carries the factor already
+            owes = all(_close(a * self.factor, b) for a, b in zip(now, kept, strict=True))
+            if not owes:
+                self._report(
+                    ValueError(
+                        f"the optimizer's start LRs {now} are neither the tuned config's {kept} "
+                        f"nor those over x{round(self.factor, 4)}: the script's LR changed; "
+                        "memtui applies its factor to it"
+                    ),
+                    "resuming the LR factor",
+                )
+        _scale_groups(optimizer, self.factor)
+        for scheduler in self._schedulers:
+            if _optimizer_of(scheduler) is optimizer:
+                _rebase(scheduler)
+        if self._starts is None:
+            self._starts = []
+        while len(self._starts) <= index:
+            self._starts.append([])
+        self._starts[index] = _starts(optimizer)
+        self._seen[index] = _lrs(optimizer)
+
+    # ------------------------------------------------------------------ what the optimizer uses
+
+    def _arm(self) -> None:
+        """Read the LR before each optimizer step while memtui's factor is not 1."""
+        if self.factor == 1.0 or self.owner:
+            self._disarm()
+            return
+        for index, optimizer in enumerate(self._optimizers):
+            if index in self._hooks:
+                continue
+            register = getattr(optimizer, "register_step_pre_hook", None)
+            if not callable(register):
+                continue
+            try:
+                self._hooks[index] = register(self._checker(index))
+            except Exception as exc:
+                self._report(exc, "reading the LR at each step")
+
+    def _disarm(self) -> None:
+        """Stop reading the LR at each step."""
+        for handle in self._hooks.values():
+            try:
+                handle.remove()
+            except Exception as exc:
+                self._report(exc, "reading the LR at each step")
+        self._hooks = {}
+
+    def _checker(self, index: int) -> Callable[..., None]:
+        """The step pre-hook of optimizer ``index``: reconcile once, then check the LR held."""
+
+        def check(optimizer: Any, args: Any, kwargs: Any) -> None:
+            try:
+                if index in self._unchecked:
+                    self._unchecked.discard(index)
+                    self._reconcile(index)
+                self._check(index, optimizer)
+            except Exception as exc:  # never into training
+                self._report(exc, "reading the LR at a step")
+
+        return check
+
+    def _check(self, index: int, optimizer: Any) -> None:
+        """Compare the LR this step uses with what memtui and the schedulers it knows set (the
+        first param group's: a script that sets its LR sets every group's)."""
+        if self.factor == 1.0 or self.owner or self.fields:
+            return
+        groups = optimizer.param_groups
+        now = groups[0].get("lr") if groups else None
+        if not _number(now):
+            return
+        scheduler = self._scheduler_of(optimizer)
+        last = getattr(scheduler, "_last_lr", None) if scheduler is not None else None
+        if last:
+            expected = last[0]
+        else:
+            seen = self._seen.get(index)
+            expected = seen[0] if seen else None
+        self._seen[index] = [now]
+        if _number(expected) and not _close(expected, now):
+            self._lose(expected, now)
+
+    def _scheduler_of(self, optimizer: Any) -> Any:
+        """The torch scheduler memtui knows that steps ``optimizer`` (None: none known)."""
+        for scheduler in self._schedulers:
+            if _optimizer_of(scheduler) is optimizer:
+                return _inner(scheduler)
+        return None
+
+    def _lose(self, expected: float, used: float) -> None:
+        """The script set the optimizer's LR itself: withdraw memtui's factor and say so."""
+        factor = self.factor
+        why = (
+            f"the script sets the optimizer's LR itself: a step used {used:.6g} where memtui "
+            f"had {expected:.6g}"
+            + (
+                " (an LR scheduler memtui does not know, or the loop's own schedule; give the "
+                "scheduler to tuner.watch_scheduler, or name the config fields the schedule reads "
+                "in hooks.install(..., lr_fields=...))"
+            )
+        )
+        for optimizer in self._optimizers:  # the 'lr' is the script's now; the starts follow it
+            for group in _groups(optimizer):
+                if _number(group.get("initial_lr")):
+                    group["initial_lr"] = group["initial_lr"] / factor
+        for scheduler in self._schedulers:
+            target = _inner(scheduler)
+            base = getattr(target, "base_lrs", None)
+            if isinstance(base, list):
+                target.base_lrs = [b / factor for b in base]
+        self._history = []
+        self.factor, self.anchor, self.last_rule, self.owner = 1.0, None, "", why
+        self._disarm()
+        if self.on_lost is not None:
+            self.on_lost(why, 1.0 / factor)
+
+
+def _unknown_schedulers(optimizer: Any, known: list[Any]) -> list[Any]:
+    """The torch LR schedulers of ``optimizer`` that memtui was not given (torch marks an
+    optimizer whose step a scheduler wraps; the scheduler is found among its referrers)."""
+    if not hasattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched"):
+        return []
+    if any(_optimizer_of(s) is optimizer for s in known):
+        return []
+    import gc
+
+    from torch.optim import lr_scheduler
+
+    kinds = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
+    found: list[Any] = []
+    for referrer in gc.get_referrers(optimizer):
+        holders = gc.get_referrers(referrer) if isinstance(referrer, dict) else [referrer]
+        for holder in holders:
+            owned = _unwrapped(getattr(holder, "optimizer", None)) is optimizer
+            if isinstance(holder, kinds) and owned and all(h is not holder for h in found):
+                found.append(holder)
+    return found
+
+
+def _lrs(optimizer: Any) -> list[float]:
+    """The LR of each param group (empty when one is not a plain number)."""
+    values = [group.get("lr") for group in _groups(optimizer)]
+    numbers = [float(v) for v in values if _number(v)]
+    return numbers if len(numbers) == len(values) else []
+
+
+def _starts(optimizer: Any) -> list[float]:
+    """Each param group's start LR (a scheduler's ``initial_lr``, else its ``lr``)."""
+    values = [group.get("initial_lr", group.get("lr")) for group in _groups(optimizer)]
+    numbers = [float(v) for v in values if _number(v)]
+    return numbers if len(numbers) == len(values) else []
+
+
+def _get(config: Any, name: str) -> Any:
+    """A config field's value (None when the config has no such field)."""
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    """Write a config field."""
+    if isinstance(config, MutableMapping):
+        config[name] = value
+    else:
+        setattr(config, name, value)
 
 
 def _scale_groups(optimizer: Any, factor: float) -> None:
     """Multiply each param group's ``lr`` and ``initial_lr`` (a scheduler's start) by ``factor``."""
     for group in _groups(optimizer):
         for key in ("lr", "initial_lr"):
-            if isinstance(group.get(key), (int, float)):
+            if _number(group.get(key)):
                 group[key] = group[key] * factor
 
 
@@ -125,6 +517,11 @@ def _inner(scheduler: Any) -> Any:
     """The torch scheduler inside an accelerate wrapper (or the scheduler itself)."""
     inner = getattr(scheduler, "scheduler", None)
     return inner if inner is not None else scheduler
+
+
+def _optimizer_of(scheduler: Any) -> Any:
+    """The torch optimizer a scheduler steps (inside any accelerate or HF wrapper)."""
+    return _unwrapped(getattr(_inner(scheduler), "optimizer", None))
 
 
 def _scale_base(scheduler: Any, factor: float) -> None:

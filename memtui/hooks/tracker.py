@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 from memtui.hooks.errors import Report
 from memtui.knobs import as_dict, format_changes, format_diffs
-from memtui.wire import AppliedChange, OomEvent
+from memtui.wire import AppliedChange, LrWithdrawn, OomEvent
 
-TrackerEvent = AppliedChange | OomEvent
-"""What a callback is given: an applied change or a rollback (``rollback=True``), or an OOM."""
+TrackerEvent = AppliedChange | OomEvent | LrWithdrawn
+"""What a callback is given: an applied change or a rollback (``rollback=True``), an OOM, or the
+LR factor withdrawn because the script sets its own LR."""
 
 EventCallback = Callable[[TrackerEvent, int], None]
 """``fn(event, step)``: the event and the optimizer step it landed at."""
@@ -26,18 +27,26 @@ TAG = "memtui"
 
 def event_text(event: TrackerEvent) -> str:
     """The event in one line: ``batch_size 16 -> 32 at step 300`` (a rollback or an OOM says so)."""
+    if isinstance(event, LrWithdrawn):
+        return (
+            f"the LR factor x{round(event.factor, 4)} no longer holds from step {event.step}: "
+            f"{event.note}"
+        )
     if isinstance(event, OomEvent):
         outcome = "rolled back" if event.rolled_back else "no rollback"
         text = f"out of memory at step {event.step} with {format_changes(as_dict(event.config))}"
         return f"{text}: {outcome}; {event.batch}" if event.batch else f"{text}: {outcome}"
     text = f"{format_diffs(event.changes) or 'no effective change'} at step {event.step}"
     text = f"rollback: {text}" if event.rollback else text
-    return f"{text} ({event.note})" if event.note else text
+    notes = "; ".join(n for n in (event.note, event.lr_note) if n)
+    return f"{text} ({notes})" if notes else text
 
 
 def event_values(event: TrackerEvent) -> dict[str, float]:
     """Each knob's new value as a number (pinning as 0 or 1), keyed ``memtui/<knob>``; an OOM has
     none (its rollback, a change of its own, carries them)."""
+    if isinstance(event, LrWithdrawn):
+        return {f"{TAG}/lr_factor": 1.0}
     if isinstance(event, OomEvent):
         return {}
     return {f"{TAG}/{knob}": float(diff.new) for knob, diff in event.changes.items()}

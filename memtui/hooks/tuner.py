@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ from memtui.hooks.tracker import EventCallback, Tracker
 from memtui.knobs import format_value
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import parse_bytes
-from memtui.wire import KnobDiff, Knobs, RankInfo, RunInfo
+from memtui.wire import KnobDiff, Knobs, LrWithdrawn, RankInfo, RunInfo
 
 log = logging.getLogger("memtui")
 
@@ -168,6 +168,7 @@ class Tuner:
         options: Options | None = None,
         placement: tuple[int, int, int] | None = None,
         lr_scale: str = "none",
+        lr_fields: Sequence[str] = (),
     ) -> None:
         # the hot path's owner first, so ``step()`` works whatever fails later
         self.errors = ErrorLog()
@@ -200,8 +201,9 @@ class Tuner:
         self._tuned_path_given = Path(tuned_path) if tuned_path else None
         self._resume_from = resume
         self._auto_step = auto_step
-        self.lr = LearningRate(lr_scale)
+        self.lr = LearningRate(lr_scale, fields=lr_fields, config=config, report=self.report)
         """The LR's owner: the optimizers and schedulers that follow the effective batch."""
+        self.lr.on_lost = self._lr_withdrawn
         self.control = Control(
             lambda: self.store.knobs,
             world_size=self.placement.world_size,
@@ -234,6 +236,9 @@ class Tuner:
             self.report,
             on_ranks_changed=self._register,
             lr=self.lr,
+            # memtui's loaders rebuild themselves, the HF adapter rebuilds the Trainer's; a loop
+            # with neither (a batch function) reads the config memtui writes into
+            has_loader=lambda: bool(self.loaders) or self.adapter is not None,
         )
         self.oom = OomHandler(
             ledger=self.ledger,
@@ -537,6 +542,22 @@ class Tuner:
             info.device, info.capacity_bytes = "cpu", probe.host.limit_bytes
         info.device_kind = probe.kind
         return info
+
+    def _lr_withdrawn(self, why: str, undo: float) -> None:
+        """The script set the optimizer's LR itself: say so everywhere the factor was said."""
+        step = self.ledger.step
+        event = LrWithdrawn(time=time.time(), step=step, factor=1.0 / undo, note=why)
+        log.warning(
+            "memtui: at step %d the LR factor x%s no longer holds: %s",
+            step,
+            round(1 / undo, 4),
+            why,
+        )
+        self.control.touch()
+        self.control.audit_event("lr_withdrawn", event)
+        self.tracker.emit(event, step)
+        if self.rank == 0:
+            self.tuned.write(self.store.knobs, step)
 
     # ------------------------------------------------------------------ resume
 

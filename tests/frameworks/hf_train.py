@@ -41,6 +41,7 @@ parser.add_argument("--save-only-model", action="store_true")
 parser.add_argument("--save-total-limit", type=int, default=None)
 parser.add_argument("--best", action="store_true", help="evaluate at each save; keep the best")
 parser.add_argument("--drop-scheduler", action="store_true", help="delete scheduler.pt at saves")
+parser.add_argument("--resume-from", default="", help="a restart: this checkpoint, the tuned YAML")
 cli = parser.parse_args()
 
 SEQ = 16
@@ -89,7 +90,13 @@ class WaitForGo(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         loader = kwargs["train_dataloader"]
-        loaders.append({"num_workers": loader.num_workers, "pin_memory": loader.pin_memory})
+        loaders.append(
+            {
+                "num_workers": loader.num_workers,
+                "pin_memory": loader.pin_memory,
+                "prefetch_factor": loader.prefetch_factor,
+            }
+        )
         if state.global_step > 0:  # a resume: the optimizer and scheduler are loaded by now
             optimizer, scheduler = kwargs["optimizer"], kwargs["lr_scheduler"]
             resumed.append(
@@ -152,7 +159,7 @@ args = TrainingArguments(
     report_to=[cli.report_to] if cli.report_to else [],
     use_cpu=True,
     dataloader_num_workers=0,
-    disable_tqdm=True,
+    # the Trainer's own tqdm progress bar stays on, as in a user's run
     seed=7,
     save_only_model=cli.save_only_model,
     save_total_limit=cli.save_total_limit,
@@ -166,10 +173,11 @@ trainer = Trainer(
     compute_metrics=(lambda _: {"order": -next(evaluations)}) if cli.best else None,
     callbacks=[WaitForGo()],
 )
-tuner = None if cli.no_memtui else hooks.install(trainer)  # the one line
+# the one line (a restart also takes the tuned config from the state dir: resume=True)
+tuner = None if cli.no_memtui else hooks.install(trainer, resume=bool(cli.resume_from))
 if tuner is not None:
     print(f"run {tuner.run_id} rank {tuner.rank} of {tuner.world_size}", flush=True)
-output = trainer.train()
+output = trainer.train(resume_from_checkpoint=cli.resume_from or None)
 steps = [e["step"] for e in trainer.state.log_history if "learning_rate" in e]
 lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
 report = {
@@ -191,6 +199,7 @@ report = {
     "loader_args": {
         "dataloader_num_workers": trainer.args.dataloader_num_workers,
         "dataloader_pin_memory": trainer.args.dataloader_pin_memory,
+        "dataloader_prefetch_factor": trainer.args.dataloader_prefetch_factor,
     },
     "tuner_step": tuner.step_count if tuner is not None else None,
     "restarts": tuner.adapter.restarts if tuner is not None else 0,

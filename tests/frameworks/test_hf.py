@@ -42,8 +42,11 @@ def audit_of(tmp_path: Path) -> list[dict[str, Any]]:
 def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> None:
     with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
         # 4 x 2 -> 6 x 1: 32 samples consumed at step 4 are not a whole number of new steps;
-        # no loader workers -> 2; pinned memory: off (use_cpu turns it off) -> on
-        paused.queue_and_go("batch_size=6", "grad_accum=1", "num_workers=2", "pin_memory=true")
+        # no loader workers -> 2 loading 4 batches ahead each; pinned memory: off (use_cpu turns
+        # it off) -> on
+        paused.queue_and_go(
+            "batch_size=6", "grad_accum=1", "num_workers=2", "prefetch_factor=4", "pin_memory=true"
+        )
         paused.finish(180)
     report = json.loads(paused.report.read_text())
     assert report["restarts"] == 1
@@ -82,10 +85,14 @@ def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> No
 
     # the loader: rebuilt by the resumed train() with the new workers and pinning (on a machine
     # with no GPU torch then pins nothing, but the DataLoader is asked to)
-    assert report["loader_args"] == {"dataloader_num_workers": 2, "dataloader_pin_memory": True}
+    assert report["loader_args"] == {
+        "dataloader_num_workers": 2,
+        "dataloader_pin_memory": True,
+        "dataloader_prefetch_factor": 4,
+    }
     assert report["loaders"] == [
-        {"num_workers": 0, "pin_memory": False},
-        {"num_workers": 2, "pin_memory": True},
+        {"num_workers": 0, "pin_memory": False, "prefetch_factor": None},
+        {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4},
     ]
     workers = report["workers_at_step"]
     assert [workers[str(s)] for s in range(1, 5)] == [0] * 4, "no worker process before"
@@ -110,6 +117,44 @@ def test_the_lr_follows_the_effective_batch_across_the_in_process_resume(tmp_pat
     assert report["lrs"] == pytest.approx(expected)
     applied = [entry for entry in audit_of(tmp_path) if entry.get("event") == "applied"]
     assert applied[0]["lr_note"] == "lr x0.75 (linear)"
+
+
+@pytest.mark.parametrize("checkpoint", [8, 4], ids=["saved-after-the-change", "saved-before"])
+def test_a_restart_from_a_checkpoint_runs_the_tuned_lr_once(
+    tmp_path: Path, checkpoint: int
+) -> None:
+    """A run tuned with the linear rule (x0.75 at step 4), started again from its own checkpoint
+    with ``resume=True``: the LR the Trainer logs from then on is the schedule's x0.75, whether
+    the checkpoint's optimizer and scheduler state carry the factor (saved after the change) or
+    not (saved before it), never x0.75 twice."""
+    with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
+        paused.queue_and_go(
+            "batch_size=6", "grad_accum=1", "--allow-effective-batch", "--lr-scale", "linear"
+        )
+        paused.finish(180)
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    with paused_run(
+        restart,
+        PYTHON,
+        SCRIPT,
+        "--resume-from",
+        str(tmp_path / "out" / f"checkpoint-{checkpoint}"),
+        "--out",  # the first run's output dir: its checkpoints and memtui's tuned YAML
+        str(tmp_path / "out"),
+        wait_at=checkpoint + 1,
+    ) as again:
+        again.go.touch()
+        again.finish(180)
+    report = json.loads(again.report.read_text())
+    assert report["args"] == {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 1}
+    # the Trainer's log history: the first run's up to the checkpoint, then the restart's
+    logged = [
+        (s, lr) for s, lr in zip(report["steps"], report["lrs"], strict=True) if s > checkpoint
+    ]
+    assert [s for s, _ in logged] == list(range(checkpoint + 1, 13))
+    expected = [1e-3 * (1 - (s - 1) / 12) * 0.75 for s, _ in logged]
+    assert [lr for _, lr in logged] == pytest.approx(expected), "the schedule's LR x0.75, once"
 
 
 def test_save_only_model_refuses_changes_with_the_reason(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from tests.tbevents import read_events
 
 pytest.importorskip("tensorboard")
 HERE = Path(__file__).parent
-REBUILT = "(the data loader is rebuilt at the next batch)"
+REBUILT = "(the data loader is rebuilt at the next batch; warning: effective batch {} -> {}, the LR does not follow (rule none))"
 
 
 def test_hf_trainer_logs_the_change_to_its_report_to(tmp_path: Path) -> None:
@@ -27,7 +27,9 @@ def test_hf_trainer_logs_the_change_to_its_report_to(tmp_path: Path) -> None:
     assert json.loads(paused.report.read_text())["restarts"] == 1
     logged = read_events(tmp_path / "out" / "runs")
     # the Trainer's TensorBoardCallback: a string as text, a number as a scalar, "train/" first
-    assert logged.texts["train/memtui"] == [(4, f"batch_size 4 -> 6 at step 4 {REBUILT}")]
+    assert logged.texts["train/memtui"] == [
+        (4, f"batch_size 4 -> 6 at step 4 {REBUILT.format(8, 12)}")
+    ]
     assert logged.scalars["train/memtui/batch_size"] == [(4, 6.0)]
     loss_steps = [step for step, _ in logged.scalars["train/loss"]]
     assert loss_steps == list(range(1, 13)), "the loss it is read against, on the same steps"
@@ -42,7 +44,7 @@ def test_lightning_logs_the_change_to_its_loggers(tmp_path: Path) -> None:
     assert json.loads(paused.report.read_text())["global_step"] == 12
     logged = read_events(tmp_path / "out" / "tb")
     assert logged.texts["memtui"] == [
-        (4, f"batch_size 4 -> 6, grad_accum 2 -> 3 at step 4 {REBUILT}")
+        (4, f"batch_size 4 -> 6, grad_accum 2 -> 3 at step 4 {REBUILT.format(8, 18)}")
     ]
     assert logged.scalars["memtui/batch_size"] == [(4, 6.0)]
     assert logged.scalars["memtui/grad_accum"] == [(4, 3.0)]

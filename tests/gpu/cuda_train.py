@@ -9,12 +9,18 @@ guard, ``checkpoint()`` every few steps) and writes what it saw to ``OUT_DIR/res
 * ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` over the same loop without memtui, then
   with it (the sampler sampling every 20 ms, a change applied at a boundary);
 * ``peaks``: the training's own ``max_memory_allocated()`` across many samples of the hook;
-* ``nvml``: memtui's CUDA probe (NVML) against ``torch.cuda.mem_get_info``.
+* ``nvml``: memtui's CUDA probe (NVML) against ``torch.cuda.mem_get_info``;
+* ``serve``: train until ``OUT_DIR/stop`` appears, for a client in another process
+  (``client_on_cuda.py``) to watch and change with the command line, as a user would.
+
+``MEMTUI_GPU_TEST_DEVICE`` (default ``cuda:0``) and ``MEMTUI_GPU_TEST_BATCH`` (default 256) move
+``serve`` to another device and micro-batch: a rehearsal of the client's steps on a CPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +44,7 @@ any single GPU's memory; its tokens on the host are only 64 MiB."""
 
 @dataclass
 class Config:
-    batch_size: int = 256
+    batch_size: int = int(os.environ.get("MEMTUI_GPU_TEST_BATCH", "256"))
     grad_accum: int = 1
     num_workers: int = 0
     pin_memory: bool = True
@@ -83,8 +89,9 @@ class Run:
     """The model, optimizer, config and (once installed) the tuner and its loader."""
 
     def __init__(self, out: Path, options: hooks.Options | None = None) -> None:
-        self.device = torch.device("cuda:0")
-        torch.cuda.set_device(self.device)
+        self.device = torch.device(os.environ.get("MEMTUI_GPU_TEST_DEVICE", "cuda:0"))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.net = Net().to(self.device)
         # SGD keeps its state on the device and never reads it back (no synchronisation)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3, momentum=0.9)
@@ -97,6 +104,8 @@ class Run:
         self.tuner: hooks.Tuner | None = None
         self.loader: Any = None
         """The tuner's loader once installed (one for the run), else a plain DataLoader."""
+        self.rows_seen: list[int] = []
+        """The micro-batch of each step's tokens as the loop received them, in order."""
 
     def make_loader(self, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
         return DataLoader(
@@ -125,6 +134,8 @@ class Run:
         while done < steps and not (until and until()):
             for tokens in loader:
                 tokens = tokens.to(self.device, non_blocking=True)
+                if len(self.rows_seen) < 100_000:
+                    self.rows_seen.append(int(tokens.shape[0]))
                 if guard is not None:
                     with guard:
                         self.net(tokens).backward()
@@ -293,6 +304,28 @@ def scenario_nvml(run: Run) -> dict[str, Any]:
     return {"before": before, "after": after}
 
 
+def scenario_serve(run: Run) -> dict[str, Any]:
+    tuner = run.install()
+    stop = run.out / "stop"
+    started = time.monotonic()
+    run.train(10**9, until=lambda: stop.exists() or time.monotonic() - started > 300)
+    applied = [a for a in tuner.control.applied_changes() if not a.rollback]
+    return {
+        "device": str(run.device),
+        "steps": tuner.step_count,
+        "batch_size": run.config.batch_size,
+        "num_workers": run.config.num_workers,
+        "rows_last": run.rows_seen[-5:],
+        "applied": [
+            {"step": a.step, "changes": {k: [d.old, d.new] for k, d in a.changes.items()}}
+            for a in applied
+        ],
+        "errors": tuner.errors.count,
+        "last_error": str(tuner.errors.last or ""),
+        "stopped": stop.exists(),
+    }
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
@@ -306,6 +339,7 @@ def main() -> int:
         "sync": scenario_sync,
         "peaks": scenario_peaks,
         "nvml": scenario_nvml,
+        "serve": scenario_serve,
     }[scenario](run)
     if run.tuner is not None:
         run.tuner.close()

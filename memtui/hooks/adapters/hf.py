@@ -53,8 +53,30 @@ HF_KNOBS = {
     "grad_accum": "gradient_accumulation_steps",
     "num_workers": "dataloader_num_workers",
     "pin_memory": "dataloader_pin_memory",
+    "prefetch_factor": "dataloader_prefetch_factor",
 }
 """memtui knob to the ``TrainingArguments`` field it sets."""
+
+TORCH_PREFETCH = 2
+"""torch's ``prefetch_factor`` when a loader with workers is given none (the Trainer's None)."""
+
+
+def staged_knobs(args: Any) -> dict[str, Any]:
+    """The knobs as memtui holds them, read from the ``TrainingArguments`` (the Trainer's
+    prefetch factor None is torch's default: a number memtui can change)."""
+    staged = {name: getattr(args, name) for name in HF_KNOBS.values()}
+    if staged["dataloader_prefetch_factor"] is None:
+        staged["dataloader_prefetch_factor"] = TORCH_PREFETCH
+    return staged
+
+
+def set_args(args: Any, staged: dict[str, Any]) -> None:
+    """Write the knobs into the ``TrainingArguments`` (a prefetch factor only with workers: the
+    Trainer hands it to the DataLoader, which refuses one without workers)."""
+    for name, value in staged.items():
+        if name == "dataloader_prefetch_factor" and not staged["dataloader_num_workers"]:
+            value = None
+        setattr(args, name, value)
 
 
 class EpochOrderSampler:
@@ -132,7 +154,7 @@ class HFAdapter:
     def __init__(self, trainer: Any, tuner_kwargs: dict[str, Any]) -> None:
         self.trainer = trainer
         args = trainer.args
-        self.staged: dict[str, Any] = {name: getattr(args, name) for name in HF_KNOBS.values()}
+        self.staged: dict[str, Any] = staged_knobs(args)
         """The knobs as memtui sees them; written at a boundary, copied into the args on resume."""
         self.world = max(1, int(getattr(args, "world_size", 1) or 1))
         self.user_optimizer = trainer.optimizer is not None
@@ -160,8 +182,7 @@ class HFAdapter:
         control, refusal = self.tuner.control, cannot_resume(args)
         if refusal and not control.disabled:
             control.disable(refusal)
-        for name, value in self.staged.items():  # a tuned config loaded by resume=True
-            setattr(args, name, value)
+        set_args(args, self.staged)  # a tuned config loaded by resume=True
         # transformers keeps the micro-batch here; no public setter
         trainer._train_batch_size = args.train_batch_size  # noqa: SLF001
         self.callback = MemtuiCallback(self)
@@ -381,8 +402,7 @@ class HFAdapter:
         """Copy the applied knobs into the ``TrainingArguments`` and pin ``max_steps``."""
         trainer = self.trainer
         args = trainer.args
-        for name, value in self.staged.items():
-            setattr(args, name, value)
+        set_args(args, self.staged)
         for name, value in self.suspended.items():
             setattr(args, name, value)
         self.suspended = {}

@@ -13,10 +13,19 @@ The change lands inside the running ``fit``, right after the checkpoint:
 * steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
   the loader (or, for a loader memtui does not own, the gap between batches).
 
-Lightning counts an epoch's batches when it starts (``num_training_batches``): after a
-batch-size change every epoch ends when memtui's loader does (a smaller batch would otherwise be
-cut off at the old count), its last short accumulation group steps there, and the default
-validation at the epoch's end stays there.
+Lightning counts an epoch's batches once, when it sets the loader up (``num_training_batches``,
+the data fetcher's length, ``val_check_batch``): after a batch-size change memtui sets them to
+the batches the epoch really has at the new size, and to a whole epoch's from its end on, so the
+epoch ends when memtui's loader does (a smaller batch would otherwise be cut off at the old
+count), its last short accumulation group steps there, and the default validation at the
+epoch's end stays there. The counts stay finite, as Lightning's own, so progress bars (Rich,
+tqdm, your own) and callbacks read a real total; Lightning's bar is given the running epoch's
+new total. A run restarted from a checkpoint in an epoch begun at another batch size gets that
+epoch's real count too (the loader resumes after the samples it had delivered).
+
+The audit log and the tuned config go to the Trainer's ``default_root_dir`` unless ``state_dir``
+is given: ``hooks.install(trainer, resume=True)`` with ``trainer.fit(..., ckpt_path=...)``
+restarts with the tuned knobs.
 
 A change of batch size or accumulation changes the number of optimizer steps an epoch takes. A
 run bounded by epochs with a step-interval LR scheduler (typically sized from
@@ -42,6 +51,7 @@ import math
 import time
 from typing import Any
 
+from memtui.hooks.loader import TunedLoader
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
@@ -67,6 +77,12 @@ class LightningAdapter:
         self.batch_end: float | None = None
         self.planned: float | None = None
         """The optimizer steps Lightning estimated at the start (``estimated_stepping_batches``)."""
+        self.counting = False
+        """Whether memtui keeps Lightning's batch counts (a batch-size change made them wrong)."""
+        self.in_epoch = False
+        """From an epoch's first batch to its end (a change between epochs counts a whole one)."""
+        self.recount = False
+        """Count the epoch again at the next batch (a restart began it at another count)."""
         callback_base = importlib.import_module(f"{package}.callbacks").Callback
         trainer.callbacks.append(_make_callback(callback_base, self))
         self._wrap_save()
@@ -110,9 +126,10 @@ class LightningAdapter:
                 self._accumulate(int(changes["grad_accum"].new))
             except Exception as exc:
                 self.tuner.report(exc, "lightning grad_accum")
+        recounted = False
         if "batch_size" in changes:
             try:
-                self._epoch_ends_with_the_loader()
+                recounted = self._count_batches()
             except Exception as exc:
                 self.tuner.report(exc, "lightning batch_size")
         if "grad_accum" in changes or "batch_size" in changes:
@@ -120,6 +137,11 @@ class LightningAdapter:
                 self._keep_step_count()
             except Exception as exc:
                 self.tuner.report(exc, "lightning step count")
+        if recounted:
+            try:
+                self._show_count()
+            except Exception as exc:
+                self.tuner.report(exc, "lightning progress bar")
 
     def _accumulate(self, accum: int) -> None:
         """Accumulate ``accum`` batches from the next one on, in whole groups."""
@@ -136,44 +158,150 @@ class LightningAdapter:
             # the epoch loop's accumulation test; no public hook
             loop._accumulated_batches_reached = accumulated_batches_reached  # noqa: SLF001
 
-    def _epoch_ends_with_the_loader(self) -> None:
-        """After a batch-size change every epoch ends when the loader does, not at the old count.
-
-        Lightning counts an epoch's batches when it starts (``num_training_batches``, and the
-        data fetcher's length, which marks the last batch): with a smaller batch that count
-        would cut the epoch short. memtui drops the count, as for a loader with no length: the
-        fetcher looks one batch ahead to tell the last one, where the epoch's last (short)
-        accumulation group steps and the whole-epoch validation runs. A ``limit_train_batches``
-        stays a count of batches.
-        """
+    def _counted_loader(self) -> TunedLoader | None:
+        """memtui's loader, where memtui keeps Lightning's batch counts: the one loader trained on,
+        whole (``limit_train_batches`` 1.0), its position kept exactly."""
         trainer = self.trainer
         limit = trainer.limit_train_batches
-        if not self.tuner.loaders or not (isinstance(limit, float) and limit == 1.0):
-            return  # no loader of memtui's, or a limit (an int is a count, even 1)
-        loop = trainer.fit_loop
-        loop.max_batches = math.inf
+        if not (isinstance(limit, float) and limit == 1.0) or trainer.overfit_batches:
+            return None  # a limit stays Lightning's count (an int is a count, even 1)
+        loader = trainer.train_dataloader
+        if not isinstance(loader, TunedLoader) or loader.mode != "exact":
+            return None
+        return loader
+
+    def _batches_after(self, loader: TunedLoader, consumed: int) -> int:
+        """The batches ``loader`` takes for its epoch's samples after the first ``consumed``, at
+        the batch size it iterates next (as its batch sampler counts them)."""
+        size = int(self.tuner.store.value("batch_size") or loader.batch_size or 1)
+        size *= loader.shard[1]  # one global batch, each rank its slice
+        left = max(len(loader.sampler) - consumed, 0)
+        drop_last = bool(getattr(loader.dataloader.batch_sampler, "drop_last", False))
+        return left // size if drop_last else math.ceil(left / size)
+
+    def _count_batches(self) -> bool:
+        """Give Lightning the batches the epoch really has at the loader's batch size; True if the
+        running epoch's count changed."""
+        # Lightning counts an epoch's batches once, when it sets the loader up
+        # (``num_training_batches``, the data fetcher's length, which marks the last batch, and
+        # ``val_check_batch``, where the end-of-epoch validation runs): after a batch-size change
+        # that count would cut a smaller batch's epoch short, or end a larger one's without its
+        # last batch (its short accumulation group unstepped, its validation skipped). They
+        # become the batches the epoch has (those trained, then those the loader has left at
+        # the new size), from the epoch's end on a whole epoch's, and stay finite counts, as
+        # Lightning's own: progress bars and callbacks read them.
+        loader = self._counted_loader()
+        if loader is None:
+            return False
+        # Lightning's data fetcher; no public handle
+        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None)
+        if self.in_epoch and fetcher is not None:
+            stream = loader.epoch_stream
+            consumed = stream.consumed if stream is not None else 0
+            count = int(fetcher.fetched) + self._batches_after(loader, consumed)
+            fetcher.length = count
+            if fetcher.iterator is not None:
+                fetcher.done = fetcher.fetched >= count
+        else:  # between epochs: the next one is whole (the fetcher's reset gives it its length)
+            count = self._batches_after(loader, 0)
+        self.counting = True
+        if fetcher is not None:
+            self._fetch_whole_epochs(fetcher)
+        return self._set_count(count) and self.in_epoch
+
+    def _count_the_resumed_epoch(self) -> None:
+        """At ``fit``'s start from a checkpoint: count the epoch it resumes, which may have begun at
+        another batch size (the loader goes on after the samples it had delivered)."""
+        loader = self._counted_loader()
+        if loader is None:
+            return
+        loop = self.trainer.fit_loop
+        states = getattr(loop, "_combined_loader_states_to_load", None)  # Lightning's
+        if (
+            loop.restarting
+            and states
+            and len(states) == 1
+            and getattr(loader, "_resume", 1) is None
+        ):
+            # Lightning hands the checkpoint's loader state over only when it sets the loader
+            # up, which ``trainer.estimated_stepping_batches`` (in ``configure_optimizers``, the
+            # usual place) did before the checkpoint was read: the loader would start the
+            # epoch again while Lightning goes on from the checkpoint's batch
+            loader.load_state_dict(states[0])
+            states.clear()
+        resume = getattr(loader, "_resume", None)  # (epoch, samples) its load_state_dict took
+        if resume is None:
+            return  # a whole epoch starts: Lightning counted the loader as it is
+        trained = int(loop.epoch_loop.batch_progress.current.ready)
+        epoch, consumed = int(resume[0]), int(resume[1])
+        if consumed >= len(loader.sampler):
+            # saved at its epoch's last batch: Lightning starts the next epoch (it tells the
+            # end from the epoch's batches against its count), and so does the loader, instead
+            # of the empty rest of the old one (where ``fit`` would stop); whole from its first
+            # batch on
+            loader.load_state_dict({"epoch": epoch + 1, "samples_in_epoch": 0})
+            count, length = trained, self._batches_after(loader, 0)
+        else:
+            count = length = trained + self._batches_after(loader, consumed)
+        if count == length == loop.max_batches:
+            return  # Lightning's own count is right
+        self.counting = True
+        self.recount = count != length
+        fetcher = getattr(loop, "_data_fetcher", None)  # Lightning's; no public handle
+        if fetcher is not None:
+            self._fetch_whole_epochs(fetcher)
+            fetcher.length = length  # its count of fetched batches takes in the checkpoint's
+        self._set_count(count)
+
+    def _set_count(self, count: int) -> bool:
+        """Make ``count`` the epoch's number of batches where Lightning reads it; True if it
+        changed."""
+        trainer = self.trainer
+        changed = count != trainer.fit_loop.max_batches
+        trainer.fit_loop.max_batches = count
         interval = trainer.val_check_interval
-        if isinstance(interval, float) and interval == 1.0 and trainer.val_check_batch is not None:
-            trainer.val_check_batch = math.inf
-        fetcher = getattr(loop, "_data_fetcher", None)
-        if fetcher is None or not hasattr(fetcher, "batches") or "reset" in vars(fetcher):
-            return  # not the look-ahead fetcher (training_step takes the iterator), or done
+        if (
+            isinstance(interval, float)
+            and trainer.val_check_batch is not None  # None: validation by time
+            and trainer.check_val_every_n_epoch is not None  # else a count across epochs
+        ):
+            trainer.val_check_batch = max(1, int(count * interval))  # as Lightning computes it
+        return changed
+
+    def _fetch_whole_epochs(self, fetcher: Any) -> None:
+        """Make the data fetcher mark an epoch's last batch at memtui's count of a whole epoch
+        (Lightning's length of the loader is the one it had before the next epoch rebuilds it)."""
+        if "reset" in vars(fetcher):
+            return
         reset = fetcher.reset
 
-        def reset_without_length() -> None:
+        def reset_to_the_count() -> None:
             reset()
-            fetcher.length = None  # every epoch: its end is the loader's
+            try:
+                loader = self._counted_loader()
+                if loader is not None and fetcher.length is not None:
+                    fetcher.length = self._batches_after(loader, 0)
+                    fetcher.done = fetcher.length == 0
+            except Exception as exc:
+                self.tuner.report(exc, "lightning epoch length")
 
-        fetcher.reset = reset_without_length
-        if fetcher.length is None or fetcher.done or fetcher.iterator is None or fetcher.batches:
+        fetcher.reset = reset_to_the_count
+
+    def _show_count(self) -> None:
+        """Give Lightning's own progress bar (Rich or tqdm) the running epoch's new total: it reads
+        the count when the epoch starts."""
+        bar = self.trainer.progress_bar_callback
+        if bar is None or not getattr(bar, "is_enabled", False):
             return
-        fetcher.length = None  # this epoch: look one batch ahead from now on
-        # Lightning's fetcher; no public way to drop its length
-        fetch = importlib.import_module(f"{self.package}.loops.fetchers")._DataFetcher.__next__  # noqa: SLF001
-        try:
-            fetcher.batches.append(fetch(fetcher))
-        except StopIteration:
-            fetcher.done = True
+        progress = importlib.import_module(f"{self.package}.callbacks.progress")
+        total = bar.total_train_batches
+        if isinstance(bar, progress.RichProgressBar):
+            if bar.progress is not None and bar.train_progress_bar_id is not None:
+                bar.progress.update(bar.train_progress_bar_id, total=total)
+        elif isinstance(bar, progress.TQDMProgressBar):
+            train_bar = bar.train_progress_bar
+            train_bar.total = total
+            train_bar.refresh()
 
     def _keep_step_count(self) -> None:
         """An epoch-bounded run with a step-interval LR scheduler ends at its estimated step."""
@@ -226,9 +354,29 @@ class LightningAdapter:
                 self.planned = float(trainer.estimated_stepping_batches)
             except Exception as exc:
                 self.tuner.report(exc, "lightning estimated steps")
+        try:
+            self._count_the_resumed_epoch()
+        except Exception as exc:
+            self.tuner.report(exc, "lightning batch count")
+
+    def epoch_end(self) -> None:
+        """After an epoch whose count memtui keeps: the next one is whole, at the new size."""
+        self.in_epoch = False
+        if self.counting:
+            try:
+                self._count_batches()
+            except Exception as exc:
+                self.tuner.report(exc, "lightning batch count")
 
     def batch_start(self) -> None:
         """For a loader memtui does not own: the wait is the gap since the last batch ended."""
+        self.in_epoch = True
+        if self.recount:  # the epoch a restart began at the old one's count, now begun
+            self.recount = False
+            try:
+                self._count_batches()
+            except Exception as exc:
+                self.tuner.report(exc, "lightning batch count")
         if self.batch_end is not None and not self.tuner.loaders:
             self.tuner.ledger.on_batch(time.perf_counter() - self.batch_end, 0)
 
@@ -260,6 +408,9 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             adapter.offset = 0
 
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            adapter.epoch_end()
+
         def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
             adapter.batch_start()
 
@@ -279,6 +430,12 @@ def _placement(trainer: Any) -> tuple[int, int, int] | None:
 
 def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
     """Hook memtui into a Lightning ``trainer`` and return its Tuner."""
+    # the audit log and the tuned config go beside ``lightning_logs/`` unless told otherwise,
+    # where the restarted script's ``resume=True`` looks (a remote root keeps memtui's default)
+    if tuner_kwargs.get("state_dir") is None:
+        root = str(getattr(trainer, "default_root_dir", "") or "")
+        if root and "://" not in root:
+            tuner_kwargs["state_dir"] = root
     module = type(trainer).__module__
     package = "pytorch_lightning" if module.startswith("pytorch_lightning") else "lightning.pytorch"
     return LightningAdapter(trainer, package, tuner_kwargs).tuner

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
 from memtui.knobs import KNOBS, format_value
+from memtui.report import unused_knobs
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import Ceiling, MemoryModel
@@ -112,11 +113,23 @@ class ConfigPanel(StateView):
         show_keys = not view.readonly
         heading = f"{'knob':<15} {'now':>6}  {'pending':<9}" + (" key" if show_keys else "")
         lines = [Text(heading, "dim")]
+        knobs_now = {knob: state.knob_value(knob) for knob in KNOBS}
+        knobs_after = {**knobs_now, **pending}
+        # a value the loader does not use (prefetch_factor without workers) shows as "-", as in
+        # `memtui status`; a pending change of workers that starts or stops using it shows too
+        unused_now, unused_after = unused_knobs(knobs_now), unused_knobs(knobs_after)
         for knob in KNOBS:
             tunable = knob in control.tunable
             line = Text(f"{knob:<15} ", "" if tunable else "dim")
-            line.append(f"{format_value(state.knob_value(knob)) if tunable else 'n/a':>6}  ")
-            later = f"→ {format_value(pending[knob])}" if knob in pending else ""
+            if not tunable:
+                line.append(f"{'n/a':>6}  ")
+            elif knob in unused_now:
+                line.append(f"{'-':>6}  ", "dim")
+            else:
+                line.append(f"{format_value(knobs_now[knob]):>6}  ")
+            later = ""
+            if knob in pending or (tunable and (knob in unused_now) != (knob in unused_after)):
+                later = f"→ {'-' if knob in unused_after else format_value(knobs_after[knob])}"
             line.append(f"{later:<9}", "bold yellow")
             if show_keys and tunable:
                 line.append(f" {KNOB_KEYS[knob]}", "bold cyan")
@@ -130,6 +143,14 @@ class ConfigPanel(StateView):
             after = state.effective_batch(pending=True)
             if after != current:
                 line.append(f" → {after}", "bold yellow")
+            lines.append(line)
+        lr = control.lr
+        if lr is not None and lr.script_schedule:  # `memtui status` says why
+            lines.append(Text("lr the script's own schedule: memtui does not scale it", "yellow"))
+        elif lr is not None and lr.factor != 1.0:
+            line = Text("lr ", "dim")
+            line.append(f"x{round(lr.factor, 4)}", "bold")
+            line.append(" the script's own" + (f" ({lr.rule})" if lr.rule else ""), "dim")
             lines.append(line)
         keep = Text("keep effective batch ", "dim")
         keep.append("on" if view.keep_effective_batch else "off", "bold")
