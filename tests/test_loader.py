@@ -222,6 +222,47 @@ def test_state_dict_resumes_the_epoch_exactly() -> None:
     assert first + rest == full
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_shuffled_epoch_has_the_order_of_the_run_it_resumes(workers: int) -> None:
+    """``DataLoader(shuffle=True, generator=g)``: the loader draws its workers' base seed from
+    ``g`` before the sampler draws the epoch's order from it; a resumed epoch keeps that order
+    of draws, so a restart seeded as the run was goes on with the run's own order."""
+    dataset = Indices(60)
+
+    def run(
+        state: dict[str, object] | None = None, stop_after: int = -1
+    ) -> tuple[list[int], Tuner]:
+        generator = torch.Generator().manual_seed(11)  # the script seeds it at every start
+        tuner = make_tuner(batch_size=5, num_workers=workers)
+        loader = tuner.loader(
+            lambda batch_size, num_workers: DataLoader(
+                dataset,
+                batch_size=batch_size,
+                shuffle=True,
+                generator=generator,
+                num_workers=num_workers,
+            )
+        )
+        if state is not None:
+            tuner.load_state_dict(state)
+        seen: list[int] = []
+        for i, batch in enumerate(loader):
+            seen += flat(batch)
+            tuner.step()
+            if i == stop_after:
+                break
+        return seen, tuner
+
+    full, whole = run()
+    first, stopped = run(stop_after=3)
+    state = stopped.state_dict()
+    rest, resumed = run(state)
+    for tuner in (whole, stopped, resumed):
+        tuner.close()
+    assert first == full[:20]
+    assert first + rest == full, "the epoch's own order, no sample lost or repeated"
+
+
 def test_factory_that_takes_no_knobs_still_gets_them() -> None:
     """memtui rebuilds the DataLoader itself, so a factory with no arguments works too."""
     tuner = make_tuner()

@@ -155,6 +155,31 @@ def test_resume_loads_the_tuned_config_into_the_users_config(tmp_path: Path) -> 
     assert fresh.batch_size == 16, "no tuned file: the script's config stands"
 
 
+def test_a_resumed_loader_knob_names_the_factorys_own_value(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A knob only the loader holds (no config field) has no old value when the tuned config is
+    read; once ``tuner.loader(factory)`` is given, the factory's own default is named."""
+    from torch.utils.data import DataLoader
+
+    def factory(batch_size: int = 4, num_workers: int = 0) -> Any:
+        return DataLoader(list(range(32)), batch_size=batch_size, num_workers=num_workers)
+
+    first = quiet({}, tmp_path)
+    first.loader(factory)
+    queue(first, batch_size=6)
+    first.checkpoint()
+    restarted = quiet({}, tmp_path, resume=True)
+    with caplog.at_level("WARNING", logger="memtui"):
+        loader = restarted.loader(factory)
+    assert loader.batch_size == 6
+    said = [r.getMessage() for r in caplog.records if "the loader is built" in r.getMessage()]
+    assert said == [
+        "memtui: the loader is built with the tuned config: batch_size 4 -> 6 (the factory's "
+        "own defaults -> the tuned values)"
+    ]
+
+
 def test_hot_path_never_raises(tmp_path: Path) -> None:
     tuner = quiet(Config(), tmp_path)
     tuner.ledger.open = None  # type: ignore[assignment]  # break the ledger on purpose

@@ -43,25 +43,35 @@ class _EpochStream:
     """One epoch's indices: the sampler's iterator, plus drawn-but-undelivered ones to replay."""
 
     def __init__(self, sampler: Any, skip: int = 0) -> None:
-        self.iterator = iter(sampler)
+        self.sampler = sampler
+        self.iterator: Iterator[int] | None = None
+        """The sampler's iterator, started at the loader's first request for indices."""
+        self.skip = skip
+        """Samples of the epoch a resumed loop consumed before: left out of the first request."""
         self.replay: deque[int] = deque()
         self.inflight: deque[list[int]] = deque()
         """Index batches drawn by the current loader and not yet delivered, oldest first."""
         self.redeliver: list[int] = []
         """Delivered indices handed back (an OOM rollback): they go first after the rebuild."""
-        self.consumed = 0
+        self.consumed = skip
         """Samples of this epoch delivered to the training loop."""
-        for _ in range(skip):
-            if next(self.iterator, None) is None:
-                break
-            self.consumed += 1
 
     def source(self) -> Iterator[int]:
         """Replayed indices first, then the rest of the sampler's iterator.
 
+        The sampler is iterated, and a resumed epoch's consumed samples skipped, only when the
+        loader first asks for indices: a ``DataLoader`` draws its workers' base seed when its
+        iterator is made, before that, from the generator a shuffling sampler draws its order
+        from, so the epoch's order is the one the run had before the restart.
         ``itertools.chain`` has no ``close()``: when the old loader's batch generator is closed,
         the sampler's iterator (which the next loader continues) stays open.
         """
+        if self.iterator is None:
+            self.iterator = iter(self.sampler)
+            for skipped in range(self.skip):
+                if next(self.iterator, None) is None:
+                    self.consumed -= self.skip - skipped
+                    break
         replayed = list(self.replay)
         self.replay.clear()
         return itertools.chain(replayed, self.iterator)
@@ -404,6 +414,12 @@ class TunedLoader:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._loader, name)
+
+    @property
+    def resume_position(self) -> tuple[int, int] | None:
+        """(epoch, samples consumed in it) that ``load_state_dict`` set for the next iteration
+        (None: the next iteration starts an epoch of its own)."""
+        return self._resume
 
     def state_dict(self) -> dict[str, int]:
         """Where the loop is in the data: the epoch and the samples consumed in it."""

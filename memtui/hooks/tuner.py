@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import getpass
+import inspect
 import logging
 import os
 import socket
@@ -648,7 +649,38 @@ class Tuner:
         )
         self.store.adopt({k: wrapped.knobs.get(k) for k in LOADER_KNOBS})
         self._loaders.append(weakref.ref(wrapped))
+        try:
+            self._say_loader_resumed(factory)
+        except Exception as exc:  # never into training
+            self.report(exc, "naming the loader's resumed knobs")
         return wrapped
+
+    def _say_loader_resumed(self, factory: Callable[..., Any]) -> None:
+        """Name the factory's own values of the loader knobs a tuned config replaced (unknown
+        when the config was read, before the factory was given)."""
+        unnamed = [k for k, d in self.resumed.items() if d.old is None and k in LOADER_KNOBS]
+        if not unnamed:
+            return
+        try:
+            parameters = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            return
+        own = {
+            knob: parameters[knob].default
+            for knob in unnamed
+            if knob in parameters and parameters[knob].default is not inspect.Parameter.empty
+        }
+        words = [
+            f"{knob} {format_value(own[knob])} -> {format_value(self.resumed[knob].new)}"
+            for knob in unnamed
+            if knob in own and own[knob] != self.resumed[knob].new
+        ]
+        if words:
+            log.warning(
+                "memtui: the loader is built with the tuned config: %s (the factory's own "
+                "defaults -> the tuned values)",
+                ", ".join(words),
+            )
 
     @property
     def loaders(self) -> list[TunedLoader]:

@@ -217,19 +217,14 @@ class LightningAdapter:
             return
         loop = self.trainer.fit_loop
         states = getattr(loop, "_combined_loader_states_to_load", None)  # Lightning's
-        if (
-            loop.restarting
-            and states
-            and len(states) == 1
-            and getattr(loader, "_resume", 1) is None
-        ):
+        if loop.restarting and states and len(states) == 1 and loader.resume_position is None:
             # Lightning hands the checkpoint's loader state over only when it sets the loader
             # up, which ``trainer.estimated_stepping_batches`` (in ``configure_optimizers``, the
             # usual place) did before the checkpoint was read: the loader would start the
             # epoch again while Lightning goes on from the checkpoint's batch
             loader.load_state_dict(states[0])
             states.clear()
-        resume = getattr(loader, "_resume", None)  # (epoch, samples) its load_state_dict took
+        resume = loader.resume_position  # (epoch, samples) its load_state_dict took
         if resume is None:
             return  # a whole epoch starts: Lightning counted the loader as it is
         trained = int(loop.epoch_loop.batch_progress.current.ready)
