@@ -128,9 +128,11 @@ bench-tui: $(STAMP)
 	$(PY) benchmarks/tui_cpu.py --size 60x50
 	$(PY) benchmarks/tui_ranks.py
 
-# `memtui export` watching the same 64 replayed ranks, scraped every 15 s as Prometheus would
+# `memtui export` watching the same 64 replayed ranks, scraped every 15 s as Prometheus would;
+# then with 10, 100 and 1,000 registered runs (live, hung, dead, silent), scraped every second
 bench-export: $(STAMP)
 	$(PY) benchmarks/tui_ranks.py --exporter --seconds 60 --rounds 5
+	$(PY) benchmarks/export_fleet.py
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py

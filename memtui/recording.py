@@ -29,6 +29,7 @@ from typing import BinaryIO
 
 import msgspec
 
+from memtui import ownfiles
 from memtui.wire import Decoder, Message
 
 MAGIC = b"MTREC01\n"
@@ -110,13 +111,15 @@ _frame_decoder = msgspec.msgpack.Decoder(RecordedFrame)
 
 
 class RecordingWriter:
-    """Writes a recording: the header first, then frames in time order."""
+    """Writes a recording, the user's own 0600 file (``ownfiles.open_write``): the header
+    first, then frames in time order."""
 
     def __init__(self, path: str | os.PathLike[str], header: RecordingHeader) -> None:
         self.path = Path(path)
         self.header = header
         self.frames = 0
-        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+        # 0600 and never through a link: it holds the command line, the cwd and paths
+        self._file: BinaryIO = open(ownfiles.open_write(self.path), "wb")  # noqa: SIM115
         self._file.write(MAGIC)
         self._write(_encoder.encode(header))
         self._file.flush()

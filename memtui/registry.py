@@ -3,7 +3,9 @@
 Layout: ``<runtime>/<run id>/run.json`` (the RunRecord) beside the run's ipc sockets
 ``ctl`` (rank 0's control socket) and ``pub<rank>`` (each rank's telemetry). The runtime
 directory is ``$MEMTUI_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/memtui``, else
-``~/.cache/memtui/run``. Entries of dead processes are ignored and removed.
+``~/.cache/memtui/run``. Entries of dead processes are ignored and removed. A runtime directory
+that is another user's, or another user's symbolic link, is refused (``ownfiles.private_dir``),
+as OpenSSH and systemd refuse theirs.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import contextlib
 import os
 import re
 import shutil
-import stat
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtui import ownfiles
 from memtui.wire import RankInfo, RunRecord, decode_run_record, encode_run_record
 
 RUN_FILE = "run.json"
@@ -52,14 +54,12 @@ def runtime_dir(create: bool = True) -> Path:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700; refuse one owned by another user."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise RegistryError(f"{path} belongs to uid {info.st_uid}, not to you: refusing to use it")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-    return path
+    """Create ``path`` (and parents) with mode 0700, or tighten the user's own to 0700; refuse
+    another user's directory, or a symbolic link another user owns (never changing its target)."""
+    try:
+        return ownfiles.private_dir(path)
+    except ownfiles.UnsafeFile as exc:
+        raise RegistryError(f"{exc} (set MEMTUI_RUNTIME_DIR to a directory of your own)")
 
 
 def state_home() -> Path:
@@ -122,12 +122,8 @@ class RunDir:
         ensure_private_dir(self.path)
 
     def write(self, record: RunRecord) -> None:
-        """Write the record atomically with mode 0600."""
-        tmp = self.path / f".{RUN_FILE}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(encode_run_record(record))
-        os.replace(tmp, self.record_path)
+        """Write the record atomically with mode 0600 (a new temp file renamed over it)."""
+        ownfiles.replace_file(self.record_path, encode_run_record(record))
 
     def remove(self) -> None:
         """Remove the directory and everything in it."""
@@ -274,10 +270,16 @@ def _target(record: RunRecord, note: str) -> Target:
 
 
 def _pick(local: str, tcp: str, host: str) -> str:
-    """The local ipc endpoint when the rank is on this host (and its socket is there), else TCP."""
+    """The local ipc endpoint when the rank is on this host and its socket is there for this
+    user (another user's run dir is 0700: its socket is as good as on another node), else TCP."""
     path = endpoint_path(local) if local else None
-    if path is not None and (not host or host == _hostname()) and path.exists():
-        return local
+    if path is not None and (not host or host == _hostname()):
+        try:
+            usable = path.exists() and os.access(path, os.R_OK | os.W_OK)
+        except OSError:  # a directory this user cannot search
+            usable = False
+        if usable:
+            return local
     return tcp or local
 
 

@@ -7,16 +7,20 @@ file never need aliases, so a file that uses one is refused before it is built. 
 deeper than ``MAX_DEPTH`` (the composer recurses: a deep file raised RecursionError), a number
 longer than ``MAX_NUMBER`` characters (``1:1:1...`` converts in quadratic time, big ones overflow)
 and a path that is not a regular file (a FIFO blocked the reader). Every error is one
-``yaml.YAMLError`` of one line.
+``yaml.YAMLError`` of one line. A file that steers a run (the tuned config) is read only if it is
+the user's own and nobody else can write it (``read(path, private=True)``).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from memtui import ownfiles
 
 MAX_BYTES = 1 << 20
 """A config file larger than this is refused unread (both of memtui's are a few hundred bytes)."""
@@ -80,10 +84,13 @@ def load(text: str) -> Any:
         raise yaml.YAMLError(" ".join(str(exc).split())[:300] or type(exc).__name__) from None
 
 
-def read(path: str | os.PathLike[str]) -> Any:
-    """The data in the YAML file at ``path`` (at most ``MAX_BYTES`` of it is read); raise
-    ``OSError``, ``UnicodeDecodeError`` or ``yaml.YAMLError`` (one line)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused
+def read(path: str | os.PathLike[str], *, private: bool = False) -> Any:
+    """The data in the YAML file at ``path`` (at most ``MAX_BYTES`` of it is read), with
+    ``private`` only if it is the user's own and writable by nobody else
+    (``ownfiles.open_read``); raise ``OSError``, ``UnicodeDecodeError`` or ``yaml.YAMLError``
+    (one line)."""
+    # a FIFO opens at once (O_NONBLOCK), and is refused
+    fd = ownfiles.open_read(Path(path)) if private else os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with open(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError("not a regular file")

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from memtui.ownfiles import UnsafeFile, private_dir
 from memtui.wire import RankInfo, RunInfo
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -65,12 +66,14 @@ def keygen(force: bool = False, directory: Path | None = None) -> Path:
     root = directory or key_dir()
     if (root / "server.key_secret").exists() and not force:
         raise SecurityError(f"keys already exist in {root} (use --force to replace them)")
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    root.chmod(0o700)
-    authorized = root / "authorized"
-    if force and authorized.exists():
-        shutil.rmtree(authorized)
-    authorized.mkdir(mode=0o700, exist_ok=True)
+    try:  # the user's own directories, never another user's link (the keys would be theirs)
+        private_dir(root)
+        authorized = root / "authorized"
+        if force and authorized.exists():
+            shutil.rmtree(authorized)
+        private_dir(authorized)
+    except UnsafeFile as exc:
+        raise SecurityError(str(exc)) from None
     import zmq.auth
 
     for name in ("server", "client"):

@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -137,8 +138,9 @@ class LiveSource:
 
     Every rank the registry or a snapshot lists is subscribed to (ranks that appear later too:
     the registry record is read again every ``ranks_refresh_s``): ranks on this host over ipc,
-    the others over CURVE TCP. One SUB socket takes the telemetry of every rank reached the same
-    way (fair-queued): one for the plain ipc ranks, one per CURVE server key, all polled here.
+    the others, and ranks here whose ipc socket this user cannot open (``reachable``), over
+    TCP. One SUB socket takes the telemetry of every rank reached the same way (fair-queued):
+    one for the plain ipc ranks, one per CURVE server key, all polled here.
     They cannot share one socket: CURVE options set for a TCP rank apply to every later
     connect, and an ipc rank connected after that would never deliver a frame. Once
     the control rank has answered, every other rank gets one hello on its own control socket,
@@ -253,7 +255,7 @@ class LiveSource:
         with self._wanted_lock:
             wanted, self._wanted = self._wanted, []
         for rank in wanted:
-            endpoint = registry.rank_pub(rank)  # ipc on this host, else authenticated TCP
+            endpoint = reachable_pub(rank)  # ipc on this host as its user, else TCP
             if not endpoint or endpoint in self._subs or endpoint in self.refused:
                 continue
             try:
@@ -313,7 +315,7 @@ class LiveSource:
                 continue
             self._asked.add(number)
             self._probed.discard(number)
-            endpoint = registry.rank_control(info)
+            endpoint = reachable_control(info)
             if not endpoint:
                 continue
             frame = frame or encode(Hello(client=self.client, history=RANK_HISTORY))
@@ -481,6 +483,30 @@ class LiveSource:
         """Attach to ``run`` from the next ``connect`` on (the user chose it)."""
         self.run = run
         self._info = None
+
+
+def reachable_pub(rank: RankInfo) -> str:
+    """The endpoint this user subscribes to for a rank's telemetry (``reachable``)."""
+    return reachable(registry.rank_pub, rank, rank.pub_tcp)
+
+
+def reachable_control(rank: RankInfo) -> str:
+    """The endpoint this user asks a rank for its snapshot on (``reachable``)."""
+    return reachable(registry.rank_control, rank, rank.control_tcp)
+
+
+def reachable(pick: Callable[[RankInfo], str], rank: RankInfo, tcp: str) -> str:
+    """The registry's choice for ``rank`` (``pick``: its ipc socket when the rank runs on this
+    host, else TCP), unless that is an ipc socket this user cannot open, then ``tcp``: a run
+    of another user on this node is, for this user, a run on another node."""
+    try:
+        endpoint = pick(rank)
+    except OSError:  # the socket's directory is another user's (0700): it cannot be looked in
+        return tcp
+    path = registry.endpoint_path(endpoint)
+    if path is not None and tcp and not os.access(path, os.R_OK | os.W_OK):
+        return tcp
+    return endpoint
 
 
 ReplayEnd = Literal["hold", "disconnect"]

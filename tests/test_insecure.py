@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import zmq
 
@@ -26,8 +27,15 @@ from memtui.wire import (
     encode,
 )
 from tests.conftest import memtui_cli
+from tests.other_user import OtherUser, make_other_user
 
 MakeTuner = Callable[..., Tuner]
+
+
+@pytest.fixture(scope="session")
+def other_user() -> Iterator[OtherUser]:
+    """A second real user on this host (skipped, saying why, where none can be made)."""
+    yield from make_other_user()
 
 
 @pytest.fixture
@@ -123,6 +131,60 @@ def test_plain_tcp_control_socket_is_read_only(
     assert full.info.command and full.info.cwd and not full.info.readonly
     assert full.info.security == "plain-tcp"
     assert ControlClient(tuner.ranks[0].control, timeout_s=5).set({"batch_size": 8}).ok
+
+
+def test_the_read_only_snapshot_names_no_path_of_the_run(
+    make_tuner: MakeTuner, private_runtime: Path, tmp_path: Path
+) -> None:
+    """Over plain TCP the ranks come with their TCP endpoints only: an ipc socket is a path in the
+    run's private runtime directory, which the reduced snapshot leaves out like the others."""
+    tuner = make_tuner(tcp="127.0.0.1", insecure=True)
+    rank = tuner.ranks[0]
+    assert rank.pub.startswith("ipc://") and rank.control.startswith("ipc://")
+    snapshot = ask(rank.control_tcp, Hello(client="other user"))
+    assert isinstance(snapshot, Snapshot) and snapshot.info.readonly
+    assert [(r.rank, r.pub, r.control, r.pub_tcp, r.control_tcp) for r in snapshot.ranks] == [
+        (0, "", "", rank.pub_tcp, rank.control_tcp)
+    ]
+    encoded = encode(snapshot)
+    assert str(private_runtime).encode() not in encoded and str(tmp_path).encode() not in encoded
+
+    # the run's own user, over ipc, still gets every endpoint
+    full = ControlClient(rank.control, timeout_s=5).hello()
+    assert full.ranks == tuner.ranks
+
+
+def test_another_users_viewer_follows_a_plain_tcp_run_over_tcp(
+    make_tuner: MakeTuner, other_user: OtherUser
+) -> None:
+    """Another account's viewer on the same host reads the telemetry over TCP and stays live: it
+    never tries the run's ipc socket (once it said "receiver error: Permission denied" and
+    disconnected every second)."""
+    tuner = make_tuner(tcp="127.0.0.1", insecure=True)
+    rank = tuner.ranks[0]
+    seen = other_user.report("viewer", rank.control_tcp, "3", env={"MEMTUI_INSECURE": "1"})
+    assert seen["errors"] == 0 and seen["said"][0] == "live: ", seen
+    assert not [said for said in seen["said"] if "error" in said or "disconnected" in said], seen
+    assert seen["subscribed"] == [rank.pub_tcp], seen
+    assert len(seen["steps"]) >= 2, f"telemetry over TCP: {seen}"
+
+
+def test_an_ipc_socket_another_user_cannot_open_is_a_rank_on_another_node(
+    make_tuner: MakeTuner, other_user: OtherUser
+) -> None:
+    """Ranks as a full snapshot lists them (a rank on this host: its ipc socket and its TCP
+    twin): another account cannot open the ipc socket, so its viewer subscribes over TCP."""
+    tuner = make_tuner(tcp="127.0.0.1", insecure=True)
+    rank = tuner.ranks[0]
+    assert rank.pub.startswith("ipc://") and rank.host
+    listed = msgspec.json.encode([rank]).decode()
+    seen = other_user.report(
+        "viewer", rank.control_tcp, "3", "--ranks", listed, env={"MEMTUI_INSECURE": "1"}
+    )
+    assert seen["errors"] == 0 and seen["said"][0] == "live: ", seen
+    assert not [said for said in seen["said"] if "error" in said or "disconnected" in said], seen
+    assert seen["subscribed"] == [rank.pub_tcp], seen
+    assert len(seen["steps"]) >= 2, f"telemetry over TCP: {seen}"
 
 
 def test_plain_tcp_control_takes_a_second_opt_in(

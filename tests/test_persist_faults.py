@@ -1,9 +1,10 @@
-"""What memtui keeps on disk survives a full disk and an unwritable state dir (issue 13.8).
+"""What memtui keeps on disk survives a full disk and an unwritable state dir.
 
 The full disk is real: a 64 KiB tmpfs mounted for the test (skipped, with the reason, where
 this process may not mount one). The tuned YAML is retried at every boundary until it is
-written and said once a minute while it is not; an audit line is never torn into the next;
-no temp file is left; the log is bounded and rotated; the files are 0600.
+written and said once a minute while it is not; what a full disk cuts of an audit line is
+taken back (the log stays valid JSONL); no temp file is left; the log is bounded and rotated;
+the files are 0600.
 """
 
 from __future__ import annotations
@@ -130,7 +131,25 @@ def test_an_unwritable_tuned_path_is_retried_and_said(
         tuner.close()
 
 
+def test_a_line_a_full_disk_cuts_is_taken_back_and_the_log_stays_valid_jsonl(
+    small_disk: Path,
+) -> None:
+    audit = AuditLog(small_disk / "state" / "memtui-audit.jsonl", "run")
+    for i in range(5):
+        audit.append("queued", {"id": i})
+    whole = audit.path.stat().st_size
+    filler = fill(small_disk)
+    with pytest.raises(OSError, match="cut at"):  # the line crosses into a page there is not
+        audit.append("queued", {"id": 5, "note": "x" * (MAX_LINE - 200)})
+    assert audit.path.stat().st_size == whole, "the bytes written of the cut line are taken back"
+    filler.unlink()
+    audit.append("applied", {"id": 6})
+    lines = audit.path.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == list(range(7)), "every line parses"
+
+
 def test_a_cut_audit_line_is_never_glued_to_the_next(tmp_path: Path) -> None:
+    """Where even the truncation failed, the torn line is ended before the next one."""
     audit = AuditLog(tmp_path / "audit.jsonl", "run")
     audit.append("queued", {"id": 1})
     with open(audit.path, "a") as handle:
@@ -212,7 +231,9 @@ def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
             ("applied", None, [1]),
             ("queued", 2, None),
             ("applied", None, [2]),
-        ], "the held lines, in order, once each; the torn ones skipped"
+        ], "the held lines, in order, once each"
+        for line in (state / "memtui-audit.jsonl").read_text().splitlines():
+            json.loads(line)  # every cut write was taken back: the log is valid JSONL
         assert on_disk(state) == 3 and tuner.tuned_unsaved_step is None
         assert not [p for p in state.iterdir() if p.name.endswith(".tmp")]
     finally:

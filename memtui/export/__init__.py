@@ -1,7 +1,9 @@
 """``memtui export``: every live run on this node as Prometheus metrics (no Textual, no torch).
 
-A subscriber like the viewer: one :class:`~memtui.tui.receiver.Receiver` per run folds the run's
-telemetry into a :class:`~memtui.tui.state.RunState` (:mod:`memtui.export.fleet`), and a
-prometheus-client collector builds the metric families from them at each scrape
-(:mod:`memtui.export.metrics`); :mod:`memtui.export.serve` runs the HTTP server.
+A subscriber like the viewer, within bounds whatever the node holds: one loop asks every
+registered run for a hello and watches those that answer, up to a cap, each with the viewer's
+own :class:`~memtui.tui.receiver.Receiver` and :class:`~memtui.tui.state.RunState`
+(:mod:`memtui.export.fleet`); the same loop builds the metric families into a cache that a
+scrape serves as it is (:mod:`memtui.export.metrics`); :mod:`memtui.export.serve` runs the loop
+and :mod:`memtui.export.http` the HTTP server (a cap on connections, a deadline on requests).
 """

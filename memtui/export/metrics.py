@@ -1,14 +1,23 @@
-"""The metric families ``/metrics`` serves, built at each scrape from the fleet's latest readings.
+"""The metric families ``/metrics`` serves: built from the fleet off the scrape, served cached.
 
 Per rank (labels ``run``, ``rank``, ``host``, ``device``): speed, device memory, host memory,
 the loader workers' memory, the changes applied, the out-of-memory errors and the hook's errors
-and CPU time. Per run (labels ``run``, ``host``): the verdict as a state set and the pending
-changes. Units are in the names (``_seconds``, ``_bytes``, ``_ratio``); the README lists them.
+and CPU time; a rank of a run that does not answer is there as ``memtui_up`` 0 alone. Per run
+(labels ``run``, ``host``): the verdict as a state set, the pending changes and the time since
+the run last answered. The exporter's own: the runs registered, not answering and left
+unwatched for a cap, the cache's age, the HTTP connections refused and timed out, its threads.
+Units are in the names (``_seconds``, ``_bytes``, ``_ratio``); the README lists them.
+
+:meth:`FleetCollector.update` builds the families on the exporter's loop; a scrape
+(:meth:`FleetCollector.collect`) takes the latest ones as they are, and waits on no run.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client.core import (
@@ -20,8 +29,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from memtui.advice.assess import STATE_NAMES, loader_memory
-from memtui.export.fleet import Fleet, RankReading, RunReading
+from memtui.export.fleet import Fleet, FleetReading, RankReading
 from memtui.export.hookcpu import HookCpu
+from memtui.export.http import HttpCounts
 
 RANK_LABELS = ["run", "rank", "host", "device"]
 RUN_LABELS = ["run", "host"]
@@ -98,23 +108,39 @@ COUNTERS: tuple[tuple[str, str, RankValue], ...] = (
 
 
 class FleetCollector(Collector):
-    """Builds every family from the fleet's readings at each scrape."""
+    """The families of the fleet's runs, built by ``update`` and served from that cache."""
 
-    def __init__(self, fleet: Fleet, hook_cpu: HookCpu | None = None, node: str = "") -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        hook_cpu: HookCpu | None = None,
+        node: str = "",
+        http: HttpCounts | None = None,
+    ) -> None:
         self.fleet = fleet
         self.hook_cpu = hook_cpu or HookCpu()
         self.node = node or socket.gethostname()
         """This node's name: the hook's CPU is read for the ranks that run here."""
+        self.http = http
+        """The HTTP server's counts (None: not serving)."""
+        self._cache: tuple[float, list[Metric]] = (time.monotonic(), [])
+        """When the families were built (``time.monotonic``), and they: replaced whole, so a
+        scrape reads one build or the next, never half of one."""
 
     def describe(self) -> Iterable[Metric]:
         """Nothing up front: the families depend on the runs live at the scrape."""
         return []
 
+    def update(self) -> None:
+        """Build the families from the latest state of every run tracked (the exporter's loop)."""
+        reading = self.fleet.collect()
+        self.hook_cpu.forget({rank.pid for run in reading.runs for rank in run.ranks})
+        self._cache = (time.monotonic(), families(reading, self._hook_seconds))
+
     def collect(self) -> Iterable[Metric]:
-        """The families, from the latest state of every run watched."""
-        readings = self.fleet.readings()
-        self.hook_cpu.forget({rank.pid for run in readings for rank in run.ranks})
-        return families(readings, self._hook_seconds)
+        """The families of the latest build, and the exporter's own state now (a scrape)."""
+        built, cached = self._cache
+        return [*cached, *exporter_families(time.monotonic() - built, self.http)]
 
     def _hook_seconds(self, rank: RankReading) -> float | None:
         if rank.host != self.node:
@@ -123,9 +149,9 @@ class FleetCollector(Collector):
 
 
 def families(
-    readings: list[RunReading], hook_seconds: Callable[[RankReading], float | None]
+    reading: FleetReading, hook_seconds: Callable[[RankReading], float | None]
 ) -> list[Metric]:
-    """Every family for ``readings`` (``hook_seconds``: a rank's hook CPU time, if readable)."""
+    """Every family for ``reading`` (``hook_seconds``: a rank's hook CPU time, if readable)."""
     gauges = [GaugeMetricFamily(n, h, labels=RANK_LABELS) for n, h, _v in GAUGES]
     counters = [CounterMetricFamily(n, h, labels=RANK_LABELS) for n, h, _v in COUNTERS]
     hook_cpu = CounterMetricFamily(
@@ -141,10 +167,15 @@ def families(
     pending = GaugeMetricFamily(
         "memtui_pending_changes", "Changes queued for the next checkpoint.", labels=RUN_LABELS
     )
+    last_seen = GaugeMetricFamily(
+        "memtui_last_seen_age_seconds",
+        "Seconds since the run last answered the exporter (never answered: since it started).",
+        labels=RUN_LABELS,
+    )
     numbers: list[GaugeMetricFamily | CounterMetricFamily] = [*gauges, *counters]
     runs = GaugeMetricFamily("memtui_runs", "Live runs the exporter watches.")
-    runs.add_metric([], len(readings))
-    for run in readings:
+    runs.add_metric([], len(reading.runs))
+    for run in reading.runs:
         verdict.add_metric(
             [run.run, run.host], {name: run.verdict is state for state, name in STATE_NAMES.items()}
         )
@@ -158,4 +189,78 @@ def families(
             seconds = hook_seconds(rank)
             if seconds is not None:
                 hook_cpu.add_metric(labels, seconds)
-    return [runs, verdict, pending, *numbers, hook_cpu]
+    up = gauges[[name for name, _h, _v in GAUGES].index("memtui_up")]
+    for silent in reading.silent:
+        for listed in silent.ranks:
+            up.add_metric([silent.run, str(listed.rank), listed.host, listed.device], 0.0)
+    for (run_id, host), age in reading.last_seen_age_s.items():
+        last_seen.add_metric([run_id, host], age)
+    fleet: list[Metric] = [
+        GaugeMetricFamily(
+            "memtui_exporter_runs_registered",
+            "Live runs the registry listed at its last read.",
+            value=reading.registered,
+        ),
+        GaugeMetricFamily(
+            "memtui_exporter_runs_unanswered",
+            "Registered runs that do not answer now (their ranks: memtui_up 0).",
+            value=len(reading.silent),
+        ),
+        GaugeMetricFamily(
+            "memtui_exporter_runs_unwatched",
+            "Registered runs not followed now: --max-runs watched already, or too many listed.",
+            value=reading.unwatched,
+        ),
+        CounterMetricFamily(
+            "memtui_exporter_runs_dropped",
+            "Runs left unwatched for a cap (--max-runs, or too many listed), each counted once.",
+            value=reading.dropped,
+        ),
+        GaugeMetricFamily(
+            "memtui_exporter_registry_read_seconds",
+            "How long the last read of the registry took.",
+            value=reading.registry_read_s,
+        ),
+    ]
+    return [runs, verdict, pending, last_seen, *numbers, hook_cpu, *fleet]
+
+
+def exporter_families(cache_age_s: float, http: HttpCounts | None) -> list[Metric]:
+    """The exporter's own state at the scrape: the cache's age, its connections, its threads."""
+    found: list[Metric] = [
+        GaugeMetricFamily(
+            "memtui_exporter_cache_age_seconds",
+            "Seconds since the runs' metrics served were built (every second, off the scrape).",
+            value=cache_age_s,
+        ),
+        GaugeMetricFamily(
+            "memtui_exporter_threads", "Threads of the exporter's process.", value=thread_count()
+        ),
+    ]
+    if http is not None:
+        found += [
+            GaugeMetricFamily(
+                "memtui_exporter_http_connections",
+                "HTTP connections being served now (at most --max-connections).",
+                value=http.open,
+            ),
+            CounterMetricFamily(
+                "memtui_exporter_http_refused",
+                "HTTP connections answered 503 at once: --max-connections were open.",
+                value=http.refused,
+            ),
+            CounterMetricFamily(
+                "memtui_exporter_http_timeouts",
+                "HTTP connections closed: the request or the reply took over --http-timeout.",
+                value=http.timed_out,
+            ),
+        ]
+    return found
+
+
+def thread_count() -> int:
+    """The threads of this process, as the kernel counts them (libzmq's included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()

@@ -1,4 +1,10 @@
-"""``memtui export``'s server: prometheus-client's own HTTP server over the fleet's collector.
+"""``memtui export``'s server: the fleet's loop on the main thread, ``/metrics`` on a bounded
+HTTP server (:mod:`memtui.export.http`) over prometheus-client's WSGI app.
+
+The loop reads the registry, asks the runs that have no watch for a hello, and builds the
+metrics every ``BUILD_S`` (less often when that takes long) into the collector's cache; a scrape
+only reads that cache (and the exporter's own counts), so it answers in the same time whatever
+the runs do.
 
 The listening address is ``HOST:PORT`` (``127.0.0.1:9464`` by default: this node only);
 ``:PORT`` listens on every interface, which the operator has to ask for.
@@ -8,14 +14,27 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from memtui.advice.verdict import ThresholdConfig
-from memtui.export.fleet import Fleet
+from memtui.export.fleet import DEFAULT_MAX_RUNS, Fleet
+from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from memtui.export.metrics import FleetCollector
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
 ALL_INTERFACES = "0.0.0.0"
+BUILD_S = 1.0
+"""How often the metrics served are built anew from the runs' states (at most)."""
+BUILD_SHARE = 0.05
+"""The most of its time the loop spends building them: with many runs watched, the metrics
+served are built less often than every ``BUILD_S``."""
+TURN_S = 0.25
+"""The loop's longest wait for the runs' answers (and for a stop)."""
 
 
 class ListenError(ValueError):
@@ -42,23 +61,37 @@ def serve(
     thresholds: ThresholdConfig,
     say: Callable[[str], None],
     stop: threading.Event | None = None,
+    *,
+    max_runs: int = DEFAULT_MAX_RUNS,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> int:
     """Serve ``/metrics`` on ``host:port`` until SIGTERM, SIGINT or ``stop``; the exit status."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.process_collector import ProcessCollector
 
+    from memtui.export.http import start_server
     from memtui.export.metrics import FleetCollector
 
-    fleet = Fleet(thresholds)
+    fleet = Fleet(thresholds, max_runs=max_runs)
+    collector = FleetCollector(fleet)
+    collector.update()  # the first scrape finds the families, empty as they are
     metrics = CollectorRegistry()
-    metrics.register(FleetCollector(fleet))
+    metrics.register(collector)
     ProcessCollector(namespace="memtui_exporter", registry=metrics)
     try:
-        server, thread = start_http_server(port, addr=host, registry=metrics)
+        server, thread = start_server(
+            host,
+            port,
+            make_wsgi_app(metrics),
+            max_connections=max_connections,
+            timeout_s=timeout_s,
+        )
     except OSError as exc:
         fleet.close()
         say(f"cannot listen on {host}:{port}: {exc}")
         return 1
+    collector.http = server.counts
     bound_host, bound_port = str(server.server_address[0]), server.server_address[1]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     say(f"serving http://{shown}:{bound_port}/metrics")
@@ -66,21 +99,45 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_args: done.set())
-    problem = ""
     try:
-        while not done.is_set():
-            started, stopped = fleet.refresh()
-            for run in started:
-                say(f"watching {run}")
-            for run in stopped:
-                say(f"{run} is gone")
-            if fleet.problem != problem:
-                problem = fleet.problem
-                say(problem or "the runtime directory is readable again")
-            done.wait(fleet.refresh_s)
+        loop(fleet, collector, say, done)
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
         fleet.close()
     return 0
+
+
+def loop(
+    fleet: Fleet,
+    collector: FleetCollector,
+    say: Callable[[str], None],
+    done: threading.Event,
+) -> None:
+    """Read the registry when due, ask and watch the runs, build the metrics every ``BUILD_S``,
+    and say what changed, until ``done``."""
+    problem = ""
+    unwatched = 0
+    next_build = 0.0
+    while not done.is_set():
+        if fleet.refresh_due():
+            for run in fleet.refresh():
+                say(f"{run} is gone")
+            if fleet.problem != problem:
+                problem = fleet.problem
+                say(problem or "the runtime directory is readable again")
+        started, ended = fleet.step(TURN_S, done)
+        for run in started:
+            say(f"watching {run}")
+        for run in ended:
+            say(f"{run} ended")
+        if time.monotonic() >= next_build:
+            began = time.monotonic()
+            collector.update()
+            took = time.monotonic() - began
+            next_build = began + max(BUILD_S, took / BUILD_SHARE)
+            if fleet.unwatched != unwatched:
+                unwatched = fleet.unwatched
+                if unwatched:
+                    say(f"{unwatched} registered runs left unwatched (--max-runs {fleet.max_runs})")

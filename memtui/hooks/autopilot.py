@@ -26,7 +26,7 @@ from memtui.advice.autopilot import (
 from memtui.advice.effect import SETTLE_STEPS
 from memtui.advice.measure import EFFECT_STEPS
 from memtui.advice.recommend import Inputs, bands
-from memtui.hooks.control import Control
+from memtui.hooks.control import Control, clip
 from memtui.knobs import format_changes, parse_value
 from memtui.stats import summarize_steps
 from memtui.wire import (
@@ -78,16 +78,21 @@ class Autopilot:
             self._state = new
         self._control.touch()
 
-    def turn(self, request: AutotuneRequest) -> AutotuneReply:
-        """Turn it on (from the current step, its history fresh) or off."""
+    def turn(self, request: AutotuneRequest, rate_limited_before: int = 0) -> AutotuneReply:
+        """Turn it on (from the current step, its history fresh) or off; ``rate_limited_before``:
+        the toggles refused over their rate since the last one taken, said in its audit line."""
+        client = clip(request.client)
         if request.on:
             self._set(
                 mode="on", phase="waiting", why="", trying={}, since_step=self._step(), boundaries=0
             )
         else:
-            self._set(mode="off", phase="", why=f"turned off by {request.client or 'a client'}")
+            self._set(mode="off", phase="", why=f"turned off by {client or 'a client'}")
             self._control.withdraw(AUTOPILOT)
-        self._control.audit_event("autotune", {"on": request.on, "client": request.client})
+        audited: dict[str, object] = {"on": request.on, "client": client}
+        if rate_limited_before:
+            audited["rate_limited_before"] = rate_limited_before
+        self._control.audit_event("autotune", audited)
         return AutotuneReply(ok=True, state=self.state())
 
     def operator_acted(self, what: str) -> None:

@@ -3,11 +3,13 @@
 Both live in the run's state directory (``install(state_dir=...)``, by default
 ``~/.local/state/memtui/runs/<run id>``); the tuned config can also be written to a path the
 user gives. ``install(resume=True)`` reads the tuned config back so a restarted run keeps it.
+Both are opened through ``memtui.ownfiles``: written only as the user's own 0600 files, read
+back only if no other account owns or can write them, and a state dir other accounts can write
+is said once, loudly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -23,7 +25,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from memtui import safeyaml
+from memtui import ownfiles, safeyaml
 from memtui.knobs import KNOBS, KnobError, as_dict, parse_value
 from memtui.stats import one_line
 from memtui.wire import Ceiling, Knobs, to_builtins
@@ -40,11 +42,13 @@ class AuditLog:
     """Appends one JSON line per event (queued, cancelled, rejected, applied); thread-safe.
 
     Each append is one ``write`` on an ``O_APPEND`` descriptor, so lines of several writers
-    never interleave; a line cut short by a full disk is ended before the next one, so the next
-    record is never glued onto it (the reader skips the torn one). Lines that could not be
-    written are kept (``UNWRITTEN`` at most) and written first by the next append or ``flush``.
-    A line is at most ``MAX_LINE`` bytes (long strings inside are cut), and the file is rotated
-    to ``.1`` at ``MAX_BYTES``, so the log never grows without bound. Files are 0600, dirs 0700.
+    never interleave; what a full disk cuts short is truncated away, so the file stays valid
+    JSONL (where even the truncation fails, the torn line is ended before the next one and the
+    reader skips it). Lines that could not be written are kept (``UNWRITTEN`` at most) and
+    written first by the next append or ``flush``. A line is at most ``MAX_LINE`` bytes (long
+    strings inside are cut), and the file is rotated to ``.1`` at ``MAX_BYTES``, so the log
+    never grows without bound. The file is 0600 and the user's own (``ownfiles.open_write``:
+    never through a link another user planted), a directory memtui creates 0700.
     """
 
     def __init__(self, path: Path, run: str) -> None:
@@ -52,13 +56,14 @@ class AuditLog:
         self.run = run
         self._lock = threading.Lock()
         self._torn = False
-        """The last write was cut short: the next starts on a new line."""
+        """A write cut short could not be taken back: the next starts on a new line."""
         self.unwritten: deque[bytes] = deque(maxlen=UNWRITTEN)
         """Lines not written yet (a full disk, an unwritable directory), oldest first."""
         self.dropped = 0
         """Lines lost for good: more failed than ``UNWRITTEN`` holds."""
         self.error = ""
         """Why the last write failed, in one line ("" once one succeeds)."""
+        warn_if_shared(path.parent)
 
     def append(self, event: str, payload: Any) -> None:
         """Append an event; ``payload`` is a Struct or a dict; raise OSError if it is not written
@@ -87,33 +92,44 @@ class AuditLog:
                 self._write_unwritten()
 
     def _write_lines(self) -> None:
-        """Write every unwritten line in one ``write``; keep those it did not write whole."""
+        """Write every unwritten line in one ``write``; keep them all unless it wrote them whole
+        (a cut write is truncated away)."""
         _private_dir(self.path.parent)
-        self._rotate()
+        warn_if_shared(self.path.parent)
+        fd = self._open()
         data = (b"\n" if self._torn else b"") + b"".join(self.unwritten)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            written = os.write(fd, data)
-        except OSError:
-            self._torn = True  # some bytes may have gone: end that line first next time
-            raise
+            written = os.write(fd, data)  # an error here wrote nothing (an O_APPEND regular file)
+            if written < len(data):
+                self._take_back(fd, written)
+                raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
         finally:
             os.close(fd)
+        self.unwritten.clear()
+        self._torn = False
+
+    def _open(self) -> int:
+        """The log's descriptor, a full log moved to ``.1`` (replacing the previous one) first."""
+        fd = ownfiles.open_write(self.path, append=True)
+        if os.fstat(fd).st_size < MAX_BYTES:
+            return fd
+        os.close(fd)
+        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        self._torn = False
+        return ownfiles.open_write(self.path, append=True)
+
+    def _take_back(self, fd: int, written: int) -> None:
+        """Truncate the ``written`` bytes of a cut write away; where that fails too, keep only
+        the lines it wrote whole and start the next write on a new line."""
+        try:
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - written)
+            return
+        except OSError:
+            pass
         done = written - (1 if self._torn else 0)
         while self.unwritten and done >= len(self.unwritten[0]):
             done -= len(self.unwritten.popleft())
-        self._torn = written < len(data)
-        if self._torn:
-            raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
-
-    def _rotate(self) -> None:
-        """Move a full log to ``.1`` (replacing the previous one)."""
-        try:
-            if self.path.stat().st_size >= MAX_BYTES:
-                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                self._torn = False
-        except FileNotFoundError:
-            pass
+        self._torn = True
 
     def read(self) -> list[dict[str, Any]]:
         """Every event written so far, a torn line skipped (for tests and post-mortems)."""
@@ -159,11 +175,14 @@ def _cut_strings(value: Any) -> Any:
 
 
 def read_audit(path: Path) -> list[dict[str, Any]]:
-    """The events of an audit log; a line that does not parse (cut by a full disk) is skipped."""
+    """The events of an audit log; a line that does not parse (cut by a full disk) is skipped;
+    raise ``ownfiles.UnsafeFile`` if the log is not the user's own or others can write it."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        fd = ownfiles.open_read(path)
     except FileNotFoundError:
         return []
+    with open(fd, "rb") as handle:
+        text = handle.read().decode("utf-8", errors="replace")
     events = []
     for line in text.splitlines():
         try:
@@ -204,11 +223,31 @@ def _private_dir(path: Path) -> None:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
+_warned_shared: set[Path] = set()
+"""The state dirs already said to be writable by others (once each, per process)."""
+
+
+def warn_if_shared(directory: Path) -> None:
+    """Say once, loudly, that other accounts can write the state dir ``directory``."""
+    if directory in _warned_shared:
+        return
+    others = ownfiles.shared_with(directory)
+    if others:
+        _warned_shared.add(directory)
+        log.warning(
+            "memtui: WARNING: the state dir %s is writable by %s: another account can remove "
+            "or replace the audit log and tuned config there; memtui writes no file it does "
+            "not own and resumes from none (give install() a state_dir of your own)",
+            directory,
+            others,
+        )
+
+
 def write_tuned(
     path: Path, run: str, step: int, config: dict[str, Any], extra: dict[str, Any] | None = None
 ) -> None:
-    """Write the tuned config atomically (a 0600 temp file and rename; the temp file is removed
-    if anything fails); ``extra`` adds sections; raise OSError if it is not written."""
+    """Write the tuned config atomically (a new 0600 temp file renamed over it, removed if
+    anything fails); ``extra`` adds sections; raise OSError if it is not written."""
     body = {
         "run": run,
         "step": step,
@@ -222,26 +261,14 @@ def write_tuned(
         + yaml.safe_dump(body, sort_keys=False)
     )
     _private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            data = text.encode("utf-8")
-            while data:  # a short write is a full disk: os.write raises on the next one
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    ownfiles.replace_file(path, text.encode("utf-8"))
 
 
 def read_section(path: Path, name: str) -> Any:
-    """One section of a tuned-config file as YAML reads it (None: none, or unreadable)."""
+    """One section of a tuned-config file as YAML reads it (None: none, unreadable, or not the
+    user's own)."""
     try:
-        body = safeyaml.read(path)
+        body = safeyaml.read(path, private=True)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     return body.get(name) if isinstance(body, dict) else None
@@ -259,9 +286,12 @@ def read_ceiling(path: Path) -> Ceiling | None:
 
 
 def read_tuned(path: Path) -> dict[str, Any]:
-    """The knob values in a tuned-config file, validated; raise ValueError if it is not one."""
+    """The knob values in a tuned-config file, validated; raise ``ownfiles.UnsafeFile`` if it is
+    not the user's own or others can write it, ValueError if it is not a tuned config."""
     try:
-        body = safeyaml.read(path)
+        body = safeyaml.read(path, private=True)
+    except ownfiles.UnsafeFile:
+        raise
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ValueError(f"cannot read tuned config {path}: {one_line(exc)}")
     config = body.get("config") if isinstance(body, dict) else None
@@ -313,6 +343,7 @@ class TunedConfig:
         failed = False
         sections = {**self._sections(), **(extra or {})}
         for path in self._paths():
+            warn_if_shared(path.parent)
             try:
                 write_tuned(path, self._run(), step, as_dict(knobs), sections)
             except OSError as exc:

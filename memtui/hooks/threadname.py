@@ -22,5 +22,5 @@ def name_native_thread(name: str) -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):  # no libc prctl: the name stays the interpreter's
-        return
+    except Exception:  # no ctypes, no libc prctl: the name stays the interpreter's, and the
+        return  # thread (the hook's agent or sampler) goes on

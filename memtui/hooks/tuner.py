@@ -63,6 +63,7 @@ from memtui.hooks.placement import Placement
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.tracker import EventCallback, Tracker
 from memtui.knobs import format_value
+from memtui.ownfiles import UnsafeFile
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.stats import parse_bytes
 from memtui.wire import KnobDiff, Knobs, LrWithdrawn, RankInfo, RunInfo
@@ -584,6 +585,8 @@ class Tuner:
                 log.warning(
                     "memtui: kept the out-of-memory ceiling from %s: %s", path, ceiling.note
                 )
+        except UnsafeFile as exc:  # another account would choose this run's memory
+            self.report(UnsafeFile(f"{exc}; the script's config stands"), "resume")
         except ValueError as exc:
             self.report(exc, "resume")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,14 @@ from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.widgets.header import RunHeader
+from tests.other_user import OtherUser, make_other_user
 from tests.tui.conftest import HookLoop, run, screen_text, until
+
+
+@pytest.fixture(scope="session")
+def other_user() -> Iterator[OtherUser]:
+    """A second real user on this host (skipped, saying why, where none can be made)."""
+    yield from make_other_user()
 
 
 @pytest.fixture
@@ -61,6 +68,23 @@ def test_attached_over_plain_tcp_the_view_is_insecure_and_read_only(
         assert not isinstance(app.screen, EditKnobScreen), "no editor: nothing can be sent"
 
     run(app, check, (120, 40))
+
+
+def test_another_users_viewer_stays_live_and_read_only_over_tcp(
+    plain_tcp: None, start_hook_loop: Callable[..., HookLoop], other_user: OtherUser
+) -> None:
+    """Another account on the host attaches to the run's plain TCP endpoint: its header stays
+    live (it never tries the run's private ipc socket, which it cannot open), READ-ONLY and
+    INSECURE, and the steps advance."""
+    loop = start_hook_loop(rate=100, seconds=60)
+    endpoint = registry.find_run(loop.run_id).ranks[0].control_tcp
+    seen = other_user.report("app", endpoint, "3", env={"MEMTUI_INSECURE": "1"}, timeout=90)
+    lines = seen["lines"]
+    assert any("● live" in line for line in lines), lines
+    assert not [line for line in lines if "disconnected" in line or "error" in line], lines
+    assert "INSECURE" in seen["text"] and "READ-ONLY" in seen["text"], seen["text"]
+    assert seen["readonly"]
+    assert seen["steps"][-1] > seen["steps"][0], seen["steps"]
 
 
 def test_attached_over_ipc_to_a_plain_tcp_run_the_tag_shows(
