@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-tui bench-export bench-hf screenshots clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf screenshots docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,8 +104,8 @@ gpu-wheels: $(STAMP)
 	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check memtui tests benchmarks screenshots
-	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots
+	$(VENV)/bin/ruff check memtui tests benchmarks screenshots docs/hooks.py
+	$(VENV)/bin/ruff format --check memtui tests benchmarks screenshots docs/hooks.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
@@ -123,6 +123,11 @@ bench-gil: $(STAMP)
 bench-instructions: $(STAMP)
 	$(PY) benchmarks/hook_instructions.py
 
+# the plain loop bare, with memtui and with TraceML (`pip install traceml-ai` into .venv first;
+# without it, bare and memtui only)
+bench-peer: $(STAMP)
+	$(PY) benchmarks/peer_overhead.py
+
 bench-tui: $(STAMP)
 	$(PY) benchmarks/tui_cpu.py --size 120x40
 	$(PY) benchmarks/tui_cpu.py --size 60x50
@@ -136,6 +141,17 @@ bench-export: $(STAMP)
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py
+
+# the documentation site: docs/ and mkdocs.yml into build/site, every warning an error (a broken
+# link or anchor, a page left out of the nav, a docstring mkdocstrings cannot read); it needs the
+# package and the docs extra, not torch
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

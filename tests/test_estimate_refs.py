@@ -1,4 +1,5 @@
-"""The README's reference table: every row is a case of benchmarks/estimate_refs.py, asserted here."""
+"""The estimate guide's reference table: every row is a case of benchmarks/estimate_refs.py, asserted
+here."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def test_reference_row(case: Case) -> None:
     )
 
 
-def test_readme_table_is_the_cases() -> None:
-    """Each README row has a case's arguments and reference value; its memtui column is within
-    the case's tolerance (rounded to the table's 3 decimals)."""
-    text = (ROOT / "README.md").read_text()
+def test_the_guide_table_is_the_cases() -> None:
+    """Each row of the estimate guide's table has a case's arguments and reference value; its
+    memtui column is within the case's tolerance (rounded to the table's 3 decimals)."""
+    text = (ROOT / "docs" / "guides" / "estimate-and-gpus.md").read_text()
     rows = re.findall(
         r"^\| (.+?) \| ([\d,.]+) GB \| ([\d,.]+) GB \| [+-][\d.]+% \| [\d.]+% \| `(.+?)` \|$",
         text,

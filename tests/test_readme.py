@@ -1,5 +1,8 @@
-"""The README's examples run as written: the plain loop takes a change and resumes with it, the
-loop without a DataLoader times its batches and follows a change."""
+"""The documentation's examples that need a training run as written (``tests/test_docs.py`` checks
+the rest): the complete plain loop takes a change and resumes with it, the loop without a
+DataLoader times its batches and follows a change, the README's short loop takes a change and the
+guard rolls one back, every line meant for a live run runs against a demo, and the demo's
+out-of-memory command trains."""
 
 from __future__ import annotations
 
@@ -7,20 +10,16 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import msgspec
-import pytest
 import yaml
 
 from memtui.report import StatusReport
 from tests.conftest import (
     PLUMBING,
-    ROOT,
     DemoRun,
     launch_memtui,
     launch_script,
@@ -28,19 +27,17 @@ from tests.conftest import (
     memtui_here,
     wait_for,
 )
-
-
-def readme_example(name: str = "plain-loop") -> str:
-    """The README's code block marked ``<!-- example: NAME -->``."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
-    assert match, f"the README has the {name} example"
-    return match.group(1)
+from tests.test_docs import VIEWERS, blocks, example, run_blocks, shell_lines, words_of
 
 
 def test_plain_loop_example(tmp_path: Path) -> None:
+    """Getting started's complete script: it says its run id and its progress, runs long enough
+    to attach to by default, takes ``memtui set`` at a checkpoint and resumes with the change."""
+    source = example("plain-loop")
+    default = re.search(r'"--steps", type=int, default=([\d_]+)', source)
+    assert default and int(default.group(1)) >= 10_000, "its default run is too short to attach to"
     script = tmp_path / "train.py"
-    script.write_text(readme_example())
+    script.write_text(source)
     out = tmp_path / "ckpt"
     log = tmp_path / "train.log"
     env = dict(os.environ)
@@ -60,6 +57,8 @@ def test_plain_loop_example(tmp_path: Path) -> None:
     assert re.search(r"applied at step \d+00: batch_size 32 -> 64, grad_accum 2 -> 1", output), (
         output
     )
+    assert re.search(r"^run train-\w+: 1000 steps", output, re.M), output
+    assert "step 1000/1000  batch_size 64  grad_accum 1" in output, output
     tuned = yaml.safe_load((out / "memtui-tuned.yaml").read_text())
     assert tuned["config"]["batch_size"] == 64 and tuned["config"]["grad_accum"] == 1
 
@@ -83,11 +82,11 @@ def live_status() -> StatusReport | None:
 
 
 def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path: Path) -> None:
-    """The README's nanoGPT-shaped loop (module globals, ``get_batch`` over a tensor, no
+    """The guide's nanoGPT-shaped loop (module globals, ``get_batch`` over a tensor, no
     DataLoader) publishes samples/s and the data wait, and ``memtui set batch_size=4`` lands at a
     checkpoint: the global changes and every step's samples follow."""
     script = tmp_path / "train_gpt.py"
-    script.write_text(readme_example("no-dataloader"))
+    script.write_text(example("no-dataloader"))
     out, log = tmp_path / "out", tmp_path / "train.log"
     argv = ["--max_iters=1000000", "--eval_interval=10", "--eval_iters=2", f"--out_dir={out}"]
     proc = launch_script(script, argv, dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
@@ -129,54 +128,173 @@ def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path
     assert re.search(r"applied at step \d*0: batch_size 8 -> 4", output), output
 
 
-def readme_demo_commands() -> list[str]:
-    """Every ``memtui demo ...`` in the README: inline code, and lines of code blocks."""
-    text = (ROOT / "README.md").read_text()
-    found = [m.group(1).strip() for m in re.finditer(r"`(memtui demo[^`]*)`", text)]
-    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
-        for line in block.splitlines():
-            if line.strip().startswith("memtui demo"):
-                found.append(line.split("#", 1)[0].strip())
-    return found
+SHORT_LOOP = """
+import os, sys, time
+from types import SimpleNamespace
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from memtui.hooks import event_text
+
+out = sys.argv[1]
+LIMIT = 8  # a micro-batch over this raises the CPU's out-of-memory error in forward
+stop = [os.path.join(out, "stop-loop")]
 
 
-def demo_option_names() -> set[str]:
-    """The options ``memtui demo`` accepts: its own and the training's (passed through)."""
-    from memtui.cli import demo_command
-    from memtui.demo.options import build_parser
-
-    names = {o for p in demo_command.params for o in (*p.opts, *p.secondary_opts)}
-    return names | {o for a in build_parser()._actions for o in a.option_strings}
+class Until(IterableDataset):
+    def __iter__(self):  # samples until the test's stop file of the block running exists
+        while not os.path.exists(stop[0]):
+            time.sleep(0.001)
+            yield torch.randn(16), torch.randn(1)
 
 
-def test_every_memtui_demo_command_in_the_readme_is_accepted() -> None:
-    from click.testing import CliRunner
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 1)
 
-    from memtui.cli import main
-
-    commands = readme_demo_commands()
-    assert any("--vocab 8192" in c for c in commands), commands  # the seed-004 re-creation
-    known = demo_option_names()
-    for command in commands:
-        words = command.split()[2:]
-        if "[" in command or any(w.isupper() for w in words):  # a synopsis: its options exist
-            for option in re.findall(r"--[a-z][a-z-]*", command):
-                assert option in known, f"{command}: {option} is not an option of memtui demo"
-            continue
-        result = CliRunner().invoke(main, ["demo", *words, "--dry-run"])
-        assert result.exit_code == 0, f"{command}: {result.output}"
-        if "--help" not in words:  # the training command, with the options passed through
-            passed = [w for w in words if w != "--no-tui"]
-            ran = shlex.split(result.output)
-            assert ran[ran.index("memtui.demo") + 1 :] == passed, result.output
+    def forward(self, x):
+        if x.shape[0] > LIMIT:
+            raise MemoryError(f"CPU out of memory. Tried to allocate {x.shape[0] * 64} bytes")
+        return self.body(x)
 
 
-def test_readme_seed_004_command_runs(tmp_path: Path) -> None:
-    """The README's seed-004 line really trains through ``memtui demo`` (a few steps; the
+args = SimpleNamespace(batch_size=4, gradient_accumulation_steps=1, num_workers=0, pin_memory=False)
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+dataset = Until()
+saved = []
+
+
+def save_checkpoint():
+    saved.append(tuner.step_count)
+
+"""
+
+
+def test_the_short_loop_and_the_guard_take_a_change_and_roll_one_back(tmp_path: Path) -> None:
+    """The README's four calls in a loop over a real CPU model: its run answers, ``memtui set``
+    lands at a checkpoint and the config object holds the new batch size; then the guard's loop,
+    on the same run, takes a micro-batch that runs out of memory and rolls it back, and the
+    training goes on to its end."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    guarded = "".join(f"    {line}" for line in example("guard").splitlines(True))
+    script.write_text(
+        SHORT_LOOP
+        + example("add-to-loop")
+        + 'print("loop done", args.batch_size, len(saved), flush=True)\n'
+        + 'stop[0] = os.path.join(out, "stop-guard")\n'
+        + 'tuner.on_event(lambda event, step: print("event:", event_text(event), flush=True))\n'
+        + "if True:\n"
+        + guarded
+        + 'print("guard done", args.batch_size, flush=True)\n'
+    )
+    log = tmp_path / "train.log"
+    proc = launch_script(script, [str(out)], dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
+    try:
+
+        def applied(count: int) -> StatusReport | None:
+            assert proc.poll() is None, log.read_text()
+            status = live_status()
+            return status if status and len(status.applied) >= count else None
+
+        wait_for(live_status, 60, 0.1, "the short loop's run")
+        assert memtui_here("set", "batch_size=8").exit_code == 0
+        wait_for(lambda: applied(1), 60, 0.1, "batch_size 8 applied")
+        (out / "stop-loop").touch()
+        wait_for(lambda: "loop done" in log.read_text(), 30, 0.1, "the short loop's end")
+        result = memtui_here("set", "batch_size=16", "--force")
+        assert result.exit_code == 0, result.output
+        wait_for(lambda: "event: rollback" in log.read_text(), 60, 0.1, "the rollback")
+        (out / "stop-guard").touch()
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        proc.kill()
+    output = log.read_text()
+    saves = re.search(r"^loop done 8 (\d+)$", output, re.M)
+    assert saves and int(saves.group(1)) >= 1, output
+    assert re.search(r"^event: batch_size 8 -> 16 at step \d+00", output, re.M), output
+    assert re.search(
+        r"^event: out of memory at step \d+ with batch_size=16 .*: rolled back", output, re.M
+    ), output
+    assert re.search(r"^event: rollback: batch_size 16 -> 8", output, re.M), output
+    assert "guard done 8" in output, output
+
+
+LATER = {
+    "applied",
+    "pending",
+    "rejected",
+    "cancelled",
+    "predicted",
+    "autopilot:",
+    "memory",
+    "option",
+}
+"""The first words of ``memtui status``'s lines that a young run without changes may lack (its
+changes, its fitted memory model, its recommendations)."""
+
+
+def test_command_lines_run_against_a_demo(start_demo: Callable[..., DemoRun]) -> None:
+    """Every ``memtui`` line of the blocks marked ``run: demo``, the reference's first, run as
+    written (by click, in this process) against one live demo run, each block from a clean
+    queue: each exits 0, the confirmations its comments give come true, and a ``$ memtui
+    status`` example shows the lines the command prints, in their order (the viewer's lines,
+    ``attach``, are parsed by ``tests/test_docs.py``)."""
+    demo = start_demo("--steps", "1000000", "--checkpoint-every", "1000000", *PLUMBING)
+    ordered = sorted(run_blocks("demo"), key=lambda b: b.page != "docs/reference/cli.md")
+    assert ordered[0].page == "docs/reference/cli.md", [b.where for b in ordered]
+    ran = []
+    for block in ordered:
+        memtui_here("cancel", "all")  # each block from an empty queue (its status unchecked)
+        for command, comment in shell_lines(block):
+            words = words_of(command)
+            if words[1] in VIEWERS:
+                continue
+            result = memtui_here(*words[1:])
+            assert result.exit_code == 0, f"{block.where}: {command}: {result.output}"
+            output = result.stdout + result.stderr
+            said = comment.replace("demo-...", demo.run_id)
+            if said.startswith(("queued #", "cancelled #")):
+                assert said in output, (block.where, command, output)
+            if command == "memtui status --json":
+                assert json.loads(output)["run"] == demo.run_id
+            if block.lang == "text":  # an example of what the command prints
+                shown = output.splitlines()
+                heads = [
+                    line.split()[0]
+                    for line in block.body.splitlines()[1:]
+                    if line.strip() and line.split()[0] not in LATER
+                ]
+                found = [h for h in heads if any(line.startswith(h) for line in shown)]
+                assert found == heads, (block.where, heads, shown)
+                positions = [next(i for i, s in enumerate(shown) if s.startswith(h)) for h in heads]
+                assert positions == sorted(positions), (block.where, heads, shown)
+            ran.append(command)
+    for line in (
+        "memtui ls",
+        "memtui status --json",
+        "memtui cancel all",
+        "memtui set num_workers=2",
+    ):
+        assert line in ran, (line, ran)
+
+
+def test_the_out_of_memory_demo_command_runs(tmp_path: Path) -> None:
+    """The advice guide's ``memtui demo --memory-limit ...`` line really trains (a few steps; the
     command forked from the fork server, with torch imported: it trains in its own process)."""
-    line = next(c for c in readme_demo_commands() if "--memory-limit" in c and "[" not in c)
+    line = next(
+        command
+        for block in blocks()
+        if block.page == "docs/guides/advice.md" and block.lang == "sh"
+        for command, _ in shell_lines(block)
+        if command.startswith("memtui demo --memory-limit")
+    )
     log = tmp_path / "demo.log"
-    argv = [*line.split()[1:], "--no-tui", "--steps", "3", "--slow-data-ms", "0"]
+    argv = [*shlex.split(line)[1:], "--no-tui", "--steps", "3", "--slow-data-ms", "0"]
     proc = launch_memtui([*argv, "--out", str(tmp_path)], dict(os.environ), log)
     try:
         code = proc.wait(120)
@@ -185,95 +303,3 @@ def test_readme_seed_004_command_runs(tmp_path: Path) -> None:
     assert code == 0, log.read_text()
     assert "done: 3 steps" in log.read_text(), log.read_text()
     assert (tmp_path / "checkpoint.pt").exists()
-
-
-def readme_section(title: str) -> str:
-    """The README's section under ``## title``, up to the next ``##`` heading."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else len(text)]
-
-
-def shell_lines(section: str) -> list[str]:
-    """The ``memtui`` lines of a section's code blocks, as typed (``$ `` dropped, comments off)."""
-    found = []
-    for block in re.findall(r"```[a-z]*\n(.*?)```", section, re.S):
-        for line in block.splitlines():
-            command = line.removeprefix("$ ").split("  #", 1)[0].strip()
-            if command.startswith("memtui ") or "$(memtui " in command:
-                found.append(command)
-    return found
-
-
-def inline_commands(section: str) -> list[str]:
-    """The complete ``memtui`` commands written inline in a section (no ``...``, no demo)."""
-    spans = re.findall(r"`(memtui [^`]*)`", section)
-    return [s for s in spans if "..." not in s and not s.startswith("memtui demo")]
-
-
-def test_readme_command_line_runs_against_a_demo(start_demo: Callable[..., DemoRun]) -> None:
-    """Every ``memtui`` line of the README's CLI section, then the commands the 'Two commands'
-    section names, run as written (in that order, by click in this process) against one live
-    demo run: each exits 0, the confirmations in the comments come true, and ``memtui status``
-    prints the example's lines."""
-    demo = start_demo("--steps", "1000000", "--checkpoint-every", "1000000", *PLUMBING)
-    section = readme_section("The command line")
-    lines = [line for line in shell_lines(section) if "[" not in line]
-    comments = {
-        line.removeprefix("$ ").split("  #", 1)[0].strip(): line.split("  #", 1)[1].strip()
-        for block in re.findall(r"```sh\n(.*?)```", section, re.S)
-        for line in block.splitlines()
-        if "  #" in line
-    }
-    assert {"memtui ls", "memtui status --json", "memtui cancel all"} <= set(lines), lines
-    two_commands = inline_commands(readme_section("Two commands"))
-    assert two_commands == ["memtui status", "memtui set num_workers=4"], two_commands
-    outputs = {}
-    for line in [*lines, *two_commands]:  # by click in this process (memtui_here)
-        result = memtui_here(*shlex.split(line)[1:])
-        assert result.exit_code == 0, f"{line}: {result.output}"
-        outputs[line] = result.stdout + result.stderr
-        said = comments.get(line, "").replace("demo-...", demo.run_id)
-        if said.startswith(("queued #", "cancelled #")):
-            assert said in outputs[line], (line, outputs[line])
-    assert json.loads(outputs["memtui status --json"].strip())["run"] == demo.run_id
-    example = re.search(r"\$ memtui status\n(.*?)```", section, re.S)
-    assert example, "the CLI section shows what memtui status prints"
-    shown = outputs["memtui status"].splitlines()
-    for head in [line.split()[0] for line in example.group(1).splitlines()[:5]]:
-        assert any(line.startswith(head) for line in shown), (head, shown)
-
-
-def test_readme_gpu_pick_line_stops_where_no_gpu_is_picked(tmp_path: Path) -> None:
-    """The README's ``gpus --pick`` form, run by bash as written: without a GPU to pick it
-    stops with the reason and never starts ``python train.py`` with an empty device list."""
-    from memtui.gpus import NoDriver, load_nvml
-
-    try:
-        load_nvml()
-        pytest.skip("this host has an NVIDIA driver: the pick would succeed")
-    except NoDriver:
-        pass
-    line = next(
-        c for c in shell_lines(readme_section("Before the run: gpus and estimate")) if "--pick" in c
-    )
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    result = subprocess.run(
-        ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert result.stderr.startswith("memtui: no NVIDIA driver") and "train.py" not in result.stderr
-
-
-def test_readme_names_a_recording_that_replays() -> None:
-    """The viewer section's ``memtui replay`` line names a recording of this repository that the
-    replay source opens whole (the viewer's replay tests play the same files)."""
-    from memtui.sources import ReplaySource
-
-    line = next(
-        c for c in shell_lines(readme_section("The viewer: `memtui attach`")) if "replay" in c
-    )
-    path = ROOT / shlex.split(line)[2]
-    source = ReplaySource(str(path))
-    assert source.recording.frames and not source.recording.cut_note, line

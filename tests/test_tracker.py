@@ -1,4 +1,4 @@
-"""The user's tracker in a plain loop: the README's ``tuner.on_event`` example, run inside a real
+"""The user's tracker in a plain loop: the tracker guide's ``tuner.on_event`` example, run inside a real
 CPU training that takes a change from ``memtui set`` and runs out of memory with it, writes each
 event into a TensorBoard event file at the step it landed (read back with the tensorboard
 package's reader): the change, the post-mortem and the rollback while training goes on, or the
@@ -17,7 +17,7 @@ from typing import Any, cast
 from tests.conftest import launch_script, memtui_here, status_json, wait_for
 from tests.forkserver import ForkedDemo
 from tests.tbevents import read_events
-from tests.test_readme import readme_example
+from tests.test_docs import example
 
 SETUP = """
 import os, sys, time
@@ -105,7 +105,7 @@ class Training:
     def grown(cls, tmp_path: Path, env: dict[str, str] | None = None) -> Training:
         """Start the training and queue batch_size 8 -> 16 (which runs out of memory)."""
         script = tmp_path / "train.py"
-        script.write_text(SETUP + readme_example("tracker") + LOOP)
+        script.write_text(SETUP + example("tracker") + LOOP)
         log = tmp_path / "train.log"
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         proc = launch_script(script, [str(tmp_path / "out")], full_env, tmp_path, log)
