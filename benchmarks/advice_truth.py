@@ -1,4 +1,4 @@
-"""Issue 15's evidence: memtui's memory and speed predictions against what real runs then did.
+"""memtui's memory and speed predictions against what real runs then did.
 
 Each training script (the demo, and ``benchmarks/scripts/``: a transformer on variable-length
 sequences, a small CNN with BatchNorm, a parameter-heavy MLP) runs on the CPU under a memory
@@ -17,10 +17,10 @@ and the set reply's), the observed peak (``observed_peak_bytes``), the error (pr
 observed - 1), whether the run ran out of memory before the next change landed, and the speed
 the hook predicted for the change from the steps before it (``predicted_speed_delta``, the
 estimate the recommendations use) against the measured samples/s change, in points, and
-whether the prediction lies inside the measured effect's 95% interval. It prints a table, a summary per script and the verdict
-against the issue's bar: mean |error| <= 5% and max |error| <= 10% on every change, no out of
-memory from a change accepted without ``--force``, and the max safe batch's observed peak under
-the edge band (``memory_edge_fraction``) every time.
+whether the prediction lies inside the measured effect's 95% interval. It prints a table, a summary
+per script and the verdict against the accuracy bar: mean |error| <= 5% and max |error| <= 10% on
+every change, no out of memory from a change accepted without ``--force``, and the max safe batch's
+observed peak under the edge band (``memory_edge_fraction``) every time.
 
 Usage: python benchmarks/advice_truth.py [--scripts demo,lm,cnn,mlp] [--quick] [--dwell S] [--json PATH]
 """
@@ -469,7 +469,7 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
 
 
 def verdict(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's bar, script by script and overall."""
+    """The accuracy bar, script by script and overall."""
     failures: list[str] = []
     for name, s in summaries.items():
         if s["mean_abs_error"] is None:
@@ -511,7 +511,7 @@ def print_summary(summaries: dict[str, dict[str, Any]], result: dict[str, Any]) 
             + f"; no speed estimate {s['speed_unknown']}"
         )
     bar = f"mean |error| <= {MEAN_BAR:.0%}, max <= {MAX_BAR:.0%}, 0 OOMs unforced, max safe under the edge"
-    print(f"\nverdict against the issue's bar ({bar}): {'PASS' if result['pass'] else 'FAIL'}")
+    print(f"\nverdict against the accuracy bar ({bar}): {'PASS' if result['pass'] else 'FAIL'}")
     for failure in result["failures"]:
         print(f"  {failure}")
 

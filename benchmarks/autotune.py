@@ -1,4 +1,4 @@
-"""Issue 17's evidence: the autopilot online against an offline grid search over the same knobs.
+"""The autopilot online against an offline grid search over the same knobs.
 
 For each start (four of the demo: starving with 0 workers, a tiny micro-batch, an oversized one
 near the memory limit, one already good; and one of ``benchmarks/scripts/transformer.py``) it

@@ -167,9 +167,9 @@ def loadavg() -> list[float]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere): the same
-    script ran the bare loop at 7.4 µs a step on one VM of this project and 11.5-21 µs on
-    another, so a wall-clock figure says which machine it came from."""
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere): the same script
+    ran the bare loop at 7.4 µs a step on one VM and 11.5-21 µs on another, so a wall-clock figure
+    says which machine it came from."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

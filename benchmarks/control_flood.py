@@ -9,7 +9,8 @@ floods the run's sockets for ``--flood-s`` seconds (ipc only), then the run trai
 - ``set``: valid set requests (``batch_size=N``) pipelined on one DEALER;
 - ``set-new``: the same, one fresh REQ connection per request (as the CLI connects);
 - ``hello``: hellos asking for 2048 steps of history, pipelined on one DEALER;
-- ``nul``: ~400 KB set requests whose unknown knob name is NUL bytes (issue 13, item 2);
+- ``nul``: ~400 KB set requests whose unknown knob name is NUL bytes (unbounded, they grew every
+  snapshot past the clients' limit);
 - ``nul-small``: the largest set requests in bounds (8 knob names, values and the client name
   64 NUL bytes each), one fresh connection each;
 - ``sub``: 16 subscriptions of 1 MiB, then distinct 800-byte ones, on the telemetry socket.

@@ -1,4 +1,4 @@
-"""``memtui estimate`` against published references on the same inputs: prints the README's table.
+"""``memtui estimate`` against published references on the same inputs: prints the estimate guide's table.
 
 Every row runs ``memtui estimate ... --json`` in this process and sets one of its numbers next
 to a reference's, with the tolerance tests/test_estimate_refs.py asserts. Run from the
@@ -202,7 +202,7 @@ CASES = (
         )
     ),
 )
-"""The README's table, row by row."""
+"""The estimate guide's table, row by row."""
 
 
 def run(case: Case) -> dict[str, Any]:
@@ -236,7 +236,7 @@ def rows() -> list[dict[str, Any]]:
 
 
 def markdown(found: list[dict[str, Any]]) -> str:
-    """The README table."""
+    """The estimate guide's table."""
     lines = [
         "| reference (how its number is obtained) | reference | memtui | difference | "
         "tolerance | `memtui estimate` arguments |",

@@ -1,4 +1,4 @@
-"""The hook's hot path in machine instructions: a count that the VM's speed does not move.
+"""The hook's hot path in machine instructions: a count that the machine's speed does not move.
 
 Wall-clock timings of a few microseconds move by ±1 µs from one block to the next on a shared
 2-core VM (which also runs the same code at two speeds, ~1.8x apart), so they cannot tell a 10%
@@ -9,7 +9,7 @@ misses) of the training thread alone.
 and of the attribute's name, so how many of torch's hot lookups miss it differs from one
 process's memory layout to the next: in one comparison a bare process against a hooked one put
 8.3k instructions a step on the hook where the same code, counted in one process, gives
-6.7-7.1k (this script compared two processes up to stop 28). Here one process runs, in turn,
+6.7-7.1k. Here one process runs, in turn,
 the bare loop, the tuner's loader alone, the loader with ``tuner.step()`` (the hook), and a
 *floor*: a plain DataLoader through the least a hook could do (two clock reads
 and two additions per batch, one clock read and a tuple appended per step: no delivery
@@ -18,7 +18,7 @@ with ``callgrind_control`` and dumped on its own, at two lengths: the difference
 the per-step cost, free of the window's own calls. ``--repeat`` processes give the median and
 the spread; each first makes a random number of classes, names and allocations, because
 valgrind lays every process out the same way (no address randomisation) and the spread would
-otherwise hide the layout luck that every real run draws (in stop 30 the same code counted 6.9k
+otherwise hide the layout luck that every real run draws (the same code once counted 6.9k
 a step in unrandomised processes and 6.5k-8.2k over randomised ones). After the warm-up the heap
 is frozen (``gc.freeze()``), so that a full collection falling in one window does not charge its
 steps with all of torch's heap. The hook's own threads run under valgrind too and take the GIL

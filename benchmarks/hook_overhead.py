@@ -27,19 +27,19 @@ Three measurements, printed as one JSON line:
 3. A real small training loop on the CPU (an MLP, about 1 ms per step), without the hook (A)
    and with it installed the one-line way (B: a fresh ``install`` per block, threads and
    all), in ABBA-ordered blocks: ``loop_samples_per_s_without``/``_with`` and the wall-clock
-   ``ab_overhead_pct`` with its 95% confidence interval. On this 2-core VM the speed of the
+   ``ab_overhead_pct`` with its 95% confidence interval. On a shared 2-core VM the speed of the
    same block varies by ~10%, so this comparison cannot resolve 0.5%; the interval says so.
 
 ``overhead_pct`` = hot path over the loop's step time + background CPU: what the hook takes
 from a loop whose step is ``loop_step_ms_without`` long, nobody watching (``_watched``: with a
-viewer attached). Targets (issue 2):
+viewer attached). Targets:
 ``hook_us_per_step`` <= 2 and ``overhead_pct`` <= 0.5.
 
 **Reproducible figures.** By default the script runs the whole measurement three times
 (``--repeat N``), each run a fresh process, and prints every figure as the median of the runs
 (the same keys as one run), with ``spread`` (median, min, max, interquartile range of the
 runs), ``per_run`` and ``loadavg`` (the 1/5/15-minute load average before and after each
-run: a figure taken at a load over 1 on this 2-core machine shares the CPU with something
+run: a figure taken at a load over 1 on a 2-core machine shares the CPU with something
 else). ``--quick`` is one short run.
 
 Usage: python benchmarks/hook_overhead.py [--rounds N] [--repeat N] [--quick]
@@ -128,11 +128,12 @@ def fast_rounds_cost(bare: list[float], hooked: list[float]) -> tuple[float, int
     """The hook's median cost over the rounds whose bare loop ran at this machine's usual
     speed (within ``FAST_ROUND`` of the fastest), and how many rounds those were.
 
-    This VM runs the same bare loop at two speeds, ~11-13 µs a step or ~21-26 µs (its host's
-    contention: the load average does not show it), and the hook's cost moves with it (15-20%
-    of the bare step either way), so the median over all rounds says which speed the machine
-    ran at as much as what the hook costs. Conditioning on the bare round can only overstate
-    the cost: a hooked round after a fast bare one is sometimes already slow, never faster.
+    A shared VM can run the same bare loop at two speeds (on a 2-core one, ~11-13 µs a step or
+    ~21-26 µs: its host's contention, which the load average does not show), and the hook's cost
+    moves with it (15-20% of the bare step either way), so the median over all rounds says which
+    speed the machine ran at as much as what the hook costs. Conditioning on the bare round can only
+    overstate the cost: a hooked round after a fast bare one is sometimes already slow, never
+    faster.
     """
     limit = FAST_ROUND * min(bare)
     diffs = [h - b for h, b in zip(hooked, bare, strict=True) if b <= limit]

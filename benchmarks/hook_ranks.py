@@ -4,7 +4,7 @@ Each rank runs the hot-path measurement of ``hook_overhead.py`` (interleaved blo
 DataLoader steps and steps through the tuner's loader wrapper plus ``tuner.step()``) with the
 hook installed in a real gloo process group, timed with the training thread's own CPU clock
 (``time.thread_time``, so waiting for a core does not count). Nothing in the per-step path
-depends on the world size; what two ranks change on this 2-core machine is that every core is
+depends on the world size; what two ranks change on a 2-core machine is that every core is
 busy, so caches are shared and every instruction gets slower, the bare loop's as much as the
 hook's. The report gives both, and the hook's cost relative to the bare loop.
 

@@ -9,8 +9,8 @@ that period's step records, device and host samples, checkpoints and control sta
 ``--recording FILE`` (repeatable) replays recordings you give instead (``tests/data/*.mtrec``;
 every rank of a multi-rank recording is a stream of its own).
 
-A publisher process then stands for a ``--ranks``-rank job (64 by default: this machine has
-neither 64 GPUs nor 64 cores to run 64 hooks). ONE PUB SOCKET PER SIMULATED RANK replays one
+A publisher process then stands for a ``--ranks``-rank job (64 by default, with no need of
+64 GPUs or 64 cores to run 64 hooks). ONE PUB SOCKET PER SIMULATED RANK replays one
 stream (the streams are dealt out to the ranks in turn) at its recorded pace (``--speed 1``,
 full rate: every frame when the hook published it), in a loop, each rank starting at another
 point of its stream, so that their memory and timings differ (their step numbers are kept in

@@ -32,16 +32,21 @@ def _fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
-def _target(run: str | None, *, changes: bool = False) -> registry.Target:
+def _target(run: str | None, *, changes: bool = False, usage: str = "") -> registry.Target:
+    """The run ``run`` names (the newest without it, unless several are live and the command
+    ``changes`` one); ``usage``: the command's own form with RUN, said when a run must be named.
+    A RUN that must be named or that matches several runs is a usage error (exit 2), one that
+    matches none a lookup failure (exit 1)."""
     from memtui import registry
 
     try:
         target = registry.find_run(run, changes=changes)
     except registry.AmbiguousRun as exc:
-        _fail(str(exc), 2)
+        _fail(_name_one(usage) if usage else str(exc), 2)
         raise  # unreachable
     except registry.RunNotFound as exc:
-        _fail(str(exc))
+        several = bool(run) and sum(r.run.startswith(run or "") for r in registry.list_runs()) > 1
+        _fail(str(exc), 2 if several else 1)
         raise  # unreachable
     except registry.RegistryError as exc:
         _fail(str(exc))
@@ -49,6 +54,15 @@ def _target(run: str | None, *, changes: bool = False) -> registry.Target:
     if target.note:
         click.echo(f"memtui: {target.note}", err=True)
     return target
+
+
+def _name_one(usage: str) -> str:
+    """``2 live runs: name the one to change (memtui cancel RUN ID): ...``, with each live run."""
+    from memtui import registry
+
+    runs = registry.list_runs()
+    listed = "; ".join(f"{r.run} (pid {r.pid}, {r.cwd or '?'})" for r in runs)
+    return f"{len(runs)} live runs: name the one to change ({usage}): {listed}"
 
 
 def _client(target: registry.Target, timeout: float) -> ControlClient:
@@ -231,7 +245,7 @@ def set_command(
     except KnobError as exc:
         _fail(f"rejected: {exc}", 2)
         return
-    target = _target(run, changes=True)
+    target = _target(run, changes=True, usage="memtui set RUN KEY=VALUE...")
     where = f" on {target.run}" if target.run else ""
     try:
         reply = _client(target, timeout).set(
@@ -295,6 +309,10 @@ def _prediction_line(reply: SetReply, edge: float) -> str:
     return line
 
 
+NOTHING_PENDING = "no change is pending"
+"""The hook's answer to cancelling every pending change when none is."""
+
+
 @main.command("cancel")
 @click.argument("args", nargs=-1)
 @click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
@@ -310,15 +328,18 @@ def cancel_command(args: tuple[str, ...], timeout: float) -> None:
     if which != "all" and not which.lstrip("#").isdigit():
         _fail(f"expected a change id or 'all', got {which!r}", 2)
     change_id = 0 if which == "all" else int(which.lstrip("#"))
-    target = _target(run, changes=True)
+    target = _target(run, changes=True, usage=f"memtui cancel RUN {which}")
     try:
         reply = _client(target, timeout).cancel(change_id)
     except ClientError as exc:
         _fail(str(exc))
         return
+    where = f" on {target.run}" if target.run else ""
+    if not reply.ok and change_id == 0 and reply.reason == NOTHING_PENDING:
+        click.echo(f"nothing pending{where}")  # all of nothing is cancelled: not an error
+        return
     if not reply.ok:
         _fail(reply.reason, 2)
-    where = f" on {target.run}" if target.run else ""
     click.echo("cancelled " + " ".join(f"#{i}" for i in reply.cancelled) + where)
 
 
@@ -331,7 +352,7 @@ def autotune_command(switch: str, run: str | None, timeout: float) -> None:
     from memtui.advice.autopilot import describe_state
     from memtui.client import ClientError
 
-    target = _target(run, changes=True)
+    target = _target(run, changes=True, usage=f"memtui autotune {switch} RUN")
     try:
         reply = _client(target, timeout).autotune(switch == "on")
     except ClientError as exc:
@@ -428,13 +449,14 @@ def demo_command(
         _fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
     tcp_env = _tcp_env(tcp, insecure, insecure_control)
-    os.environ.update(tcp_env)  # the training (in this process or a child) reads them
-    if dry_run:
+    if dry_run:  # says what would run, and changes nothing (this process's environment included)
         click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
         return
+    os.environ.update(tcp_env)  # the training (in this process or a child) reads them
     busy = out_in_use(args.out or default_out())
     if busy:
         _fail(busy, 2)
+    os.environ["PYTHONWARNINGS"] = _quiet_numpy_warning(os.environ.get("PYTHONWARNINGS", ""))
     if no_tui:
         if ranks == 1:
             from memtui.demo.train import main as demo_main
@@ -442,6 +464,17 @@ def demo_command(
             sys.exit(demo_main(argv))
         sys.exit(_run_forwarding_signals(command))
     _demo_with_tui(command, args.out)
+
+
+NO_NUMPY_WARNING = "ignore:Failed to initialize NumPy:UserWarning"
+"""A ``PYTHONWARNINGS`` filter for torch's warning at import where NumPy is not installed: the
+demo's processes (torchrun's launcher too) need no NumPy, and it was the demo's first line."""
+
+
+def _quiet_numpy_warning(filters: str) -> str:
+    """``PYTHONWARNINGS`` for the demo's processes: the user's filters, and torch's NumPy warning
+    left out (the user's own filters come last and win: a later filter takes precedence)."""
+    return ",".join(f for f in (NO_NUMPY_WARNING, filters) if f)
 
 
 def _tcp_env(tcp: str | None, insecure: bool, insecure_control: bool = False) -> dict[str, str]:
@@ -795,7 +828,7 @@ def estimate_command(**kwargs: Any) -> None:
     default="127.0.0.1:9464",
     show_default=True,
     metavar="HOST:PORT",
-    help="Where to serve /metrics; :PORT listens on every interface (see the README).",
+    help="Where to serve /metrics; :PORT listens on every interface (see the security model).",
 )
 @click.option(
     "--max-runs",

@@ -313,9 +313,11 @@ class OldNew(Protocol):
 
 
 def format_diffs(diffs: Mapping[str, OldNew], arrow: str = "->") -> str:
-    """Show changes as ``knob old -> new`` parts, comma separated."""
+    """Show changes as ``knob old -> new`` parts, comma separated (``default`` for a knob the run
+    had not set)."""
     return ", ".join(
-        f"{k} {format_value(d.old)} {arrow} {format_value(d.new)}" for k, d in diffs.items()
+        f"{k} {'default' if d.old is None else format_value(d.old)} {arrow} {format_value(d.new)}"
+        for k, d in diffs.items()
     )
 
 

@@ -451,7 +451,6 @@ module loading (more with cuDNN/NCCL initialised); 512 MiB is charged."""
 ALLOCATOR_SLACK = 0.10
 """The caching allocator's rounding and fragmentation, charged as 10% of the activations (the
 part whose block sizes change from step to step)."""
-"""Under 85% of the card is safe (seed 004's bands: 85-90% edge, over 90% danger)."""
 
 
 def overhead_bytes(activation_bytes: int) -> int:

@@ -17,13 +17,14 @@ from msgspec import UNSET, Struct, UnsetType
 from memtui.advice.assess import STATE_NAMES, assess
 from memtui.advice.autopilot import describe_state as describe_autopilot
 from memtui.advice.effect import describe as describe_effect
-from memtui.advice.measure import accuracy, prediction_error
+from memtui.advice.measure import accuracy, error_words, prediction_error
 from memtui.advice.prediction import ceiling_words
 from memtui.advice.speed import describe_speed, speed_accuracy, speed_error
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.knobs import (
     KNOBS,
     KnobValue,
+    OldNew,
     effective_batch,
     format_changes,
     format_diffs,
@@ -478,6 +479,28 @@ def status_json(report: StatusReport) -> str:
 # ---------------------------------------------------------------------------- text
 
 
+def diff_words(diffs: Mapping[str, OldNew], arrow: str = "->") -> str:
+    """``batch_size 16 -> 32, prefetch_factor default -> 4``: each knob from its old value to
+    its new one, a knob the run had not set named as its loader's ``default``."""
+    return format_diffs(diffs, arrow)
+
+
+def predicted_speed_words(predicted: float, measured_effect: Effect | None) -> str:
+    """``predicted speed +118%, measured +233%`` (``predicted speed +118% samples/s`` until
+    measured)."""
+    words = f"predicted speed {signed(predicted)}"
+    if measured_effect is None or measured_effect.samples_per_s_before <= 0:
+        return words + " samples/s" if round(predicted, 2) else words
+    rate = measured_effect.samples_per_s_after / measured_effect.samples_per_s_before - 1
+    return words + f", measured {signed(rate)}"
+
+
+def signed(change: float) -> str:
+    """A relative change as ``+35%``, or ``no change`` where it rounds to 0% (``+0%`` reads as a
+    gain)."""
+    return f"{change:+.0%}" if round(change, 2) else "no change"
+
+
 def lr_line(lr: LrState, world_size: int = 1) -> str:
     """The LR in one line: the factor over the script's own and where it comes from, or that
     the script sets its LR itself ("" while the LR is the script's own and memtui may scale it)."""
@@ -580,22 +603,22 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
         )
     for applied in report.applied[-5:]:
-        diffs = format_diffs(applied.changes)
+        diffs = diff_words(applied.changes)
         ids = ",".join(f"#{i}" for i in applied.ids) or "rollback"
         line = f"applied at step {applied.step}: {diffs or 'no effective change'} ({ids})"
         if applied.origin:
             line += f" by the {applied.origin}"
+        elif not applied.rollback:
+            line += " by an operator"
         if applied.effect is not None:
             line += f": {applied.effect.summary}"
         if applied.prediction_error is not None and applied.predicted_peak_bytes:
             line += (
                 f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
-                f"({applied.prediction_error:+.0%})"
+                f"({error_words(applied.prediction_error)})"
             )
         if applied.predicted_speed_delta is not None:
-            line += f"; predicted speed {applied.predicted_speed_delta:+.0%} samples/s"
-            if applied.speed_error is not None:
-                line += f" (off by {applied.speed_error * 100:+.0f} points)"
+            line += "; " + predicted_speed_words(applied.predicted_speed_delta, applied.effect)
         if applied.lr_note:
             line += f"; {applied.lr_note}"
         lines.append(line)
@@ -605,7 +628,7 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         if scored.mean_abs_error is not None:
             plural = "s" if scored.changes_measured > 1 else ""
             parts.append(
-                f"mean error {scored.mean_abs_error:.1%} over {scored.changes_measured} "
+                f"off by {scored.mean_abs_error:.1%} on average over {scored.changes_measured} "
                 f"change{plural} measured"
             )
         lines.append(
@@ -620,9 +643,9 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         )
     for index, option in enumerate(report.recommendations[:3], 1):
         delta = option.speed_delta
-        speed = (
-            f", {delta:+.0%} samples/s" if delta is not None else ", speed unknown until measured"
-        )
+        speed = ", speed unknown until measured"
+        if delta is not None:
+            speed = f", {delta:+.0%} samples/s" if round(delta, 2) else ", speed unchanged"
         lines.append(f"option {index}: {option.title}{speed}  ({option.why})")
     for rejected in report.rejected[-3:]:
         lines.append(f"rejected {format_changes(rejected.requested)}: {rejected.reason}")

@@ -4,7 +4,7 @@ Recordings from tests/data: a real demo run starving for data (``--workers 0``, 
 fix ``num_workers=4`` queued; and at its end, balanced, the loader workers' own memory counted),
 a synthetic two-rank CUDA run at 88% of its memory (and its rank 0
 alone, as a single-GPU run), and a
-synthetic eight-rank CUDA run with a straggler and a rank near OOM (this machine has no GPU;
+synthetic eight-rank CUDA run with a straggler and a rank near OOM (made without a GPU;
 see tests/data/make_oom_stream.py and make_ranks_stream.py), and a real CPU demo under a 900 MiB
 limit with a forced micro-batch predicted over it, pending (make_advice_stream.py), and the same
 run at its end, after the out-of-memory error and the rollback. Each at full width (120x40) and in

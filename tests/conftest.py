@@ -24,8 +24,8 @@ from tests.forkserver import ForkedDemo, ForkedJob, ForkServer
 ROOT = Path(__file__).resolve().parent.parent
 
 # the suite's trainings run torch on one thread (a session-wide default; a test may still ask for
-# more): on 2 busy cores torch's intra-op pool spins against the other workers, and the README's
-# small MLP took 15 ms of CPU a step on two threads, 1.2 ms on one (torchrun sets the same)
+# more): on 2 busy cores torch's intra-op pool spins against the other workers, and the documented
+# plain loop's small MLP took 15 ms of CPU a step on two threads, 1.2 ms on one (torchrun sets the same)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LIGHT = ("--seq-len", "16", "--width", "32", "--layers", "1", "--vocab", "64")
@@ -43,7 +43,13 @@ def private_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     runtime = base / "rt"
     monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("XDG_STATE_HOME", str(base / "state"))
+    before = {k: v for k, v in os.environ.items() if k.startswith("MEMTUI_")}
     yield runtime
+    # a command run in this process (click's runner) may set memtui's variables for its children:
+    # the next test's trainings must not inherit them (plain TCP, say)
+    for name in [k for k in os.environ if k.startswith("MEMTUI_") and k not in before]:
+        del os.environ[name]
+    os.environ.update(before)
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -390,7 +396,7 @@ if os.environ.get("MEMTUI_TEST_CPU_LOG"):  # where the suite's CPU goes: one lin
 
 HEAVY_FIRST = (
     "tests/tui/test_hostile_text.py",
-    "tests/test_seeds.py",
+    "tests/test_advice_live.py",
     "tests/test_ddp.py",
     "tests/tui/test_app_live_keys.py",
     "tests/test_rank_faults.py",

@@ -38,14 +38,14 @@ from memtui.wire import HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
 GIB = 1 << 30
 MIB = 1 << 20
 
-SEED_004 = """torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.23 GiB.
+DOUBLED_BATCH_OOM = """torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.23 GiB.
 GPU 0 has a total capacity of 19.58 GiB of which 1.06 GiB is free.
 Including non-PyTorch memory, this process has 18.50 GiB memory in use.
 Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.18 GiB is reserved by PyTorch but unallocated."""
 
 
-def test_parse_seed_004() -> None:
-    report = parse_oom(SEED_004)
+def test_parse_the_oom_of_a_doubled_batch() -> None:
+    report = parse_oom(DOUBLED_BATCH_OOM)
     assert report.kind == "cuda" and report.device_index == 0
     assert report.tried_bytes == pytest.approx(1.23 * GIB, rel=1e-6)
     assert report.capacity_bytes == pytest.approx(19.58 * GIB, rel=1e-6)
@@ -123,8 +123,9 @@ def test_parse_a_container_message_and_no_free_bytes() -> None:
     assert report.process_in_use_bytes is None and report.tried_bytes == 204 * MIB
 
 
-def test_one_point_model_and_the_seed_004_mistake() -> None:
-    """Seed 004 guessed 12-16 GB for batch 32; counting fragmentation and the context says more."""
+def test_one_point_model_flags_the_doubled_batch_a_hand_made_guess_let_through() -> None:
+    """A hand-made guess put batch 32 at 12-16 GB and it ran out of memory at 18.5 GB; counting
+    fragmentation and the context says more."""
     observation = Observation(
         kind="cuda",
         batch_size=16,
@@ -141,7 +142,7 @@ def test_one_point_model_and_the_seed_004_mistake() -> None:
     at_32 = predict_peak(model, 32)
     assert at_32 == pytest.approx((4.0 + 0.35 * 32) * 11.0 / 9.6 * GIB + 0.4 * GIB, rel=1e-6)
     assert at_32 > 0.9 * observation.capacity_bytes, "doubling would be flagged before apply"
-    safe = max_batch(model, 0.85)  # from the interval's high end (issue 15)
+    safe = max_batch(model, 0.85)  # from the interval's high end
     assert safe is not None and predict_high(
         model, safe
     ) <= 0.85 * model.capacity_bytes < predict_high(model, safe + 1)
@@ -161,7 +162,7 @@ def test_model_fits_a_line_through_observed_batches() -> None:
 
 
 def test_a_cpu_peak_seen_after_a_decrease_does_not_flatten_the_line() -> None:
-    """Issue 15: 32 -> 6 on the CPU kept most of 32's memory; that point flattened the line and
+    """32 -> 6 on the CPU kept most of 32's memory; taken as a point, it flattened the line and
     the max safe batch overshot. On CUDA the allocated bytes come down: the point counts."""
     history = [ModelPoint(8, 459 * MIB, 10), ModelPoint(32, 899 * MIB, 10)]
     retained = Observation("cpu", 6, 24 * GIB, 400 * MIB, 880 * MIB, 880 * MIB, 0, 10)
@@ -256,8 +257,8 @@ def test_starving_recommends_more_workers_first() -> None:
 
 
 def test_a_change_measured_slower_is_followed_by_its_revert_not_more_of_the_same() -> None:
-    """Issue 15: after num_workers 0 -> 2 was measured at -52% samples/s, the top recommendation
-    was num_workers 2 -> 5."""
+    """After num_workers 0 -> 2 was measured at -52% samples/s, the top recommendation is its
+    revert, not num_workers 2 -> 5."""
     from memtui.wire import AppliedChange, Effect, KnobDiff
 
     slower = Effect(steps_before=20, steps_after=20, samples_per_s_before=266,
@@ -298,7 +299,7 @@ def test_underused_recommends_a_bigger_micro_batch_keeping_the_effective_batch()
     )
     top = recommend(inputs)[0]
     assert top.changes == {"batch_size": 32, "grad_accum": 4}, (
-        "seed 003: 16x8 -> 32x4, effective 128 kept"
+        "an underused card's 16x8 -> 32x4, effective 128 kept"
     )
     assert top.effective_batch == 128 and top.predicted_peak_bytes is not None
     assert top.memory_delta_bytes and top.memory_delta_bytes > 0
@@ -481,7 +482,11 @@ def test_verdict_hysteresis_holds_a_state_near_its_threshold(
     near = dataclasses.replace(base, **{field: value})
     assert decide(near).state is released  # one-shot: the plain thresholds
     kept = decide(near, previous=previous)
-    assert kept.state is held and kept.held and "(held)" in kept.headline
+    assert kept.state is held and kept.held
+    # what "held" means, in words: which state stays, and the number that would end it
+    way = "rises over 63%" if held is State.UNDERUSED else "falls under"
+    assert f"(still {held.value} until it {way}" in kept.headline, kept.headline
+    assert "(held)" not in kept.headline
     # crossing back by more than the margin releases it
     far = {"peak_memory_fraction": 0.7, "data_wait_fraction": 0.1, "host_ram_fraction": 0.5}
     assert (
@@ -665,6 +670,40 @@ def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
     assert smaller.title.startswith("smaller micro-batch: batch_size 16 -> ")
     assert "edge band (largest under 75%: 14)" in smaller.why
     assert not advise(near, None, None, None, None, verdict).recommendations
+
+
+def test_an_option_for_speed_predicted_inside_its_noise_is_not_offered() -> None:
+    """Micro-batches 8 and 16 timed at the same cost per sample: a bigger one is predicted at
+    +0% samples/s, which is no recommendation (the viewer offered it at "speed +0%" right after
+    the autopilot undid it); with a fixed cost per micro-batch it gains and is offered."""
+    from memtui.advice.recommend import NOISE_FLOOR, speed_noise
+    from memtui.wire import AppliedChange, Effect, KnobDiff
+
+    def offered(fixed_s: float, margin: float | None = None) -> list[str]:
+        def step_s(batch: int) -> float:
+            return 128 // batch * (fixed_s + 0.001 * batch)
+
+        doubled = AppliedChange(
+            [1], 100, 0.0, {"batch_size": KnobDiff(8, 16), "grad_accum": KnobDiff(16, 8)},
+            effect=Effect(20, 20, 128 / step_s(8), 128 / step_s(16), step_s(8), step_s(16), 0.0,
+                          0.0, speedup_margin=margin),
+        )  # fmt: skip
+        inputs = Inputs(
+            config=Knobs(batch_size=16, grad_accum=8, num_workers=2, pin_memory=False),
+            tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+            steps=StepStats(20, step_s(16), 0.0, 128 / step_s(16), 1 / step_s(16)),
+            samples_per_step=128,
+            model=_model(16, 0.45),  # type: ignore[arg-type]
+            device_kind="cuda",
+            applied=(doubled,),
+        )
+        return [o.title for o in recommend(inputs)]
+
+    assert not [t for t in offered(0.0) if t.startswith("bigger micro-batch")], "+0%: not offered"
+    assert not [t for t in offered(0.0005, margin=0.2) if t.startswith("bigger")], "+3% +-20%"
+    assert offered(0.020)[0].startswith("bigger micro-batch"), "+38%: offered"
+    quiet = Inputs(config=Knobs(batch_size=16), tunable=("batch_size",))
+    assert speed_noise(quiet) == NOISE_FLOOR
 
 
 def test_a_micro_batch_option_estimates_its_speed_from_two_timed_sizes() -> None:

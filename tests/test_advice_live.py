@@ -1,4 +1,5 @@
-"""The seeds, re-created on a CPU with the demo: starving (003), and a bigger batch that OOMs (004)."""
+"""Advice on a live demo run on a CPU: a loader that starves the run, and a doubled micro-batch
+that runs out of memory."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def until(
     return wait_for(check, timeout, 0.3, what)  # type: ignore[return-value]
 
 
-def test_seed_003_starving_more_workers_measurably_faster(
+def test_a_starving_run_gets_more_workers_and_is_measurably_faster(
     start_demo: Callable[..., DemoRun],
 ) -> None:
     demo = start_demo("--steps", "100000", "--checkpoint-every", "20", "--slow-data-ms", "2")
@@ -69,14 +70,15 @@ def test_seed_003_starving_more_workers_measurably_faster(
         run, lambda s: s["applied"] and s["applied"][0]["effect"], 90, "the measured effect"
     )
     effect = measured["applied"][0]["effect"]
-    # the workers stop at the CPUs the run may use (issue 15): on this 2-core machine, 2, whose
-    # gain under the suite's load is within its own interval at times; the wait is what drops
+    # the workers stop at the CPUs the run may use (more would compete with the training for
+    # them): on 2 cores, 2, whose gain under the suite's load is at times within its own
+    # interval; the wait is what drops
     assert workers <= max(1, len(os.sched_getaffinity(0))), top["title"]
     assert effect["samples_per_s_after"] > effect["samples_per_s_before"], effect["summary"]
     assert effect["data_wait_s_after"] < 0.5 * effect["data_wait_s_before"], effect["summary"]
     assert effect["speedup_margin"] is not None, "the effect carries its interval"
     # the hook predicted its speed from the steps before it, as the recommendation did, and
-    # status checks that prediction against the measured effect (issue 15)
+    # status checks that prediction against the measured effect
     applied = measured["applied"][0]
     assert applied["predicted_speed_delta"] > 0.2, applied["speed_note"]
     assert applied["speed_error"] is not None
@@ -85,14 +87,14 @@ def test_seed_003_starving_more_workers_measurably_faster(
     check_workers_uss(run, workers)
 
 
-def test_seed_004_prediction_warns_and_an_overshoot_rolls_back(
+def test_a_doubled_batch_past_the_danger_band_is_refused_and_its_forced_overshoot_rolls_back(
     start_demo: Callable[..., DemoRun],
 ) -> None:
     demo = start_demo(
         # the overshoot lands at step 10-20 (the refused sets asked in this process): a step
         # of this model costs 0.3-0.6 CPU-s, and the fixed waits (the model's fit once a
         # second, the CLI's start) span more steps the faster the machine; at 20 steps a
-        # 0.3 s step ran out before the change's step (stop 30), so 10 steps leave room
+        # 0.3 s step ran out before the change's step, so 10 steps leave room
         "--steps", "30", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
         "--memory-limit", "720MiB", *HEAVY, fork=False
     )  # fmt: skip
@@ -235,7 +237,7 @@ def check_workers_uss(run: str, workers: int) -> None:
     assert 0 < uss < data["host_memory"]["workers_rss_bytes"], "USS leaves out the shared pages"
 
 
-@pytest.mark.slow  # test_seed_003 checks the same of the workers it starts
+@pytest.mark.slow  # the starving run's test checks the same of the workers it starts
 def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
     start_demo: Callable[..., DemoRun],
 ) -> None:

@@ -1,4 +1,4 @@
-"""Issue 15's rules: predictions with intervals, a max safe batch from the high end, an OOM
+"""How sure the advice is: predictions with intervals, a max safe batch from the high end, an OOM
 ceiling that binds (and survives a restart), effects with their noise, workers within the CPUs."""
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def line_model(
 
 
 def test_two_points_give_a_wide_interval_that_narrows_with_more_and_grows_with_reach() -> None:
-    """Issue 15: after 4 -> 8 the max safe batch was 258 with "fit error 0.0%", and 258 ran out
-    of memory at 2.6x the limit. The interval now says how little two close points know: the
+    """Two close points alone (4 and 8) put the max safe batch at 258 with "fit error 0.0%", and 258
+    ran out of memory at 2.6x the limit. The interval says how little two close points know: the
     high end at 258 is far over the danger band, so the gate wants --force."""
     two = line_model([4, 8])
     low, high = predict_range(two, 258)
@@ -146,9 +146,9 @@ def test_a_peak_still_rising_at_its_config_is_uncertain_by_its_rise() -> None:
 
 
 def test_a_micro_batch_seen_under_the_edge_stays_safe_however_wide_the_interval() -> None:
-    """advice_truth run E2: the demo's peaks rose ~8% over each stay, the interval at any batch
-    crossed the edge and the max safe batch was 0, while micro-batch 8 ran at 74% of the limit.
-    A batch seen under the band with its noise is safe; the one seen over it is not."""
+    """In benchmarks/advice_truth.py the demo's peaks rose ~8% over each stay, the interval at any
+    batch crossed the edge and the max safe batch was 0, while micro-batch 8 ran at 74% of the
+    limit. A batch seen under the band with its noise is safe; the one seen over it is not."""
     capacity = 640 * MIB
     wide = MemoryModel(
         kind="cpu",
@@ -175,7 +175,7 @@ def test_a_micro_batch_seen_under_the_edge_is_not_safe_where_the_line_puts_it_ov
 
 
 def test_a_micro_batch_seen_without_workers_is_not_safe_once_workers_take_the_room() -> None:
-    """advice_truth runs F and G: the transformer's 16 ran at 83% of its limit with no loader
+    """In benchmarks/advice_truth.py the transformer's 16 ran at 83% of its limit with no loader
     workers and was called safe after 2 workers had joined (8 MiB each); queued, it peaked at
     85.4-85.6%, over the edge. A batch seen safe is safe with the workers it was seen with."""
     points = [ModelPoint(b, (410 + 10 * b) * MIB, 10, 0) for b in (4, 8, 16)]
@@ -189,9 +189,9 @@ def test_a_micro_batch_seen_without_workers_is_not_safe_once_workers_take_the_ro
 
 
 def test_micro_batches_peaking_alike_still_get_a_max_safe_batch() -> None:
-    """advice_truth run F: a parameter-heavy MLP peaked alike at 12, 16 and 32 (no slope), and
-    its max safe batch was None ("no bound") though every batch ran over the edge band. Without a
-    slope the interval still bounds it: none over the band, a guess past 4x the largest under."""
+    """In benchmarks/advice_truth.py a parameter-heavy MLP peaked alike at 12, 16 and 32 (no slope),
+    and its max safe batch was None ("no bound") though every batch ran over the edge band. Without
+    a slope the interval still bounds it: none over the band, a guess past 4x the largest under."""
     points = [ModelPoint(b, 588 * MIB, 10, 0) for b in (12, 16, 32)]
     flat = MemoryModel("cpu", 12, 690 * MIB, 588 * MIB, 0.0, points=points)
     over = safe_batch(flat, 0.85)
@@ -202,9 +202,9 @@ def test_micro_batches_peaking_alike_still_get_a_max_safe_batch() -> None:
 
 
 def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
-    """Issue 15: num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen at 899 MiB. A
-    worker's measured memory now counts per worker; before it is measured, the prediction counts
-    WORKER_PRIOR_BYTES and the high end WORKER_GUESS_BYTES for each new one (so such a jump
+    """Without a per-worker prior, num_workers 0 -> 64 on 2 CPUs was predicted at 371 MiB and seen
+    at 899 MiB. A worker's measured memory counts per worker; before it is measured, the prediction
+    counts WORKER_PRIOR_BYTES and the high end WORKER_GUESS_BYTES for each new one (so such a jump
     needs --force)."""
     base = line_model([8])
     none_yet = msgspec.structs.replace(base, workers=0, per_worker_bytes=0)
@@ -235,8 +235,8 @@ def test_workers_memory_is_predicted_on_a_cpu_run() -> None:
 
 
 def test_a_decrease_on_the_cpu_keeps_part_of_what_it_frees_and_is_never_risky() -> None:
-    """Issue 15: decreases were seen 27-34% over their prediction (the heap stays). Half the
-    freed memory is predicted kept, the interval spans none to all of it, and a change that
+    """On the CPU, decreases peaked 27-34% over the line's prediction (glibc kept the freed heap).
+    Half the freed memory is predicted kept, the interval spans none to all of it, and a change that
     makes the run smaller never needs --force, even from over the danger band."""
     model = line_model([8, 16, 32], capacity=520 * MIB)  # at 32: 432 MiB, 83%
     line = 400 * MIB + 6 * MIB
@@ -253,9 +253,9 @@ def test_a_decrease_on_the_cpu_keeps_part_of_what_it_frees_and_is_never_risky() 
 
 
 def test_the_cpu_stand_in_keeps_nothing_on_a_decrease_and_its_point_counts() -> None:
-    """Issue 15, run E2: with glibc's moving mmap threshold the CPU kept 0-100% of what a decrease
-    freed (demo 8 -> 4 +9.3%, MLP 35 -> 1 -20.4%). The stand-in fixes the threshold and gives
-    freed blocks back: a decrease is predicted on the line, and the peak seen after it counts."""
+    """With glibc's moving mmap threshold the CPU kept 0-100% of what a decrease freed (demo 8 -> 4
+    +9.3%, MLP 35 -> 1 -20.4%). The stand-in fixes the threshold and gives freed blocks back: a
+    decrease is predicted on the line, and the peak seen after it counts."""
     history = [ModelPoint(8, 408 * MIB, 10), ModelPoint(16, 416 * MIB, 10)]
     at_32 = Observation("cpu", 32, 520 * MIB, 400 * MIB, 432 * MIB, 432 * MIB, returns_freed=True)
     model = fit(at_32, history)
@@ -271,9 +271,9 @@ def test_the_cpu_stand_in_keeps_nothing_on_a_decrease_and_its_point_counts() -> 
 
 
 def test_an_oom_sets_a_ceiling_that_binds_and_survives_a_restart(tmp_path: Path) -> None:
-    """Issue 15: after an OOM at 258 the max safe batch was still 258 and the top recommendation
-    a bigger batch. Now the micro-batch that ran out of memory is a ceiling: the gate wants
-    --force at or above it, the max safe batch stays under it, and the tuned YAML keeps it for
+    """Without a ceiling, after an OOM at 258 the max safe batch was still 258 and the top
+    recommendation a bigger batch. The micro-batch that ran out of memory is a ceiling: the gate
+    wants --force at or above it, the max safe batch stays under it, and the tuned YAML keeps it for
     the restart."""
     config = Config(grad_accum=1)
     tuner = Tuner(config, state_dir=tmp_path, options=Options(publish=False)).start()
@@ -336,7 +336,7 @@ def test_the_ceiling_caps_workers_and_pinning_when_their_change_ran_out() -> Non
 
 def test_recommendations_respect_the_ceiling_and_the_usable_cpus() -> None:
     """No option reaches what ran out of memory; more workers stop at the CPUs the run may use
-    (issue 15: 2 -> 5 recommended on a 2-CPU host)."""
+    (not 2 -> 5 on a 2-CPU host)."""
     starving = Inputs(
         config=Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False),
         tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
@@ -380,8 +380,8 @@ def _steps(first: int, times: list[float], samples: int = 32) -> list[StepRecord
 
 
 def test_an_effect_inside_its_noise_says_no_measurable_change() -> None:
-    """Issue 15: a no-op change was reported as -44% samples/s. An effect now carries its 95%
-    interval; inside it, it says "no measurable change"."""
+    """Without its interval, a no-op change was reported as -44% samples/s. An effect carries
+    its 95% interval; inside it, it says "no measurable change"."""
     noisy = [0.10, 0.30, 0.12, 0.28, 0.11, 0.31, 0.09, 0.29, 0.10, 0.30]
     effect = measure(_steps(1, noisy), _steps(20, noisy[1:] + noisy[:1]))
     assert effect is not None and effect.speedup_margin is not None

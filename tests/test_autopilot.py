@@ -96,7 +96,8 @@ def situation(
         ceiling=ceiling,
         applied=applied,
     )
-    return Situation(inputs, history(applied, refused), pending=pending)  # type: ignore[arg-type]
+    done = history(applied, refused, config=config)  # type: ignore[arg-type]
+    return Situation(inputs, done, pending=pending)
 
 
 START = Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
@@ -302,6 +303,54 @@ def test_a_gain_worth_more_than_a_smaller_micro_batch_costs_stays_and_a_small_on
     view = situation(Knobs(8, 2, 1, False), FED, (small,), cpus=2, peak_fraction=0.95)
     decision = decide(view)
     assert decision.action == "revert" and decision.changes == {"num_workers": 0}, decision
+
+
+def operator_change(step: int, ids: list[int], **diffs: tuple[object, object]) -> AppliedChange:
+    """An applied change an operator queued (``memtui set``, a viewer's key)."""
+    changes = {k: KnobDiff(old, new) for k, (old, new) in diffs.items()}  # type: ignore[arg-type]
+    return AppliedChange(ids, step, 0.0, changes)
+
+
+def test_turned_on_after_an_operators_change_it_never_queues_its_reverse() -> None:
+    """The operator applied batch_size 16 -> 32 (grad_accum 2 -> 1), the workers at the CPU cap,
+    then turned the autopilot on: nothing is left above 32, and the half it would try next is
+    the value the operator left, so it converges and says why (before: it queued 32 -> 16 at
+    once, with no word of the operator's change)."""
+    workers = operator_change(100, [1], num_workers=(0, 2))
+    bigger = operator_change(400, [8], batch_size=(16, 32), grad_accum=(2, 1))
+    now = Knobs(32, 1, 2, False)
+    view = situation(now, WAITING, (workers, bigger), cpus=2, peak_fraction=0.3)
+    decision = decide(view)
+    assert decision.action == "converged", decision
+    assert "32 is what an operator set, #8: not moved back" in decision.why
+    assert view.history.boundaries == 0 and not view.history.trials
+    alone = decide(situation(now, WAITING, cpus=2, peak_fraction=0.3))  # a config it found so
+    assert alone.changes == {"batch_size": 16, "grad_accum": 2}, alone
+
+
+def test_it_moves_on_from_an_operators_value_and_forgets_it_once_the_value_is_gone() -> None:
+    """The operator's 0 -> 1 worker is a starting point: 2 is tried next; once another change set
+    the knob again, the operator's value no longer holds anything back."""
+    one = operator_change(100, [1], num_workers=(0, 1))
+    assert decide(situation(Knobs(16, 2, 1, False), applied=(one,))).changes == {"num_workers": 2}
+    fewer = operator_change(100, [1], num_workers=(4, 2))
+    held = decide(situation(Knobs(16, 2, 2, False), applied=(fewer,), cpus=8))
+    assert "num_workers" not in held.changes
+    assert "2 is what an operator set, #1: not moved back" in held.why, held
+    later = change(200, effect(200, 260, 0.05), num_workers=(2, 3))
+    view = situation(Knobs(16, 2, 3, False), applied=(fewer, later), cpus=8)
+    assert view.history.operator == () and view.tried("num_workers") == {3: KEPT, 2: WORSE}
+
+
+def test_out_of_the_edge_band_it_undoes_an_operators_micro_batch_and_says_so() -> None:
+    """Safety first: an operator's micro-batch that took the peak into the edge band is shrunk,
+    even back to the value the operator left, and the reason names the operator's change."""
+    bigger = operator_change(400, [3], batch_size=(16, 32), grad_accum=(2, 1))
+    view = situation(Knobs(32, 1, 2, False), FED, (bigger,), cpus=2, peak_fraction=0.95)
+    decision = decide(view)
+    assert decision.action == "try" and decision.safety, decision
+    assert decision.changes["batch_size"] < 32
+    assert "than the 32 an operator set (#3), which took the peak there" in decision.why
 
 
 def test_it_stops_when_the_budget_of_boundaries_is_spent() -> None:

@@ -1,5 +1,5 @@
-"""The autopilot on live CPU demo runs: it ends starvation by itself, an operator pauses it, and
-it never goes back into a region that ran out of memory."""
+"""The autopilot on live CPU demo runs: it ends starvation by itself, an operator pauses it, it
+leaves an operator's change alone, and it never goes back into a region that ran out of memory."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.conftest import DemoRun, SharedDemo, memtui_cli, memtui_here, shared_demo, status_json
-from tests.test_seeds import until
+from tests.test_advice_live import until
 
 LOGITS_HEAVY = ("--seq-len", "256", "--width", "64", "--vocab", "8192", "--layers", "1")
-"""A demo whose logits fill the memory: the micro-batch's memory grows fast (tests/test_seeds)."""
+"""A demo whose logits fill the memory: the micro-batch's memory grows fast (test_advice_live)."""
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,39 @@ def test_an_operator_change_pauses_it_at_once(
     assert not [p for p in status_json(run)["pending"] if p.get("origin") == "autopilot"]
     off = memtui_here("autotune", "off", run)
     assert off.exit_code == 0 and "autopilot off" in off.stdout
+
+
+def test_turned_on_after_an_operators_change_it_leaves_that_change_alone() -> None:
+    """A demo fed by two workers (the CPU cap): the operator applies micro-batch 32 (grad_accum 1),
+    then turns the autopilot on; it never queues the micro-batch back to 16, and once converged
+    its reason says the 32 is the operator's."""
+    with shared_demo(
+        "--steps", "100000", "--checkpoint-every", "25", "--workers", "2"
+    ) as job, pytest.MonkeyPatch.context() as monkeypatch:  # fmt: skip
+        demo = job.adopt(monkeypatch)
+        run = demo.run_id
+        until(run, lambda s: s["metrics"] is not None, 60, "the first timed steps")
+        queued = memtui_here("set", run, "batch_size=32", "grad_accum=1", "-q")
+        assert queued.exit_code == 0, queued.output
+        mine = f"#{queued.stdout.strip()}"
+        landed = until(
+            run, lambda s: s["config"]["batch_size"] == 32, 120, "the operator's change to land"
+        )
+        assert memtui_here("autotune", "on", run).exit_code == 0
+        done = until(
+            run, lambda s: s["autopilot"]["phase"] == "converged", 240, "the autopilot to converge"
+        )
+        since = landed["step"]
+        own = [a for a in done["applied"] if a["origin"] == "autopilot" and a["step"] >= since]
+        assert not [a for a in own if "batch_size" in a["changes"]], own
+        assert f"32 is what an operator set, {mine}: not moved back" in done["autopilot"]["why"]
+        audit = (demo.out / "memtui-audit.jsonl").read_text().splitlines()
+        queued_by_it = [
+            event
+            for event in map(json.loads, audit)
+            if event["event"] == "queued" and event.get("origin") == "autopilot"
+        ]
+        assert not [e for e in queued_by_it if "batch_size" in e["changes"]], queued_by_it
 
 
 @pytest.mark.slow  # ~60 CPU-s under load; tests/test_autopilot.py checks the policy's ceiling

@@ -1,17 +1,21 @@
-"""The command line's own surface: every option says what it does in ``--help``, and what
-``memtui set`` prints where."""
+"""The command line's own surface: every option says what it does in ``--help``, what
+``memtui set`` prints where, each command asks for its run in its own words, and the demo's
+first line is its own."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import click
 from click.testing import CliRunner
 
-from memtui.cli import main
+from memtui.cli import NO_NUMPY_WARNING, _quiet_numpy_warning, main
 from memtui.hooks import Options, Tuner
 from memtui.knobs import LR_RULES
-from tests.conftest import memtui_here
+from tests.conftest import memtui_cli, memtui_here
 from tests.test_tuner import Config
 
 
@@ -73,3 +77,69 @@ def test_set_answers_on_stdout_in_order_and_quiet_prints_the_id_alone(tmp_path: 
         assert [c.id for c in tuner.control.state().pending] == [1]
     finally:
         tuner.close()
+
+
+def test_with_two_runs_each_command_asks_for_its_run_in_its_own_words(tmp_path: Path) -> None:
+    """Two live runs: ``cancel``, ``autotune`` and ``set`` without RUN each say their own usage
+    (not ``memtui set RUN ...`` for all three); a missing RUN and a prefix matching both runs
+    are the same usage error (exit 2), a RUN matching none a lookup failure (exit 1); cancelling
+    all with nothing pending says so and succeeds."""
+    first = Tuner(Config(), name="cli", state_dir=tmp_path / "a", options=Options()).start()
+    second = Tuner(Config(), name="cli", state_dir=tmp_path / "b", options=Options()).start()
+    try:
+        for words, usage in (
+            (["cancel", "all"], "memtui cancel RUN all"),
+            (["cancel", "3"], "memtui cancel RUN 3"),
+            (["autotune", "on"], "memtui autotune on RUN"),
+            (["set", "num_workers=1"], "memtui set RUN KEY=VALUE..."),
+        ):
+            asked = memtui_here(*words)
+            assert asked.exit_code == 2, asked.output
+            assert f"2 live runs: name the one to change ({usage}): " in asked.stderr, asked.stderr
+            assert first.run_id in asked.stderr and second.run_id in asked.stderr
+        both = memtui_here("cancel", "cli", "all")  # both run ids start with the tuner's name
+        assert both.exit_code == 2 and "'cli' matches several runs" in both.stderr, both.output
+        missing = memtui_here("cancel", "nosuch", "all")
+        assert missing.exit_code == 1 and "no live run matches 'nosuch'" in missing.stderr
+        nothing = memtui_here("cancel", first.run_id, "all")
+        assert nothing.exit_code == 0, nothing.output
+        assert nothing.stdout == f"nothing pending on {first.run_id}\n" and not nothing.stderr
+        assert memtui_here("set", first.run_id, "num_workers=1").exit_code == 0
+        cancelled = memtui_here("cancel", first.run_id, "all")
+        assert cancelled.stdout == f"cancelled #1 on {first.run_id}\n", cancelled.output
+        unknown = memtui_here("cancel", first.run_id, "7")
+        assert unknown.exit_code == 2 and "no pending change #7" in unknown.stderr
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_demo_does_not_start_with_torchs_numpy_warning(tmp_path: Path) -> None:
+    """Where NumPy is not installed, torch warns ``Failed to initialize NumPy`` as it is imported:
+    the demo's training (in this command's process, or a child such as torchrun's launcher and
+    its ranks) leaves that one warning out; a user's own script keeps it."""
+    hidden = tmp_path / "site"  # NumPy not installed, as in a venv with torch alone
+    hidden.mkdir()
+    (hidden / "numpy.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(hidden))
+    warning = "Failed to initialize NumPy"
+
+    def imports_torch(extra: dict[str, str]) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch"],
+            capture_output=True, text=True, env={**env, **extra}, timeout=120,
+        )  # fmt: skip
+        return done.stderr
+
+    assert warning in imports_torch({}), "a user's script: torch's own warning, as it is"
+    children = _quiet_numpy_warning(os.environ.get("PYTHONWARNINGS", ""))
+    assert warning not in imports_torch({"PYTHONWARNINGS": children})
+    assert _quiet_numpy_warning("error") == f"{NO_NUMPY_WARNING},error", "the user's filters win"
+    demo = memtui_cli(
+        "demo", "--no-tui", "--steps", "2", "--out", str(tmp_path / "out"), env=env, timeout=120
+    )
+    assert demo.returncode == 0, demo.stderr
+    assert demo.stdout.startswith("run demo-"), demo.stdout
+    assert "NumPy" not in demo.stdout + demo.stderr, demo.stderr

@@ -181,7 +181,7 @@ def test_rejections_exit_nonzero_with_a_reason_and_the_run_goes_on(
     assert bare.returncode == 2 and "batch_size needs a value: batch_size=N" in bare.stderr
     result = memtui_cli("set", demo.run_id, "grad_accum=2", "--keep-effective-batch")
     assert result.returncode == 2 and "needs a batch_size change" in result.stderr
-    # a change to what the run already has is refused, as the viewer refuses it (issue 15)
+    # a change to what the run already has is refused, as the viewer refuses it
     noop = memtui_cli("set", demo.run_id, "pin_memory=false", "num_workers=0")
     assert noop.returncode == 2, noop.stdout + noop.stderr
     assert "pin_memory is already false, num_workers is already 0" in noop.stderr

@@ -205,10 +205,11 @@ def test_a_boundary_counts_the_gradients_held_between_steps() -> None:
     assert freed.gradients_held_bytes == 0
 
 
-def test_seed_002_budget_and_where_the_hand_arithmetic_goes_wrong() -> None:
-    """Seed 002 (7B reward model): 14 GB params and 14 GB grads are right; the moments are not.
+def test_a_7b_budget_and_where_the_hand_arithmetic_goes_wrong() -> None:
+    """A 7B reward model's hand-made budget: 14 GB params and 14 GB grads are right; the moments
+    are not.
 
-    The seed wrote "fp32 AdamW (momentum and variance) 28 GB". Two fp32 moments for 7B
+    The budget said "fp32 AdamW (momentum and variance) 28 GB". Two fp32 moments for 7B
     parameters are 56 GB; 28 GB is what plain torch keeps for bf16 parameters (its moments are
     bf16, made by zeros_like). Fp32 moments come with an fp32 master copy: another 28 GB.
     """
@@ -231,8 +232,8 @@ def test_seed_002_budget_and_where_the_hand_arithmetic_goes_wrong() -> None:
     assert master.optimizer_bytes == 56 * GB, "two fp32 moments: 56 GB, not 28"
     assert master.master == 28 * GB
     assert master.total == 112 * GB, "16 bytes per parameter (the ZeRO paper's 2 + 2 + 12)"
-    seed_sum = 14 * GB + 28 * GB + 14 * GB
-    assert master.total - seed_sum == 56 * GB, "the seed's static sum misses 56 GB"
+    hand_sum = 14 * GB + 28 * GB + 14 * GB
+    assert master.total - hand_sum == 56 * GB, "the hand-made static sum misses 56 GB"
 
     eight_bit = memmath.static_estimate(seven_b, "adam8bit")
     assert 14 * GB <= eight_bit.optimizer_bytes < 14.25 * GB  # 2 B/param + 1/32 B absmax
@@ -263,7 +264,7 @@ def mistral_7b() -> tuple[list[memmath.TensorSpec], list[memmath.LinearSpec]]:
     return tensors, linears
 
 
-def test_seed_002_lora_saves_about_40_gb() -> None:
+def test_lora_on_a_7b_model_saves_about_40_gb() -> None:
     """LoRA r=16 on q_proj,v_proj of Mistral-7B: 6.8M fp32 adapters; ~43 GB less than full."""
     tensors, linears = mistral_7b()
     assert sum(t.numel for t in tensors) == 7_241_732_096
@@ -481,7 +482,7 @@ def test_korthikanti_per_layer_fast() -> None:
     """One layer of GPT-3 6.7B's shape at s=2048 (two layers less one, on meta): within 1%.
 
     The difference leaves out what is kept once per model (the loss's fp32 copy of the output).
-    The README's rows measure all 32 layers (tests/test_estimate_refs.py, -m slow).
+    The estimate guide's rows measure all 32 layers (tests/test_estimate_refs.py, -m slow).
     """
     from benchmarks.estimate_refs import PaperStack, korthikanti
 

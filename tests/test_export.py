@@ -233,6 +233,26 @@ def test_a_run_is_picked_up_matches_status_and_is_dropped_when_it_exits(
         assert value(scrape(url), "memtui_up", run=demo.run_id) is None
 
 
+def test_the_format_follows_the_scrapers_accept_header() -> None:
+    """``curl /metrics`` (``Accept: */*``) gets Prometheus' text format 0.0.4; a scraper that asks
+    for OpenMetrics (``Accept: application/openmetrics-text``, as Prometheus does) gets
+    OpenMetrics 1.0.0, ended by ``# EOF``."""
+    with exporter() as url:
+        for accept, kind, version in (
+            ("*/*", "text/plain", "0.0.4"),
+            ("application/openmetrics-text; version=1.0.0", "application/openmetrics-text", "1.0.0"),
+            ("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+             "application/openmetrics-text", "1.0.0"),
+        ):  # fmt: skip
+            request = urllib.request.Request(url, headers={"Accept": accept})
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                media = reply.headers["Content-Type"]
+                text = reply.read().decode()
+            assert media.startswith(f"{kind}; version={version}"), (accept, media)
+            assert text.endswith("# EOF\n") == (kind != "text/plain"), text[-80:]
+            assert "memtui_runs 0" in text
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (Prometheus takes no port 0)."""
     with socket.socket() as probe:

@@ -9,9 +9,9 @@ fault the same four things are asserted (``survived``):
 3. the error, if any, is one clear line: the run printed no traceback;
 4. memory stayed bounded: the training process's RSS grew less than ``RSS_CAP``.
 
-Cases that need a run of their own (a kill -9, a restart) start one. The README's section "What
-memtui guarantees under faults" is the table of these cases; the cases proven elsewhere (two
-ranks, the viewer's side) name their test there.
+Cases that need a run of their own (a kill -9, a restart) start one. The documentation's fault
+guarantees (``docs/explanation/faults.md``) are the table of these cases; the cases proven
+elsewhere (two ranks, the viewer's side) name their test there.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def test_the_runtime_directory_deleted(victim: Victim) -> None:
 
 
 def test_an_unwritable_tuned_config_is_said_and_written_when_it_can_be(victim: Victim) -> None:
-    """Issue 13.8: the tuned YAML stayed stale, silently, and was not rewritten later."""
+    """A tuned YAML that cannot be written is said, not left stale in silence, and written later."""
     seen = before(victim)
     client = victim.client()
     tuned = Path(client.hello(history=0).info.tuned_path)
@@ -353,7 +353,8 @@ def test_a_corrupt_tuned_yaml_at_resume_is_one_warning(
 def test_a_hostile_config_file_at_install_is_one_warning_in_no_time(
     text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 13.9: a 412-byte alias bomb in ``$MEMTUI_CONFIG`` blocked install 87 s and 1.5 GB."""
+    """Read without bounds, a 412-byte alias bomb in ``$MEMTUI_CONFIG`` blocked install 87 s and
+    took 1.5 GB: now it is one warning in no time."""
     (tmp_path / "config.yaml").write_text(text)
     monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "config.yaml"))
     started = time.monotonic()
@@ -422,7 +423,7 @@ def test_a_hello_is_cheap_to_refuse_when_it_is_junk(victim: Victim) -> None:
 
 
 def test_a_recording_cut_anywhere_replays_what_is_whole(tmp_path: Path) -> None:
-    """Issue 13.6: a recording whose tail is cut (kill -9) or has bytes appended did not load."""
+    """A recording whose tail is cut (kill -9) or has bytes appended still loads what is whole."""
     path = tmp_path / "whole.mtrec"
     with RecordingWriter(path, RecordingHeader(started=0.0, run="r")) as writer:
         for index in range(20):
@@ -470,7 +471,7 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
 def test_a_change_pending_at_a_crash_is_named_at_resume_with_the_command_to_requeue_it(
     tmp_path: Path,
 ) -> None:
-    """Issue 13.10: a change queued but not applied when the run died vanished without a word."""
+    """A change queued but not applied when the run died is named, not lost without a word."""
     out = tmp_path / "run"
     args = ["--out", str(out), "--steps", "100000", *PLUMBING]
 

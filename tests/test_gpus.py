@@ -1,6 +1,6 @@
 """``memtui gpus``: the real no-driver path, and the NVML reader on a stand-in NVML.
 
-This machine has no NVIDIA GPU and no NVML library, so the reader's tests use ``FakeNvml``,
+The suite runs without an NVIDIA GPU or NVML library, so the reader's tests use ``FakeNvml``,
 an object with the pynvml calls ``read_gpus`` makes (the only kind of fake the suite allows:
 CUDA/NVML). The no-driver path runs the real command with the real pynvml.
 """
@@ -40,7 +40,7 @@ class Process:
 
 
 class FakeNvml:
-    """A stand-in for pynvml on a host with four 24 GiB cards (no GPU on this machine)."""
+    """A stand-in for pynvml on a host with four 24 GiB cards (the suite needs no GPU)."""
 
     def __init__(self) -> None:
         self.cards = [

@@ -285,7 +285,7 @@ def test_a_fast_run_s_effect_waits_for_device_samples_at_the_new_config() -> Non
     """Steps faster than the sampler: the 20 steps compared fall between two samples, so the
     peak after is taken over the samples read wholly at the new config once three have come
     (the first after the change began reading at the old one: its high-water mark is the old
-    micro-batch's, advice_truth run J's 16 -> 3 "observed" at 16's peak)."""
+    micro-batch's: in benchmarks/advice_truth.py a 16 -> 3 was "observed" at 16's peak)."""
     ledger = StepLedger()
     change = AppliedChange(ids=[1], step=200, time=0.0, changes={"batch_size": KnobDiff(8, 16)})
     steps = [raw(s, 0.02) for s in range(150, 260)]
@@ -370,7 +370,7 @@ def test_raw_steps_encode_exactly_as_step_records() -> None:
 
 
 def test_accuracy_counts_a_change_that_ran_out_of_memory_as_a_miss() -> None:
-    """Issue 15: the accuracy figure left out the changes that ran out of memory."""
+    """A change that ran out of memory counts in the accuracy figure, as the miss it was."""
     from memtui.advice.measure import accuracy
     from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent
 

@@ -171,7 +171,7 @@ def test_accumulation_for(target: int, batch: int, expected: tuple[int, bool]) -
 
 
 def test_a_change_to_what_the_run_has_is_refused_and_unchanged_knobs_are_left_out() -> None:
-    """Issue 15: a no-op queued by the CLI was applied and then reported as an effect (noise)."""
+    """A no-op queued by the CLI is refused: applied, its noise was reported as an effect."""
     current = Knobs(batch_size=8, grad_accum=2, num_workers=4, pin_memory=False)
     tunable = ("batch_size", "grad_accum", "num_workers", "pin_memory")
     with pytest.raises(KnobError, match=r"num_workers is already 4 .*nothing to change"):

@@ -325,9 +325,9 @@ def test_a_loop_that_never_calls_step_stays_bounded() -> None:
 def test_a_bad_starting_value_gets_torchs_own_error_not_memtuis(
     config: dict[str, int], error: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 16: ``num_workers=-1`` or ``batch_size=0`` in the user's config ended in a
-    TypeError from memtui's loader (a missing argument). The value now reaches the user's
-    factory as it is, torch says what is wrong, and memtui says once that it cannot tune it."""
+    """``num_workers=-1`` or ``batch_size=0`` in the user's config must not end in a TypeError from
+    memtui's loader (a missing argument): the value reaches the user's factory as it is, torch says
+    what is wrong, and memtui says once that it cannot tune it."""
     tuner = make_tuner(**config)
     try:
         (knob,) = tuner.store.untunable
@@ -344,7 +344,7 @@ def test_a_bad_starting_value_gets_torchs_own_error_not_memtuis(
 
 
 def test_the_demo_refuses_bad_starting_values() -> None:
-    """Issue 16: ``memtui demo --workers -1`` passed ``--dry-run`` and crashed in training."""
+    """``memtui demo --workers -1`` fails at ``--dry-run``, not later in training."""
     from memtui.demo.options import build_parser
 
     parser = build_parser()

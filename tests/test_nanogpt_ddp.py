@@ -4,7 +4,7 @@ nanoGPT's ``train.py`` evaluates and saves on the master rank only (``if iter_nu
 eval_interval == 0 and master_process:``), and with ``always_save_checkpoint=False`` only when the
 validation loss improved; it sets ``param_group['lr'] = get_lr(iter_num)`` at the top of every
 iteration. Two ranks over gloo on the CPU, under real torchrun: ``tuner.checkpoint()`` placed
-where the README says (at every eval interval, outside the master-only block) applies a change on
+where the guide says (at every eval interval, outside the master-only block) applies a change on
 both ranks at the same step; placed inside the master's save it aborts every change, saying why;
 ``lr_fields`` makes nanoGPT's own schedule follow the LR rule on every rank.
 """

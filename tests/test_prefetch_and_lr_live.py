@@ -1,4 +1,4 @@
-"""The fifth knob and the LR rule on a live demo run, driven by the real `memtui set`: the LR the
+"""prefetch_factor and the LR rule on a live demo run, driven by the real `memtui set`: the LR the
 run's own checkpoint holds follows the effective batch, and a restart keeps it."""
 
 from __future__ import annotations

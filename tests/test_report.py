@@ -118,3 +118,28 @@ def test_prefetch_factor_without_loader_workers_is_shown_unused() -> None:
     panel = str(ConfigPanel().build(state, ViewOptions(), 60)).splitlines()
     assert re.search(r"^num_workers +0  → 1 ", panel[3]), panel
     assert re.search(r"^prefetch_factor +-  → 2 ", panel[5]), panel
+
+
+def test_status_reads_each_prediction_next_to_its_measurement_in_words() -> None:
+    """An applied change reads ``predicted speed +118%, measured +233%`` and ``predicted peak 430
+    MiB (2% high)``, says who asked for it, and names a knob the run had not set as its default
+    (before: ``(off by -115 points)``, ``(+2%)`` and ``prefetch_factor - -> 2``)."""
+    from memtui.report import Applied, Diff, EffectReport
+
+    report = _reports(RECORDINGS[0])[-1]
+    measured = EffectReport(20, 20, 100.0, 333.0, 0.3, 0.09, 0.2, 0.01, summary="+233% samples/s")
+    mib = 1 << 20
+    applied = Applied(
+        ids=[3], step=50, time=0.0,
+        changes={"num_workers": Diff(0, 2), "prefetch_factor": Diff(None, 2)}, note="",
+        rollback=False, predicted_peak_bytes=430 * mib, observed_peak_bytes=420 * mib,
+        prediction_error=430 / 420 - 1, effect=measured, predicted_speed_delta=1.18,
+        speed_error=1.18 - 2.33,
+    )  # fmt: skip
+    text = render_status(msgspec.structs.replace(report, applied=[applied]))
+    line = next(line for line in text.splitlines() if line.startswith("applied at step 50"))
+    assert line.startswith(
+        "applied at step 50: num_workers 0 -> 2, prefetch_factor default -> 2 (#3) by an operator"
+    ), line
+    assert "predicted peak 430 MiB (2% high); predicted speed +118%, measured +233%" in line
+    assert "off by" not in line and " - -> " not in line and "points" not in line

@@ -239,7 +239,7 @@ print(probe.returns_freed, probe.sample(1).reserved_bytes - before)
 
 
 def test_the_cpu_stand_in_gives_freed_blocks_back_as_a_device_allocator_would() -> None:
-    """Issue 15: with glibc's moving mmap threshold the process kept 24 MiB of freed blocks (a
+    """With glibc's moving mmap threshold the process kept 24 MiB of freed blocks (a
     smaller batch's peak inflated by the larger one's); the stand-in (a memory limit given) fixes
     the threshold and keeps none of it."""
     import subprocess

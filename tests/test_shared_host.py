@@ -1,4 +1,4 @@
-"""Several runs on one host: commands that change a run never guess which (issue 16)."""
+"""Several runs on one host: commands that change a run never guess which."""
 
 from __future__ import annotations
 

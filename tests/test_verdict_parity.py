@@ -195,8 +195,8 @@ def test_status_and_the_viewer_show_the_same_max_safe_batch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The largest safe micro-batch in the viewer's config panel and in ``memtui status`` is one
-    figure at every point of every recording with a memory model (issue 16: a CPU run showed
-    ``> 128`` in the viewer and 25016 in ``status``; a guess now shows only its floor in both)."""
+    figure at every point of every recording with a memory model (a CPU run showed ``> 128``
+    in the viewer and 25016 in ``status``; a guess shows only its floor in both)."""
     from memtui.report import render_status
     from memtui.tui.widgets.config import safe_batch_lines
 

@@ -1,4 +1,4 @@
-"""The YAML files memtui reads but does not control never block or break install (issue 13.9).
+"""The YAML files memtui reads but does not control never block or break install.
 
 Beyond the alias bomb (tests/test_faults.py): nesting deep enough to exhaust the composer's
 recursion, a number whose conversion is quadratic or overflows, a date that does not exist, and

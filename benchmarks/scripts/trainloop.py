@@ -1,4 +1,4 @@
-"""The README's loop shared by benchmarks/advice_truth.py's scripts, held to MEMTUI_MEMORY_LIMIT by the demo's budget."""
+"""The documented plain loop shared by benchmarks/advice_truth.py's scripts, held to MEMTUI_MEMORY_LIMIT by the demo's budget."""
 
 from __future__ import annotations
 

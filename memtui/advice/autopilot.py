@@ -11,6 +11,11 @@ the same measurements always give the same decision. A trial is kept only when t
 faster beyond the noise (the lower end of the measured effect's 95% interval above zero),
 reverted otherwise; a value that ran out of memory or was reverted is never tried again, one the
 prediction gate refused only while the gate, with the memory model as it is now, still would.
+
+An operator's change is the autopilot's starting point, not one of its trials: while the run still
+has the values an operator set, the autopilot never moves a knob back to the value the operator
+moved it from (it may move on from the operator's value), except to leave the memory edge band,
+and then its reason names the operator's change it undoes.
 """
 
 from __future__ import annotations
@@ -22,23 +27,24 @@ from memtui.advice.effect import measurable, speed_words, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
-from memtui.advice.recommend import Inputs, thresholds_of, workers_allowed
+from memtui.advice.recommend import Inputs, speed_noise, thresholds_of, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.knobs import format_changes, grew, knobs_with
-from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, KnobValue
+from memtui.knobs import format_changes, format_value, grew, knobs_with
+from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, Knobs, KnobValue
 
 AUTOPILOT = "autopilot"
 """The origin of the autopilot's own changes (and its client name in the change log)."""
 BUDGET = 8
 """Boundaries the autopilot may take by default (its trials and their reverts)."""
 
-KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING = (
+KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR = (
     "kept",
     "worse",
     "reverted",
     "out of memory",
     "refused",
     "measuring",
+    "left by an operator",
 )
 FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED})
 """Outcomes after which a value is not tried again (a refused one: while the gate would refuse it)."""
@@ -46,9 +52,6 @@ WAITS_FRACTION = 0.05
 """The share of the step waiting for data from which the loader's knobs are tried (a trial is
 measured and reverted if no faster; under the STARVED threshold a worker still hid a wait of
 20% on the benchmark's transformer)."""
-VETO_NOISE_FLOOR = 0.05
-"""A speed estimate vetoes a trial only when it predicts it slower by more than its own noise, at
-least this share of samples/s (two timed micro-batches called a faster one no faster)."""
 
 
 @dataclass
@@ -80,6 +83,12 @@ class History:
     trials: tuple[Trial, ...] = ()
     boundaries: int = 0
     """Boundaries its changes took (trials and reverts)."""
+    operator: tuple[AppliedChange, ...] = ()
+    """The operators' changes whose values the run still has, one per knob (the latest)."""
+
+    def left_by_operator(self, knob: str) -> AppliedChange | None:
+        """The operator's change that moved ``knob`` to the value the run has now (None: none)."""
+        return next((c for c in self.operator if knob in c.changes), None)
 
     def tried(self, knob: str) -> dict[KnobValue, str]:
         """Each value tried for ``knob``, with the outcome of its last trial; a value a kept
@@ -142,10 +151,12 @@ def history(
     *,
     since_step: int = 0,
     edge_bytes: int | None = None,
+    config: Knobs | None = None,
 ) -> History:
     """The autopilot's trials from the run's applied changes (its own, at ``since_step`` or
     later, and the out-of-memory rollbacks after them) and the requests the queue refused it;
-    ``edge_bytes``: the edge band's bytes, to tell its safety moves from its speed trials."""
+    ``edge_bytes``: the edge band's bytes, to tell its safety moves from its speed trials;
+    ``config``: the run's config now, to find the operators' changes that still stand."""
     trials: list[Trial] = []
     boundaries = 0
     for change in applied:  # a revert undoes the trial before it; a rollback one that ran out
@@ -176,7 +187,26 @@ def history(
     for request in refused:
         changes = {k: KnobDiff(None, v) for k, v in request.items()}
         trials.append(Trial(axis_of(changes), changes, -1, REFUSED))
-    return History(tuple(trials), boundaries)
+    standing = operator_changes(applied, config) if config is not None else ()
+    return History(tuple(trials), boundaries, standing)
+
+
+def operator_changes(applied: Sequence[AppliedChange], config: Knobs) -> tuple[AppliedChange, ...]:
+    """The latest operator's change of each knob, where the run still has the value it set
+    (a later change of the knob by anyone, a rollback included, ends it)."""
+    latest: dict[str, AppliedChange] = {}
+    for change in applied:
+        for knob in change.changes:
+            latest[knob] = change
+    standing: list[AppliedChange] = []
+    for knob, change in latest.items():
+        diff = change.changes[knob]
+        ours = change.origin == AUTOPILOT or change.rollback
+        if ours or diff.old is None or getattr(config, knob, None) != diff.new:
+            continue
+        if change not in standing:
+            standing.append(change)
+    return tuple(standing)
 
 
 def axis_of(changes: Mapping[str, object]) -> str:
@@ -236,9 +266,10 @@ class Situation:
         thresholds = thresholds_of(inputs)
         return Prediction.of_config(inputs.model, config, thresholds, inputs.ceiling).over_danger
 
-    def tried(self, knob: str) -> dict[KnobValue, str]:
+    def tried(self, knob: str, *, operator: bool = True) -> dict[KnobValue, str]:
         """Each value tried for ``knob`` and its outcome, less the values the gate refused that
-        it would take now (the memory model has more points, or a narrower interval)."""
+        it would take now (the memory model has more points, or a narrower interval); with
+        ``operator``, the value an operator moved it from too (``OPERATOR``: not gone back to)."""
         values = self.history.tried(knob)
         for trial in self.history.trials:
             diff = trial.changes.get(knob)
@@ -246,7 +277,22 @@ class Situation:
                 continue
             if not self.gate_refuses({k: d.new for k, d in trial.changes.items()}):
                 del values[diff.new]
+        theirs = self.history.left_by_operator(knob) if operator else None
+        if theirs is not None:
+            old = theirs.changes[knob].old
+            if old is not None:
+                values.setdefault(old, OPERATOR)
         return values
+
+    def operator_words(self, knob: str) -> str:
+        """`` (32 is what an operator set, #8: not moved back)`` where an operator's change set
+        ``knob`` and still stands ('' otherwise)."""
+        theirs = self.history.left_by_operator(knob)
+        if theirs is None:
+            return ""
+        value = format_value(theirs.changes[knob].new)
+        ids = ",".join(f"#{i}" for i in theirs.ids)
+        return f" ({value} is what an operator set, {ids}: not moved back)"
 
 
 @dataclass(frozen=True)
@@ -284,7 +330,13 @@ def decide(situation: Situation) -> Decision:
     if history.boundaries + 2 > situation.budget:
         return Decision("converged", f"the budget of {situation.budget} boundaries is spent")
     if safer:
-        return Decision("try", "peak memory in the edge band: a smaller micro-batch", safer, True)
+        why = "peak memory in the edge band: a smaller micro-batch"
+        theirs = history.left_by_operator("batch_size")
+        if theirs is not None:  # the one case it undoes an operator's change: it says so
+            ids = ",".join(f"#{i}" for i in theirs.ids)
+            set_to = format_value(theirs.changes["batch_size"].new)
+            why += f" than the {set_to} an operator set ({ids}), which took the peak there"
+        return Decision("try", why, safer, True)
     reasons: list[str] = []
     for axis in AXES:
         changes, why = axis.candidate(situation)
@@ -344,22 +396,12 @@ def _estimate(situation: Situation, changes: Mapping[str, KnobValue]) -> SpeedEs
 
 def _predicted_no_help(situation: Situation, changes: Mapping[str, KnobValue]) -> str:
     """Why ``changes`` is predicted not to help ('' if it may: predicted slower only within the
-    estimate's noise, faster, or unknown)."""
+    estimate's noise (``speed_noise``), faster, or unknown)."""
     estimate = _estimate(situation, changes)
-    if estimate is None or estimate.delta is None or estimate.delta >= -_speed_noise(situation):
+    noise = speed_noise(situation.inputs)
+    if estimate is None or estimate.delta is None or estimate.delta >= -noise:
         return ""
     return f"{format_changes(changes)} predicted slower ({estimate.delta:+.0%}: {estimate.note})"
-
-
-def _speed_noise(situation: Situation) -> float:
-    """A speed estimate's own noise: the widest 95% interval of the measured effects it is made
-    from (the run's applied changes), at least ``VETO_NOISE_FLOOR``."""
-    margins = [
-        a.effect.speedup_margin
-        for a in situation.inputs.applied
-        if a.effect is not None and a.effect.speedup_margin is not None
-    ]
-    return max([VETO_NOISE_FLOOR, *margins])
 
 
 def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
@@ -375,7 +417,8 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     upper, note = _worker_cap(inputs, max(now * 2, 1))
     value = doubling(now, upper, situation.tried("num_workers"))
     if value is None:
-        return {}, f"num_workers: nothing left to try above {now}{note}"
+        words = situation.operator_words("num_workers")
+        return {}, f"num_workers: nothing left to try above {now}{note}{words}"
     changes: dict[str, KnobValue] = {"num_workers": value}
     no_help = _predicted_no_help(situation, changes) or _gated(situation, changes)
     if no_help:
@@ -425,7 +468,10 @@ def _micro_batch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     if value is None or value <= batch or value in tried:
         value = _divisor_at_most(target, batch // 2)
         if value < 1 or value in tried:
-            return {}, f"batch_size: nothing left to try around {batch} keeping the effective batch"
+            words = situation.operator_words("batch_size")
+            return {}, (
+                f"batch_size: nothing left to try around {batch} keeping the effective batch{words}"
+            )
     changes: dict[str, KnobValue] = {"batch_size": value, "grad_accum": target // value}
     no_help = _predicted_no_help(situation, changes) or _gated(situation, changes)
     if no_help:
@@ -478,7 +524,7 @@ def _out_of_danger(situation: Situation) -> dict[str, KnobValue]:
     target = batch * accum
     safe = max_batch(model, inputs.memory_edge_fraction, inputs.ceiling) or 1
     value = _divisor_at_most(target, min(safe, batch - 1))
-    if value < 1 or value >= batch or value in situation.tried("batch_size"):
+    if value < 1 or value >= batch or value in situation.tried("batch_size", operator=False):
         return {}
     return {"batch_size": value, "grad_accum": target // value}
 
@@ -500,7 +546,8 @@ def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
         return {}, ""
     value = doubling(now, PREFETCH_LIMIT, situation.tried("prefetch_factor"), bisect=False)
     if value is None:
-        return {}, f"prefetch_factor: nothing left to try above {now}"
+        words = situation.operator_words("prefetch_factor")
+        return {}, f"prefetch_factor: nothing left to try above {now}{words}"
     return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
 
 

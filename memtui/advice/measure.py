@@ -105,8 +105,8 @@ def gradients_made_per_step(static: StaticMemory | None) -> int:
     True)``): the lowest memory between steps lacks them, yet they do not grow with the batch.
     Counted in the steady part, they keep a one-point model from scaling them with the batch
     (a parameter-heavy MLP, 38 MiB of gradients and ~3 MiB of activations at micro-batch 32: its
-    32 -> 64 was predicted 12.7% over what it peaked at, advice_truth run J). 0 until the first
-    step's end has counted them, and where the loop keeps them."""
+    32 -> 64 was predicted 12.7% over what it peaked at in benchmarks/advice_truth.py without
+    them). 0 until the first step's end has counted them, and where the loop keeps them."""
     if static is None or static.gradients_held_bytes is None:
         return 0
     return max(0, static.gradients_bytes - static.gradients_held_bytes)
@@ -156,9 +156,9 @@ def read_after(
     after it too: a sample's peak is the high-water mark since the sample before it (the CPU's
     VmHWM; CUDA's counters where reset at every sample), so the first sample after a change can
     hold the old config's peak. A run whose steps outpace the sampler showed it: the
-    transformer's 16 -> 3 was "observed" at exactly micro-batch 16's peak (advice_truth run J,
-    +24%). The first sample of ``samples`` counts by its own step (what came before it is not
-    known)."""
+    transformer's 16 -> 3 was "observed" at exactly micro-batch 16's peak (+24%, in
+    benchmarks/advice_truth.py). The first sample of ``samples`` counts by its own step (what
+    came before it is not known)."""
     found: list[DeviceSample] = []
     previous: DeviceSample | None = None
     for sample in samples:
@@ -293,6 +293,14 @@ def prediction_error(applied: AppliedChange) -> float | None:
     if not applied.predicted_peak_bytes or not applied.observed_peak_bytes:
         return None
     return applied.predicted_peak_bytes / applied.observed_peak_bytes - 1
+
+
+def error_words(error: float) -> str:
+    """A prediction's error (predicted over observed, minus one) in words: ``3% high``, ``3%
+    low`` or ``on the mark`` (under half a percent)."""
+    if round(error * 100) == 0:
+        return "on the mark"
+    return f"{abs(error):.0%} " + ("high" if error > 0 else "low")
 
 
 def accuracy(applied: Sequence[AppliedChange], ooms: Sequence[OomEvent] = ()) -> Accuracy:

@@ -1,7 +1,8 @@
 """Reading an out-of-memory error: what was asked for, what the device had, where memory went.
 
 Pure. Parses the messages of ``torch.OutOfMemoryError`` (torch >= 2.1, and the older
-``(GPU 0; ... total capacity; ...)`` form) and of a CPU allocation failure. Seed 004's message:
+``(GPU 0; ... total capacity; ...)`` form) and of a CPU allocation failure. The message of a
+batch doubled to fix a starving loader, guessed by hand at 12-16 GB, that ran out of memory:
 
     CUDA out of memory. Tried to allocate 1.23 GiB. GPU 0 has a total capacity of 19.58 GiB of
     which 1.06 GiB is free. Including non-PyTorch memory, this process has 18.50 GiB memory in

@@ -8,8 +8,9 @@ gradients_made_per_step``). The per-sample part comes from the run itself: the s
 minus the steady part, over the micro-batch (one point). Every applied change of the micro-batch
 adds an observed (batch, peak) point; with two or more distinct batches the model is a least-
 squares line through them, and its fit error is reported. The device total adds the allocator's
-reserve overhead (peak reserved over peak allocated: seed 004's 3.18 GiB "reserved but
-unallocated" that its hand-made guess left out) and the memory outside torch (CUDA context,
+reserve overhead (peak reserved over peak allocated: the 3.18 GiB "reserved but unallocated"
+that a hand-made 12-16 GB guess for a doubled batch left out, and the batch ran out of memory
+at 18.5 GB) and the memory outside torch (CUDA context,
 NCCL, other processes).
 """
 
@@ -56,7 +57,8 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
     points = {p.batch_size: p for p in history}
     # On the CPU the process keeps the memory it held at a larger micro-batch (its heap is not
     # given back), so a peak seen after a decrease says little about the smaller batch: such a
-    # point would flatten the line (issue 15: decreases seen 27-34% high, max safe overshooting).
+    # point would flatten the line (decreases peaked 27-34% over their prediction because glibc
+    # kept the freed heap, and the flattened line put the max safe batch too high).
     # On CUDA the model reads allocated bytes, which do come down.
     # The CPU stand-in fixes glibc's mmap threshold: its freed blocks go back, and the point counts.
     retained = (
@@ -133,7 +135,8 @@ the step cycle; allocators round and cache)."""
 ONE_POINT_SPREAD = 0.3
 """With one micro-batch seen, the per-sample memory is known to +-this share only: the steady
 part it is measured against is not a second point, and what grows with the batch need not grow
-in proportion (the seeds' 003 -> 004: a one-point guess 25% low)."""
+in proportion (a starving run's batch, doubled on a one-point guess of 12-16 GB, ran out of
+memory at 18.5 GB: the guess was about 25% low)."""
 NONLINEAR_PER_DOUBLING = 0.05
 """Past the largest micro-batch measured, a line's per-sample memory may grow by this share per
 doubling (allocator rounding, workspaces that grow with the batch): added to the upper bound."""

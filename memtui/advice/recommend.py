@@ -1,4 +1,6 @@
-"""Ranked recommendations, like seed 004's options table, computed from the run's live numbers.
+"""Ranked recommendations, like an operator's options table after an out-of-memory error (a
+smaller batch, more accumulation, checkpointing: each with its memory, speed and effective batch),
+computed from the run's live numbers.
 
 Pure. Each option says what it would change, the memory it is expected to add or free (from the
 memory model, or the measured per-worker memory), the expected change of samples/s where the
@@ -139,6 +141,8 @@ class Recommendation:
     needs_restart: bool = False
     score: float = 0.0
     """Higher first."""
+    for_speed: bool = False
+    """Offered for speed alone: not offered when its expected gain is inside the noise."""
 
     @property
     def applicable(self) -> bool:
@@ -148,16 +152,41 @@ class Recommendation:
 
 def recommend(inputs: Inputs) -> list[Recommendation]:
     """Every option that applies to the run now, best first; after a change measured slower,
-    its revert first and nothing that moves its knobs further the same way."""
+    its revert first and nothing that moves its knobs further the same way. An option offered
+    for speed whose expected gain is inside the estimate's noise is left out: +0% is no reason
+    to spend a checkpoint boundary."""
     options: list[Recommendation] = []
     options += _loader_options(inputs)
     options += _batch_options(inputs)
     options += _memory_advice(inputs)
+    noise = speed_noise(inputs)
+    options = [o for o in options if not _no_measurable_gain(o, noise)]
     harmful = measured_harm(inputs)
     if harmful is not None:
         options = [o for o in options if not _more_of_the_same(o, harmful)]
         options.append(_revert(harmful, inputs))
     return sorted(options, key=lambda r: -r.score)
+
+
+NOISE_FLOOR = 0.05
+"""The least noise a speed estimate is taken to have, as a share of samples/s (two timed
+micro-batches called a faster one no faster)."""
+
+
+def speed_noise(inputs: Inputs) -> float:
+    """A speed estimate's own noise: the widest 95% interval of the measured effects it is made
+    from (the run's applied changes), at least ``NOISE_FLOOR``."""
+    margins = [
+        a.effect.speedup_margin
+        for a in inputs.applied
+        if a.effect is not None and a.effect.speedup_margin is not None
+    ]
+    return max([NOISE_FLOOR, *margins])
+
+
+def _no_measurable_gain(option: Recommendation, noise: float) -> bool:
+    """``option`` is offered for speed and its expected gain, known, is within ``noise``."""
+    return option.for_speed and option.speed_delta is not None and option.speed_delta <= noise
 
 
 SLOWER = 0.05
@@ -279,6 +308,7 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                 speed_delta=workers_speed(basis, wanted).delta,
                 effective_batch=_effective(config, inputs.world_size),
                 score=3.0 + wait,
+                for_speed=True,
             )
         )
         if (
@@ -413,6 +443,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                 speed_note=speed_note,
                 effective_batch=_effective(config, inputs.world_size, bigger, new_accum),
                 score=2.0 + (underused - frac_now),
+                for_speed=True,
             )
         )
     if frac_now >= edge and batch > 1:

@@ -3,8 +3,9 @@
 Pure: the inputs are summaries (data-wait fraction, peak-memory fraction, host RAM and swap), the
 output is a state, a severity, a position on the STARVED..OOM RISK gauge and the numbers behind
 it. Every threshold lives in :class:`Thresholds` (one documented place, shown in the viewer's
-help screen, overridable in a YAML file: :func:`load_thresholds`). The memory bands are the
-seeds': under 85% of capacity is safe, 85-90% is the edge, over 90% is danger. On a run of
+help screen, overridable in a YAML file: :func:`load_thresholds`). The memory bands are those
+operators size a batch by after an out-of-memory error: under 85% of capacity is safe, 85-90% is
+the edge, over 90% is danger. On a run of
 several ranks the inputs are the worst rank's numbers (``wait_rank``, ``memory_rank``) and the
 headline and reasons name that rank.
 
@@ -15,7 +16,7 @@ Rules, in order:
    starvation: it can kill the run.
 2. HOST PRESSURE when host RAM is at or over ``host_ram_fraction``, or swap is in use and grew
    by ``swap_growth_bytes`` or more over the host window (severity 1): too many loader workers
-   or pinned memory, most often (seed 003).
+   or pinned memory, most often (a run starving for data was seen at 94% host RAM, in swap).
 3. NO DATA until a timed step has been seen.
 4. STARVED when the loader wait is at or over ``starved_wait_fraction`` of the step time.
 5. UNDERUSED when the peak is under ``underused_memory_fraction`` of a capacity that is a real
@@ -246,6 +247,13 @@ def sticky(thresholds: Thresholds, previous: State | None) -> Thresholds:
     return t
 
 
+def _held(state: str, way: str, until: float) -> str:
+    """`` (still STARVED until it falls under 27%)``: a state kept by the hysteresis, in words (its
+    number is back past the threshold, not yet by the margin)."""
+    verb = "falls" if way == "under" else "rises"
+    return f" (still {state} until it {verb} {way} {until:.0%})"
+
+
 def decide(
     inputs: Inputs, thresholds: Thresholds | None = None, previous: State | None = None
 ) -> Verdict:
@@ -275,7 +283,9 @@ def decide(
             else f"{base.memory_edge_fraction * 100:.0f}-{base.memory_danger_fraction:.0%} edge band"
         )
         if held:
-            band = f"just under the {base.memory_edge_fraction:.0%} edge (held)"
+            band = f"just under the {base.memory_edge_fraction:.0%} edge" + _held(
+                "OOM RISK", "under", t.memory_edge_fraction
+            )
         span = max(1e-9, 1.0 - base.memory_edge_fraction)
         position = 0.5 + 0.5 * _clamp((memory - base.memory_edge_fraction) / span, 0.0, 1.0)
         what = "device memory" if inputs.device_kind != "cpu" else "the memory limit"
@@ -290,7 +300,9 @@ def decide(
         if _swap_growing(inputs, t):
             headline = f"swap in use and growing ({format_bytes(inputs.swap_used_bytes)})"
         else:
-            headline = f"host RAM {ram:.0%} used" + (" (held)" if held else "")
+            headline = f"host RAM {ram:.0%} used"
+            if held:
+                headline += _held("HOST PRESSURE", "under", t.host_ram_fraction)
         if inputs.workers or inputs.pin_memory:
             headline += ": loader workers / pin_memory"
         return Verdict(
@@ -311,7 +323,7 @@ def decide(
         if inputs.wait_rank is not None:
             headline = f"rank {inputs.wait_rank}: {wait:.0%} of each step waits on data"
         if held:
-            headline += " (held)"
+            headline += _held("STARVED", "under", t.starved_wait_fraction)
         return Verdict(State.STARVED, 1, headline, position, reasons, held)
     bounded = memory is not None and inputs.capacity_is_limit
     if bounded and memory is not None and memory < t.underused_memory_fraction:
@@ -322,7 +334,7 @@ def decide(
         if inputs.memory_rank is not None:
             headline = f"rank {inputs.memory_rank}: peak {memory:.0%}, room for a bigger batch"
         if held:
-            headline += " (held)"
+            headline += _held("UNDERUSED", "over", t.underused_memory_fraction)
         return Verdict(State.UNDERUSED, 0, headline, position, reasons, held)
     pull_left = 0.3 * wait / max(1e-9, base.starved_wait_fraction)
     if bounded and memory is not None:
@@ -368,7 +380,8 @@ def describe_thresholds(thresholds: Thresholds | None = None) -> list[str]:
         "starved (on CPU only under a memory limit): room for a bigger batch",
         "BALANCED       otherwise (checked in this order: memory risk wins)",
         f"hysteresis     leaving a state takes its number back by {t.hysteresis:.0%} "
-        '("held" until then)',
+        f'(until then: "still STARVED until it falls under '
+        f'{t.starved_wait_fraction - t.hysteresis:.0%}")',
         "peak memory: torch's peak reserve plus what NVML sees beyond it "
         "(CUDA context, NCCL, other processes); on CPU runs, main RSS + loader workers' own memory (USS) over the limit",
     ]

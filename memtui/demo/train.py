@@ -1,10 +1,11 @@
 """The demo training: a small GPT-style model on synthetic tokens whose data loading is slow.
 
 Each sample waits like a read from slow storage (``--slow-data-ms``) and does a little real CPU
-work, so with ``--workers 0`` the loop visibly starves on data and more workers fix it: the
-seed-003 situation, reproducible on any machine (waiting, unlike busy work, does not compete
-with the training for the CPU cores). It runs on CUDA when present, else on the CPU, saves a
-real checkpoint every ``--checkpoint-every`` steps and resumes from it with ``--resume``.
+work, so with ``--workers 0`` the loop visibly starves on data and more workers fix it: a GPU
+starved by a loader with no workers and no pinning, reproducible on any machine (waiting, unlike
+busy work, does not compete with the training for the CPU cores). It runs on CUDA when present, else
+on the CPU, saves a real checkpoint every ``--checkpoint-every`` steps and resumes from it with
+``--resume``.
 
 Run it as ``python -m memtui.demo --help`` or ``memtui demo``; its command line is in
 :mod:`memtui.demo.options`.
@@ -17,19 +18,25 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-from memtui import hooks
 from memtui.demo.options import default_out, out_in_use, parse_args
+
+with warnings.catch_warnings():
+    # torch warns at import where NumPy is not installed; neither the demo nor memtui uses it,
+    # and it was the first line the demo showed (a user's own script keeps the warning)
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+    from memtui import hooks
 
 
 @dataclass
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
 class MemoryBudget:
     """On CPU, the budget ``--memory-limit`` holds the process to: the demo's stand-in for a GPU's
-    capacity, so seed 004 (a bigger micro-batch that no longer fits) can be re-created on a CPU.
+    capacity, so a doubled micro-batch that no longer fits can run out of memory on a CPU too.
 
     Right after the loss's backward (where this model's memory peaks) it reads the process's peak
     resident memory (``VmHWM``, reset at each of memtui's device samples, so it covers a second

@@ -6,7 +6,7 @@ and CPU time; a rank of a run that does not answer is there as ``memtui_up`` 0 a
 (labels ``run``, ``host``): the verdict as a state set, the pending changes and the time since
 the run last answered. The exporter's own: the runs registered, not answering and left
 unwatched for a cap, the cache's age, the HTTP connections refused and timed out, its threads.
-Units are in the names (``_seconds``, ``_bytes``, ``_ratio``); the README lists them.
+Units are in the names (``_seconds``, ``_bytes``, ``_ratio``); the Prometheus guide lists them.
 
 :meth:`FleetCollector.update` builds the families on the exporter's loop; a scrape
 (:meth:`FleetCollector.collect`) takes the latest ones as they are, and waits on no run.

@@ -172,7 +172,9 @@ class Autopilot:
         edge = int(capacity * thresholds.memory_edge_fraction) if capacity > 0 else None
         return Situation(
             inputs,
-            history(applied, refused, since_step=state.since_step, edge_bytes=edge),
+            history(
+                applied, refused, since_step=state.since_step, edge_bytes=edge, config=own.config
+            ),
             pending=bool(own.pending),
             budget=state.budget,
         )

@@ -1,10 +1,10 @@
 """Giving cached memory back: after an out-of-memory rollback, and when a change shrinks the run.
 
-A smaller micro-batch, fewer workers or pinning off free memory that the allocators keep for
-later: torch's CUDA caching allocator keeps its segments reserved, and on the CPU glibc's malloc
-keeps freed heap pages. Left there, a decrease is not seen in the device's numbers (issue 15: CPU
-decreases observed 27-34% over their prediction). Called on the training thread at a checkpoint
-boundary or after a rollback, never on the per-step path.
+A smaller micro-batch, fewer workers or pinning off free memory that the allocators keep for later:
+torch's CUDA caching allocator keeps its segments reserved, and on the CPU glibc's malloc keeps
+freed heap pages. Left there, a decrease is not seen in the device's numbers (CPU decreases peaked
+27-34% over their prediction while glibc kept the freed heap). Called on the training thread at a
+checkpoint boundary or after a rollback, never on the per-step path.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     whether glibc took it (False elsewhere)."""
     # By default glibc raises the threshold to a large block's size once one is freed, and later
     # blocks of that size stay on the heap: the peak RSS no longer follows the live tensors
-    # (issue 15; README, "Checked against what runs do"). Fixing it also turns the moving
-    # threshold off for the process's life.
+    # (benchmarks/advice_truth.py: the CPU kept 0-100% of what a decrease freed). Fixing it also
+    # turns the moving threshold off for the process's life.
     try:
         import ctypes
 

@@ -279,7 +279,10 @@ class ProcWorker:
         try:
             text = self._smaps.read()
         except FileNotFoundError:
-            return PsutilWorker(self.pid).uss()
+            try:
+                return PsutilWorker(self.pid).uss()
+            except psutil.Error:  # the worker ended between the two reads
+                return None
         except OSError:
             return None
         private = (line.split()[1] for line in text.splitlines() if line.startswith(b"Private_"))

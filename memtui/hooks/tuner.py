@@ -20,6 +20,7 @@ failures: they are counted, logged and published, never raised into training.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import getpass
 import inspect
 import logging
@@ -65,7 +66,7 @@ from memtui.hooks.tracker import EventCallback, Tracker
 from memtui.knobs import format_value
 from memtui.ownfiles import UnsafeFile
 from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
-from memtui.stats import parse_bytes
+from memtui.stats import one_line, parse_bytes
 from memtui.wire import KnobDiff, Knobs, LrWithdrawn, RankInfo, RunInfo
 
 log = logging.getLogger("memtui")
@@ -120,7 +121,8 @@ class Options:
     stand_in_heap: bool = field(default_factory=lambda: _flag_env("MEMTUI_STAND_IN_HEAP", True))
     """With ``memory_limit`` on a CPU run, fix glibc's mmap threshold (``MEMTUI_STAND_IN_HEAP=0``:
     leave glibc alone, its peaks then follow its heap's history); it costs CPU, the kernel zeroing
-    fresh pages for every large tensor (README, "Checked against what runs do")."""
+    fresh pages for every large tensor (docs/explanation/measurement.md, "A CPU run as a
+    device's stand-in")."""
     record: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_RECORD") or None)
     """Also write the published stream to this file (replay it with ``memtui replay``)."""
     rollback_steps: int = field(
@@ -180,7 +182,11 @@ class Tuner:
         # ``step()`` is the ledger's own method, bound here: one Python call per optimizer step
         # instead of two (the hot path); it never raises, and it reports what fails. The first
         # step also counts the gradients the loop keeps between steps, then binds the ledger's
+        # method in its place
         self.step = self._first_step  # type: ignore[method-assign]
+        self._static_learned = False
+        """Whether the first step has measured the memory held between steps (``_first_step``
+        runs once even where a loop kept the bound ``tuner.step`` of before its first step)."""
         self.options = options or Options()
         self.model = model
         self.optimizer = optimizer
@@ -298,7 +304,7 @@ class Tuner:
             self.watch_optimizer(self.optimizer)
         self.oom.install_excepthook(lambda: self._closed)
         _live_tuners.add(self)
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
         disabled = _flag_env("MEMTUI_DISABLE")
         if self.options.publish and not disabled:
             self._start_threads()
@@ -389,7 +395,8 @@ class Tuner:
                 self.report(exc, "register")
 
     def close(self) -> None:
-        """Send the last telemetry, stop the threads and remove the run from the registry."""
+        """Send the last telemetry, stop the threads and remove the run from the registry; it
+        says nothing unless closing failed (never that training goes on: it is ending)."""
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
@@ -403,9 +410,18 @@ class Tuner:
                 if self.rank != 0 and self.agent.run_dir.path.name != self.run_id:
                     self.agent.run_dir.remove()  # bound before this rank joined rank 0's run
         except Exception as exc:
-            self.report(exc, "close")
+            log.warning(
+                "memtui: could not close cleanly (%s: %s)", type(exc).__name__, one_line(exc)
+            )
         finally:
-            atexit.unregister(self.close)
+            atexit.unregister(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """``close`` as the interpreter exits: an interrupt while it waits for the last telemetry
+        to leave (a second Ctrl-C) ends the wait without a second traceback: the program is
+        ending, and the threads are daemons."""
+        with contextlib.suppress(KeyboardInterrupt):
+            self.close()
 
     def forget_threads(self) -> None:
         """In a forked child (a loader worker): never publish or sample, never close them."""
@@ -716,6 +732,9 @@ class Tuner:
         learns it before the first boundary, whose change it predicts."""
         self.step = self.ledger.close_step  # type: ignore[method-assign]
         self.ledger.close_step(samples)
+        if self._static_learned:  # a caller kept ``tuner.step`` from before the first step
+            return
+        self._static_learned = True
         try:
             self._refresh_static(between_steps=True)
         except Exception as exc:  # never into training

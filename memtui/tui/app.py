@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
-from textual import events, work
+from textual import constants, events, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.driver import Driver
+from textual.drivers.linux_driver import LinuxDriver
 from textual.notifications import SeverityLevel
 from textual.reactive import var
 from textual.screen import Screen
@@ -31,7 +34,7 @@ from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import load_thresholds
 from memtui.knobs import KNOBS, next_lr_scale
 from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
-from memtui.tui.events import MANY_RANKS, Notice
+from memtui.tui.events import MANY_RANKS, RUN, Notice
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.receiver import Inbox, Receiver
 from memtui.tui.safe import clean
@@ -52,6 +55,58 @@ EDIT_ACTIONS = frozenset(
 """Actions that change the run: disabled (and hidden) in a read-only view."""
 NOTICE_LIMIT = 500
 """The most characters a notification shows (a run's reason may be any length)."""
+
+
+class TerminalDriver(LinuxDriver):
+    """Textual's driver on the controlling terminal (``/dev/tty``): the viewer is sized, drawn
+    and read there whatever stdin, stdout and stderr are (``memtui demo 2>&1 | tee log`` pipes
+    stdout, ``2>err.log`` sends stderr to a file); without a terminal, Textual's own streams."""
+
+    def __init__(
+        self, app: App[Any], *, debug: bool = False, mouse: bool = True, size: Any = None
+    ) -> None:
+        super().__init__(app, debug=debug, mouse=mouse, size=size)
+        self._terminal: IO[str] | None = None
+        self._streams = self._file, self.fileno, self.input_tty
+        """Textual's own (stderr, stdin): used where no terminal can be opened."""
+
+    def open_terminal(self) -> bool:
+        """Draw on and read from the controlling terminal; False (Textual's streams) if none."""
+        if self._terminal is not None:
+            return True
+        try:
+            fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:  # no controlling terminal (a daemon, a CI job): stdin and stderr
+            return False
+        self._terminal = open(fd, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._file, self.fileno, self.input_tty = self._terminal, fd, True
+        return True
+
+    def start_application_mode(self) -> None:
+        """Open the terminal (again after a suspend, which closes it), then start as Textual."""
+        self.open_terminal()
+        super().start_application_mode()
+
+    def _get_terminal_size(self) -> tuple[int, int]:
+        """The terminal's own size (Textual asks stdout, which may be a pipe: 80 x 24 then)."""
+        if self._terminal is None:
+            return super()._get_terminal_size()
+        try:
+            columns, lines = os.get_terminal_size(self.fileno)
+        except OSError:
+            return super()._get_terminal_size()
+        return columns or 80, lines or 25
+
+    def close(self) -> None:
+        """Stop the writer, then close the terminal it wrote to."""
+        super().close()
+        terminal, self._terminal = self._terminal, None
+        self._file, self.fileno, self.input_tty = self._streams
+        if terminal is not None:
+            try:
+                terminal.close()
+            except OSError:  # the terminal went away (the pane was closed): nothing to flush to
+                pass
 
 
 class MemtuiApp(App[int]):
@@ -139,6 +194,12 @@ class MemtuiApp(App[int]):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def get_driver_class(self) -> type[Driver]:
+        """The terminal's own driver on Linux and macOS (``TerminalDriver``), else Textual's (or
+        the one ``TEXTUAL_DRIVER`` names)."""
+        driver = super().get_driver_class()
+        return TerminalDriver if driver is LinuxDriver and constants.DRIVER is None else driver
+
     def get_default_screen(self) -> Screen[Any]:
         """The main screen."""
         return MainScreen()
@@ -191,6 +252,10 @@ class MemtuiApp(App[int]):
             for event in batch.events:
                 if isinstance(event, Notice):
                     self.say(event.text, severity="information" if event.ok else "error")
+        if self.screen_stack and isinstance(self.screen, CancelScreen):  # it lists the pending
+            told = self.screen.follow(self.state.control)
+            if told:  # it closed: nothing left to cancel
+                self.say(told, severity="warning", timeout=8)
         if self.state.offer.run != self._offered:  # the follow key shows only with an offer
             self._offered = self.state.offer.run
             self.refresh_bindings()
@@ -252,7 +317,9 @@ class MemtuiApp(App[int]):
         code = self.demo_process.poll()
         if code is not None:
             self._demo_reported = True
-            self.state.add_notice(Notice(code == 0, f"the demo training exited with status {code}"))
+            self.state.add_notice(
+                Notice(code == 0, f"the demo training exited with status {code}", who=RUN)
+            )
 
     # ------------------------------------------------------------------ actions
 

@@ -94,8 +94,9 @@ def _cell(layers: Sequence[Layer], low: float, high: float, empty: Style) -> tup
     for top, _style in layers:
         if low < top < high:
             eighths = round(8 * (top - low) / (high - low))
-            if eighths <= 0:
-                break  # the boundary is at the floor: the layer above fills the cell
+            if eighths <= 0:  # the boundary is at the floor: the layer above starts the cell
+                bottom = layer_at(top + 1e-12)  # (and may end in it: 30 ms over 3 ms of wait)
+                continue
             lower = bottom or empty
             if eighths >= 8:
                 return "█", lower
@@ -104,6 +105,16 @@ def _cell(layers: Sequence[Layer], low: float, high: float, empty: Style) -> tup
             return BLOCKS[eighths], Style(color=lower.color, bgcolor=background)
     layer = layer_at((low + high) / 2)
     return ("█", layer) if layer is not None else (" ", empty)
+
+
+def _least_cell(layers: Sequence[Layer], empty: Style) -> tuple[str, Style]:
+    """The lowest block, in the colour of the layer that covers the most of the bar."""
+    widest, below, colour = -1.0, 0.0, empty
+    for top, style in layers:
+        if top - below > widest:
+            widest, colour = top - below, style
+        below = top
+    return BLOCKS[1], Style(color=colour.color, bgcolor=empty.bgcolor)
 
 
 def stacked_rows(
@@ -115,7 +126,8 @@ def stacked_rows(
     """Rows (top first) of stacked bars, one column per entry (None: no data).
 
     ``empty(low, high)`` styles the blank cells of the row covering ``low``..``high`` (a band's
-    tint, say).
+    tint, say). A bar above zero is never blank: under an eighth of a row, it draws the lowest
+    block (30 ms steps on a 500 ms axis of one row would round to nothing).
     """
     rows: list[Text] = []
     top = top if top > 0 else 1.0
@@ -127,6 +139,8 @@ def stacked_rows(
         run_style: Style | None = None
         for layers in columns:
             char, style = _cell(layers, low, high, background) if layers else (" ", background)
+            if not row and char == " " and layers and max(t for t, _ in layers) > 0:
+                char, style = _least_cell(layers, background)
             if style != run_style and run_chars:
                 text.append("".join(run_chars), run_style)
                 run_chars = []

@@ -43,6 +43,11 @@ class ConnectionEvent:
     """What the receiver is attached to: a run id, endpoint or recording."""
 
 
+YOU, RUN, VIEWER = "you", "run", "viewer"
+"""Who a notice is about, as the change log labels it: the operator's own request, the training
+run (its process exited), or the viewer itself (which run it picked, its own trouble)."""
+
+
 @dataclass(frozen=True)
 class Notice:
     """A line for the operator: a request's outcome (queued, rejected, no answer) or trouble."""
@@ -52,6 +57,8 @@ class Notice:
     text: str
     time: float = 0.0
     """When it happened, on the source's clock (0: when the state folds it)."""
+    who: str = YOU
+    """Who acted: ``YOU`` (a request this viewer sent), ``RUN`` or ``VIEWER``."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from memtui.knobs import format_changes
 from memtui.sources import Source, SourceUnavailable
 from memtui.tui.events import (
     MANY_RANKS,
+    VIEWER,
     ConnectionEvent,
     Event,
     Notice,
@@ -231,7 +232,9 @@ class Receiver:
                     self._cycle()
                 except Exception as exc:  # never die: say what happened and start over
                     self.errors += 1
-                    self._emit(Notice(False, f"receiver error: {type(exc).__name__}: {exc}"))
+                    self._emit(
+                        Notice(False, f"receiver error: {type(exc).__name__}: {exc}", who=VIEWER)
+                    )
                     self._drop(Status.DISCONNECTED, f"receiver error: {exc}")
                 self._flush()
                 if self.source.finished and not self._events:
@@ -375,7 +378,7 @@ class Receiver:
         picked = self.source.picked()
         if picked and not self._said_picked:  # several runs live: say which, once
             self._said_picked = True
-            self._emit(Notice(True, picked), urgent=True)
+            self._emit(Notice(True, picked, who=VIEWER), urgent=True)
 
     def _drop(self, status: Status, detail: str) -> None:
         self._connected = False

@@ -30,6 +30,7 @@ from memtui.advice.assess import (
     verdict_host,
     verdict_inputs,
 )
+from memtui.advice.autopilot import AUTOPILOT
 from memtui.advice.verdict import (
     THRESHOLDS,
     Inputs,
@@ -39,6 +40,7 @@ from memtui.advice.verdict import (
     Verdict,
     VerdictTracker,
 )
+from memtui.client import client_name
 from memtui.knobs import KNOBS, effective_batch, merge
 from memtui.stats import (
     STRAGGLER_STEP_FACTOR,
@@ -80,6 +82,8 @@ RECENT_DEVICE = 150
 RECENT_HOST = 600
 """Host samples kept (about ten minutes at the hook's 1 Hz)."""
 NOTICES = 20
+QUEUED_BY = 256
+"""Change ids whose client the viewer remembers, to say who queued each (the newest kept)."""
 """Request outcomes and receiver notes kept for the change log."""
 NEAREST_OOM_FROM = 0.5
 """The rank nearest OOM is called out once its peak is at least this share of its capacity."""
@@ -507,6 +511,9 @@ class RunState:
     connection_clock: float = 0.0
     """The clock when the connection status last changed."""
     notices: deque[Notice] = field(default_factory=lambda: deque(maxlen=NOTICES))
+    queued_by: dict[int, str] = field(default_factory=dict)
+    """The client that queued each change seen pending, by id (the newest ``QUEUED_BY``): the
+    change log says who queued a change once it has landed."""
     """Outcomes of the operator's requests (and the receiver's notes) about this run, newest
     last, each with its time."""
     offer: RunOffer = field(default_factory=RunOffer)
@@ -597,6 +604,7 @@ class RunState:
         self.ended = False
         self.ignored_batches = 0
         self.notices.clear()  # "queued #1" was about the previous run
+        self.queued_by.clear()
 
     def rank_series(self, rank: int) -> RankSeries:
         """The series of ``rank`` (created on first use)."""
@@ -635,6 +643,7 @@ class RunState:
         self.control = snapshot.control
         self.control_seq = snapshot.control_seq
         self.control_version += 1
+        self._remember_clients(snapshot.control)
         if snapshot.counters is not None:
             self.counters = snapshot.counters
         self.step = max(self.step, snapshot.step)
@@ -712,6 +721,7 @@ class RunState:
                 self.control = batch.control
                 self.control_seq = batch.control_seq
                 self.control_version += 1
+                self._remember_clients(batch.control)
         series.counters = batch.counters or series.counters
         if batch.counters is not None and batch.counters != self.counters:
             self.counters = batch.counters
@@ -889,6 +899,18 @@ class RunState:
         )
         return landed, len(known)
 
+    def _remember_clients(self, control: ControlState) -> None:
+        """Keep who queued each pending change, for when it lands (bounded)."""
+        for change in control.pending:
+            self.queued_by[change.id] = AUTOPILOT if change.origin == AUTOPILOT else change.client
+        while len(self.queued_by) > QUEUED_BY:
+            del self.queued_by[next(iter(self.queued_by))]
+
+    def who_queued(self, ids: Iterable[int]) -> str:
+        """Who queued the changes ``ids`` in words (``you``, ``another shell``...; '' unknown)."""
+        found = {who_is(self.queued_by[i]) for i in ids if i in self.queued_by}
+        return found.pop() if len(found) == 1 else ""
+
     def pending_values(self) -> dict[str, KnobValue]:
         """What the pending changes will set, merged in queue order."""
         return merge(c.changes for c in self.control.pending) if self.control is not None else {}
@@ -908,3 +930,22 @@ class RunState:
         if batch is None or accum is None or isinstance(batch, bool) or isinstance(accum, bool):
             return None
         return effective_batch(batch, accum, self.world_size)
+
+
+def who_is(client: str) -> str:
+    """A client's name in a request (``cli:user@host:pid``) in the change log's words: ``you``
+    (this viewer), ``another shell`` (``memtui set``/``cancel``), ``another viewer``, ``the
+    autopilot``, else the tool's name ('' when none was given)."""
+    if not client:
+        return ""
+    if client == AUTOPILOT:
+        return "the autopilot"
+    if client == own_client():
+        return "you"
+    tool = client.partition(":")[0]
+    return {"cli": "another shell", "tui": "another viewer"}.get(tool, tool)
+
+
+def own_client() -> str:
+    """This viewer's name in its requests (the receiver's, made the same way)."""
+    return client_name("tui")

@@ -1,6 +1,6 @@
 """Accelerate's ``examples/by_feature/megatron_lm_gpt_pretraining.py`` (transformers'
 ``run_clm_no_trainer.py`` loop: ``accelerator.accumulate``, a prepared linear LR scheduler,
-``save_state`` every N steps, its own resume, tqdm, trackers), unchanged but for the README's
+``save_state`` every N steps, its own resume, tqdm, trackers), unchanged but for the documented
 lines and one compatibility line (it imports ``send_example_telemetry``, which transformers 5
 removed), training a 2-layer GPT-2 from a local config with a tokenizer trained here, on local
 text files, offline: what it really trains on, with how many loader workers and which LR, as

@@ -1,5 +1,5 @@
 """transformers' ``examples/pytorch/language-modeling/run_clm.py`` (the HF ``Trainer``), unchanged
-but for the README's two lines, training a 2-layer GPT-2 from a local config with a tokenizer
+but for the documented two lines, training a 2-layer GPT-2 from a local config with a tokenizer
 trained here, on local text files, offline: what the Trainer really trains on, with how many
 loader workers and which LR, as torch's global hooks see it."""
 

@@ -1,4 +1,4 @@
-"""Lightning's ``examples/pytorch/basics/transformer.py``, unchanged but for the README's lines,
+"""Lightning's ``examples/pytorch/basics/transformer.py``, unchanged but for the documented lines,
 with the Trainer's defaults (Rich progress bar when Rich is installed, as memtui's own
 dependencies make it, TensorBoard logger, ModelCheckpoint), on a local WikiText2 file: what it
 really trains on, with how many loader workers and which LR, as torch's global hooks see it.

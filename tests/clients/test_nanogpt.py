@@ -1,4 +1,4 @@
-"""karpathy/nanoGPT's ``train.py``, unchanged but for the README's lines (a loop without a
+"""karpathy/nanoGPT's ``train.py``, unchanged but for the documented lines (a loop without a
 DataLoader: ``get_batch``, module globals, its own LR schedule assigned every iteration), on CPU
 with a 2-layer model and local token files: what the script really trains on and with which LR,
 as torch's global hooks see it."""

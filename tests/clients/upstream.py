@@ -3,7 +3,7 @@ that holds their upstream files, and the patched copies the tests run.
 
 Each client is a directory ``tests/clients/<name>/`` with ``client.json`` (the upstream repository,
 commit, paths, sha256 and license of each file) and the patches applied in order (``patches``:
-``integration.patch`` holds memtui's lines, as the README documents them). The upstream files are
+``integration.patch`` holds memtui's lines, as the frameworks guide documents them). The upstream files are
 not part of this repository: they live in ``tests/clients/upstream/<name>/<path>`` (or under
 ``$MEMTUI_CLIENTS_UPSTREAM``), filled by this module's command line::
 

@@ -1,16 +1,16 @@
 """Synthesise tests/data/oom_risk.mtrec: a two-rank CUDA run climbing into the 85-90% edge band.
 
-This machine has no GPU, and the demo on CPU never comes near a memory limit, so this stream
-stands for a CUDA device we do not have: it is built message by message from memtui's own wire
+The suite runs without a GPU, and the demo on CPU never comes near a memory limit, so this
+stream stands for a CUDA device: it is built message by message from memtui's own wire
 Structs (the hook's exact schema), deterministically (no randomness, fixed clock), and replayed
 through the same decoder as a live run. It is the only fake in the viewer's tests.
 
-The story is the seeds' 003 -> 004: a run on 24 GiB cards starved for data with batch 16 x
-accumulation 8; at step 200 the operator doubled the batch (32 x 2); data wait fell from 45% to
-4%, and memory climbed: torch's reserve to 19.9 GiB (3.2 GiB of it reserved but unallocated,
-the fragmentation of seed 004), plus 0.6 GiB of CUDA context and NCCL and, on rank 0, 512 MiB
-held by another process -- a peak of 88% of the card: OOM RISK, edge band. Mid-recording the
-operator queues batch_size=24 with keep-effective-batch.
+The story is a starving run whose fix runs out of room: a run on 24 GiB cards starved for data
+with batch 16 x accumulation 8; at step 200 the operator doubled the batch (32 x 2); data wait
+fell from 45% to 4%, and memory climbed: torch's reserve to 19.9 GiB (3.2 GiB of it reserved
+but unallocated, the allocator's fragmentation), plus 0.6 GiB of CUDA context and NCCL and, on
+rank 0, 512 MiB held by another process -- a peak of 88% of the card: OOM RISK, edge band.
+Mid-recording the operator queues batch_size=24 with keep-effective-batch.
 
     .venv/bin/python tests/data/make_oom_stream.py [--out tests/data/oom_risk.mtrec]
 """
@@ -68,7 +68,7 @@ RUN = "finetune-4f2a9c"
 CONTEXT_BYTES = 600 * MIB
 """CUDA context and NCCL buffers: NVML sees them, torch does not."""
 OTHER = GpuProcess(pid=31337, name="python", used_bytes=512 * MIB)
-"""Someone else's process on rank 0's card (seed 000's surprise)."""
+"""Someone else's process on rank 0's card (memory in use that is not the run's)."""
 
 
 def jitter(k: float, scale: float) -> float:

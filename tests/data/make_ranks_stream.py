@@ -1,7 +1,7 @@
 """Synthesise tests/data/ranks_8.mtrec: eight CUDA ranks, one straggling on data, one near OOM.
 
-This machine has no GPU (and the demo on CPU runs one or two ranks), so this stream stands for
-an 8 x H100 node we do not have: it is built message by message from memtui's own wire Structs
+The suite runs without a GPU (and the demo on CPU runs one or two ranks), so this stream stands
+for an 8 x H100 node: it is built message by message from memtui's own wire Structs
 (the hook's exact schema), deterministically (no randomness, fixed clock), and replayed through
 the same decoder as a live run, like tests/data/make_oom_stream.py.
 

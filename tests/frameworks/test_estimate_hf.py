@@ -59,7 +59,7 @@ def test_base_classes_are_measured(tmp_path: Any, name: str) -> None:
 
 
 def test_bert_base_cased_has_the_parameters_accelerate_counts(tmp_path: Any) -> None:
-    """BertModel(bert-base-cased) has 108,310,272 parameters, the README's accelerate row."""
+    """BertModel(bert-base-cased) has 108,310,272 parameters, the estimate guide's accelerate row."""
     from benchmarks.estimate_refs import BERT_BASE_CASED
 
     config = tmp_path / "config.json"

@@ -9,7 +9,7 @@ not, with the numbers seen), ``client.log`` (the training's own output) and ``st
 (``memtui status`` after the change), and exits 0 only when every check passed.
 
 The training is karpathy/nanoGPT's ``train.py`` from the client corpus (``tests/clients/nanogpt``:
-its upstream files, carried in ``tests/clients/upstream/``, with the README's lines patched in) on
+its upstream files, carried in ``tests/clients/upstream/``, with the documented lines patched in) on
 ``cuda`` with a 2-layer model and local token files; where the corpus cannot give it (its files
 not cached, numpy missing), ``cuda_train.py serve`` stands in, and ``client.json`` says why.
 

@@ -94,7 +94,7 @@ def test_queue_a_change_with_keys_and_see_it_land(start_demo: Callable[..., Demo
         assert applied.step % CHECKPOINT_EVERY == 0
         assert queued <= applied.step <= queued + CHECKPOINT_EVERY, "the next checkpoint"
 
-        await pilot.press("P")  # the fifth knob, now that the loader has workers
+        await pilot.press("P")  # prefetch_factor, now that the loader has workers
         assert isinstance(app.screen, EditKnobScreen)
         await pilot.press("3", "enter")
         await until(pilot, lambda: state.knob_value("prefetch_factor") == 3, 60, "prefetch 3")
@@ -125,7 +125,7 @@ def test_a_plain_attach_offers_the_next_run_and_follows_it_on_f(
 ) -> None:
     """``memtui attach`` without a run: once its run ends and another starts, the viewer stays on
     the ended run and offers the new one (it used to switch silently); ``f`` follows it, and the
-    change log forgets what was queued on the previous run (issue 16, parts 1 and 8)."""
+    change log forgets what was queued on the previous run."""
     first = start_hook_loop(rate=100, seconds=60, checkpoint_every=1_000_000)
     app = live_app(None)  # `memtui attach` without a run: the newest live one
 

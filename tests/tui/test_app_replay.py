@@ -295,7 +295,7 @@ def test_the_demo_process_exit_is_reported() -> None:
 
 def test_replay_keys_pause_the_clock_and_change_speed() -> None:
     """The keys change the replay's clock, and the header says it is a replay at that speed
-    (issue 16: it said "live" and showed no speed)."""
+    (not "live", and not without its speed)."""
     source = ReplaySource(STARVING, speed=2.0)
     app = MemtuiApp(source, readonly=True, replay_controls=True)
 
@@ -320,7 +320,7 @@ def test_replay_keys_pause_the_clock_and_change_speed() -> None:
 
 
 def test_memtui_replay_refuses_a_speed_of_zero_or_less() -> None:
-    """Issue 16: ``--speed 0`` sat at step 0 forever; now click refuses it (exit status 2)."""
+    """``--speed 0`` would sit at step 0 forever: click refuses it (exit status 2)."""
     for speed in ("0", "-1"):
         result = CliRunner().invoke(main, ["replay", str(STARVING), "--speed", speed])
         assert result.exit_code == 2, result.output
@@ -336,7 +336,7 @@ def test_memtui_replay_command_refuses_a_damaged_file(tmp_path: Any) -> None:
 
 
 def test_ctrl_c_quits_as_in_htop_even_from_the_editor() -> None:
-    """Issue 16: Ctrl-C quits the viewer (Textual's own only said "press ctrl+q"), from the main
+    """Ctrl-C quits the viewer (Textual's own only says "press ctrl+q"), from the main
     screen and from the knob editor's input alike."""
     for keys in (["ctrl+c"], ["w", "3", "ctrl+c"], ["question_mark", "ctrl+q"]):
         app = replay_app(STARVING)

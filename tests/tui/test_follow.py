@@ -1,4 +1,4 @@
-"""Which run the viewer shows, with two live runs on one host (issue 16, parts 1, 8 and 9).
+"""Which run the viewer shows, with two live runs on one host.
 
 Real hooks in subprocesses (the benchmark's light loop, no torch), real sockets, the real
 ``memtui`` command line from "another shell", and the real viewer driven by Pilot.
@@ -143,7 +143,7 @@ def test_cancellations_from_another_shell_show_in_the_change_log_newest_first(
             ["you", "queued"],
             ["cancelled", "step"],
         ], entries
-        assert "#1 num_workers=2" in entries[3] and "by cli:" in entries[3]
+        assert "#1 num_workers=2" in entries[3] and "from another shell" in entries[3]
         assert other.run_id not in screen_text(app)
 
     run(app, check, (WIDE[0], WIDE[1] + 8))  # the log's four entries below five knobs' rows

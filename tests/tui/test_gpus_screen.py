@@ -1,7 +1,7 @@
 """The GPUs screen (key ``g``) on real Textual with Pilot: the no-driver message, and a table.
 
-This machine has no NVIDIA driver, so the first test shows the real no-driver path; the second
-passes a reader over ``tests.test_gpus.FakeNvml`` (a stand-in NVML: no GPU here).
+Where there is no NVIDIA driver, the first test shows the real no-driver path; the second
+passes a reader over ``tests.test_gpus.FakeNvml`` (a stand-in NVML: no GPU needed).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_damaged_files_are_refused_or_read_up_to_the_cut(tmp_path: Path) -> None
         writer.write(0.0, 0, b"x" * 100)
     truncated = tmp_path / "truncated.mtrec"
     truncated.write_bytes(good.read_bytes()[:-10])
-    cut = read_recording(truncated)  # a cut tail is no longer fatal (issue 13.6): what is whole
+    cut = read_recording(truncated)  # a cut tail is not fatal: what is whole
     assert cut.frames == [] and cut.cut_at is not None and "cut at byte" in cut.cut_note
     empty = tmp_path / "empty.mtrec"
     empty.write_bytes(MAGIC)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +16,26 @@ from rich.text import Text
 from textual.geometry import Region
 from textual.pilot import Pilot
 
+from memtui.advice.verdict import State
 from memtui.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
+from memtui.tui.charts import to_columns
 from memtui.tui.palette import Chip, flow
 from memtui.tui.widgets.advice import title_chips
 from memtui.tui.widgets.changelog import ChangeLog
-from memtui.tui.widgets.series import NARROW_MAX_ROWS, SeriesChart, narrow_rows
+from memtui.tui.widgets.series import (
+    AXIS,
+    NARROW_MAX_ROWS,
+    SeriesChart,
+    _merge_steps,
+    narrow_rows,
+)
 from tests.tui.conftest import ADVICE, STARVING, replay_app, run, screen_text, settle, until
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
 from tests.tui.test_snapshots import (
     advice_pending,
     advice_rollback,
+    autopilot,
     one_gpu,
     oom_risk,
     ranks_8,
@@ -110,6 +120,47 @@ def test_a_side_pane_fits_and_cuts_nothing(make: Callable[[], MemtuiApp]) -> Non
     run(make(), check, NARROW)
 
 
+def chart_rows(lines: list[str], title: str) -> list[str]:
+    """The rows of the chart under the line that starts with ``title`` (none if not shown)."""
+    at = next((i for i, line in enumerate(lines) if line.startswith(title)), None)
+    if at is None:
+        return []
+    return list(takewhile(lambda line: line[AXIS - 1 : AXIS] in ("┤", "│"), lines[at + 1 :]))
+
+
+@pytest.mark.parametrize("make", [*SCENES, autopilot], ids=lambda f: f.__name__)
+def test_the_chart_the_verdict_is_about_keeps_two_rows_and_draws_every_second(
+    make: Callable[[], MemtuiApp],
+) -> None:
+    """At 60x50, with every recorded scene's change log and recommendations above them, the
+    step time chart (the memory chart at OOM RISK) has two rows or more, and every column with
+    steps draws at least its lowest block (30 ms steps on a 500 ms axis of one row were drawn
+    blank)."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        app = pilot.app
+        assert isinstance(app, MemtuiApp)
+        text = text_of(pilot, "#charts")
+        lines = text.splitlines()
+        steps, memory = chart_rows(lines, "step time "), chart_rows(lines, "memory ")
+        state = app.state
+        oom = state.summary().verdict.state is State.OOM_RISK
+        assert len(memory if oom else steps) >= 2, text
+        if not steps:
+            return
+        series = state.series[state.summary().focus_rank]
+        chart = app.screen.query_one(SeriesChart)
+        columns = to_columns(list(series.step_buckets.buckets), lambda b: b.start, _merge_steps,
+                             chart.content_size.width - AXIS, state.clock)  # fmt: skip
+        bottom = steps[-1][AXIS:]
+        drawn = [v is not None and v[0] > 0 for v in columns.values]
+        assert any(drawn)
+        assert [cell != " " for cell in bottom] == drawn[: len(bottom)], text
+
+    run(make(), check, NARROW)
+
+
 def lines(head: str, chips: list[Chip], width: int, indent: str = "  ") -> list[str]:
     return [line.plain for line in flow(Text(head), chips, width, indent)]
 
@@ -163,11 +214,19 @@ def test_a_long_recommendation_keeps_its_changes_whole() -> None:
     assert parts == ["bigger micro-batch:", "batch_size 4 -> 8", "(the effective batch grows)"]
 
 
-def test_the_charts_share_the_lines_left() -> None:
-    assert narrow_rows(7, host=False) == (2, 3, False)
-    assert narrow_rows(7, host=True) == (2, 3, False)  # no room for the host chart
-    assert narrow_rows(12, host=True) == (3, 4, True)
-    assert narrow_rows(0, host=False) == (1, 1, False)  # the least: a row each
+def test_the_charts_share_the_lines_left_the_step_time_first() -> None:
+    """Both charts from 6 lines (2 rows each under their titles, the step time's the odd row);
+    fewer, one chart alone takes them, the step time or, at OOM RISK, the memory chart (a
+    60x50 pane with a long change log and the autopilot's line had a step time chart of one
+    row, and a memory chart cut off)."""
+    assert narrow_rows(6, host=False) == (2, 2, False)
+    assert narrow_rows(7, host=False) == (3, 2, False)  # the step time gets the odd row
+    assert narrow_rows(7, host=True) == (3, 2, False)  # no room for the host chart
+    assert narrow_rows(12, host=True) == (4, 3, True)
+    assert narrow_rows(5, host=False) == (4, 0, False)  # the step time chart alone
+    assert narrow_rows(3, host=False) == (2, 0, False)
+    assert narrow_rows(5, host=False, memory_first=True) == (0, 4, False)  # at OOM RISK
+    assert narrow_rows(0, host=False) == (1, 0, False)  # the least: a row
     most = narrow_rows(100, host=False)
     assert most == (*NARROW_MAX_ROWS, True)  # a tall pane: room for the host chart too
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
+from rich.console import Console
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -53,43 +55,109 @@ def describe_ranks() -> list[str]:
     ]
 
 
-def help_text(readonly: bool, thresholds: ThresholdConfig | None = None) -> Text:
-    """Keys, what a change does, and the thresholds in force (and where they came from)."""
+INDENT = "  "
+"""Every entry's indent under its section's heading."""
+LABEL = re.compile(r"(\S.*?\S {2,})(\S.*)")
+"""A described rule: its label, the spaces that align it, then the rule (``STARVED   data...``)."""
+NARROWEST = 16
+"""The fewest columns an entry is wrapped to beside its key or label (fewer: under it)."""
+
+
+def hanging(lead: Text, body: Text, width: int, hang: int = 0) -> Text:
+    """``lead`` then ``body`` wrapped to ``width`` columns, its further lines under its own
+    first one (``hang`` columns further in), not under ``lead`` (``width`` 0: on one line)."""
+    room = width - lead.cell_len
+    if width <= 0 or body.cell_len <= room:
+        return lead + body
+    indent = lead.cell_len
+    if room - hang < NARROWEST:  # too narrow beside the lead: under it, at the section's indent
+        lead, indent = lead.copy(), len(INDENT)
+        lead.rstrip()
+        lead.append("\n" + INDENT)
+    lines = body.wrap(Console(width=width), width - indent - hang)
+    for line in lines:
+        line.rstrip()
+    under = Text(" " * (indent + hang))
+    return Text("\n").join([lead + lines[0], *(under + line for line in lines[1:])])
+
+
+def labelled(line: str) -> tuple[Text, Text]:
+    """A described rule split into its label (with its alignment) and the rule itself."""
+    match = LABEL.fullmatch(line)
+    label, rule = match.groups() if match else ("", line)
+    return Text(INDENT + label), Text(rule)
+
+
+def help_text(readonly: bool, thresholds: ThresholdConfig | None = None, width: int = 0) -> Text:
+    """Keys, what a change does, and the thresholds in force (and where they came from), each
+    entry wrapped to ``width`` columns under its own text, never under its key or label (0:
+    each on one line)."""
     config = thresholds or ThresholdConfig(THRESHOLDS, "built-in defaults")
     text = Text()
+
+    def entry(lead: Text | str, body: Text | str) -> None:
+        lead = lead if isinstance(lead, Text) else Text(lead)
+        body = body if isinstance(body, Text) else Text(body)
+        prose = not lead.plain.strip()  # no key or label: its further lines hang 2 further in
+        text.append_text(hanging(lead, body, width, 2 if prose else 0))
+        text.append("\n")
+
     text.append("Keys\n", "bold")
     for key, what in KEYS:
-        text.append(f"  {key:<8}", "bold cyan")
-        text.append(f"{what}\n")
+        entry(Text(f"{INDENT}{key:<8}", "bold cyan"), what)
     text.append("\nChanges\n", "bold")
-    text.append(
-        "  are validated here, queued by the run and applied at its next checkpoint boundary;\n"
-        "  the change log shows them pending, then applied with their step (or rejected, why).\n"
-        "  A batch_size change shows its predicted peak first (the run's memory model); one\n"
-        f"  predicted over {config.thresholds.memory_danger_fraction:.0%} takes a second Enter "
-        "and is sent forced. After it lands, the log\n"
-        "  shows the measured effect and predicted vs observed peak, and the running accuracy.\n"
+    entry(
+        INDENT,
+        "are validated here, queued by the run and applied at its next checkpoint boundary; "
+        "the change log shows them pending, then applied with their step (or rejected, why). "
+        "A batch_size change shows its predicted peak first (the run's memory model); one "
+        f"predicted over {config.thresholds.memory_danger_fraction:.0%} takes a second Enter "
+        "and is sent forced. After it lands, the log shows the measured effect and predicted "
+        "vs observed peak, and the running accuracy.",
     )
     if readonly:
-        text.append("  This view is read-only: it sends nothing.\n", "bold yellow")
+        entry(INDENT, Text("This view is read-only: it sends nothing.", "bold yellow"))
     text.append("\nVerdict ", "bold")
     text.append_text(as_text(f"(thresholds from {config.source})\n", "dim"))
     for line in describe_thresholds(config.thresholds):
-        text.append(f"  {line}\n")
+        entry(*labelled(line))
     for problem in config.problems:
-        text.append_text(as_text(f"  ignored: {problem}\n", "yellow"))
-    text.append(
-        "  set them in $MEMTUI_CONFIG or ~/.config/memtui/config.yaml (XDG_CONFIG_HOME), under\n"
-        "  verdict: (starved_wait_fraction, underused_memory_fraction, memory_edge_fraction,\n"
-        "  memory_danger_fraction, host_ram_fraction, swap_growth_bytes, hysteresis)\n",
-        "dim",
+        entry(Text(f"{INDENT}ignored: ", "yellow"), as_text(problem, "yellow"))
+    entry(
+        INDENT,
+        Text(
+            "set them in $MEMTUI_CONFIG or ~/.config/memtui/config.yaml (XDG_CONFIG_HOME), "
+            "under verdict: (starved_wait_fraction, underused_memory_fraction, "
+            "memory_edge_fraction, memory_danger_fraction, host_ram_fraction, "
+            "swap_growth_bytes, hysteresis)",
+            "dim",
+        ),
     )
-    text.append("  on several ranks: the worst rank's numbers, and the verdict names it\n")
+    entry(INDENT, "on several ranks: the worst rank's numbers, and the verdict names it")
     text.append("\nRanks (several), worst first\n", "bold")
     for line in describe_ranks():
-        text.append(f"  {line}\n")
-    text.append("\n  esc or ? closes this help", "dim")
+        entry(*labelled(line))
+    text.append(f"\n{INDENT}esc or ? closes this help", "dim")
     return text
+
+
+class HelpText(Static):
+    """The help text, wrapped again to its width whenever that changes (a side pane's dialog
+    is 49 columns wide): an entry's further lines start under its own text."""
+
+    def __init__(self, readonly: bool, thresholds: ThresholdConfig | None) -> None:
+        super().__init__(help_text(readonly, thresholds), id="help-text", markup=False)
+        self.readonly = readonly
+        self.thresholds = thresholds
+        self.wrapped_to = 0
+        """The width the text was last wrapped to (0: not yet, each entry on one line)."""
+
+    def on_resize(self) -> None:
+        """Wrap the text to the new width."""
+        width = self.content_size.width
+        if width and width != self.wrapped_to:
+            self.wrapped_to = width
+            self.update(help_text(self.readonly, self.thresholds, width))
 
 
 class HelpScreen(ModalScreen[None]):
@@ -109,4 +177,4 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         """The help text in a scrollable dialog."""
         with VerticalScroll(id="dialog"):
-            yield Static(help_text(self.readonly, self.thresholds), id="help-text", markup=False)
+            yield HelpText(self.readonly, self.thresholds)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
+from textual.widget import MountError
 from textual.widgets import Footer
 
 from memtui.tui.state import RunState, ViewOptions
@@ -91,6 +93,8 @@ class MainScreen(Screen[None]):
     async def on_resize(self) -> None:
         """Arrange the panels for the width; narrow, no palette key in the footer (ctrl+p still
         works; the help lists it), nor o and g."""
+        if not self.is_attached:  # the app is closing: a late resize finds the screen gone
+            return
         narrow = self.has_class("narrow")
         footer = self.query_one(KeysFooter)
         if footer.show_command_palette == narrow:  # the width crossed the breakpoint
@@ -115,10 +119,13 @@ class MainScreen(Screen[None]):
         await old.remove()
         changes = ChangeLog(id="changes", classes="panel")
         changes.border_title = TITLES["changes"]
-        if narrow:
-            await side.mount(changes, after=self.query_one(ConfigPanel))
-        else:
-            await self.mount(changes, before=self.query_one(Footer))
+        try:
+            if narrow:
+                await side.mount(changes, after=self.query_one(ConfigPanel))
+            else:
+                await self.mount(changes, before=self.query_one(Footer))
+        except (MountError, NoMatches):  # the screen was taken down meanwhile (the app quits)
+            return
         self._views = list(self.query(StateView))
         if old.state is not None:
             changes.show(old.state, old.view)

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from memtui.advice.autopilot import describe_state
 from memtui.advice.recommend import Recommendation
+from memtui.advice.verdict import State
 from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, chips, flow
 from memtui.tui.state import RunState, ViewOptions
@@ -46,9 +47,11 @@ def expected(option: Recommendation) -> list[tuple[str, str]]:
     if option.host_delta_bytes:
         parts.append((f"host {_signed_bytes(option.host_delta_bytes)}", "dim"))
     if option.speed_delta is not None:
-        parts.append(
-            (f"speed {option.speed_delta:+.0%}", "green" if option.speed_delta > 0 else "yellow")
-        )
+        if not round(option.speed_delta, 2):  # "+0%" reads as a gain
+            parts.append(("speed unchanged", "dim"))
+        else:
+            style = "green" if option.speed_delta > 0 else "yellow"
+            parts.append((f"speed {option.speed_delta:+.0%}", style))
     else:
         parts.append(("speed: measured once applied", "dim"))
     if option.effective_batch is not None:
@@ -88,7 +91,9 @@ def advice_lines(
         return [Text("waiting for the run's config", "dim")]
     options = advice.recommendations
     if not options:
-        return [Text("nothing to recommend now: no threshold is near", "dim")]
+        if state.summary().verdict.state in (State.BALANCED, State.NO_DATA):
+            return [Text("nothing to recommend now: no threshold is near", "dim")]
+        return [Text("nothing to recommend now: no change is predicted to help measurably", "dim")]
     top = top_applicable(options, state)
     lines: list[Text] = []
     shown = 1 if narrow or multirank else SHOWN

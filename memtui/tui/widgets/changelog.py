@@ -1,8 +1,8 @@
 """The change log, newest first: pending changes with their predicted peak (and cancel), then
-applied ones with their step, measured effect and prediction error (and on how many ranks),
-rollbacks and out-of-memory errors with what happened to the failing batch, rejected and
-cancelled ones (by whoever cancelled them) and the operator's last request, by time; and the
-running prediction accuracy."""
+applied ones with their step, measured effect next to what was predicted (and on how many
+ranks), rollbacks and out-of-memory errors with what happened to the failing batch, rejected and
+cancelled ones and the last request's outcome, by time, each saying who acted (you, another
+shell, the autopilot, the run); under them, how far the memory predictions were off."""
 
 from __future__ import annotations
 
@@ -11,25 +11,42 @@ from collections.abc import Hashable, Sequence
 from rich.console import RenderableType
 from rich.text import Text
 
+from memtui.advice.autopilot import AUTOPILOT
 from memtui.advice.effect import measurable, speed_words, speedup
-from memtui.advice.measure import accuracy, prediction_error
+from memtui.advice.measure import accuracy, error_words, prediction_error
 from memtui.advice.predict import confidence
-from memtui.advice.speed import inside_noise, speed_error
+from memtui.advice.speed import inside_noise
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.knobs import format_changes, format_diffs, format_value
+from memtui.knobs import format_changes, format_value
+from memtui.report import diff_words, signed
 from memtui.stats import format_bytes
+from memtui.tui.events import RUN, VIEWER, YOU
 from memtui.tui.palette import Chip, flow
-from memtui.tui.state import RunState, ViewOptions
+from memtui.tui.state import RunState, ViewOptions, who_is
 from memtui.tui.widgets.base import StateView
 from memtui.wire import AppliedChange, ControlState, Effect, OomEvent, PendingChange
 
 INDENT = " " * 9
 """The second line of an entry starts under the first line's text."""
 ACCURACY_TARGET = 0.10
-"""The prediction error memtui aims to stay within (issue 5: within 10% of observed)."""
+"""The prediction error memtui aims to stay within: 10% of what was observed."""
 NARROW_LINES = 6
 """Lines of the change log in the narrow layout (newest first): the latest change landing, its
 step, old → new and measured effect, with the pending ones above it."""
+NOTICE_HEADS = {
+    YOU: Text("you      ", "bold cyan"),
+    RUN: Text("run      ", "bold magenta"),
+    VIEWER: Text("viewer   ", "dim"),
+}
+"""The head of a notice's line, by who acted: a request this viewer sent, the training run, or
+the viewer itself."""
+
+
+def by_whom(who: str) -> str:
+    """``by you``, ``by the autopilot``, ``from another shell`` ('' for nobody known)."""
+    if not who:
+        return ""
+    return f"from {who}" if who.startswith("another ") else f"by {who}"
 
 
 def entry_lines(head: Text, chips: Sequence[Chip], width: int = 0) -> list[Text]:
@@ -78,41 +95,70 @@ MEASURED_WITHIN = 40
 
 
 def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
-    """``+41% samples/s, peak 9.6 GiB -> 15.2 GiB · predicted 15.0 GiB (-1%) · expected +35%
-    samples/s (+6 pts)`` (None: nothing measured nor predicted, and no longer expected: a hook
-    that does not measure)."""
+    """What a change did next to what was predicted: ``+41% samples/s (predicted +35%), peak
+    9.6 GiB → 15.2 GiB (predicted 15.0 GiB, 1% low)``; before it is measured, ``measuring the
+    effect… · predicted +35% samples/s, peak 15.0 GiB`` (None: nothing measured nor predicted,
+    and no longer expected: a hook that does not measure)."""
     effect: Effect | None = applied.effect
-    foretold = applied.predicted_peak_bytes is not None or applied.predicted_speed_delta is not None
-    if effect is None and not foretold:
+    speed, peak = applied.predicted_speed_delta, applied.predicted_peak_bytes
+    if effect is None and speed is None and peak is None:
         if step - applied.step > MEASURED_WITHIN:
             return None
         return [Chip(Text("measuring the effect…", "dim"))]
-    chips: list[Chip] = []
     if effect is None:
-        chips.append(Chip(Text("measuring the effect…", "dim")))
-    else:
-        gain = speedup(effect)
-        style = "bold green" if gain > 0.02 and measurable(effect) else "bold"
-        chips.append(Chip(Text(speed_words(effect), style if measurable(effect) else "dim")))
-        if effect.peak_bytes_before is not None and effect.peak_bytes_after is not None:
-            peak = f"peak {format_bytes(effect.peak_bytes_before)} → "
-            chips.append(Chip(Text(peak + format_bytes(effect.peak_bytes_after)), ", "))
-    error = prediction_error(applied)
-    if applied.predicted_peak_bytes is not None:
-        predicted = Text(f"predicted {format_bytes(applied.predicted_peak_bytes)}", "dim")
+        chips = [Chip(Text("measuring the effect…", "dim"))]
+        foretold = [] if speed is None else [f"{speed:+.0%} samples/s"]
+        if speed is not None and not round(speed, 2):
+            foretold = ["samples/s unchanged"]
+        foretold += [f"peak {format_bytes(peak)}"] if peak is not None else []
+        chips.append(Chip(Text("predicted " + ", ".join(foretold), "dim"), " · "))
+        return chips
+    gain = speedup(effect)
+    style = "bold green" if gain > 0.02 and measurable(effect) else "bold"
+    measured = Text(speed_words(effect), style if measurable(effect) else "dim")
+    if speed is not None:  # the hook's estimate from the steps before
+        measured.append(" ")
+        missed = "dim" if inside_noise(applied) else "yellow"
+        measured.append(f"(predicted {signed(speed)})", missed)
+    chips = [Chip(measured)]
+    if effect.peak_bytes_before is not None and effect.peak_bytes_after is not None:
+        moved = f"peak {format_bytes(effect.peak_bytes_before)} → "
+        chips.append(Chip(Text(moved + format_bytes(effect.peak_bytes_after)), ", "))
+    if peak is not None:
+        predicted = Text(f"(predicted {format_bytes(peak)}", "dim")
+        error = prediction_error(applied)
         if error is not None:
-            predicted.append(" ")
             style = "bold yellow" if abs(error) > ACCURACY_TARGET else "dim"
-            predicted.append(f"({error:+.0%})", style)
-        chips.append(Chip(predicted, " · "))
-    if applied.predicted_speed_delta is not None:  # the hook's estimate from the steps before
-        expected = Text(f"expected {applied.predicted_speed_delta:+.0%} samples/s", "dim")
-        off = speed_error(applied)
-        if off is not None:
-            style = "dim" if inside_noise(applied) else "bold yellow"
-            expected.append(f" ({off * 100:+.0f} pts)", style)
-        chips.append(Chip(expected, " · "))
+            predicted.append(", ", "dim")
+            predicted.append(error_words(error), style)
+        predicted.append(")", "dim")
+        chips.append(Chip(predicted, " "))
     return chips
+
+
+def accuracy_line(control: ControlState, narrow: bool) -> Text | None:
+    """How far the memory predictions of the changes applied were off, on average (None: none
+    measured nor run out of memory): ``memory predictions off by 1.4% on average over 1
+    change (aim: under 10%)``."""
+    found = accuracy(control.applied, control.ooms)
+    mean, count = found.mean_abs_error, found.measured
+    if mean is None and not found.out_of_memory:
+        return None
+    line = Text("memory predictions ", "dim")
+    if mean is not None:
+        style = "bold green" if mean <= ACCURACY_TARGET else "bold yellow"
+        line.append(f"off by {mean:.1%}", style)
+        plural = "s" if count > 1 else ""
+        if narrow:
+            line.append(f" ({count} change{plural})", "dim")
+        else:
+            aim = f" (aim: under {ACCURACY_TARGET:.0%})"
+            line.append(f" on average over {count} change{plural}{aim}", "dim")
+    if found.out_of_memory:  # a change that ran out of memory is a miss, not a number
+        line.append("; " if mean is not None else "")
+        what = "OOM" if narrow else "ran out of memory"
+        line.append(f"{found.out_of_memory} {what} (a miss)", "bold red")
+    return line
 
 
 def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
@@ -140,10 +186,11 @@ def oom_lines(oom: OomEvent, width: int = 0) -> list[Text]:
 def change_lines(
     state: RunState, view: ViewOptions, limit: int, narrow: bool = False, width: int = 0
 ) -> list[Text]:
-    """Pending first, then the prediction accuracy, then applied changes, rollbacks, OOMs,
-    rejected and cancelled changes and the operator's last request, all newest first; each entry
-    on lines of ``width`` (0: one line, as long as it is) with, when narrow, its notes left out
-    where they do not fit."""
+    """Pending first, then applied changes, rollbacks, OOMs, rejected and cancelled changes and
+    the last notice (a request's outcome, the run's exit), all newest first, each saying who
+    acted; then, always on the last line shown, how far the memory predictions were off. Each
+    entry on lines of ``width`` (0: one line, as long as it is) with, when narrow, its notes left
+    out where they do not fit."""
     control = state.control
     lines: list[Text] = []
     bands = state.thresholds.thresholds
@@ -151,15 +198,22 @@ def change_lines(
     if state.notices:
         last = state.notices[-1]
         said = Text(last.text, "" if last.ok else "red")
-        history.append(
-            (last.time, entry_lines(Text("you      ", "bold cyan"), [Chip(said)], width))
-        )
+        head = NOTICE_HEADS.get(last.who, NOTICE_HEADS[YOU])
+        history.append((last.time, entry_lines(head, [Chip(said)], width)))
     if control is not None:
+        pilot = control.autopilot
         for change in reversed(control.pending):
             chips = [
                 Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
                 Chip(Text(f"queued at step {change.queued_step}", "dim")),
             ]
+            theirs = AUTOPILOT if change.origin == AUTOPILOT else change.client
+            if who := by_whom(who_is(theirs)):  # narrow: the autopilot's always, others if room
+                style = "bold cyan" if change.origin else "cyan"
+                chips.append(Chip(Text(who, style), optional=narrow and not change.origin))
+            trial = pilot is not None and pilot.why and pilot.trying == change.changes
+            if change.origin == AUTOPILOT and pilot is not None and trial:  # why, in words
+                chips.append(Chip(Text(f"({pilot.why})", "dim"), optional=narrow))
             if change.note and not change.forced:  # a forced change's note is the warning
                 chips.append(Chip(Text(f"({change.note})", "dim"), optional=narrow))
             if not view.readonly:  # narrow: the footer says it too
@@ -167,26 +221,6 @@ def change_lines(
             lines += entry_lines(Text("pending  ", "bold yellow"), chips, width)
             if change.predicted_peak_bytes is not None:
                 lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
-        found = accuracy(control.applied, control.ooms)
-        if found.mean_abs_error is not None or found.out_of_memory:
-            mean, count = found.mean_abs_error, found.measured
-            line = Text("accuracy ", "bold")
-            if not narrow:
-                line.append("predicted vs observed peak: ")
-            if mean is not None:
-                line.append(
-                    f"mean error {mean:.1%}",
-                    "bold green" if mean <= ACCURACY_TARGET else "bold yellow",
-                )
-                target = (
-                    "" if narrow and found.out_of_memory else f" (target {ACCURACY_TARGET:.0%})"
-                )
-                line.append(f" over {count} change{'s' if count > 1 else ''}{target}", "dim")
-            if found.out_of_memory:  # a change that ran out of memory is a miss, not a number
-                line.append("; " if mean is not None else "")
-                what = "OOM" if narrow else "out of memory"
-                line.append(f"{found.out_of_memory} {what} (a miss)", "bold red")
-            lines.append(line)
         for applied in control.applied:
             if applied.rollback:
                 head = Text("rollback ", "bold magenta")
@@ -197,12 +231,15 @@ def change_lines(
             if known > 1:  # every rank applies the same change set at the same step
                 ranks = Text(f"on {landed}/{known} ranks", "" if landed == known else "bold yellow")
                 chips.append(Chip(ranks))
-            diffs = format_diffs(applied.changes, "→")
+            diffs = diff_words(applied.changes, "→")
             chips.append(Chip(Text(diffs or "no effective change")))
             ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
             chips.append(Chip(ids, optional=narrow))
-            if applied.origin:
-                chips.append(Chip(Text(f"by the {applied.origin}", "bold cyan")))
+            if not applied.rollback:  # a rollback's head says what it was
+                mine = applied.origin == AUTOPILOT
+                who = "the autopilot" if mine else state.who_queued(applied.ids) or "an operator"
+                style = "bold cyan" if mine else "cyan"
+                chips.append(Chip(Text(by_whom(who), style), optional=narrow and not mine))
             if applied.note:
                 chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
             if applied.lr_note:  # a warning that the LR stayed is never left out
@@ -238,6 +275,8 @@ def change_lines(
             reason = Text(f"{format_changes(rejected.requested)}: ")
             reason.append(rejected.reason, "red")
             chips.append(Chip(reason))
+            if who := by_whom(who_is(rejected.client)):
+                chips.append(Chip(Text(who, "dim"), optional=narrow))
             history.append(
                 (rejected.time, entry_lines(Text("rejected ", "bold red"), chips, width))
             )
@@ -246,8 +285,8 @@ def change_lines(
                 Chip(Text(f"step {cancelled.step}", "bold")),
                 Chip(Text(f"#{cancelled.id} {format_changes(cancelled.changes)}")),
             ]
-            if cancelled.client:
-                chips.append(Chip(Text(f"by {cancelled.client}", "dim"), optional=narrow))
+            if who := by_whom(who_is(cancelled.client)):
+                chips.append(Chip(Text(who, "dim"), optional=narrow))
             history.append(
                 (cancelled.time, entry_lines(Text("cancelled ", "bold yellow"), chips, width))
             )
@@ -256,7 +295,10 @@ def change_lines(
     if not lines:
         hint = "no changes yet" if view.readonly else "no changes yet: b, a, w or p to queue one"
         lines.append(Text(hint, "dim"))
-    return lines[:limit]
+    summary = accuracy_line(control, narrow) if control is not None else None
+    if summary is None:
+        return lines[:limit]
+    return [*lines[: max(0, limit - 1)], summary][-limit:]
 
 
 class ChangeLog(StateView):

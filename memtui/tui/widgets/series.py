@@ -29,6 +29,10 @@ NARROW_MAX_ROWS = (6, 8)
 """Narrow: the most rows of the step time and memory charts (a tall side pane)."""
 NARROW_LINES = 7
 """Narrow: the charts' lines until the layout has given them theirs."""
+STEP_MIN_ROWS = 2
+"""Narrow: the fewest rows of the step time chart beside the memory chart (16 levels)."""
+MEMORY_MIN_ROWS = 2
+"""Narrow: the fewest rows of the memory chart beside the step time chart."""
 
 
 def _merge_steps(group: list[StepBucket]) -> tuple[float, float]:
@@ -157,15 +161,22 @@ def step_axis_top(columns: list[float | None]) -> float:
     return max(max(recent, default=0.0), ranked[int(0.9 * (len(ranked) - 1))])
 
 
-def narrow_rows(height: int, host: bool) -> tuple[int, int, bool]:
-    """The rows of the step time and memory charts in ``height`` lines (at least one each, the
-    memory chart the odd one), and whether the host chart (3 lines) is shown: when ``host`` (host
-    pressure) with two rows left to each chart, or when both charts have their most rows."""
-    host = height >= 2 + sum(NARROW_MAX_ROWS) + 3 or (host and height >= 3 + 2 + 4)
-    rows = height - 2 - (3 if host else 0)
-    memory = min(NARROW_MAX_ROWS[1], max(1, (rows + 1) // 2))
-    steps = min(NARROW_MAX_ROWS[0], max(1, rows - memory))
-    return steps, memory, host
+def narrow_rows(height: int, host: bool, memory_first: bool = False) -> tuple[int, int, bool]:
+    """The rows of the step time and memory charts in ``height`` lines, and whether the host
+    chart (3 lines) is shown (with ``host``, host pressure, and the least rows left to each
+    chart, or when both have their most): with fewer lines than both charts need at their
+    least, one chart alone takes them, the step time or (``memory_first``: the verdict is
+    about memory) the memory chart, the other 0 rows."""
+    least = 2 + STEP_MIN_ROWS + MEMORY_MIN_ROWS
+    host = height >= 2 + sum(NARROW_MAX_ROWS) + 3 or (host and height >= least + 3)
+    left = height - (3 if host else 0)
+    if left < least:  # one chart alone, under its title
+        if memory_first:
+            return 0, min(NARROW_MAX_ROWS[1], max(1, left - 1)), host
+        return min(NARROW_MAX_ROWS[0], max(1, left - 1)), 0, host
+    rows = left - 2  # under the two titles
+    steps = min(NARROW_MAX_ROWS[0], max(STEP_MIN_ROWS, (rows + 1) // 2))
+    return steps, min(NARROW_MAX_ROWS[1], rows - steps), host
 
 
 class SeriesChart(StateView):
@@ -192,12 +203,15 @@ class SeriesChart(StateView):
         if narrow:  # the lines the layout left under the other panels (the host chart under
             # pressure), laid out with them in one pass: no frame shows them overflowing
             left = self.content_size.height or NARROW_LINES
-            step_rows, memory_rows, host = narrow_rows(left, host_pressed(state))
+            memory_first = state.summary().verdict.state is State.OOM_RISK
+            step_rows, memory_rows, host = narrow_rows(left, host_pressed(state), memory_first)
         else:  # several ranks: shorter charts (room for the per-rank table)
             step_rows, memory_rows, host = (4, 5, True) if multirank else (5, 6, True)
         if series is not None:
-            lines += self._steps(state, series, chart_width, end, step_rows)
-            lines += self._memory(state, series, chart_width, end, memory_rows)
+            if step_rows:
+                lines += self._steps(state, series, chart_width, end, step_rows)
+            if memory_rows:
+                lines += self._memory(state, series, chart_width, end, memory_rows)
         else:
             lines.append(Text("waiting for data", style="dim"))
         if host:
