@@ -1,4 +1,4 @@
-"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach, export.
+"""The ``memtui`` command: ls, status, set, cancel, autotune, demo, attach, run, export.
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
@@ -817,6 +817,30 @@ def estimate_command(**kwargs: Any) -> None:
         click.echo(json.dumps(as_dict(result), indent=2))
     else:
         click.echo(format_table(result))
+
+
+# ---------------------------------------------------------------------------- run
+
+
+@main.command(
+    "run",
+    short_help="Run a command with memtui in its Python processes.",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--name", help="The run's name, as install(name=...) gives it.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    help="Where the run keeps its audit log and tuned config, as install(state_dir=...).",
+)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND [ARGS]...")
+def run_command(name: str | None, state_dir: str | None, command: tuple[str, ...]) -> None:
+    """Run a command with memtui in every Python process it starts (no code change)."""
+    from memtui.launch.run import exec_command
+
+    if not command:
+        raise click.UsageError("name the command to run: memtui run -- python train.py")
+    sys.exit(exec_command(command, name=name, state_dir=state_dir))
 
 
 # ---------------------------------------------------------------------------- export

@@ -75,6 +75,8 @@ class Metrics(Struct):
     data_wait_fraction: float
     samples_per_s: float
     steps_per_s: float
+    data_wait_measured: bool = True
+    """False where no step drew a batch memtui timed (no DataLoader seen): the wait is unknown."""
 
 
 class Memory(Struct):
@@ -318,6 +320,13 @@ def _applied(applied: AppliedChange) -> Applied:
     )
 
 
+def _wait_words(metrics: Metrics) -> str:
+    """``data wait 12 ms (9%)``, or that it is not measured (no batch memtui timed)."""
+    if not metrics.data_wait_measured:
+        return "data wait not measured (no DataLoader seen)"
+    return f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})"
+
+
 def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT:
     """``schema`` filled from ``source``'s attributes of the same names (``renamed``: field ->
     attribute where they differ)."""
@@ -531,7 +540,7 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
     if metrics:
         lines.append(
             f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "
-            f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})  "
+            f"{_wait_words(metrics)}  "
             f"{metrics.samples_per_s:.0f} samples/s  {metrics.steps_per_s:.2f} steps/s"
         )
     else:

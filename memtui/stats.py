@@ -21,6 +21,9 @@ class StepStats:
     """Mean data-loader wait per step."""
     samples_per_s: float
     steps_per_s: float
+    data_wait_measured: bool = True
+    """Whether any of the steps drew a batch memtui timed (a DataLoader or a batch function it
+    wraps); False: the loop's data wait is not measured, and 0 says nothing."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -48,6 +51,7 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
         data_wait_s=wait / n,
         samples_per_s=samples / total if total > 0 else 0.0,
         steps_per_s=n / total if total > 0 else 0.0,
+        data_wait_measured=any(r.micro_batches > 0 for r in recent),
     )
 
 

@@ -758,3 +758,28 @@ def test_a_micro_batch_option_estimates_its_speed_from_two_timed_sizes() -> None
     near = {**base, "steps": starving, "model": _model(16, 0.88), "applied": (doubled,)}
     smaller = next(o for o in recommend(Inputs(**near)) if o.title.startswith("smaller"))  # type: ignore[arg-type]
     assert smaller.speed_delta == pytest.approx(0.0)
+
+
+def test_a_loop_whose_batches_memtui_never_timed_has_its_data_wait_unknown() -> None:
+    """Steps that drew no batch memtui timed (a loop without a DataLoader, watched with no code)
+    leave the data wait unknown: never STARVED, and the verdict and status say it is not
+    measured rather than that the loader keeps up."""
+    from memtui.advice.verdict import Inputs, decide
+    from memtui.stats import summarize_steps
+
+    untimed = [StepRecord(i, float(i), 0.1, 0.0, 32, 0) for i in range(1, 21)]
+    steps = summarize_steps(untimed)
+    assert steps is not None and not steps.data_wait_measured
+    verdict = decide(
+        Inputs(
+            data_wait_fraction=steps.data_wait_fraction,
+            step_time_s=steps.step_time_s,
+            data_wait_s=steps.data_wait_s,
+            data_wait_measured=steps.data_wait_measured,
+        )
+    )
+    assert verdict.state.name == "BALANCED" and verdict.headline == "data wait not measured"
+    assert any(r.value == "not measured (no DataLoader seen)" for r in verdict.reasons)
+    timed = [StepRecord(i, float(i), 0.1, 0.05, 32, 1) for i in range(1, 21)]
+    measured = summarize_steps(timed)
+    assert measured is not None and measured.data_wait_measured

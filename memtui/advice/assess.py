@@ -189,6 +189,7 @@ def verdict_inputs(
         data_wait_fraction=steps.data_wait_fraction if steps else None,
         step_time_s=steps.step_time_s if steps else None,
         data_wait_s=steps.data_wait_s if steps else None,
+        data_wait_measured=steps.data_wait_measured if steps else True,
         peak_memory_fraction=memory.peak_used_fraction if memory else None,
         peak_memory_bytes=memory.peak_used_bytes if memory else None,
         capacity_bytes=memory.capacity_bytes if memory else None,

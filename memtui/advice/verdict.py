@@ -100,6 +100,8 @@ class Inputs:
     """Mean step time the wait fraction is taken over."""
     data_wait_s: float | None = None
     """Mean data-loader wait per step."""
+    data_wait_measured: bool = True
+    """False where the steps drew no batch memtui timed: the wait is unknown, never STARVED."""
     peak_memory_fraction: float | None = None
     """Peak device memory in use over capacity, on the worst rank."""
     peak_memory_bytes: int | None = None
@@ -190,6 +192,8 @@ def _wait_reason(inputs: Inputs, t: Thresholds) -> Reason | None:
     fraction = inputs.data_wait_fraction
     if fraction is None:
         return None
+    if not inputs.data_wait_measured:
+        return Reason("data wait", "not measured (no DataLoader seen)", 0)
     value = f"{fraction:.0%}"
     if inputs.data_wait_s is not None and inputs.step_time_s:
         value += (
@@ -315,7 +319,9 @@ def decide(
         )
     if wait is None:
         return Verdict(State.NO_DATA, 0, "waiting for timed steps", 0.0, reasons)
-    if wait >= t.starved_wait_fraction:
+    if not inputs.data_wait_measured:
+        wait = 0.0  # unknown: no STARVED, and the headline says so
+    if inputs.data_wait_measured and wait >= t.starved_wait_fraction:
         span = max(1e-9, 1.0 - base.starved_wait_fraction)
         position = -(0.5 + 0.5 * _clamp((wait - base.starved_wait_fraction) / span, 0.0, 1.0))
         held = wait < base.starved_wait_fraction
@@ -343,7 +349,7 @@ def decide(
         position = _clamp(UNDERUSED_END + 0.65 * share - pull_left, UNDERUSED_END + 0.01, 0.49)
     else:
         position = _clamp(0.3 - pull_left, UNDERUSED_END + 0.01, 0.49)
-    headline = "the loader keeps up"
+    headline = "the loader keeps up" if inputs.data_wait_measured else "data wait not measured"
     if memory is not None:
         headline += " and memory has headroom"
     if memory is not None and not inputs.capacity_is_limit:

@@ -6,16 +6,43 @@ script already uses it.
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memtui.hooks.adapters import UnsupportedTrainer, framework_of
-from memtui.hooks.binding import BindingError
-from memtui.hooks.loader import TunedLoader
-from memtui.hooks.tracker import TrackerEvent, event_text, event_values
-from memtui.hooks.tuner import Applied, Options, Tuner
+if TYPE_CHECKING:
+    from memtui.hooks.adapters import UnsupportedTrainer
+    from memtui.hooks.binding import BindingError
+    from memtui.hooks.loader import TunedLoader
+    from memtui.hooks.tracker import TrackerEvent, event_text, event_values
+    from memtui.hooks.tuner import Applied, Options, Tuner
+
+_LAZY = {
+    "Applied": "memtui.hooks.tuner",
+    "BindingError": "memtui.hooks.binding",
+    "Options": "memtui.hooks.tuner",
+    "TrackerEvent": "memtui.hooks.tracker",
+    "TunedLoader": "memtui.hooks.loader",
+    "Tuner": "memtui.hooks.tuner",
+    "UnsupportedTrainer": "memtui.hooks.adapters",
+    "event_text": "memtui.hooks.tracker",
+    "event_values": "memtui.hooks.tracker",
+}
+"""Where each public name lives: loaded at first use, so that a process that only imports
+``memtui.hooks.auto`` at start-up (every Python process under ``memtui run``) does not pay for
+the tuner, ZeroMQ, YAML and psutil before it trains."""
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of the hook, imported from its module at first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Applied",
@@ -68,6 +95,11 @@ def install(
     ``lr_fields`` names the config fields a loop's own LR schedule reads every step (nanoGPT's
     ``("learning_rate", "min_lr")``): memtui multiplies them with the optimizer's LR.
     """
+    import dataclasses
+
+    from memtui.hooks.adapters import framework_of
+    from memtui.hooks.tuner import Options, Tuner
+
     if autotune:
         options = dataclasses.replace(options or Options(), autotune=True)
     if record is not None:

@@ -1,0 +1,381 @@
+"""Watching a plain PyTorch loop with no code: steps from the optimizer, data wait from the loader.
+
+``activate()`` runs at interpreter start (``memtui run``'s ``sitecustomize``). It imports
+nothing heavy: it puts a finder first on ``sys.meta_path`` that finds nothing itself, and for a
+module someone asked about with ``on_import`` wraps the loader the other finders return, so that
+the callbacks run right after that module's code finished (once per process; a module already
+imported gets them at once). The module's ``__loader__`` and ``__spec__.loader`` are the real
+loader again before its code runs, so ``importlib.reload``, ``python -m``, pickling and
+``inspect`` see what they would without memtui.
+
+When ``torch`` is imported, two hooks watch the training:
+
+* a global optimizer step post hook (``register_optimizer_step_post_hook``) closes one step per
+  step of the **counted optimizer**: the first optimizer that steps in this process (a GAN's
+  second optimizer, stepping in the same iteration, is not counted again); when it is garbage
+  collected, the next optimizer that steps is counted;
+* ``DataLoader.__iter__`` is wrapped until the first iteration; from then the DataLoader
+  iterators' ``__next__`` is ``timed_batches`` over torch's own: each batch's wait is the
+  micro-batch's data wait, its first tensor dimension its samples (every DataLoader of the
+  process feeds the open step, an evaluation loader's included).
+
+The Tuner is created at the first optimizer step or DataLoader iteration (a launcher process that
+does neither, torchrun's, registers nothing), watch-only (no knobs), named by
+``MEMTUI_RUN_NAME`` and writing to ``MEMTUI_RUN_STATE_DIR`` when they are set. A DataLoader
+worker never creates one (``torch.utils.data.get_worker_info()``). A Tuner started by other means
+(``hooks.install`` in the script, a framework's adapter) calls ``adopt``: the watch stands down,
+its hooks undone and its own Tuner, if it had made one, closed, so no step is counted twice.
+
+Steps that arrive with no DataLoader batch (a loop drawing its batches some other way) carry
+``micro_batches == 0``: their data wait was not measured, not zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("memtui")
+
+ImportCallback = Callable[[ModuleType], None]
+
+_lock = threading.RLock()
+_callbacks: dict[str, list[ImportCallback]] = {}
+"""The callbacks still waiting for their module, by module name."""
+_fired: set[str] = set()
+"""The modules whose callbacks have run (a reload runs none again)."""
+_finder: _PostImportFinder | None = None
+
+
+# --------------------------------------------------------------------------- post-import hooks
+
+
+class _NotifyingLoader:
+    """A module's own loader, whose ``exec_module`` then runs the module's import callbacks."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        return None if create is None else create(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        loader = self._loader
+        # the module sees its real loader, as without memtui (resources, reload, inspect)
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = loader
+        loader.exec_module(module)
+        _imported(self._name, sys.modules.get(self._name, module))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder:
+    """First on ``sys.meta_path``: finds nothing itself; for a watched module it asks the
+    finders after it and wraps the loader of the spec they return."""
+
+    def __init__(self) -> None:
+        self._finding: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _callbacks or fullname in self._finding:
+            return None
+        self._finding.add(fullname)
+        try:
+            spec = None
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        except Exception:  # the import system finds it again and says what is wrong
+            return None
+        finally:
+            self._finding.discard(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            spec.loader = _NotifyingLoader(loader, fullname)  # type: ignore[union-attr]
+        return spec
+
+
+def _imported(name: str, module: ModuleType) -> None:
+    """Run ``name``'s callbacks once (never into the import: a failure is logged)."""
+    with _lock:
+        if name in _fired:
+            return
+        _fired.add(name)
+        callbacks = _callbacks.pop(name, [])
+    for callback in callbacks:
+        _run(callback, module)
+
+
+def _run(callback: ImportCallback, module: ModuleType) -> None:
+    try:
+        callback(module)
+    except Exception as exc:
+        log.warning(
+            "memtui: a hook on importing %s failed (%s: %s); the program goes on without it",
+            getattr(module, "__name__", "?"),
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _ready(name: str) -> ModuleType | None:
+    """The module ``name`` if its code has finished running (None: not imported, or under way)."""
+    module = sys.modules.get(name)
+    if module is None:
+        return None
+    spec = getattr(module, "__spec__", None)
+    return None if getattr(spec, "_initializing", False) else module
+
+
+def on_import(name: str, callback: ImportCallback) -> None:
+    """Call ``callback(module)`` once, right after the module ``name`` finished importing (at
+    once when it already has)."""
+    with _lock:
+        module = _ready(name)
+        if module is None:
+            _callbacks.setdefault(name, []).append(callback)
+            _install_finder()
+            return
+        _fired.add(name)
+    _run(callback, module)
+
+
+def _install_finder() -> None:
+    global _finder
+    if _finder is None or _finder not in sys.meta_path:
+        _finder = _finder or _PostImportFinder()
+        sys.meta_path.insert(0, _finder)
+
+
+# --------------------------------------------------------------------------- activation
+
+
+def activate() -> None:
+    """Watch this process's training when it imports torch, and let frameworks be found on
+    import (``memtui.hooks.autoframe``); never raises, imports nothing heavy."""
+    try:
+        if os.environ.get("MEMTUI_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+            return
+        with _lock:
+            if _watch.activated:
+                return
+            _watch.activated = True
+        on_import("torch", _on_torch)
+        try:
+            autoframe = importlib.import_module("memtui.hooks.autoframe")
+        except ImportError:
+            return
+        autoframe.register(on_import)
+    except Exception as exc:  # never into the program's start
+        log.warning("memtui: not watching (%s: %s)", type(exc).__name__, exc)
+
+
+class _Watch:
+    """This process's watch: its Tuner, its hooks on torch, and whether it stood down."""
+
+    def __init__(self) -> None:
+        self.activated = False
+        self.tuner: Any = None
+        self.creating = False
+        self.stood_down = False
+        self.step_handle: Any = None
+        self.disarm_steps: Callable[[], None] | None = None
+        self.in_step_hook = False
+        self.restore_loader: list[Callable[[], None]] = []
+        self.timing = False
+        """Whether the DataLoader iterators' ``__next__`` is timed (it is wrapped once)."""
+
+
+_watch = _Watch()
+
+
+def _on_torch(_torch: ModuleType) -> None:
+    """Install the step hook and the DataLoader wrapper (torch has finished importing)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data import dataloader
+
+    with _lock:
+        if _watch.stood_down or _watch.step_handle is not None:
+            return
+        hook, disarm = _step_hook()
+        _watch.disarm_steps = disarm
+        _watch.step_handle = register_optimizer_step_post_hook(hook)
+        loader_class = dataloader.DataLoader
+        own_iter = loader_class.__iter__
+
+        def iterate(loader: Any) -> Any:
+            _time_loaders()
+            return own_iter(loader)
+
+        iterate.__wrapped__ = own_iter  # type: ignore[attr-defined]
+        loader_class.__iter__ = iterate
+        _watch.restore_loader.append(lambda: _put_back(loader_class, "__iter__", iterate, own_iter))
+
+
+def _put_back(owner: type, name: str, ours: Any, theirs: Any) -> None:
+    """Restore ``owner.name`` unless someone replaced ours since (then theirs calls ours)."""
+    if owner.__dict__.get(name) is ours:
+        setattr(owner, name, theirs)
+
+
+def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
+    """The global optimizer step post hook, and the function that makes it a no-op."""
+    counted = -1  # ``id`` of the counted optimizer; -1: none yet; -2: not counting
+    counted_ref: Any = None  # a weak reference to it: its callback fires while this holds it
+    close: Callable[[], None] = _nothing
+
+    def forget(_ref: Any) -> None:  # the counted optimizer was collected: the next is counted
+        nonlocal counted
+        if counted != -2:
+            counted = -1
+
+    def disarm() -> None:
+        nonlocal counted, counted_ref, close
+        counted, counted_ref, close = -2, None, _nothing
+
+    def hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        nonlocal counted, counted_ref, close
+        # the hot path, once per optimizer step: one ``id``, one comparison, one call
+        if id(optimizer) == counted:
+            close()
+            return
+        if counted != -1:  # another optimizer, or not counting
+            return
+        _watch.in_step_hook = True
+        try:
+            tuner = _watch_tuner()
+            if tuner is None or counted != -1:
+                return
+            try:
+                counted_ref = weakref.ref(optimizer, forget)
+            except TypeError:  # an optimizer without weak references stays the counted one
+                counted_ref = None
+            counted = id(optimizer)
+            tuner.step()  # the first step (it measures the memory held between steps)
+            close = tuner.step  # now the ledger's own ``close_step``
+        except Exception as exc:
+            _give_up(exc)
+        finally:
+            _watch.in_step_hook = False
+
+    return hook, disarm
+
+
+def _nothing() -> None:
+    return None
+
+
+def _time_loaders() -> None:
+    """At the first DataLoader iteration: time every DataLoader iterator's batches from now."""
+    if _watch.timing:  # a wrapper of someone else's kept ours in the chain
+        return
+    try:
+        tuner = _watch_tuner()
+        if tuner is None:
+            return
+        from torch.utils.data import dataloader
+
+        from memtui.hooks.batches import timed_batches
+
+        with _lock:
+            if _watch.stood_down or _watch.timing:
+                return
+            _watch.timing = True
+            for restore in _watch.restore_loader:  # the DataLoader's own ``__iter__`` again
+                restore()
+            _watch.restore_loader.clear()
+            iterator_class = dataloader._BaseDataLoaderIter  # noqa: SLF001
+            own_next = iterator_class.__next__
+            timed = timed_batches(own_next, tuner.ledger, tuner.report)
+            iterator_class.__next__ = timed
+            _watch.restore_loader.append(
+                lambda: _put_back(iterator_class, "__next__", timed, own_next)
+            )
+    except Exception as exc:
+        _give_up(exc)
+
+
+def _watch_tuner() -> Any:
+    """The watch's Tuner, created on first use (None: stood down, or a loader worker)."""
+    if _watch.tuner is not None or _watch.stood_down:
+        return _watch.tuner
+    from torch.utils.data import get_worker_info
+
+    # a DataLoader worker (forked or spawned) is part of its rank's run, never a run of its
+    # own; the process name is no guide: ``torch.multiprocessing.spawn`` starts real ranks
+    if get_worker_info() is not None:
+        return None
+    with _lock:
+        if _watch.tuner is not None or _watch.stood_down:
+            return _watch.tuner
+        from memtui import hooks
+
+        _watch.creating = True
+        try:
+            tuner = hooks.install(
+                {},
+                name=os.environ.get("MEMTUI_RUN_NAME") or None,
+                state_dir=os.environ.get("MEMTUI_RUN_STATE_DIR") or None,
+            )
+        finally:
+            _watch.creating = False
+        if _watch.stood_down:  # a Tuner of the script's own started meanwhile
+            tuner.close()
+            return None
+        _watch.tuner = tuner
+        return tuner
+
+
+def _give_up(exc: BaseException) -> None:
+    """memtui failed while watching: stand down, the training goes on untouched."""
+    log.warning("memtui: not watching this training (%s: %s)", type(exc).__name__, exc)
+    _stand_down()
+
+
+def _stand_down() -> None:
+    with _lock:
+        _watch.stood_down = True
+        if _watch.disarm_steps is not None:
+            _watch.disarm_steps()
+        # removing the hook while torch runs the hooks would change the dict it iterates: a
+        # stand-down from inside the hook only disarms it (two comparisons a step)
+        if _watch.step_handle is not None and not _watch.in_step_hook:
+            _watch.step_handle.remove()
+            _watch.step_handle = None
+        for restore in _watch.restore_loader:
+            restore()
+        _watch.restore_loader.clear()
+
+
+def adopt(tuner: Any) -> None:
+    """A Tuner started by the script or a framework's adapter drives this process: the watch
+    stands down (its hooks undone, its own Tuner closed), so no step is counted twice."""
+    try:
+        if _watch.creating or tuner is _watch.tuner:
+            return
+        if not _watch.activated and _watch.step_handle is None:
+            return
+        _stand_down()
+        own, _watch.tuner = _watch.tuner, None
+        if own is not None:
+            own.close()
+    except Exception as exc:
+        log.warning("memtui: could not stand the watch down (%s: %s)", type(exc).__name__, exc)
