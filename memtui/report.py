@@ -76,7 +76,8 @@ class Metrics(Struct):
     samples_per_s: float
     steps_per_s: float
     data_wait_measured: bool = True
-    """False where no step drew a batch memtui timed (no DataLoader seen): the wait is unknown."""
+    """False where no step drew a batch memtui timed (no DataLoader seen): the wait is unknown,
+    and ``samples_per_s`` (0) was not counted."""
 
 
 class Memory(Struct):
@@ -327,6 +328,13 @@ def _wait_words(metrics: Metrics) -> str:
     return f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})"
 
 
+def _samples_words(metrics: Metrics) -> str:
+    """``512 samples/s``, or that they were not counted (no batch memtui timed)."""
+    if not metrics.data_wait_measured:
+        return "samples not counted"
+    return f"{metrics.samples_per_s:.0f} samples/s"
+
+
 def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT:
     """``schema`` filled from ``source``'s attributes of the same names (``renamed``: field ->
     attribute where they differ)."""
@@ -541,7 +549,7 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(
             f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "
             f"{_wait_words(metrics)}  "
-            f"{metrics.samples_per_s:.0f} samples/s  {metrics.steps_per_s:.2f} steps/s"
+            f"{_samples_words(metrics)}  {metrics.steps_per_s:.2f} steps/s"
         )
     else:
         lines.append(f"step {report.step}  (no timed steps yet)")

@@ -23,7 +23,7 @@ class StepStats:
     steps_per_s: float
     data_wait_measured: bool = True
     """Whether any of the steps drew a batch memtui timed (a DataLoader or a batch function it
-    wraps); False: the loop's data wait is not measured, and 0 says nothing."""
+    wraps); False: the loop's data wait and samples are not measured, and their 0 says nothing."""
 
     @property
     def data_wait_fraction(self) -> float:

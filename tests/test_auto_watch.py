@@ -258,6 +258,8 @@ def test_a_loop_without_a_dataloader_says_its_data_wait_was_not_measured(workdir
         status = status_json(run["run"])
         assert status["metrics"]["data_wait_measured"] is False
         assert status["verdict"]["headline"].startswith("data wait not measured")
+        text = memtui_here("status", run["run"]).stdout
+        assert "data wait not measured (no DataLoader seen)  samples not counted" in text
     finally:
         assert script.release() == 0
 

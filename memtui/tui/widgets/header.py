@@ -95,7 +95,8 @@ class RunHeader(StateView):
             timed = [r for r in summary.ranks if r.steps is not None]
             samples = sum(r.steps.samples_per_s for r in timed if r.steps is not None)
             scope = "" if len(timed) >= state.world_size else f" (rank {timed[0].rank})"
-            progress.append((f"{rate(samples)} samples/s{scope}", ""))
+            if steps.data_wait_measured:  # no batch timed: the samples were not counted either
+                progress.append((f"{rate(samples)} samples/s{scope}", ""))
         if state.lost_batches:
             progress.append((f"lost {state.lost_batches} batches", "yellow"))
         if state.reconnects:
