@@ -111,6 +111,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/hook_overhead.py
+	$(PY) benchmarks/auto_overhead.py
 	$(PY) benchmarks/hook_cputime.py
 	$(PY) benchmarks/hook_ranks.py
 

@@ -189,3 +189,12 @@ def test_peer_overhead_quick() -> None:
     assert result["bare"]["median_step_us"]["n"] == 2
     assert result["memtui"]["overhead_pct"]["n"] == 2
     assert result["commit"] and result["machine"]
+
+
+@pytest.mark.slow  # a few seconds of timing loops; `make bench` runs the script in full
+def test_auto_overhead_quick() -> None:
+    """The no-code watch's benchmark times the three loops and counts the watch's steps."""
+    result = _run_json("benchmarks/auto_overhead.py", "--quick", timeout=120)
+    assert result["rounds"] == 4 and result["bare_us_per_step"]["n"] == 4
+    assert abs(result["watch_us_per_step"]["median"]) < 50, "the hot path is microseconds"
+    assert result["watch_steps_counted"] >= 4 * 300, "the watch counted its loops' steps"
