@@ -75,7 +75,7 @@ def make_other_user() -> Iterator[OtherUser]:
     useradd, userdel = shutil.which("useradd"), shutil.which("userdel")
     if useradd is None or userdel is None:
         pytest.skip("a second real user needs useradd and userdel, and this host has neither")
-    name = f"mtpeer{os.getpid()}n{next(_USERS)}"  # one per fixture that asks, in this session
+    name = f"mtpeer{os.getpid()}n{next(_USERS)}"  # one per fixture that asks, in this test run
     made = subprocess.run(
         [useradd, "--no-create-home", "--shell", "/usr/sbin/nologin", name],
         capture_output=True,

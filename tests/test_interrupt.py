@@ -13,52 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-
-PLAIN_LOOP = """
-import argparse
-import os
-
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-from memtui import hooks
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--batch_size", type=int, default=32)
-parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
-parser.add_argument("--num_workers", type=int, default=0)
-parser.add_argument("--pin_memory", action="store_true")
-parser.add_argument("--steps", type=int, default=1_000_000)
-parser.add_argument("--out", default="ckpt")
-args = parser.parse_args()
-
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-dataset = TensorDataset(torch.randn(10_000, 32), torch.randn(10_000, 1))
-tuner = hooks.install(args, model=model, optimizer=optimizer, state_dir=args.out)
-loader = tuner.loader(
-    lambda batch_size, num_workers, pin_memory: DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers, pin_memory=pin_memory
-    )
-)
-micro = 0
-while tuner.step_count < args.steps:
-    for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y) / args.gradient_accumulation_steps
-        loss.backward()
-        micro += 1
-        if micro < args.gradient_accumulation_steps:
-            continue
-        micro = 0
-        optimizer.step()
-        optimizer.zero_grad()
-        tuner.step()
-        if tuner.step_count % 100 == 0:
-            print(f"step {tuner.step_count}", flush=True)
-            if applied := tuner.checkpoint():
-                print(applied, flush=True)
-"""
-"""The README's plain loop, long enough to interrupt, printing its progress."""
+from tests.test_docs import example
 
 
 def interrupted(tmp_path: Path, *args: str, again_after_s: float | None = None) -> tuple[int, str]:
@@ -66,7 +21,7 @@ def interrupted(tmp_path: Path, *args: str, again_after_s: float | None = None) 
     terminal sends it, loader workers included), and with ``again_after_s`` once more that long
     after its traceback is out (while memtui closes); its exit status and stderr."""
     script = tmp_path / "train.py"
-    script.write_text(PLAIN_LOOP)
+    script.write_text(example("plain-loop"))  # the getting-started script, as documented
     err = tmp_path / "stderr.log"
     with err.open("w") as stderr:
         proc = subprocess.Popen(
@@ -81,8 +36,8 @@ def interrupted(tmp_path: Path, *args: str, again_after_s: float | None = None) 
         )
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:  # trains, and a checkpoint boundary has passed
-            if line.startswith("step 200"):
+        for line in proc.stdout:  # trains, and checkpoint boundaries have passed
+            if line.startswith("step 1000/"):
                 break
         os.killpg(proc.pid, signal.SIGINT)
         if again_after_s is not None:

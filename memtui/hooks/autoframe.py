@@ -28,7 +28,6 @@ import functools
 import inspect
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -180,16 +179,4 @@ def _install_once(trainer: Any, framework: str, resume: bool) -> None:
     except Exception as exc:
         log.warning("memtui: cannot hook %s (%s); it trains without memtui", kind, exc)
         return
-    _hand_over(tuner)
-
-
-def _hand_over(tuner: Any) -> None:
-    """Tell the no-code watcher, where it runs, that a framework adapter owns this process."""
-    auto = sys.modules.get("memtui.hooks.auto")
-    adopt = getattr(auto, "adopt", None)
-    if not callable(adopt):
-        return
-    try:
-        adopt(tuner)
-    except Exception as exc:
-        tuner.report(exc, "handing the process to the framework adapter")
+    # the adapter's Tuner, started, has made the no-code watch stand down (``Tuner.start``)

@@ -268,7 +268,6 @@ CLASS_SCRIPT = textwrap.dedent(
             save_strategy="no",
             report_to=[],
             use_cpu=True,
-            disable_tqdm=True,
         )
         return cls(model=model, args=args, train_dataset=data, **extra)
 

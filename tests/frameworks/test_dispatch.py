@@ -15,7 +15,7 @@ def test_framework_is_told_from_the_class() -> None:
     lightning = pytest.importorskip("lightning.pytorch")
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
     accelerate = pytest.importorskip("accelerate")
-    assert framework_of(lightning.Trainer(logger=False, enable_progress_bar=False)) == "lightning"
+    assert framework_of(lightning.Trainer()) == "lightning"
     assert framework_of(pytorch_lightning.Trainer(logger=False)) == "pytorch_lightning"
     assert framework_of(accelerate.Accelerator(cpu=True)) == "accelerate"
     assert framework_of(argparse.Namespace(batch_size=2)) is None
