@@ -278,8 +278,8 @@ def set_command(
             )
     else:
         click.echo(
-            f"queued #{reply.id}{where}: {format_changes(reply.changes)} (applies at the next "
-            "checkpoint)"
+            f"queued #{reply.id}{where}: {format_changes(reply.changes)} (applies at "
+            f"{reply.boundary or 'the next checkpoint'})"
         )
         click.echo(_prediction_line(reply, bands.memory_edge_fraction))
     if reply.note and not (dry_run and reply.needs_force and not quiet):

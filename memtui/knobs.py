@@ -206,13 +206,15 @@ def resolve(
     *,
     keep_effective_batch: bool = False,
     world_size: int = 1,
+    why_not: Mapping[str, str] | None = None,
 ) -> Resolved:
     """Check a parsed change against the run (``current``: its config with the pending changes
     merged) and apply keep-effective-batch; raise KnobError. Knobs already at their value are
     left out (said in the note); a change that changes nothing is refused."""
     for knob in changes:
         if knob not in tunable:
-            raise KnobError(f"{knob} is not tunable in this run (the hook did not find it)")
+            why = (why_not or {}).get(knob) or "the hook did not find it"
+            raise KnobError(f"{knob} is not tunable in this run ({why})")
     resolved = dict(changes)
     note = ""
     if keep_effective_batch:

@@ -285,6 +285,19 @@ class StatusReport(Struct):
     lr: LrState | None = None
     """The factor the optimizers' LR carries over the script's own, as the hook last read it
     before a step, and whether the script sets its LR itself (None: an older hook)."""
+    untunable: dict[str, str] = {}
+    """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
+    boundary: str = ""
+    """Where queued changes apply, in words ("" the run's next checkpoint)."""
+
+
+def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
+    """``not tunable: batch_size, grad_accum: why``, one line per reason, knobs in order."""
+    by_reason: dict[str, list[str]] = {}
+    for knob in KNOBS:
+        if knob in untunable:
+            by_reason.setdefault(untunable[knob], []).append(knob)
+    return [f"not tunable: {', '.join(knobs)}: {why}" for why, knobs in by_reason.items()]
 
 
 # ---------------------------------------------------------------------------- building
@@ -430,6 +443,8 @@ def build_status(
         step=snapshot.step,
         config=_config(snapshot),
         config_unused=unused_knobs(_config(snapshot)),
+        untunable=dict(control.untunable),
+        boundary=control.boundary,
         tunable=control.tunable,
         effective_batch=eff,
         pending=list(control.pending),
@@ -609,6 +624,9 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
     )
     eff = report.effective_batch
     lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
+    lines += untunable_lines(report.untunable)
+    if report.boundary:
+        lines.append(f"changes apply at {report.boundary}")
     if report.lr is not None and (line := lr_line(report.lr, report.world_size)):
         lines.append(line)
     for change in report.pending:

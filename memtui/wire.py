@@ -424,6 +424,10 @@ class ControlState(Struct, omit_defaults=True):
     """The autopilot's state (None: an older hook, or a rank other than 0)."""
     lr: LrState | None = None
     """The LR factor and whether the script owns its schedule (None: an older hook)."""
+    untunable: dict[str, str] = {}
+    """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
+    boundary: str = ""
+    """Where queued changes apply, in words ("" the run's next checkpoint)."""
 
 
 class HookCounters(Struct, omit_defaults=True):
@@ -597,6 +601,8 @@ class SetReply(Struct, tag="set_reply", omit_defaults=True):
     ran out of memory."""
     needs_force: bool = False
     """Rejected only because it is predicted over the danger band: ``force`` would queue it."""
+    boundary: str = ""
+    """Where the change applies, in words ("" the run's next checkpoint)."""
     v: int = WIRE_VERSION
 
 

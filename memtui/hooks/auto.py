@@ -19,8 +19,20 @@ When ``torch`` is imported, two hooks watch the training:
   micro-batch's data wait, its first tensor dimension its samples (every DataLoader of the
   process feeds the open step, an evaluation loader's included).
 
+The **training DataLoader** is the one whose iteration started last before the counted
+optimizer's first step (a loop that evaluates before it trains starts its training loader
+after). Its ``num_workers``, ``pin_memory`` and ``prefetch_factor`` become the run's knobs: a
+change queued for them is applied when the loop next starts iterating that loader (the next
+epoch, the same step on every rank): ``Tuner.epoch_boundary`` takes and agrees on the pending
+changes there, and the new values are set on the DataLoader before it makes the epoch's iterator
+(its persistent workers, if any, shut down first). A loop that makes a new DataLoader over the
+same dataset each epoch gets the tuned values on the new one. The batch size and the
+accumulation stay in the loop's code (the plain-loop guide's lines make them tunable); a loader
+over an ``IterableDataset`` keeps its worker count (such a dataset splits its data between
+workers itself, or repeats it); the run says why for each knob it cannot take.
+
 The Tuner is created at the first optimizer step or DataLoader iteration (a launcher process that
-does neither, torchrun's, registers nothing), watch-only (no knobs), named by
+does neither, torchrun's, registers nothing), with no knobs until that first step, named by
 ``MEMTUI_RUN_NAME`` and writing to ``MEMTUI_RUN_STATE_DIR`` when they are set. A DataLoader
 worker never creates one (``torch.utils.data.get_worker_info()``). A Tuner started by other means
 (``hooks.install`` in the script, a framework's adapter) calls ``adopt``: the watch stands down,
@@ -188,6 +200,10 @@ def activate() -> None:
         log.warning("memtui: not watching (%s: %s)", type(exc).__name__, exc)
 
 
+def _nothing() -> None:
+    return None
+
+
 class _Watch:
     """This process's watch: its Tuner, its hooks on torch, and whether it stood down."""
 
@@ -202,6 +218,12 @@ class _Watch:
         self.restore_loader: list[Callable[[], None]] = []
         self.timing = False
         """Whether the DataLoader iterators' ``__next__`` is timed (it is wrapped once)."""
+        self.last_started: Callable[[], Any] = _nothing
+        """The DataLoader whose iteration started last (a weak reference; None: none yet)."""
+        self.train: Callable[[], Any] = _nothing
+        """The training DataLoader, found at the first counted step (a weak reference)."""
+        self.train_dataset: Callable[[], Any] = _nothing
+        """Its dataset: a new DataLoader over it is the training loader of a later epoch."""
 
 
 _watch = _Watch()
@@ -222,7 +244,7 @@ def _on_torch(_torch: ModuleType) -> None:
         own_iter = loader_class.__iter__
 
         def iterate(loader: Any) -> Any:
-            _time_loaders()
+            _loader_starts(loader)
             return own_iter(loader)
 
         iterate.__wrapped__ = own_iter  # type: ignore[attr-defined]
@@ -271,6 +293,7 @@ def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
             counted = id(optimizer)
             tuner.step()  # the first step (it measures the memory held between steps)
             close = tuner.step  # now the ledger's own ``close_step``
+            _first_counted_step(tuner, optimizer)
         except Exception as exc:
             _give_up(exc)
         finally:
@@ -279,8 +302,130 @@ def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
     return hook, disarm
 
 
-def _nothing() -> None:
-    return None
+def _loader_starts(loader: Any) -> None:
+    """A DataLoader starts an iteration: time the batches from the first one on; at the training
+    loader's, apply the pending changes and its knobs (never raises into the loop)."""
+    if _watch.stood_down:
+        return
+    if not _watch.timing:
+        _time_loaders()
+    tuner = _watch.tuner
+    if tuner is None:
+        return
+    try:
+        _watch.last_started = _weak(loader)
+        if _is_training_loader(loader):
+            applied = tuner.epoch_boundary()
+            if _set_knobs(loader, tuner.store.knobs) or applied is not None:
+                tuner.loader_changed()
+    except Exception as exc:
+        tuner.report(exc, "the training DataLoader's epoch start")
+
+
+def _weak(value: Any) -> Callable[[], Any]:
+    """A weak reference to ``value`` (one that always answers None where it takes none)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return _nothing
+
+
+def _is_training_loader(loader: Any) -> bool:
+    """Whether ``loader`` is the training DataLoader (or a new one over its dataset, after the
+    training loader of an earlier epoch was collected)."""
+    train = _watch.train()
+    if train is loader:
+        return True
+    dataset = _watch.train_dataset()
+    if train is None and dataset is not None and getattr(loader, "dataset", None) is dataset:
+        _watch.train = _weak(loader)
+        return True
+    return False
+
+
+BATCH_IN_CODE = (
+    "memtui run cannot change a plain loop's batch size or accumulation: the loop's own code sets "
+    "them; the plain-loop guide's lines make them tunable"
+)
+NO_LOADER = (
+    "memtui run saw no DataLoader feeding this loop's optimizer steps (the loop draws its batches "
+    "itself)"
+)
+ITERABLE = (
+    "the training DataLoader reads an IterableDataset, which splits its data between workers "
+    "itself (or repeats it in each): memtui cannot tell which, so it keeps the script's workers"
+)
+WHEN = "the training DataLoader's next epoch"
+TAKEN = "the training DataLoader takes them as its next epoch starts"
+
+
+def _first_counted_step(tuner: Any, optimizer: Any) -> None:
+    """After the counted optimizer's first step: its LR is followed, the training loader found."""
+    try:
+        tuner.lr.watch_optimizer(optimizer)
+        _find_training_loader(tuner)
+    except Exception as exc:  # the watch goes on without knobs
+        tuner.report(exc, "finding the training DataLoader")
+
+
+def _find_training_loader(tuner: Any) -> None:
+    """At the counted optimizer's first step: the loader whose iteration started last feeds the
+    steps; its worker knobs become the run's (the reasons said for the knobs it cannot take)."""
+    store = tuner.store
+    for knob in ("batch_size", "grad_accum"):
+        store.refuse(knob, BATCH_IN_CODE)
+    loader = _watch.last_started()
+    if loader is None:
+        for knob in ("num_workers", "pin_memory", "prefetch_factor"):
+            store.refuse(knob, NO_LOADER)
+        return
+    from torch.utils.data import IterableDataset
+
+    from memtui.knobs import DEFAULT_PREFETCH_FACTOR
+
+    _watch.train, _watch.train_dataset = _weak(loader), _weak(loader.dataset)
+    found: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "prefetch_factor": loader.prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+    }
+    if isinstance(loader.dataset, IterableDataset):
+        del found["num_workers"]
+        store.refuse("num_workers", ITERABLE)
+        if not loader.num_workers:
+            del found["prefetch_factor"]  # no workers: nothing prefetches
+            store.refuse("prefetch_factor", ITERABLE)
+    store.adopt(found)
+    tuner.follows_loader = True
+    tuner.control.boundary = WHEN
+    tuner.boundary.loader_words = TAKEN
+
+
+def _set_knobs(loader: Any, knobs: Any) -> bool:
+    """Give ``loader`` the run's worker knobs before it makes its iterator; whether it changed."""
+    wanted = {
+        name: value
+        for name, value in (
+            ("num_workers", knobs.num_workers),
+            ("pin_memory", knobs.pin_memory),
+            ("prefetch_factor", knobs.prefetch_factor),
+        )
+        if value is not None
+    }
+    workers = wanted.get("num_workers", loader.num_workers)
+    if not workers:
+        wanted.pop("prefetch_factor", None)  # unused without workers: the loader keeps its own
+    now = {name: getattr(loader, name, None) for name in wanted}
+    if now == wanted:
+        return False
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:  # persistent workers were started with the old values
+        from memtui.hooks.loader import shutdown_workers
+
+        shutdown_workers(iterator, loader)
+    for name, value in wanted.items():
+        setattr(loader, name, value)
+    return True
 
 
 def _time_loaders() -> None:
@@ -299,9 +444,6 @@ def _time_loaders() -> None:
             if _watch.stood_down or _watch.timing:
                 return
             _watch.timing = True
-            for restore in _watch.restore_loader:  # the DataLoader's own ``__iter__`` again
-                restore()
-            _watch.restore_loader.clear()
             iterator_class = dataloader._BaseDataLoaderIter  # noqa: SLF001
             own_next = iterator_class.__next__
             timed = timed_batches(own_next, tuner.ledger, tuner.report)

@@ -82,6 +82,8 @@ class Boundary:
         self._has_loader = has_loader
         """Whether a data loader follows the loader knobs (memtui's, or a framework's that the
         adapter rebuilds): what the note of an applied change says happens next."""
+        self.loader_words = "the data loader is rebuilt at the next batch"
+        """What the note of an applied change of loader knobs says the loader does next."""
 
     def run(self, step: int) -> Applied | None:
         """Take (rank 0), agree on and apply the pending changes at ``step``; what was applied."""
@@ -182,7 +184,7 @@ class Boundary:
             self._report(exc, "the applied change's note")
             has_loader = True
         if has_loader:
-            return "the data loader is rebuilt at the next batch"
+            return self.loader_words
         names = " and ".join(knobs)
         when = " at its next batch" if knobs == ["batch_size"] else ""
         return f"no data loader to rebuild: the script reads {names} from its config{when}"

@@ -131,8 +131,13 @@ class Control:
         thresholds: Thresholds | None = None,
         pinning: Callable[[], bool] = lambda: True,
         lr: LearningRate | None = None,
+        why_not: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self._lock = threading.Lock()
+        self._why_not = why_not
+        """Why each knob the run has no value of is not tunable (the knob store's)."""
+        self.boundary = ""
+        """Where queued changes apply, in words ("" the run's next checkpoint)."""
         self._lr = lr or LearningRate()
         """The LR's owner: the run's rule for a change of the effective batch, and whether an
         optimizer is known for it to follow."""
@@ -185,6 +190,12 @@ class Control:
         current = self._knobs()
         return [k for k in KNOBS if getattr(current, k) is not None]
 
+    @property
+    def untunable(self) -> dict[str, str]:
+        """Why each knob this run cannot change is not tunable, where the hook knows."""
+        tunable = self.tunable
+        return {k: why for k, why in dict(self._why_not()).items() if k not in tunable}
+
     def state(self) -> ControlState:
         """A consistent copy of the control state."""
         with self._lock:
@@ -203,6 +214,8 @@ class Control:
                 ceiling=self.ceiling,
                 autopilot=self.pilot.state() if self.pilot is not None else None,
                 lr=self._lr.state(),
+                untunable=self.untunable,
+                boundary=self.boundary,
             )
 
     def touch(self) -> None:
@@ -247,6 +260,7 @@ class Control:
                     self.tunable,
                     keep_effective_batch=request.keep_effective_batch,
                     world_size=self.world_size,
+                    why_not=self.untunable,
                 )
                 projected = knobs_with(self._projected(), resolved.changes)
                 prediction = self._predict(projected)
@@ -263,6 +277,7 @@ class Control:
                         changes=resolved.changes,
                         note=_join(resolved.note, lr_note, no_effect, prediction.warning),
                         needs_force=prediction.over_danger,
+                        boundary=self.boundary,
                     )
                 if prediction.over_danger and not request.force:
                     raise OverDanger(prediction.warning)
@@ -309,7 +324,14 @@ class Control:
         self.audit_event("queued", change)
         if not origin and self.pilot is not None:
             self.pilot.operator_acted(f"{client or 'an operator'} queued {describe_change(change)}")
-        return _reply(prediction, ok=True, id=change.id, changes=change.changes, note=change.note)
+        return _reply(
+            prediction,
+            ok=True,
+            id=change.id,
+            changes=change.changes,
+            note=change.note,
+            boundary=self.boundary,
+        )
 
     def _predict(self, projected: Knobs) -> Prediction:
         """The memory model's prediction for a config (empty without a model or a batch size),

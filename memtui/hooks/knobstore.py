@@ -54,6 +54,13 @@ class KnobStore:
         self.untunable: dict[str, Any] = {k: read[k] for k, (v, _) in parsed.items() if v is None}
         """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
         code as they are (torch says what is wrong with them), and not tunable."""
+        self.why_not: dict[str, str] = {
+            knob: f"{knob}={shown(value)} in your config is not a value memtui can use"
+            for knob, value in self.untunable.items()
+        }
+        """Why each knob this run cannot change is not tunable, in the user's words, by knob:
+        written by whoever knows (the store, an adapter, the no-code watch), shown by the
+        viewer and ``memtui status`` and said when a change of it is refused."""
         for knob, value in self.untunable.items():
             log.warning(
                 "memtui: %s=%s in your config is not a value memtui can use (%s); it is passed to "
@@ -88,6 +95,10 @@ class KnobStore:
         knobs = self._knobs
         return [k for k in KNOBS if getattr(knobs, k) is not None]
 
+    def refuse(self, knob: str, why: str) -> None:
+        """Say why ``knob`` is not tunable in this run (for a knob the run has no value of)."""
+        self.why_not[knob] = why
+
     def loader_knobs(self) -> tuple[Any, ...]:
         """The values a loader is built with, in ``LOADER_KNOBS`` order."""
         knobs = self._knobs
@@ -109,7 +120,8 @@ class KnobStore:
         """Raise KnobError if a change names a knob this run cannot change or a value out of range."""
         for knob, value in changes.items():
             if self.value(knob) is None:
-                raise KnobError(f"{knob} is not tunable in this run")
+                why = self.why_not.get(knob)
+                raise KnobError(f"{knob} is not tunable in this run" + (f": {why}" if why else ""))
             parse_value(knob, value)
 
     def apply(self, changes: Mapping[str, KnobValue | None], step: int) -> dict[str, KnobDiff]:

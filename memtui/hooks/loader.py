@@ -139,7 +139,7 @@ def _accepted_kwargs(factory: Callable[..., Any]) -> set[str]:
     return {p.name for p in params if p.name in LOADER_KNOBS}
 
 
-def _shutdown(iterator: Any, loader: Any) -> None:
+def shutdown_workers(iterator: Any, loader: Any) -> None:
     """Stop a DataLoader iterator's worker processes now (they are joined, not leaked)."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
@@ -356,7 +356,7 @@ class TunedLoader:
         """Shut the current loader down and continue the epoch with one built for the new knobs."""
         old = (self._loader, iterator)
         replayed = self._stream.requeue_inflight() if (self._stream and self.mode == "exact") else 0
-        _shutdown(iterator, old[0])
+        shutdown_workers(iterator, old[0])
         previous_mode = self.mode
         self.knobs = self._build()
         self.generation += 1
@@ -437,7 +437,7 @@ class TunedLoader:
         loader = self._loader
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None:
-            _shutdown(iterator, loader)
+            shutdown_workers(iterator, loader)
 
 
 def _loader_kwargs(template: Any, knobs: dict[str, Any]) -> dict[str, Any]:

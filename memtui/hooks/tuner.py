@@ -193,6 +193,9 @@ class Tuner:
         self.config = config
         self.adapter: Any = None
         """The framework adapter that drives this tuner (``hooks.install(trainer)``), if any."""
+        self.follows_loader = False
+        """Whether a data loader memtui does not own takes the loader knobs (the no-code watch's
+        training DataLoader, at its next epoch)."""
         self.loader_options: dict[str, Any] = {}
         """Extra ``TunedLoader`` arguments an adapter sets (``shard``, ``place``)."""
         self.store = KnobStore(config, knobs, self.report)
@@ -219,6 +222,7 @@ class Tuner:
             report=self.report,
             pinning=self.device.has_accelerator,
             lr=self.lr,
+            why_not=lambda: self.store.why_not,
         )
         self.autopilot = Autopilot(
             self.control,
@@ -246,7 +250,9 @@ class Tuner:
             lr=self.lr,
             # memtui's loaders rebuild themselves, the HF adapter rebuilds the Trainer's; a loop
             # with neither (a batch function) reads the config memtui writes into
-            has_loader=lambda: bool(self.loaders) or self.adapter is not None,
+            has_loader=lambda: (
+                bool(self.loaders) or self.adapter is not None or self.follows_loader
+            ),
         )
         self.oom = OomHandler(
             ledger=self.ledger,
@@ -785,6 +791,28 @@ class Tuner:
             self.report(exc, "checkpoint")
             ledger.restart_clock()
         return applied
+
+    def epoch_boundary(self) -> Applied | None:
+        """A boundary where no checkpoint is saved (an epoch start, for a loop watched with no
+        code): the pending changes are applied as at a checkpoint, the same set at this step on
+        every rank, and no checkpoint is recorded; returns what changed, or None."""
+        applied: Applied | None = None
+        try:
+            step = self.ledger.step
+            self._refresh_static(between_steps=step > 0)
+            applied = self.boundary.run(step)
+            if applied is not None:
+                self.device.reset_peaks()
+                self.tracker.emit(applied, step)
+            if self.rank == 0 and applied is None:
+                self.tuned.save_again(step)
+        except Exception as exc:
+            self.report(exc, "epoch boundary")
+        return applied
+
+    def loader_changed(self) -> None:
+        """A data loader memtui does not own took new worker knobs: find its workers again."""
+        self._workers_changed()
 
     def on_event(self, callback: EventCallback) -> EventCallback:
         """Call ``callback(event, step)`` on the training thread for every applied change,

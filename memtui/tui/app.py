@@ -366,7 +366,11 @@ class MemtuiApp(App[int]):
             self.say("the run's config is not known yet", severity="warning")
             return
         if knob not in control.tunable:
-            self.say(f"{knob} is not tunable in this run", severity="warning")
+            why = control.untunable.get(knob)
+            self.say(
+                f"{knob} is not tunable in this run" + (f": {why}" if why else ""),
+                severity="warning",
+            )
             return
 
         def send(result: EditResult | None) -> None:

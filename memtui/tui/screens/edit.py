@@ -144,7 +144,9 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
                 id="value",
             )
             yield Static("", id="preview")
-            yield Static("enter: queue for the next checkpoint · esc: cancel", id="dialog-help")
+            control = self.state.control
+            when = (control.boundary if control is not None else "") or "the next checkpoint"
+            yield Static(f"enter: queue for {when} · esc: cancel", id="dialog-help")
 
     def on_mount(self) -> None:
         """Show the preview of a prefilled value."""

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
 from memtui.knobs import KNOBS, format_value
-from memtui.report import unused_knobs
+from memtui.report import untunable_lines, unused_knobs
 from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import Ceiling, MemoryModel
@@ -134,6 +134,9 @@ class ConfigPanel(StateView):
             if show_keys and tunable:
                 line.append(f" {KNOB_KEYS[knob]}", "bold cyan")
             lines.append(line)
+        if control.boundary:
+            lines.append(Text(f"changes apply at {control.boundary}", "dim"))
+        lines += [Text(line, "dim") for line in untunable_lines(control.untunable)]
         current = state.effective_batch()
         if current is not None:
             line = Text("effective batch ", "dim")
