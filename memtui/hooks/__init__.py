@@ -98,7 +98,7 @@ def install(
     import dataclasses
 
     from memtui.hooks.adapters import framework_of
-    from memtui.hooks.tuner import Options, Tuner
+    from memtui.hooks.tuner import Options, Tuner, live_tuners
 
     if autotune:
         options = dataclasses.replace(options or Options(), autotune=True)
@@ -115,20 +115,16 @@ def install(
         "lr_scale": lr_scale,
     }
     framework = framework_of(trainer)
-    if framework == "transformers":
-        from memtui.hooks.adapters import hf
-
-        return hf.install(trainer, **common)
-    if framework in ("lightning", "pytorch_lightning"):
-        from memtui.hooks.adapters import lightning
-
-        return lightning.install(trainer, **common)
-    if framework == "accelerate":
-        from memtui.hooks.adapters import accelerate
-
-        return accelerate.install(
-            trainer, knobs=knobs, config=config, lr_fields=lr_fields, **common
-        )
+    if framework in ("transformers", "lightning", "pytorch_lightning", "accelerate"):
+        before = set(live_tuners())
+        try:
+            return _install_adapter(framework, trainer, knobs, config, lr_fields, common)
+        except BaseException:
+            # an adapter that failed after its Tuner started leaves no run registered that
+            # nothing drives: the Tuner is closed (it leaves the registry) and the error raised
+            for started in set(live_tuners()) - before:
+                started.close()
+            raise
     target = config if config is not None else trainer
     return Tuner(
         target,
@@ -144,3 +140,27 @@ def install(
         lr_scale=lr_scale,
         lr_fields=lr_fields,
     ).start()
+
+
+def _install_adapter(
+    framework: str,
+    trainer: Any,
+    knobs: Mapping[str, str] | None,
+    config: Any,
+    lr_fields: Sequence[str],
+    common: dict[str, Any],
+) -> Tuner:
+    """The framework adapter's ``install`` for ``trainer``."""
+    if framework == "transformers":
+        from memtui.hooks.adapters import hf
+
+        return hf.install(trainer, **common)
+    if framework == "accelerate":
+        from memtui.hooks.adapters import accelerate
+
+        return accelerate.install(
+            trainer, knobs=knobs, config=config, lr_fields=lr_fields, **common
+        )
+    from memtui.hooks.adapters import lightning
+
+    return lightning.install(trainer, **common)

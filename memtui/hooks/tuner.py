@@ -74,6 +74,11 @@ log = logging.getLogger("memtui")
 _live_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
 
 
+def live_tuners() -> list[Tuner]:
+    """The Tuners of this process that started and are not closed yet."""
+    return [tuner for tuner in list(_live_tuners) if not tuner._closed]  # noqa: SLF001
+
+
 @dataclass
 class Options:
     """Rates and switches of the hook's background work."""

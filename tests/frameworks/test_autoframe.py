@@ -483,7 +483,8 @@ def test_the_wrapped_trainer_keeps_its_class_and_only_the_first_to_train_is_hook
 
 
 def test_a_trainer_memtui_cannot_hook_trains_as_without_memtui(tmp_path: Path) -> None:
-    """The adapter fails on this Trainer (its ``add_callback`` raises): one line, and it trains."""
+    """The adapter fails on this Trainer (its ``add_callback`` raises): one line, it trains, and
+    the Tuner the adapter had started is closed."""
     pytest.importorskip("transformers")
     script = tmp_path / "failing.py"
     script.write_text(
@@ -503,6 +504,8 @@ def test_a_trainer_memtui_cannot_hook_trains_as_without_memtui(tmp_path: Path) -
             )
             + "trainer = Trainer(",
         )
+        # the Tuner the failed adapter had started is closed: no run left that nothing drives
+        + "\nimport memtui.hooks.tuner\nprint('live tuners', len(memtui.hooks.tuner.live_tuners()))\n"
     )
     report_path = tmp_path / "report.json"
     done = subprocess.run(
@@ -517,6 +520,7 @@ def test_a_trainer_memtui_cannot_hook_trains_as_without_memtui(tmp_path: Path) -
     said = [line for line in done.stderr.splitlines() if line.startswith("memtui:")]
     assert len(said) == 1 and "no callbacks from outside" in said[0], done.stderr
     assert "trains without memtui" in said[0]
+    assert done.stdout.splitlines()[-1] == "live tuners 0"
     report = json.loads(report_path.read_text())
     assert report["steps"] == list(range(1, 9)) and report["global_step"] == 8
 
