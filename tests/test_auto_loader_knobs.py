@@ -40,6 +40,9 @@ def main(gate, mode, epochs):
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     dataset, sampler = Numbers(), None
+    if "loader-before-init" in mode:  # the watch starts before the process group is up
+        for _ in DataLoader(Numbers(), batch_size=8):
+            pass
     if "ddp" in mode:
         import torch.distributed as dist
         from torch.utils.data import DistributedSampler
@@ -94,8 +97,24 @@ def main(gate, mode, epochs):
     print("DONE", flush=True)
 
 
+def rank(index, port, gate, mode, epochs):
+    os.environ.update(RANK=str(index), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    main(gate, mode, epochs)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    gate, mode, epochs = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    if "mp-spawn" in mode:  # the ranks started by torch.multiprocessing.spawn
+        import socket
+
+        import torch.multiprocessing
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+        torch.multiprocessing.spawn(rank, args=(port, gate, mode, epochs), nprocs=2)
+    else:
+        main(gate, mode, epochs)
 """
 
 
@@ -202,8 +221,14 @@ def test_a_watched_loop_says_which_knobs_it_takes_where_and_why_not(tmp_path: Pa
         assert training.finish() == 0
 
 
-def test_every_rank_takes_the_workers_change_at_the_same_step(tmp_path: Path) -> None:
-    training = Training(tmp_path, "ddp", ranks=2)
+@pytest.mark.parametrize("launcher", ["torchrun", "mp-spawn"])
+def test_every_rank_takes_the_workers_change_at_the_same_step(
+    tmp_path: Path, launcher: str
+) -> None:
+    torchrun = launcher == "torchrun"
+    # the spawned ranks also iterate a loader before ``init_process_group``
+    mode = "ddp" if torchrun else "ddp-mp-spawn-loader-before-init"
+    training = Training(tmp_path, mode, ranks=2 if torchrun else 1)
     try:
         training.epochs(2)  # both ranks' first epoch
         run = training.run_id()

@@ -360,10 +360,16 @@ TAKEN = "the training DataLoader takes them as its next epoch starts"
 
 
 def _first_counted_step(tuner: Any, optimizer: Any) -> None:
-    """After the counted optimizer's first step: its LR is followed, the training loader found."""
+    """After the counted optimizer's first step: its LR is followed, the training loader found,
+    and a Tuner made before the process group was up (a loader iterated before
+    ``init_process_group``) joins the other ranks."""
     try:
         tuner.lr.watch_optimizer(optimizer)
         _find_training_loader(tuner)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            tuner.coordinate()
     except Exception as exc:  # the watch goes on without knobs
         tuner.report(exc, "finding the training DataLoader")
 

@@ -31,6 +31,9 @@ COMPILE_WORKER = os.sep + os.path.join("torch", "_inductor", "compile_worker") +
 
 OPTIONS_WITH_VALUE = frozenset({"--check-hash-based-pycs"})
 
+SPAWN_CHILD = "from multiprocessing.spawn import"
+"""The start of the program multiprocessing gives a spawn child (``spawn_main``)."""
+
 
 def entry_point(argv: list[str]) -> tuple[str, str]:
     """How the interpreter started with ``argv`` (``sys.orig_argv``) runs its program:
@@ -56,18 +59,16 @@ def entry_point(argv: list[str]) -> tuple[str, str]:
 
 def not_training(argv: list[str]) -> str:
     """Why the interpreter started with ``argv`` runs no training of its own ("" when it may)."""
-    # multiprocessing starts every interpreter it spawns (a spawn child, a DataLoader's spawn
-    # worker among them, the forkserver, the resource tracker) as `python -c "from
-    # multiprocessing.<module> import ..."`, a spawn child also with `--multiprocessing-fork`
-    # after it: the command line says so before anything is imported, where
-    # `multiprocessing.current_process()` would know only after the child has unpickled its
-    # process object, once the script's modules are loaded. A forked child runs no start-up at
-    # all: it inherits its parent's state as it is.
+    # multiprocessing starts every interpreter it spawns (a spawn child, the forkserver, the
+    # resource tracker) as `python -c "from multiprocessing.<module> import ..."`: the command
+    # line says so before anything is imported. A spawn child may be a rank (the ranks
+    # `torch.multiprocessing.spawn` starts) or a DataLoader's spawn worker: it is watched, and the
+    # watch registers a run only where an optimizer steps or a DataLoader is iterated, never in a
+    # loader worker. The forkserver and the resource tracker train nothing. A forked child runs
+    # no start-up at all: it inherits its parent's state as it is.
     how, what = entry_point(argv)
-    if how == "-c" and (
-        what.startswith("from multiprocessing.") or "--multiprocessing-fork" in argv
-    ):
-        return "a multiprocessing child"
+    if how == "-c" and what.startswith("from multiprocessing.") and SPAWN_CHILD not in what:
+        return "a multiprocessing helper"
     if how == "-m" and what in LAUNCHER_MODULES:
         return "a launcher"
     if how == "script":
