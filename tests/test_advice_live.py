@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,39 @@ def test_status_shows_the_workers_by_uss_as_the_device_total_counts_them(
 ) -> None:
     demo = start_demo("--steps", "100000", "--workers", "2", "--slow-data-ms", "0", fork=False)
     check_workers_uss(demo.run_id, 2)
+
+
+@pytest.fixture
+def two_cpu_hogs() -> Iterator[None]:
+    """Two processes that keep two cores busy (``yes > /dev/null``) for the test's length."""
+    hogs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@pytest.mark.slow  # a minute under the hogs; the peak handover itself: tests/test_sampler.py
+def test_a_forced_overshoot_is_caught_and_rolled_back_at_once_under_two_cpu_hogs(
+    start_demo: Callable[..., DemoRun], two_cpu_hogs: None
+) -> None:
+    """A busy machine slows the steps: memtui's sampler resets the kernel's peak mark several
+    times a step, and the CPU stand-in still sees every peak (``hooks.peak_rss``)."""
+    demo = start_demo(
+        "--steps", "40", "--checkpoint-every", "5", "--slow-data-ms", "0", "--batch-size", "8",
+        "--memory-limit", "720MiB", *HEAVY, fork=False
+    )  # fmt: skip
+    run = demo.run_id
+    until(run, lambda s: s["model"] is not None, 90, "the memory model")
+    forced = memtui_here("set", run, "batch_size=16", "--force")
+    assert forced.exit_code == 0, forced.output
+    after = until(run, lambda s: s["ooms"], 120, "the out-of-memory error")
+    oom, changed = after["ooms"][0], after["applied"][0]
+    assert oom["rolled_back"] and oom["config"]["batch_size"] == 16
+    assert changed["changes"]["batch_size"]["new"] == 16
+    # the first micro-batch at the new size ran out: the out-of-memory error is at the step the
+    # change landed at (the step it belongs to had not closed)
+    assert oom["step"] == changed["step"], (oom["step"], changed["step"])
+    assert demo.wait_exit(240) == 0, demo.output()

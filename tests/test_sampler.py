@@ -298,3 +298,66 @@ def test_the_samplers_waker_ends_one_wait_per_set() -> None:
     assert not waker.wait(0.0), "and only that one"
     threading.Timer(0.05, waker.set).start()
     assert waker.wait(30.0), "a wake-up set during the wait ends it"
+
+
+def _kernel_mark() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def _touch(size: int) -> None:
+    """Make the process's resident memory ``size`` bytes higher for a moment."""
+    block = bytearray(size)
+    block[::4096] = b"x" * len(block[::4096])
+    del block
+
+
+def test_a_peak_the_sampler_reset_reaches_peak_rss_and_one_peak_rss_reset_reaches_the_sampler() -> (
+    None
+):
+    from memtui.hooks.sampler import PeakRss, peak_rss
+
+    size = 160 << 20
+    sampler = PeakRss()
+    peak_rss(), sampler.read_and_reset()  # both measure from here
+    base = _kernel_mark()
+    _touch(size)
+    read = sampler.read_and_reset()  # a sample after the peak resets the kernel's mark
+    assert read is not None and read[1] >= base + size * 0.9
+    assert _kernel_mark() < base + size * 0.5, "the kernel's own mark lost the peak"
+    assert peak_rss() >= base + size * 0.9  # memtui's kept it
+    assert peak_rss() < base + size * 0.5  # since the last call only
+    _touch(size)
+    assert peak_rss() >= base + size * 0.9  # the caller resets the kernel's mark now
+    after = sampler.read_and_reset()
+    assert after is not None and after[1] >= base + size * 0.9  # the sampler still sees it
+    sampler.close()
+
+
+def test_the_peak_between_samples_reaches_peak_rss_while_the_sampler_resets_every_millisecond() -> (
+    None
+):
+    from memtui.hooks.sampler import PeakRss, peak_rss
+
+    size = 160 << 20
+    sampler, stop = PeakRss(), threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            sampler.read_and_reset()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        peak_rss()
+        base = _kernel_mark()
+        for _ in range(5):
+            _touch(size)
+            time.sleep(0.01)  # several resets between the peak and the check
+            assert peak_rss() >= base + size * 0.9
+    finally:
+        stop.set()
+        thread.join()
+        sampler.close()

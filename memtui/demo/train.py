@@ -282,9 +282,10 @@ class MemoryBudget:
     capacity, so a doubled micro-batch that no longer fits can run out of memory on a CPU too.
 
     Right after the loss's backward (where this model's memory peaks) it reads the process's peak
-    resident memory (``VmHWM``, reset at each of memtui's device samples, so it covers a second
-    at most, and by this check when it fires): a peak over the budget raises ``MemoryError`` with
-    the numbers, like CUDA's out-of-memory error.
+    resident memory since its last check (``hooks.peak_rss``: the kernel's mark, which memtui's
+    sampler resets at each sample, merged with the peaks the sampler read before it did, so
+    that no peak the hook saw escapes the budget): a peak over the budget raises
+    ``MemoryError`` with the numbers, like CUDA's out-of-memory error.
     """
 
     def __init__(self, limit_bytes: int | None) -> None:
@@ -294,10 +295,8 @@ class MemoryBudget:
         """Raise MemoryError if the peak since the last reset went over the budget."""
         if not self.limit_bytes:
             return
-        peak = _peak_rss()
+        peak = hooks.peak_rss()  # since the last check: the next micro-batch is measured afresh
         if peak > self.limit_bytes:
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # the next micro-batch is measured afresh
             gib = 1 << 30
             raise MemoryError(
                 f"CPU out of memory (the demo's --memory-limit). Tried to allocate "
@@ -305,14 +304,6 @@ class MemoryBudget:
                 f"{self.limit_bytes / gib:.2f} GiB of which 0 bytes is free. Including non-PyTorch "
                 f"memory, this process has {peak / gib:.2f} GiB memory in use."
             )
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from memtui.hooks.adapters import UnsupportedTrainer
     from memtui.hooks.binding import BindingError
     from memtui.hooks.loader import TunedLoader
+    from memtui.hooks.sampler import peak_rss
     from memtui.hooks.tracker import TrackerEvent, event_text, event_values
     from memtui.hooks.tuner import Applied, Options, Tuner
 
@@ -28,6 +29,7 @@ _LAZY = {
     "UnsupportedTrainer": "memtui.hooks.adapters",
     "event_text": "memtui.hooks.tracker",
     "event_values": "memtui.hooks.tracker",
+    "peak_rss": "memtui.hooks.sampler",
 }
 """Where each public name lives: loaded at first use, so that a process that only imports
 ``memtui.hooks.auto`` at start-up (every Python process under ``memtui run``) does not pay for
@@ -55,6 +57,7 @@ __all__ = [
     "event_text",
     "event_values",
     "install",
+    "peak_rss",
 ]
 
 

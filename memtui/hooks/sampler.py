@@ -152,6 +152,53 @@ class ProcFile:
         self.close()
 
 
+class HighWater:
+    """The process's peak resident memory for its two readers: the kernel keeps one mark
+    (``VmHWM``) that a reader resets to measure from now, so each reset hands the mark it read
+    to the other reader's own mark here: memtui's sampler (at each sample of a CPU run) and the
+    caller of ``peak_rss()`` (the CPU out-of-memory stand-in, or the user's own code) each see
+    every peak since their own last read, whoever reset the kernel's mark in between.
+
+    A lock spans each read-and-reset: a peak is in the kernel's mark or in the reader's own
+    when it looks, never lost between the two.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sampler_peak = 0
+        """The highest kernel mark ``peak_rss()`` read and reset since the sampler's last read."""
+        self.caller_peak = 0
+        """The highest kernel mark the sampler read and reset since the last ``peak_rss()``."""
+
+    def take(self) -> int:
+        """The process's peak RSS since the last call (bytes; 0 where the kernel does not say)."""
+        with self.lock:
+            try:
+                with open("/proc/self/status", "rb") as status:
+                    now = _status_kib(status.read(), b"VmHWM:")
+                with open("/proc/self/clear_refs", "wb") as clear:
+                    clear.write(b"5")
+            except (OSError, ValueError):
+                now = 0
+            self.sampler_peak = max(self.sampler_peak, now)
+            peak, self.caller_peak = max(self.caller_peak, now), 0
+        return peak
+
+
+HIGH_WATER = HighWater()
+"""This process's peak resident memory as memtui keeps it (``peak_rss``)."""
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory since the last call, in bytes (Linux; 0 elsewhere).
+
+    memtui's sampler resets the kernel's peak (``VmHWM`` in ``/proc/self/status``) at each
+    sample of a CPU run, so a reading of ``VmHWM`` covers only the time since that sample; this
+    gives what the kernel's mark would have said since the last call without memtui.
+    """
+    return HIGH_WATER.take()
+
+
 class PeakRss:
     """The main process's RSS and its peak since the last read (VmHWM), reset after each read.
 
@@ -167,11 +214,15 @@ class PeakRss:
 
     def read_and_reset(self) -> tuple[int, int] | None:
         """(RSS, peak RSS since the previous call) in bytes; None where the kernel does not say."""
+        high_water = HIGH_WATER
         try:
-            text = self._status.read()
-            peak = _status_kib(text, b"VmHWM:")
-            rss = _status_kib(text, b"VmRSS:")
-            self._clear.write(b"5")
+            with high_water.lock:  # the mark read is handed on before the kernel's is reset
+                text = self._status.read()
+                kernel = _status_kib(text, b"VmHWM:")
+                rss = _status_kib(text, b"VmRSS:")
+                high_water.caller_peak = max(high_water.caller_peak, kernel)
+                peak, high_water.sampler_peak = max(kernel, high_water.sampler_peak), 0
+                self._clear.write(b"5")
             return rss, max(peak, rss)
         except (OSError, ValueError):
             self.close()
