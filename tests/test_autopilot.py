@@ -15,6 +15,8 @@ from memtui.advice.autopilot import (
     OOM,
     REFUSED,
     REVERTED,
+    UNCLEAR,
+    UNCLEAR_REVERTED,
     WORSE,
     Situation,
     decide,
@@ -116,7 +118,7 @@ def test_a_trial_is_kept_only_when_its_interval_is_above_zero() -> None:
     """+5% with +-12% of noise is not faster beyond the noise: reverted, not kept."""
     noisy = change(50, effect(300, 315, 0.12), num_workers=(1, 2))
     history_ = history([noisy])
-    assert history_.last is not None and history_.last.outcome == WORSE
+    assert history_.last is not None and history_.last.outcome == UNCLEAR
     now = Knobs(16, 2, 2, False)
     decision = decide(situation(now, applied=(noisy,)))
     assert (decision.action, decision.changes) == ("revert", {"num_workers": 1})
@@ -131,7 +133,7 @@ def test_after_a_failed_doubling_it_bisects_once_then_stops() -> None:
         change(150, effect(290, 300, 0.05), num_workers=(4, 2)),
     )
     done = history(trials)
-    assert [t.outcome for t in done.trials] == [KEPT, REVERTED]
+    assert [t.outcome for t in done.trials] == [KEPT, UNCLEAR_REVERTED]
     assert done.boundaries == 3
     assert doubling(2, 8, done.tried("num_workers")) == 3
     decision = decide(situation(Knobs(16, 2, 2, False), applied=trials))
@@ -401,7 +403,7 @@ def test_decisions_over_a_recorded_run() -> None:
         elif event["event"] == "measured":
             applied[-1].effect = msgspec.convert(event["effect"], Effect)
     outcomes = [t.outcome for t in history(applied).trials]
-    assert outcomes == [KEPT, REVERTED, REVERTED]
+    assert outcomes == [KEPT, REVERTED, UNCLEAR_REVERTED]
     config = Knobs(16, 2, 0, False)
     for index, landed in enumerate(applied[1:], start=1):
         before = tuple(applied[:index])
@@ -437,3 +439,45 @@ def test_the_loop_queues_like_an_operator_and_an_operator_pauses_it() -> None:
     assert control.cancelled[-1].client == AUTOPILOT
     pilot.tick(steps, HOST, info)
     assert len(control.pending) == 1, "paused: nothing more queued"
+
+
+def waiting_effect(
+    before: float, after: float, margin: float, wait_before: float, wait_after: float
+) -> Effect:
+    """A measured effect whose data wait per step went from ``wait_before`` to ``wait_after``."""
+    return Effect(
+        20, 20, before, after, 0.1, 0.1, wait_before, wait_after,
+        speedup_margin=margin, data_wait_margin_s=0.002,
+    )  # fmt: skip
+
+
+def test_a_worker_that_cut_the_wait_is_kept_when_the_speed_change_is_inside_the_noise() -> None:
+    """Under load, one worker cut a CNN's wait 13% -> 5% a step and measured -3% +-13%: the wait
+    is the evidence; a measurably slower trial is still worse."""
+    trial = change(50, waiting_effect(300, 291, 0.13, 0.013, 0.005), num_workers=(0, 1))
+    done = history([trial])
+    assert done.trials[0].outcome == KEPT
+    assert "the data wait fell 13 ms -> 5 ms a step" in done.trials[0].describe()
+    assert decide(situation(Knobs(16, 2, 1, False), applied=(trial,))).action == "try"
+    slower = change(50, waiting_effect(300, 240, 0.13, 0.013, 0.005), num_workers=(0, 1))
+    assert history([slower]).trials[0].outcome == WORSE
+    # the batch size is no loader knob: the same numbers are no evidence for it
+    batch = change(50, waiting_effect(300, 291, 0.13, 0.013, 0.005), batch_size=(16, 32))
+    assert history([batch]).trials[0].outcome == UNCLEAR
+
+
+def test_a_trial_reverted_inside_the_noise_is_tried_again_once_the_noise_fell() -> None:
+    trial = change(50, effect(300, 309, 0.2), num_workers=(2, 4))
+    revert = change(100, effect(309, 300, 0.2), num_workers=(4, 2))
+    now = Knobs(16, 2, 2, False)
+    noisy = decide(situation(now, applied=(trial, revert)))
+    assert noisy.changes != {"num_workers": 4}
+    assert "tried again" in decide(situation(Knobs(16, 2, 4, False), applied=(trial,))).why
+    quieter = change(150, effect(300, 330, 0.06), prefetch_factor=(2, 4))
+    retried = decide(situation(now, applied=(trial, revert, quieter)))
+    assert retried.changes == {"num_workers": 4}, retried.why
+    # a trial measured slower beyond its noise is not tried again, however quiet the run is now
+    worse = change(50, effect(300, 240, 0.05), num_workers=(2, 4))
+    back = change(100, effect(240, 300, 0.05), num_workers=(4, 2))
+    later = change(150, effect(300, 330, 0.01), prefetch_factor=(2, 4))
+    assert decide(situation(now, applied=(worse, back, later))).changes != {"num_workers": 4}

@@ -8,9 +8,14 @@ with an accelerator) and its own upper bound (the workers the
 CPUs and host RAM allow, the largest micro-batch predicted safe, under what ran out of memory).
 The history is the run's applied changes marked as the autopilot's own: nothing else is kept, so
 the same measurements always give the same decision. A trial is kept only when the run got
-faster beyond the noise (the lower end of the measured effect's 95% interval above zero),
-reverted otherwise; a value that ran out of memory or was reverted is never tried again, one the
-prediction gate refused only while the gate, with the memory model as it is now, still would.
+faster beyond the noise (the lower end of the measured effect's 95% interval above zero), or,
+for a loader knob, when the data wait fell well beyond its own noise and the speed did not fall
+measurably (on a busy machine the speed's interval can be wider than a worker's whole gain,
+while the wait it removes still shows). A trial the run measured slower is reverted and never
+tried again; one whose speed change stayed inside the noise is reverted too, and tried again
+once a later change is measured with an interval under half as wide (the noise fell). A value
+that ran out of memory is never tried again, one the prediction gate refused only while the
+gate, with the memory model as it is now, still would.
 
 An operator's change is the autopilot's starting point, not one of its trials: while the run still
 has the values an operator set, the autopilot never moves a knob back to the value the operator
@@ -37,7 +42,7 @@ AUTOPILOT = "autopilot"
 BUDGET = 8
 """Boundaries the autopilot may take by default (its trials and their reverts)."""
 
-KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR = (
+KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR, UNCLEAR, UNCLEAR_REVERTED = (
     "kept",
     "worse",
     "reverted",
@@ -45,9 +50,22 @@ KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR = (
     "refused",
     "measuring",
     "left by an operator",
+    "no measurable change",
+    "reverted inside the noise",
 )
-FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED})
-"""Outcomes after which a value is not tried again (a refused one: while the gate would refuse it)."""
+FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED, UNCLEAR_REVERTED})
+"""Outcomes after which a value is not tried again (a refused one: while the gate would refuse it;
+one reverted inside the noise: until the noise fell)."""
+LOADER_AXES = frozenset({"num_workers", "pin_memory", "prefetch_factor"})
+"""The knobs whose trial the data wait's fall can keep (their purpose is to remove that wait)."""
+WAIT_DROP = 0.3
+"""A loader trial is kept on its data wait when the wait per step fell by at least this share
+(and beyond its own interval): the benchmark's CNN under load cut its wait 13% -> 5% with one
+worker while its speed change, -3% +-13%, was inside the noise."""
+RETRYABLE = "to try again: the noise fell"
+RETRY_NOISE = 0.5
+"""A trial reverted inside the noise is tried again once a later change was measured with an
+interval at most this share of its own."""
 WAITS_FRACTION = 0.05
 """The share of the step waiting for data from which the loader's knobs are tried (a trial is
 measured and reverted if no faster; under the STARVED threshold a worker still hid a wait of
@@ -73,7 +91,12 @@ class Trial:
             return f"{format_diff_values(self.changes)} ran out of memory: rolled back"
         if self.outcome == REFUSED:
             return f"{format_diff_values(self.changes)} refused by the queue"
-        return f"{words}: {speed_words(self.effect)}" if self.effect is not None else words
+        if self.effect is None:
+            return words
+        words += f": {speed_words(self.effect)}"
+        if self.outcome == KEPT and not self.safety and not kept_for_speed(self.effect):
+            words += f", {wait_words(self.effect)}"
+        return words
 
 
 @dataclass(frozen=True)
@@ -96,7 +119,9 @@ class History:
         values: dict[KnobValue, str] = {}
         for trial in self.trials:
             diff = trial.changes.get(knob)
-            if diff is not None:
+            if diff is not None and trial.outcome == RETRYABLE:
+                values.pop(diff.new, None)
+            elif diff is not None:
                 values[diff.new] = trial.outcome
                 if trial.outcome == KEPT and diff.old is not None:
                     values.setdefault(diff.old, WORSE)
@@ -112,7 +137,44 @@ def kept(effect_applied: AppliedChange) -> bool:
     """The change made the run faster beyond the noise: the lower end of the 95% interval of
     its measured change of samples/s is above zero."""
     effect = effect_applied.effect
-    return effect is not None and speedup(effect) > 0 and measurable(effect)
+    return effect is not None and kept_for_speed(effect)
+
+
+def kept_for_speed(effect: Effect) -> bool:
+    """The run got faster beyond the noise."""
+    return speedup(effect) > 0 and measurable(effect)
+
+
+def waits_less(effect: Effect) -> bool:
+    """The data wait per step fell by ``WAIT_DROP`` of itself or more, beyond its interval."""
+    before, after = effect.data_wait_s_before, effect.data_wait_s_after
+    fell = before - after
+    margin = effect.data_wait_margin_s
+    return before > 0 and fell >= WAIT_DROP * before and (margin is None or fell > margin)
+
+
+def wait_words(effect: Effect) -> str:
+    """``the data wait fell 13 ms -> 5 ms a step``."""
+    return (
+        f"the data wait fell {effect.data_wait_s_before * 1000:.0f} ms -> "
+        f"{effect.data_wait_s_after * 1000:.0f} ms a step"
+    )
+
+
+def outcome_of(change: AppliedChange, axis: str) -> str:
+    """A measured trial's outcome: kept (faster, or a loader knob that cut the data wait and
+    was not measurably slower), worse (measurably slower, or faster by nothing), or no
+    measurable change."""
+    effect = change.effect
+    if effect is None:
+        return MEASURING
+    if kept_for_speed(effect):
+        return KEPT
+    if measurable(effect):
+        return WORSE  # slower beyond the noise (or a gain of nothing, measured exactly)
+    if axis in LOADER_AXES and waits_less(effect):
+        return KEPT
+    return UNCLEAR
 
 
 EDGE_SLACK = 0.05
@@ -170,25 +232,41 @@ def history(
         if change.origin != AUTOPILOT:
             continue
         boundaries += 1
-        if last is not None and last.outcome in (WORSE, MEASURING, KEPT) and undoes(change, last):
-            last.outcome = REVERTED
+        undone = last is not None and last.outcome in (WORSE, MEASURING, KEPT, UNCLEAR)
+        if undone and last is not None and undoes(change, last):
+            last.outcome = UNCLEAR_REVERTED if last.outcome == UNCLEAR else REVERTED
             continue
         is_safety = leaves_edge(change, edge_bytes)
-        if change.effect is None:
-            outcome = MEASURING
-        elif is_safety or kept(change):
-            outcome = KEPT
-        else:
-            outcome = WORSE
         changes = dict(change.changes)
-        trials.append(
-            Trial(axis_of(changes), changes, change.step, outcome, is_safety, change.effect)
-        )
+        axis = axis_of(changes)
+        outcome = outcome_of(change, axis)
+        if is_safety and outcome != MEASURING:
+            outcome = KEPT
+        trials.append(Trial(axis, changes, change.step, outcome, is_safety, change.effect))
+    _retry_when_the_noise_fell(trials, applied)
     for request in refused:
         changes = {k: KnobDiff(None, v) for k, v in request.items()}
         trials.append(Trial(axis_of(changes), changes, -1, REFUSED))
     standing = operator_changes(applied, config) if config is not None else ()
     return History(tuple(trials), boundaries, standing)
+
+
+def _retry_when_the_noise_fell(trials: list[Trial], applied: Sequence[AppliedChange]) -> None:
+    """Forget the trials reverted inside the noise whose noise has fallen: a change measured
+    after them with an interval at most ``RETRY_NOISE`` of theirs (they may be tried again)."""
+    for index, trial in enumerate(trials):
+        if trial.outcome != UNCLEAR_REVERTED or trial.effect is None:
+            continue
+        margin = trial.effect.speedup_margin
+        later = [
+            a.effect.speedup_margin
+            for a in applied
+            if a.step > trial.step and a.effect is not None and a.effect.speedup_margin is not None
+        ]
+        if margin is not None and later and min(later) <= RETRY_NOISE * margin:
+            trials[index] = Trial(
+                trial.axis, trial.changes, trial.step, RETRYABLE, trial.safety, trial.effect
+            )
 
 
 def operator_changes(applied: Sequence[AppliedChange], config: Knobs) -> tuple[AppliedChange, ...]:
@@ -312,11 +390,12 @@ def decide(situation: Situation) -> Decision:
         return Decision("wait", f"measuring {format_diff_values(last.changes)}")
     if situation.pending:
         return Decision("wait", "a change is pending: it lands at the next checkpoint")
-    if last is not None and last.outcome == WORSE:
+    if last is not None and last.outcome in (WORSE, UNCLEAR):
         back = {k: d.old for k, d in last.changes.items() if d.old is not None}
-        return Decision(
-            "revert", f"{format_diff_values(last.changes)} was not faster beyond the noise", back
-        )
+        why = f"{format_diff_values(last.changes)} was not faster beyond the noise"
+        if last.outcome == UNCLEAR:
+            why += " (tried again if a later change is measured with less noise)"
+        return Decision("revert", why, back)
     if inputs.steps is None:
         return Decision("wait", "timing the steps at the current config")
     safer = _out_of_danger(situation)
