@@ -594,7 +594,7 @@ def _exit_words(status: int) -> str:
 
 def _viewer_died(why: str, run_id: str, log_path: Path) -> None:
     """Tell the operator that the demo's viewer died and that its training goes on."""
-    from memtui.tui.safe import clean
+    from memtui.runs.text import clean
 
     print(f"memtui demo: the viewer died ({clean(why, 300)})", file=sys.stderr)
     print(f"memtui demo: the training goes on; its output: {log_path}", file=sys.stderr)

@@ -142,9 +142,9 @@ def viewer(endpoint: str, seconds: float, extra_ranks: str) -> dict[str, Any]:
 
     import msgspec
 
+    from memtui.runs.events import ConnectionEvent, Notice
+    from memtui.runs.receiver import Inbox, Receiver
     from memtui.sources import LiveSource
-    from memtui.tui.events import ConnectionEvent, Notice
-    from memtui.tui.receiver import Inbox, Receiver
     from memtui.wire import RankInfo
 
     source = LiveSource(endpoint)

@@ -619,8 +619,8 @@ def test_the_danger_gate_and_the_safe_batch_follow_the_config_file(
 ) -> None:
     from memtui.advice.assess import advise
     from memtui.hooks.control import Control
+    from memtui.runs.state import RunState
     from memtui.tui.screens.edit import check_change, predict_change
-    from memtui.tui.state import RunState
     from memtui.wire import ControlState, MemoryModel, SetRequest
 
     path = tmp_path / "config.yaml"

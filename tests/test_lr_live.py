@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from memtui.tui.state import RunState, ViewOptions
+from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
 from memtui.wire import ControlState, Knobs, LrState
 from tests.conftest import ROOT, memtui_cli, status_json, wait_for

@@ -23,8 +23,8 @@ from memtui.advice.verdict import decide, load_thresholds
 from memtui.hooks.publisher import HISTORY_STEPS
 from memtui.recording import RecordedFrame, read_recording
 from memtui.report import build_status
-from memtui.tui.events import ReceivedBatch
-from memtui.tui.state import RunState
+from memtui.runs.events import ReceivedBatch
+from memtui.runs.state import RunState
 from memtui.wire import (
     CheckpointRecord,
     ControlState,

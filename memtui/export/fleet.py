@@ -12,8 +12,8 @@ asked again later (after ``PROBE_FIRST_S``, doubling to ``PROBE_MAX_S``) and sho
 
 A run that answers gets a :class:`RunWatch` while fewer than ``max_runs`` are watched: the
 viewer's own transport and state, a :class:`~memtui.sources.LiveSource` read by a
-:class:`~memtui.tui.receiver.Receiver` on a thread of its own, each batch folded into a
-:class:`~memtui.tui.state.RunState` as it is posted. With every place taken, the run is left
+:class:`~memtui.runs.receiver.Receiver` on a thread of its own, each batch folded into a
+:class:`~memtui.runs.state.RunState` as it is posted. With every place taken, the run is left
 unwatched and counted once (``dropped``). A watch whose run stops answering for ``LOST_AFTER_S``
 is stopped, and the run asked again from the loop; a run that ends, or leaves the registry, is
 let go. The threads are therefore the loop's, at most ``max_runs`` receivers, and the HTTP
@@ -40,11 +40,11 @@ import zmq
 from memtui import registry
 from memtui.advice.verdict import State, ThresholdConfig
 from memtui.client import client_name, send_request
+from memtui.runs.events import Status
+from memtui.runs.receiver import Inbox, Receiver
+from memtui.runs.state import RankSeries, RunState
 from memtui.sources import LiveSource
 from memtui.stats import MemoryStats, StepStats
-from memtui.tui.events import Status
-from memtui.tui.receiver import Inbox, Receiver
-from memtui.tui.state import RankSeries, RunState
 from memtui.wire import Decoder, Hello, HostSample, RunRecord, Snapshot, encode
 
 REFRESH_S = 2.0

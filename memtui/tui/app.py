@@ -33,17 +33,17 @@ from memtui import registry
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import load_thresholds
 from memtui.knobs import KNOBS, next_lr_scale
+from memtui.runs.events import MANY_RANKS, RUN, Notice
+from memtui.runs.receiver import Inbox, Receiver
+from memtui.runs.state import RunState, ViewOptions
+from memtui.runs.text import clean
 from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
-from memtui.tui.events import MANY_RANKS, RUN, Notice
 from memtui.tui.messages import ReceiverUpdate
-from memtui.tui.receiver import Inbox, Receiver
-from memtui.tui.safe import clean
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen, EditResult
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
-from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.advice import top_applicable
 from memtui.wire import AutotuneRequest, CancelRequest, KnobValue, SetRequest
 

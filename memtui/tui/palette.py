@@ -10,7 +10,7 @@ from rich.style import Style
 from rich.text import Text
 
 from memtui.advice.verdict import State
-from memtui.tui.events import Status
+from memtui.runs.events import Status
 
 STATUS_STYLES: dict[Status, str] = {
     Status.CONNECTING: "bold yellow",

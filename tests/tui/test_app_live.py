@@ -14,9 +14,9 @@ from typing import Any
 import zmq
 from textual.pilot import Pilot
 
+from memtui.runs.events import Status
 from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import Status
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.wire import RankInfo, Telemetry, encode
 from tests.conftest import PLUMBING, DemoRun, memtui_cli

@@ -15,8 +15,8 @@ from textual import events
 from textual.command import CommandPalette
 from textual.pilot import Pilot
 
+from memtui.runs.events import Status
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from tests.conftest import status_json

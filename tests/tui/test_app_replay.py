@@ -13,9 +13,9 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from memtui.cli import main
+from memtui.runs.events import Status
 from memtui.sources import LiveSource, ReplaySource
 from memtui.tui.app import MemtuiApp, left_at
-from memtui.tui.events import Status
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.screens.help import HelpScreen

@@ -15,13 +15,13 @@ import pytest
 import zmq
 from textual.pilot import Pilot
 
+from memtui.runs.events import ReceivedBatch, Status
+from memtui.runs.state import RunState
 from memtui.sources import LiveSource
 from memtui.stats import format_bytes, format_duration
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import ReceivedBatch, Status
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.palette import rate
-from memtui.tui.state import RunState
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,

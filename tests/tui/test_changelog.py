@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from memtui.advice.autopilot import AUTOPILOT
 from memtui.client import client_name
-from memtui.tui.events import RUN, VIEWER, Notice
-from memtui.tui.state import RunState, ViewOptions, who_is
+from memtui.runs.events import RUN, VIEWER, Notice
+from memtui.runs.state import RunState, ViewOptions, who_is
 from memtui.tui.widgets.changelog import change_lines
 from memtui.wire import (
     AppliedChange,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from memtui.tui.state import ViewOptions
+from memtui.runs.state import ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
 from memtui.wire import ControlState, Knobs
 from tests.tui.test_changelog import attached

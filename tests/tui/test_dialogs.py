@@ -11,8 +11,8 @@ from textual.pilot import Pilot
 from textual.widgets import OptionList
 
 from memtui.recording import read_recording
+from memtui.runs.events import ReceivedBatch
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import ReceivedBatch
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.help import KEYS, HelpScreen
 from memtui.wire import CancelledChange, ControlState, Decoder, Telemetry

@@ -22,9 +22,9 @@ from textual.pilot import Pilot
 from memtui import registry
 from memtui.cli import main
 from memtui.hooks import Options, Tuner
+from memtui.runs.events import Status
 from memtui.sources import LiveSource
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import Status
 from tests.conftest import memtui_cli, wait_for
 from tests.test_tuner import Config
 from tests.tui.conftest import HookLoop, run, screen_text, until

@@ -34,10 +34,10 @@ from textual.widgets import Input
 from memtui import registry
 from memtui.gpus import GpuInfo, GpuProcessInfo
 from memtui.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.runs.events import Notice, ReceivedBatch, Status
+from memtui.runs.text import clean
 from memtui.sources import LiveSource, ReplaySource
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import Notice, ReceivedBatch, Status
-from memtui.tui.safe import clean
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen

@@ -33,8 +33,8 @@ def test_viewer_imports_no_torch_and_no_hook(module: str) -> None:
 
 def test_advice_and_state_import_no_textual() -> None:
     code = (
-        "import sys, json, memtui.advice.verdict, memtui.tui.state, memtui.tui.events, "
-        "memtui.tui.receiver, memtui.sources\nprint(json.dumps(sorted(sys.modules)))"
+        "import sys, json, memtui.advice.verdict, memtui.runs.state, memtui.runs.events, "
+        "memtui.runs.receiver, memtui.sources\nprint(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True

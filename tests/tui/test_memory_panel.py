@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from textual.pilot import Pilot
 
-from memtui.tui.state import RunState
+from memtui.runs.state import RunState
 from memtui.tui.widgets.header import devices
 from memtui.tui.widgets.memory import cpu_rows
 from memtui.wire import DeviceSample, HostSample

@@ -9,11 +9,11 @@ from textual.pilot import Pilot
 
 from memtui.advice.verdict import State
 from memtui.recording import RecordingWriter, read_recording
+from memtui.runs.events import ReceivedBatch, Status
+from memtui.runs.state import SILENT_AFTER_S, RunState
 from memtui.sources import ReplaySource
 from memtui.stats import MemoryStats, RankSpread, StepStats
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import ReceivedBatch, Status
-from memtui.tui.state import SILENT_AFTER_S, RunState
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from memtui.wire import (
     ControlState,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from memtui.recording import RecordingWriter, read_recording
 from memtui.registry import find_run
+from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, Status
+from memtui.runs.receiver import Inbox, Receiver
+from memtui.runs.state import RunState
 from memtui.sources import LiveSource, ReplaySource, Source
-from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, Status
-from memtui.tui.receiver import Inbox, Receiver
-from memtui.tui.state import RunState
 from memtui.wire import SetRequest, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, memtui_cli, wait_for
 from tests.tui.conftest import STARVING, HookLoop

@@ -20,11 +20,11 @@ import zmq
 
 from memtui import registry
 from memtui.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.runs.events import ReceivedBatch, Status
+from memtui.runs.plausible import MAX_RANKS
+from memtui.runs.receiver import MAX_CONTROL_JUMP, Receiver
+from memtui.runs.state import RunState
 from memtui.sources import LiveSource, ReplaySource
-from memtui.tui.events import ReceivedBatch, Status
-from memtui.tui.plausible import MAX_RANKS
-from memtui.tui.receiver import MAX_CONTROL_JUMP, Receiver
-from memtui.tui.state import RunState
 from memtui.wire import (
     ControlState,
     Decoder,

@@ -21,9 +21,9 @@ import zmq
 from textual.pilot import Pilot
 
 from memtui import registry
+from memtui.runs.events import Status
 from memtui.sources import MAX_FRAME, LiveSource
 from memtui.tui.app import MemtuiApp
-from memtui.tui.events import Status
 from memtui.wire import (
     ControlState,
     Decoder,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.style import Style
 
 from memtui.advice.verdict import State
+from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, Status
+from memtui.runs.state import RunState
 from memtui.tui.charts import nice_ceiling, pick_scale, stacked_rows, to_columns
-from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, Status
-from memtui.tui.state import RunState
 from memtui.wire import (
     ControlState,
     DeviceSample,

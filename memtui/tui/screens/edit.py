@@ -29,8 +29,8 @@ from memtui.knobs import (
     parse_value,
     resolve,
 )
+from memtui.runs.state import RunState
 from memtui.tui.safe import as_text
-from memtui.tui.state import RunState
 from memtui.wire import KnobValue
 
 INPUT_WAIT_S = 5.0
@@ -146,7 +146,8 @@ class EditKnobScreen(ModalScreen[EditResult | None]):
             yield Static("", id="preview")
             control = self.state.control
             when = (control.boundary if control is not None else "") or "the next checkpoint"
-            yield Static(f"enter: queue for {when} · esc: cancel", id="dialog-help")
+            # the run's words: shown as text, never as markup
+            yield Static(as_text(f"enter: queue for {when} · esc: cancel"), id="dialog-help")
 
     def on_mount(self) -> None:
         """Show the preview of a prefilled value."""

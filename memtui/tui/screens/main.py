@@ -10,7 +10,7 @@ from textual.screen import Screen
 from textual.widget import MountError
 from textual.widgets import Footer
 
-from memtui.tui.state import RunState, ViewOptions
+from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.advice import AdvicePanel
 from memtui.tui.widgets.base import StateView
 from memtui.tui.widgets.changelog import ChangeLog

@@ -13,9 +13,9 @@ from rich.text import Text
 from memtui.advice.autopilot import describe_state
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import State
+from memtui.runs.state import RunState, ViewOptions
 from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, chips, flow
-from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 SHOWN = 2

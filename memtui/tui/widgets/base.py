@@ -9,8 +9,8 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
+from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.safe import sanitize
-from memtui.tui.state import RunState, ViewOptions
 
 
 class StateView(Widget):

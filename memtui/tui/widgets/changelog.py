@@ -19,10 +19,10 @@ from memtui.advice.speed import inside_noise
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.knobs import format_changes, format_value
 from memtui.report import diff_words, signed
+from memtui.runs.events import RUN, VIEWER, YOU
+from memtui.runs.state import RunState, ViewOptions, who_is
 from memtui.stats import format_bytes
-from memtui.tui.events import RUN, VIEWER, YOU
 from memtui.tui.palette import Chip, flow
-from memtui.tui.state import RunState, ViewOptions, who_is
 from memtui.tui.widgets.base import StateView
 from memtui.wire import AppliedChange, ControlState, Effect, OomEvent, PendingChange
 

@@ -11,7 +11,7 @@ from rich.text import Text
 from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
 from memtui.knobs import KNOBS, format_value
 from memtui.report import untunable_lines, unused_knobs
-from memtui.tui.state import RunState, ViewOptions
+from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import Ceiling, MemoryModel
 

@@ -7,10 +7,10 @@ from collections.abc import Hashable
 
 from rich.console import RenderableType
 
+from memtui.runs.events import Status
+from memtui.runs.state import RunState, ViewOptions
 from memtui.stats import format_duration
-from memtui.tui.events import Status
 from memtui.tui.palette import STATUS_STYLES, chips, counted, rate
-from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 

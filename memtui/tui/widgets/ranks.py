@@ -15,9 +15,9 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, Thresholds
+from memtui.runs.state import RankSummary, RunState, Summary, ViewOptions
 from memtui.stats import format_bytes, format_duration
 from memtui.tui.palette import SEVERITY_STYLES, chips
-from memtui.tui.state import RankSummary, RunState, Summary, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 ROWS_PER_COLUMN = 4

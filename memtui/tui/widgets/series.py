@@ -14,10 +14,17 @@ from rich.style import Style
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds
+from memtui.runs.state import (
+    HostBucket,
+    MemoryBucket,
+    RankSeries,
+    RunState,
+    StepBucket,
+    ViewOptions,
+)
 from memtui.stats import format_bytes, format_duration
 from memtui.tui import palette
 from memtui.tui.charts import Layer, legend, nice_ceiling, sparkline, stacked_rows, to_columns
-from memtui.tui.state import HostBucket, MemoryBucket, RankSeries, RunState, StepBucket, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 AXIS = 10

@@ -9,8 +9,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, UNDERUSED_END, State, Thresholds, Verdict
+from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.palette import SEVERITY_STYLES, STATE_STYLES, Chip, chips, flow
-from memtui.tui.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 
 ZONE_COLORS = {

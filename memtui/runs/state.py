@@ -1,6 +1,6 @@
 """The viewer's state: plain dataclasses folded from the receiver's batches (no Textual here).
 
-The receiver thread turns frames into :class:`~memtui.tui.events.ReceivedBatch` objects; the
+The receiver thread turns frames into :class:`~memtui.runs.events.ReceivedBatch` objects; the
 app folds each one into a :class:`RunState` with :meth:`RunState.apply`, and widgets render from
 the state. Everything is bounded: recent raw records for the summaries (the same windows as
 ``memtui status``), and one-second buckets for the charts (an hour of them), whatever the step
@@ -42,6 +42,8 @@ from memtui.advice.verdict import (
 )
 from memtui.client import client_name
 from memtui.knobs import KNOBS, effective_batch, merge
+from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
+from memtui.runs.plausible import check_snapshot, check_telemetry, is_time, rank_limit
 from memtui.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
@@ -52,8 +54,6 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
-from memtui.tui.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
-from memtui.tui.plausible import check_snapshot, check_telemetry, is_time, rank_limit
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,
@@ -495,7 +495,7 @@ class RunState:
     """Frames the viewer could not decode."""
     last_bad_frame: str = ""
     bad_values: int = 0
-    """Records, samples and numbers dropped for impossible values (``memtui.tui.plausible``):
+    """Records, samples and numbers dropped for impossible values (``memtui.runs.plausible``):
     infinite, NaN, negative or absurd, in otherwise well-formed messages."""
     receiver_bad_values: int = 0
     """Of ``bad_values``, those the receiver dropped before they came here (its count)."""

@@ -5,7 +5,7 @@ reconnects it when the run goes quiet or comes back: the same run only; once the
 may offer another, followed only when the user says so), decodes every frame with a
 ``FrameDecoder`` (bad frames are counted, never raised; step records beyond a budget are
 sampled), makes the operator's set/cancel requests
-on the same thread, and hands the app one :class:`~memtui.tui.events.ReceivedBatch` at a time
+on the same thread, and hands the app one :class:`~memtui.runs.events.ReceivedBatch` at a time
 through an :class:`Inbox`, calling ``notify`` once per batch (at most every ``post_interval_s``,
 sooner for a change of connection or a request's outcome). Widgets never see a socket.
 """
@@ -24,8 +24,7 @@ import msgspec
 from memtui.advice.autopilot import describe_state
 from memtui.client import client_name
 from memtui.knobs import format_changes
-from memtui.sources import Source, SourceUnavailable
-from memtui.tui.events import (
+from memtui.runs.events import (
     MANY_RANKS,
     VIEWER,
     ConnectionEvent,
@@ -35,8 +34,9 @@ from memtui.tui.events import (
     RunOffer,
     Status,
 )
-from memtui.tui.frames import FrameDecoder
-from memtui.tui.plausible import MAX_RANKS, rank_limit
+from memtui.runs.frames import FrameDecoder
+from memtui.runs.plausible import MAX_RANKS, rank_limit
+from memtui.sources import Source, SourceUnavailable
 from memtui.wire import (
     AutotuneReply,
     AutotuneRequest,

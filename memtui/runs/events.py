@@ -1,8 +1,8 @@
 """What the receiver reports to the app: plain dataclasses, no Textual and no sockets here.
 
-The receiver (:mod:`memtui.tui.receiver`) makes a :class:`ReceivedBatch` of decoded wire messages,
+The receiver (:mod:`memtui.runs.receiver`) makes a :class:`ReceivedBatch` of decoded wire messages,
 connection changes and notices; the app folds it into the viewer's state
-(:mod:`memtui.tui.state`). Both import these types from here, so the receiver does not depend on
+(:mod:`memtui.runs.state`). Both import these types from here, so the receiver does not depend on
 the state and the state does not depend on the receiver. (The Textual message that tells the app
 a batch is waiting is :class:`memtui.tui.messages.ReceiverUpdate`.)
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from memtui.tui.plausible import MAX_RANKS
+from memtui.runs.plausible import MAX_RANKS
 from memtui.wire import WIRE_VERSION, Message, StepRecord, Telemetry
 
 STEP_BUDGET = 4_000.0
