@@ -173,10 +173,10 @@ def test_a_resumed_loader_knob_names_the_factorys_own_value(
     with caplog.at_level("WARNING", logger="memtui"):
         loader = restarted.loader(factory)
     assert loader.batch_size == 6
-    said = [r.getMessage() for r in caplog.records if "the loader is built" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "built with the tuned" in r.getMessage()]
     assert said == [
-        "memtui: the loader is built with the tuned config: batch_size 4 -> 6 (the factory's "
-        "own defaults -> the tuned values)"
+        "memtui: the training loader is built with the tuned config: batch_size 4 -> 6 (its own "
+        "values -> the tuned ones)"
     ]
 
 

@@ -165,8 +165,7 @@ class KnobStore:
         said = [format_diffs(known)] if known else []
         if later:
             said.append(
-                f"tuner.loader() builds its loader with {', '.join(later)} (instead of the "
-                "factory's own values)"
+                f"the training loader is built with {', '.join(later)} (instead of its own values)"
             )
         if said:
             log.warning("memtui: resumed the tuned config from %s: %s", path, "; ".join(said))

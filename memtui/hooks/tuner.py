@@ -681,6 +681,8 @@ class Tuner:
             **self.loader_options,
         )
         self.store.adopt({k: wrapped.knobs.get(k) for k in LOADER_KNOBS})
+        # a loader built again at every epoch (a framework's reload) leaves no dead references
+        self._loaders = [ref for ref in self._loaders if ref() is not None]
         self._loaders.append(weakref.ref(wrapped))
         try:
             self._say_loader_resumed(factory)
@@ -710,8 +712,8 @@ class Tuner:
         ]
         if words:
             log.warning(
-                "memtui: the loader is built with the tuned config: %s (the factory's own "
-                "defaults -> the tuned values)",
+                "memtui: the training loader is built with the tuned config: %s (its own "
+                "values -> the tuned ones)",
                 ", ".join(words),
             )
 

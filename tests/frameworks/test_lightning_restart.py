@@ -55,11 +55,11 @@ def test_a_restart_resumes_the_tuned_batch_size_and_its_epoch(tmp_path: Path, bo
     # the factory's own batch size is not known when install reads the tuned config: the line
     # names what the loader is built with, not an unknown old value shown as "-"
     assert len(said) == 1 and said[0].endswith(
-        "memtui-tuned.yaml: tuner.loader() builds its loader with batch_size 6, num_workers 0, "
-        "pin_memory false, prefetch_factor 2 (instead of the factory's own values)"
+        "memtui-tuned.yaml: the training loader is built with batch_size 6, num_workers 0, "
+        "pin_memory false, prefetch_factor 2 (instead of its own values)"
     ), said
     # once the factory is given, its own value is known and named
-    assert "the loader is built with the tuned config: batch_size 4 -> 6" in output, output
+    assert "the training loader is built with the tuned config: batch_size 4 -> 6" in output, output
     second = json.loads((tmp_path / "restart.json").read_text())
     assert second["batch_size"] == 6
     # epoch 0 goes on from its 16 batches with its 16 samples left (6, 6, 4), its short last

@@ -6,10 +6,21 @@ The change lands inside the running ``fit``, right after the checkpoint:
   save, on every rank, where ``ModelCheckpoint`` and your own calls save);
 * ``grad_accum`` is ``trainer.accumulate_grad_batches``, which Lightning's loop reads at every
   batch; memtui counts the next accumulation group from the boundary, so it is whole;
-* ``batch_size``, ``num_workers`` and ``pin_memory`` belong to ``tuner.loader(factory)``: pass it
-  to ``trainer.fit(model, train_dataloaders=loader)`` (or return it from ``train_dataloader``).
+* ``batch_size``, ``num_workers``, ``pin_memory`` and ``prefetch_factor`` follow the training
+  loader: memtui's own ``tuner.loader(factory)`` (pass it to ``trainer.fit(model,
+  train_dataloaders=loader)`` or return it from ``train_dataloader``), or else the script's own
+  torch ``DataLoader`` (from ``train_dataloader()``, a DataModule or ``trainer.fit``), which memtui
+  takes over when Lightning has set it up (its distributed sampler in place) and rebuilds from
+  its own arguments (``memtui.hooks.rebuild``); ``trainer.train_dataloader`` is then memtui's
+  loader. When Lightning sets the loader up again (``reload_dataloaders_every_n_epochs``, each
+  trial of a ``BatchSizeFinder``), the knobs memtui has not set take that loader's values, as
+  without memtui. A loader memtui cannot rebuild faithfully (a custom batch sampler, an
+  ``IterableDataset``, a ``DataLoader`` subclass, several training loaders) keeps its own
+  values, those knobs are not tunable, and the run says why (``memtui status``, ``memtui set``).
   Lightning prefetches one batch, so the new batch size shows one batch after the boundary;
-  the data position is kept exactly either way;
+  the data position is kept exactly either way. The position of a loader memtui took over is
+  saved in the checkpoint under its own ``memtui`` key, not among Lightning's loader states, so
+  the checkpoint restarts without memtui as well (from the epoch's start, as Lightning does);
 * steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
   the loader (or, for a loader memtui does not own, the gap between batches).
 
@@ -51,11 +62,17 @@ import math
 import time
 from typing import Any
 
+from memtui.hooks.knobstore import LOADER_KNOBS
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
+from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 
 log = logging.getLogger("memtui")
+
+CHECKPOINT_KEY = "memtui"
+"""memtui's entry in a Lightning checkpoint: the position of the training loader it took over."""
 
 
 class LightningAdapter:
@@ -83,10 +100,19 @@ class LightningAdapter:
         """From an epoch's first batch to its end (a change between epochs counts a whole one)."""
         self.recount = False
         """Count the epoch again at the next batch (a restart began it at another count)."""
+        self.taken_over: TunedLoader | None = None
+        """The script's own training loader, rebuilt by memtui (None: memtui's own, or none)."""
+        self.saved_position: dict[str, int] | None = None
+        """That loader's position in the checkpoint ``fit`` resumes from."""
+        self.changed = {knob for knob, diff in self.tuner.resumed.items() if diff.new is not None}
+        """The knobs memtui set in this run (resumed, applied, rolled back): the others follow
+        the values of a loader Lightning sets up again."""
         callback_base = importlib.import_module(f"{package}.callbacks").Callback
         trainer.callbacks.append(_make_callback(callback_base, self))
         self._wrap_save()
+        self._wrap_loader_setup()
         self.tuner.on_event(self.log_event)
+        self.tuner.on_event(self.note_changed)
 
     def log_event(self, event: TrackerEvent, step: int) -> None:
         """Log a memtui event to every logger of the Trainer at ``step``, then save it: each knob's
@@ -99,6 +125,12 @@ class LightningAdapter:
             if callable(add_text):
                 add_text(TAG, text, step)
             logger.save()  # flushed: an out-of-memory error that is not rolled back ends the run
+
+    def note_changed(self, event: TrackerEvent, step: int) -> None:
+        """Count the knobs an applied change or a rollback set."""
+        changes = getattr(event, "changes", None)
+        if isinstance(changes, dict):
+            self.changed.update(changes)
 
     def _wrap_save(self) -> None:
         """Make ``save_checkpoint`` the boundary: the save first, then memtui."""
@@ -114,6 +146,147 @@ class LightningAdapter:
             return result
 
         self.trainer.save_checkpoint = save_then_boundary
+
+    def _wrap_loader_setup(self) -> None:
+        """Take the training loader over each time Lightning sets it up: after its own processing
+        (a distributed sampler), before it reads the checkpoint's loader states and counts."""
+        loop = self.trainer.fit_loop
+        load_states = getattr(loop, "_load_combined_loader_states", None)  # Lightning's
+        if load_states is None:
+            self._refuse_loader_knobs(
+                "this Lightning version sets its training loader up where memtui cannot reach it"
+            )
+            return
+
+        @functools.wraps(load_states)
+        def take_over_then_load() -> None:
+            try:
+                self._take_over_train_loader()
+            except Exception as exc:  # the run goes on with its own loader
+                self.tuner.report(exc, "lightning training loader")
+            load_states()
+
+        loop._load_combined_loader_states = take_over_then_load  # noqa: SLF001
+
+    def _take_over_train_loader(self) -> None:
+        """Put a ``TunedLoader`` rebuilt from the script's own training ``DataLoader`` in its place
+        (or say why the loader knobs stay the loader's own)."""
+        combined = self.trainer.fit_loop._combined_loader  # noqa: SLF001
+        if combined is None:
+            return
+        loaders = list(combined.flattened)
+        if any(isinstance(loader, TunedLoader) for loader in loaders):
+            return  # memtui's own: ``tuner.loader(factory)``
+        previous, self.taken_over = self.taken_over, None
+        if previous is not None:  # Lightning reloaded it (``reload_dataloaders_every_n_epochs``)
+            previous.close()
+        if len(loaders) != 1:
+            self._refuse_loader_knobs(
+                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single one"
+            )
+            return
+        own = loaders[0]
+        why = why_not_rebuilt(own)
+        if why:
+            self._refuse_loader_knobs(why)
+            return
+        try:
+            self._follow_own_values(own)
+            loader = self.tuner.loader(rebuild_factory(own))
+        except Exception as exc:  # torch refused the loader's own arguments: it stays the script's
+            self.tuner.report(exc, "lightning training loader")
+            self._refuse_loader_knobs(f"memtui could not rebuild the training DataLoader ({exc})")
+            return
+        loader.shard = (0, 1)  # Lightning's sampler (distributed under DDP) gives each rank its own
+        limits = combined.limits
+        if len(loader) != len(own):  # built at a tuned batch size resumed from the config
+            try:
+                limits = [self._train_limit(len(loader))]
+            except Exception as exc:  # Lightning's own limit stands
+                self.tuner.report(exc, "lightning batch count")
+        combined.flattened = [loader]
+        combined.limits = limits
+        # its position goes in memtui's own entry of the checkpoint (``save_position``): among
+        # Lightning's loader states, a restart without memtui would find a state for a loader
+        # that has none and refuse the checkpoint
+        combined._state_dicts = list  # noqa: SLF001
+        self.taken_over = loader
+
+    def _follow_own_values(self, own: Any) -> None:
+        """The loader knobs memtui has not set take the values of the loader Lightning has set up
+        again (a batch size finder's next trial, a reload at an epoch): the script's own, as
+        without memtui."""
+        store = self.tuner.store
+        values = {
+            "batch_size": own.batch_sampler.batch_size,
+            "num_workers": own.num_workers,
+            "pin_memory": own.pin_memory,
+            "prefetch_factor": own.prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+        }
+        follow = {
+            knob: value
+            for knob, value in values.items()
+            if knob not in self.changed and store.value(knob) not in (None, value)
+        }
+        if follow:
+            store.apply(follow, self.tuner.ledger.step)
+
+    def _train_limit(self, length: int) -> int | float:
+        """The batches Lightning trains of a loader of ``length`` (``limit_train_batches``)."""
+        stages = importlib.import_module(f"{self.package}.trainer.states")
+        connector = importlib.import_module(f"{self.package}.trainer.connectors.data_connector")
+        parse = connector._parse_num_batches  # noqa: SLF001
+        limit: int | float = parse(
+            stages.RunningStage.TRAINING, length, self.trainer.limit_train_batches
+        )
+        return limit
+
+    def _refuse_loader_knobs(self, why: str) -> None:
+        """Say why the loader knobs are not tunable; name those that have a value (resumed from the
+        tuned config, or taken before Lightning reloaded the loader) that nothing applies."""
+        store = self.tuner.store
+        held = [knob for knob in LOADER_KNOBS if store.value(knob) is not None]
+        for knob in LOADER_KNOBS:
+            if knob not in held:
+                store.refuse(knob, why)
+        if held:
+            log.warning(
+                "memtui: the training loader keeps its own %s (memtui's are not applied): %s",
+                ", ".join(held),
+                why,
+            )
+
+    def save_position(self, checkpoint: dict[str, Any]) -> None:
+        """Save the position of the loader memtui took over in the checkpoint being written."""
+        loader = self.taken_over
+        if loader is not None:
+            checkpoint[CHECKPOINT_KEY] = {"train_loader": loader.state_dict()}
+
+    def load_position(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the position saved in the checkpoint ``fit`` resumes from, for the loader taken over
+        (set up before or after the checkpoint is read, iterated after both)."""
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        position = entry.get("train_loader") if isinstance(entry, dict) else None
+        self.saved_position = dict(position) if isinstance(position, dict) else None
+
+    def _resume_position(self) -> None:
+        """At ``fit``'s start from a checkpoint: the loader taken over resumes where it was."""
+        position, self.saved_position = self.saved_position, None
+        loader = self.taken_over
+        loop = self.trainer.fit_loop
+        if loader is None or loader.resume_position is not None or not loop.restarting:
+            return
+        if position is not None:
+            loader.load_state_dict(position)
+            return
+        trained = int(loop.epoch_loop.batch_progress.current.ready)
+        if 0 < trained < loop.max_batches:  # Lightning warns so of a loader it cannot resume
+            log.warning(
+                "memtui: the checkpoint holds no position of the training loader (saved without "
+                "memtui): its epoch starts again from its first sample, %d of its batches "
+                "already trained",
+                trained,
+            )
 
     def boundary(self) -> None:
         """Apply the pending changes; a new accumulation counts its groups from here."""
@@ -350,6 +523,7 @@ class LightningAdapter:
             except Exception as exc:
                 self.tuner.report(exc, "lightning estimated steps")
         try:
+            self._resume_position()
             self._count_the_resumed_epoch()
         except Exception as exc:
             self.tuner.report(exc, "lightning batch count")
@@ -411,6 +585,26 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
 
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             adapter.batch_end_event(trainer)
+
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+            try:
+                adapter.save_position(checkpoint)
+            except Exception as exc:  # the checkpoint is saved without it
+                adapter.tuner.report(exc, "lightning loader position")
+
+        def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+            try:
+                adapter.load_position(checkpoint)
+            except Exception as exc:
+                adapter.tuner.report(exc, "lightning loader position")
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            loader = adapter.taken_over
+            if loader is not None:  # its workers end with ``fit``, as Lightning ends its own's
+                try:
+                    loader.close()
+                except Exception as exc:
+                    adapter.tuner.report(exc, "lightning loader workers")
 
     return MemtuiCallback()
 
