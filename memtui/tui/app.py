@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import subprocess
 import sys
 from collections.abc import Iterable
-from typing import IO, Any, ClassVar
+from typing import Any, ClassVar
 
 from textual import constants, events, work
 from textual.app import App, SystemCommand
@@ -38,6 +37,7 @@ from memtui.runs.receiver import Inbox, Receiver
 from memtui.runs.state import RunState, ViewOptions
 from memtui.runs.text import clean
 from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
+from memtui.tui.compat import TerminalDriver
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
@@ -55,58 +55,6 @@ EDIT_ACTIONS = frozenset(
 """Actions that change the run: disabled (and hidden) in a read-only view."""
 NOTICE_LIMIT = 500
 """The most characters a notification shows (a run's reason may be any length)."""
-
-
-class TerminalDriver(LinuxDriver):
-    """Textual's driver on the controlling terminal (``/dev/tty``): the viewer is sized, drawn
-    and read there whatever stdin, stdout and stderr are (``memtui demo 2>&1 | tee log`` pipes
-    stdout, ``2>err.log`` sends stderr to a file); without a terminal, Textual's own streams."""
-
-    def __init__(
-        self, app: App[Any], *, debug: bool = False, mouse: bool = True, size: Any = None
-    ) -> None:
-        super().__init__(app, debug=debug, mouse=mouse, size=size)
-        self._terminal: IO[str] | None = None
-        self._streams = self._file, self.fileno, self.input_tty
-        """Textual's own (stderr, stdin): used where no terminal can be opened."""
-
-    def open_terminal(self) -> bool:
-        """Draw on and read from the controlling terminal; False (Textual's streams) if none."""
-        if self._terminal is not None:
-            return True
-        try:
-            fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
-        except OSError:  # no controlling terminal (a daemon, a CI job): stdin and stderr
-            return False
-        self._terminal = open(fd, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
-        self._file, self.fileno, self.input_tty = self._terminal, fd, True
-        return True
-
-    def start_application_mode(self) -> None:
-        """Open the terminal (again after a suspend, which closes it), then start as Textual."""
-        self.open_terminal()
-        super().start_application_mode()
-
-    def _get_terminal_size(self) -> tuple[int, int]:
-        """The terminal's own size (Textual asks stdout, which may be a pipe: 80 x 24 then)."""
-        if self._terminal is None:
-            return super()._get_terminal_size()
-        try:
-            columns, lines = os.get_terminal_size(self.fileno)
-        except OSError:
-            return super()._get_terminal_size()
-        return columns or 80, lines or 25
-
-    def close(self) -> None:
-        """Stop the writer, then close the terminal it wrote to."""
-        super().close()
-        terminal, self._terminal = self._terminal, None
-        self._file, self.fileno, self.input_tty = self._streams
-        if terminal is not None:
-            try:
-                terminal.close()
-            except OSError:  # the terminal went away (the pane was closed): nothing to flush to
-                pass
 
 
 class MemtuiApp(App[int]):

@@ -10,6 +10,7 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from memtui.runs.state import RunState, ViewOptions
+from memtui.tui.compat import cached_content_height
 from memtui.tui.safe import sanitize
 
 
@@ -92,8 +93,7 @@ class StateView(Widget):
 
     def get_cached_height(self) -> int | None:
         """The content height Textual measured since the content last changed (None: none)."""
-        width, height = self._content_height_cache
-        return height if width is not None else None
+        return cached_content_height(self)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         """The height of the content built for ``width`` columns: a panel that wraps its lines
