@@ -47,10 +47,10 @@ import benchlib
 import msgspec
 
 from memtui import registry
-from memtui.advice.verdict import load_thresholds
 from memtui.client import ClientError, ControlClient
 from memtui.report import Applied, StatusReport, build_status
 from memtui.stats import format_bytes, parse_bytes
+from memtui.userconfig import load_thresholds
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

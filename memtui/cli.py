@@ -137,7 +137,7 @@ def _thresholds_in_force() -> Thresholds:
 
 def _threshold_config() -> ThresholdConfig:
     """The YAML config's verdict: section, if any; what it got wrong is said on stderr."""
-    from memtui.advice.verdict import load_thresholds
+    from memtui.userconfig import load_thresholds
 
     config = load_thresholds()
     for problem in config.problems:
@@ -226,9 +226,9 @@ def set_command(
     """
     import json
 
-    from memtui.advice.verdict import load_thresholds
     from memtui.client import ClientError
     from memtui.knobs import KnobError, format_changes, names_knob, parse_assignments, parse_changes
+    from memtui.userconfig import load_thresholds
     from memtui.wire import to_builtins
 
     if keep_effective_batch and allow_effective_batch:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtui import ownfiles
+from memtui import ownfiles, paths
 from memtui.wire import RankInfo, RunRecord, decode_run_record, encode_run_record
 
 RUN_FILE = "run.json"
@@ -41,13 +41,7 @@ class AmbiguousRun(RunNotFound):
 
 def runtime_dir(create: bool = True) -> Path:
     """The per-user runtime directory, created 0700 (and tightened to 0700) when ``create``."""
-    env = os.environ.get("MEMTUI_RUNTIME_DIR")
-    if env:
-        path = Path(env)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "memtui"
-    else:
-        path = Path.home() / ".cache" / "memtui" / "run"
+    path = paths.runtime_dir()
     if create:
         ensure_private_dir(path)
     return path
@@ -64,8 +58,7 @@ def ensure_private_dir(path: Path) -> Path:
 
 def state_home() -> Path:
     """Where runs keep their audit log and tuned config unless the user gives a state_dir."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "memtui" / "runs"
+    return paths.state_home()
 
 
 def new_run_id(name: str | None = None) -> str:

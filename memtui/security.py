@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from memtui import paths
 from memtui.ownfiles import UnsafeFile, private_dir
 from memtui.wire import RankInfo, RunInfo
 
@@ -54,11 +55,7 @@ class SecurityError(RuntimeError):
 
 def key_dir() -> Path:
     """Where the CURVE keys live: ``$MEMTUI_KEYS``, else ``~/.config/memtui/curve``."""
-    env = os.environ.get("MEMTUI_KEYS")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "memtui" / "curve"
+    return paths.key_dir()
 
 
 def keygen(force: bool = False, directory: Path | None = None) -> Path:

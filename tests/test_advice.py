@@ -26,13 +26,13 @@ from memtui.advice.verdict import (
     THRESHOLDS,
     State,
     VerdictTracker,
-    config_path,
     decide,
     describe_thresholds,
-    load_thresholds,
 )
 from memtui.advice.verdict import Inputs as VerdictInputs
+from memtui.paths import config_file as config_path
 from memtui.stats import MemoryStats, StepStats
+from memtui.userconfig import load_thresholds
 from memtui.wire import HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
 
 GIB = 1 << 30

@@ -464,7 +464,8 @@ def test_gpu_pick_line_stops_where_no_gpu_is_picked(tmp_path: Path) -> None:
 def test_config_blocks_are_what_memtui_reads(tmp_path: Path) -> None:
     """A YAML block with a ``verdict:`` section is read by memtui's own loader without one
     complaint (a complete one holds the defaults); other YAML and INI blocks parse."""
-    from memtui.advice.verdict import THRESHOLDS, load_thresholds
+    from memtui.advice.verdict import THRESHOLDS
+    from memtui.userconfig import load_thresholds
 
     checked = 0
     for block in blocks():

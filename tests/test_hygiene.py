@@ -88,7 +88,7 @@ def test_status_loads_no_psutil_and_without_a_config_file_no_yaml() -> None:
     loaded = loaded_after(
         "import os\nos.environ['MEMTUI_CONFIG'] = '/nonexistent/memtui.yaml'\n"
         "import memtui.report, memtui.client, memtui.registry\n"
-        "from memtui.advice.verdict import load_thresholds\nload_thresholds()"
+        "from memtui.userconfig import load_thresholds\nload_thresholds()"
     )
     assert "zmq" in loaded and not loaded & {"yaml", "psutil"}, loaded
 

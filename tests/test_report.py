@@ -9,12 +9,12 @@ import re
 import msgspec
 import pytest
 
-from memtui.advice.verdict import load_thresholds
 from memtui.recording import read_recording
 from memtui.report import StatusReport, build_status, render_status, status_json
 from memtui.runs.events import ReceivedBatch
 from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
+from memtui.userconfig import load_thresholds
 from memtui.wire import Decoder
 from tests.test_verdict_parity import RECORDINGS, HookHistories
 

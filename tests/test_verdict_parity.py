@@ -19,12 +19,13 @@ import msgspec
 import pytest
 
 from memtui.advice.assess import STATE_NAMES
-from memtui.advice.verdict import decide, load_thresholds
+from memtui.advice.verdict import decide
 from memtui.hooks.publisher import HISTORY_STEPS
 from memtui.recording import RecordedFrame, read_recording
 from memtui.report import build_status
 from memtui.runs.events import ReceivedBatch
 from memtui.runs.state import RunState
+from memtui.userconfig import load_thresholds
 from memtui.wire import (
     CheckpointRecord,
     ControlState,

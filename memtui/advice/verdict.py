@@ -3,7 +3,7 @@
 Pure: the inputs are summaries (data-wait fraction, peak-memory fraction, host RAM and swap), the
 output is a state, a severity, a position on the STARVED..OOM RISK gauge and the numbers behind
 it. Every threshold lives in :class:`Thresholds` (one documented place, shown in the viewer's
-help screen, overridable in a YAML file: :func:`load_thresholds`). The memory bands are those
+help screen, overridable in a YAML file read by ``memtui.userconfig.load_thresholds``). The memory bands are those
 operators size a batch by after an out-of-memory error: under 85% of capacity is safe, 85-90% is
 the edge, over 90% is danger. On a run of
 several ranks the inputs are the worst rank's numbers (``wait_rank``, ``memory_rank``) and the
@@ -35,10 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from memtui.stats import format_bytes, format_duration, one_line, shown
@@ -407,15 +404,6 @@ class ThresholdConfig:
     """One line per thing ignored (unknown key, bad value, unreadable file)."""
 
 
-def config_path(env: Mapping[str, str] | None = None) -> Path:
-    """``$MEMTUI_CONFIG``, else ``$XDG_CONFIG_HOME/memtui/config.yaml`` (``~/.config`` default)."""
-    env = os.environ if env is None else env
-    if env.get("MEMTUI_CONFIG"):
-        return Path(env["MEMTUI_CONFIG"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base).expanduser() / "memtui" / "config.yaml"
-
-
 def _check_value(name: str, value: Any) -> float | int | str:
     """The value as the field's type, or a one-line reason it is not valid (a str)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -485,37 +473,3 @@ def parse_thresholds(data: Any, source: str = "") -> ThresholdConfig:
             ),
         )
     return ThresholdConfig(thresholds, source, tuple(problems))
-
-
-def load_thresholds(
-    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
-) -> ThresholdConfig:
-    """The thresholds from the config file (``path``, else :func:`config_path`); the built-in
-    defaults when there is none; never raises (a bad file is reported in ``problems``)."""
-    file = Path(path) if path is not None else config_path(env)
-    explicit = path is not None or bool((os.environ if env is None else env).get("MEMTUI_CONFIG"))
-    missing = ThresholdConfig(
-        THRESHOLDS,
-        "built-in defaults",
-        (f"{file}: no such file; defaults used",) if explicit else (),
-    )
-    if not os.path.lexists(file):  # no file, no YAML parser loaded: `memtui status` starts sooner
-        return missing
-    import yaml
-
-    from memtui import safeyaml
-
-    try:
-        data = safeyaml.read(file)
-    except FileNotFoundError:
-        return missing
-    except (OSError, UnicodeDecodeError) as exc:
-        return ThresholdConfig(
-            THRESHOLDS, "built-in defaults", (f"{file}: cannot read ({exc}); defaults used",)
-        )
-    except yaml.YAMLError as exc:
-        first = str(exc) or type(exc).__name__
-        return ThresholdConfig(
-            THRESHOLDS, "built-in defaults", (f"{file}: not valid YAML ({first}); defaults used",)
-        )
-    return parse_thresholds(data, str(file))

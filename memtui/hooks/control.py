@@ -17,7 +17,7 @@ from memtui.advice.effect import describe
 from memtui.advice.measure import Measured
 from memtui.advice.prediction import Prediction
 from memtui.advice.speed import SpeedEstimate, speed_error
-from memtui.advice.verdict import Thresholds, load_thresholds
+from memtui.advice.verdict import Thresholds
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.lr import LearningRate
 from memtui.hooks.persist import AuditLog
@@ -31,6 +31,7 @@ from memtui.knobs import (
     parse_changes,
     resolve,
 )
+from memtui.userconfig import load_thresholds
 from memtui.wire import (
     AppliedChange,
     AutopilotState,

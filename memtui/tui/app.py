@@ -30,7 +30,6 @@ from textual.worker import get_current_worker
 
 from memtui import registry
 from memtui.advice.recommend import Recommendation
-from memtui.advice.verdict import load_thresholds
 from memtui.knobs import KNOBS, next_lr_scale
 from memtui.runs.events import MANY_RANKS, RUN, Notice
 from memtui.runs.receiver import Inbox, Receiver
@@ -45,6 +44,7 @@ from memtui.tui.screens.edit import EditKnobScreen, EditResult
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
 from memtui.tui.widgets.advice import top_applicable
+from memtui.userconfig import load_thresholds
 from memtui.wire import AutotuneRequest, CancelRequest, KnobValue, SetRequest
 
 EDIT_GROUP = Binding.Group("set knob")
