@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from memtui.cli import demo_command_line
+from memtui.demo.launcher import demo_command_line
 from tests.forkserver import ForkedDemo, ForkedJob, ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent

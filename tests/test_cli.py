@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from memtui.cli import NO_NUMPY_WARNING, _quiet_numpy_warning, main
+from memtui.cli import main
+from memtui.demo.launcher import NO_NUMPY_WARNING, quiet_numpy_warning
 from memtui.hooks import Options, Tuner
 from memtui.knobs import LR_RULES
 from tests.conftest import memtui_cli, memtui_here
@@ -134,9 +135,9 @@ def test_the_demo_does_not_start_with_torchs_numpy_warning(tmp_path: Path) -> No
         return done.stderr
 
     assert warning in imports_torch({}), "a user's script: torch's own warning, as it is"
-    children = _quiet_numpy_warning(os.environ.get("PYTHONWARNINGS", ""))
+    children = quiet_numpy_warning(os.environ.get("PYTHONWARNINGS", ""))
     assert warning not in imports_torch({"PYTHONWARNINGS": children})
-    assert _quiet_numpy_warning("error") == f"{NO_NUMPY_WARNING},error", "the user's filters win"
+    assert quiet_numpy_warning("error") == f"{NO_NUMPY_WARNING},error", "the user's filters win"
     demo = memtui_cli(
         "demo", "--no-tui", "--steps", "2", "--out", str(tmp_path / "out"), env=env, timeout=120
     )

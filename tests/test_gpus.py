@@ -150,7 +150,7 @@ def test_watch_refreshes_until_interrupted(monkeypatch: pytest.MonkeyPatch) -> N
             raise KeyboardInterrupt
 
     monkeypatch.setattr(memtui.gpus, "host_gpus", host_gpus)
-    monkeypatch.setattr("memtui.cli.time.sleep", sleep)
+    monkeypatch.setattr("memtui.commands.gpus.time.sleep", sleep)
     result = CliRunner().invoke(main, ["gpus", "--watch", "--interval", "0.5"])
     assert result.exit_code == 0, result.output
     assert len(reads) == 3 and sleeps == [0.5, 0.5, 0.5]
