@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf screenshots docs clean
+.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf bench-clients screenshots docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ $(CLIENTS_STAMP): $(FRAMEWORKS_STAMP) pyproject.toml
 
 test-frameworks: $(FRAMEWORKS_STAMP) $(if $(wildcard tests/clients/upstream/*),$(CLIENTS_STAMP))
 	$(PY) -m pytest -q -m frameworks tests/frameworks tests/clients
+
+# the client corpus's unchanged scripts under `memtui run` beside the same scripts with the
+# explicit lines (the clients whose files are in tests/clients/upstream/; ~7 min on 2 cores)
+bench-clients: $(FRAMEWORKS_STAMP) $(if $(wildcard tests/clients/upstream/*),$(CLIENTS_STAMP))
+	$(PY) benchmarks/run_vs_explicit.py --table
 
 bench-hf: $(FRAMEWORKS_STAMP)
 	$(PY) benchmarks/hf_overhead.py

@@ -90,11 +90,15 @@ def main(gate, mode, epochs):
             "worker_pids": len(pids - {0}),
             "in_main": 0 in pids,
         }
-        print("EPOCH " + json.dumps(seen), flush=True)
+        # one write per line: two ranks share the log, and an unbuffered print writes the
+        # line and its newline apart
+        sys.stdout.write("EPOCH " + json.dumps(seen) + "\\n")
+        sys.stdout.flush()
         deadline = time.monotonic() + 60
         while (gate / f"hold-{epoch}").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-    print("DONE", flush=True)
+    sys.stdout.write("DONE\\n")
+    sys.stdout.flush()
 
 
 def rank(index, port, gate, mode, epochs):

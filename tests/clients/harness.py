@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.clients.upstream import Manifest, materialise, missing
+from tests.clients.upstream import CLIENTS, Manifest, apply_patch, cached, materialise, missing
 from tests.conftest import memtui_cli, wait_for
 
 WITNESS = Path(__file__).with_name("witness.py")
+INTEGRATION_PATCH = "integration.patch"
+"""The patch of a client that holds memtui's documented lines (its other patches are for
+compatibility: what the script needs to run here at all)."""
 
 
 def client_script(name: str, workdir: Path) -> Path:
@@ -33,6 +36,28 @@ def client_script(name: str, workdir: Path) -> Path:
     if reason:
         pytest.skip(f"the upstream files of client {name} are not cached: {reason}")
     return materialise(manifest, workdir)
+
+
+def unchanged_client_script(name: str, workdir: Path, compat: Sequence[str] = ()) -> Path:
+    """The client's upstream files in ``workdir`` without memtui's lines: only the manifest's
+    compatibility patches applied, then ``compat`` (more patches in the client's directory, for
+    a way of running the script that it cannot run here without them); skipped as
+    ``client_script`` is when the files are not in the cache."""
+    manifest = Manifest.load(name)
+    reason = missing(manifest)
+    if reason:
+        pytest.skip(f"the upstream files of client {name} are not cached: {reason}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    for file in manifest.files:
+        shutil.copyfile(cached(manifest, file), workdir / Path(file.path).name)
+    for patch in [p for p in manifest.patches if p != INTEGRATION_PATCH] + list(compat):
+        apply_patch((CLIENTS / name / patch).read_text(), workdir)
+    return workdir / manifest.entry
+
+
+def memtui_run(name: str) -> list[str]:
+    """The real ``memtui run --name NAME --`` command line, to put before a command."""
+    return [sys.executable, "-m", "memtui", "run", "--name", name, "--"]
 
 
 @contextmanager
@@ -67,9 +92,11 @@ class ClientRun:
     log: Path
     witness: Path
     env: dict[str, str]
+    errors: Path | None = None
+    """Where its stderr goes when it is kept apart from stdout (None: both in ``log``)."""
 
     def output(self) -> str:
-        """What the script printed so far (stdout and stderr)."""
+        """What the script printed so far (stdout, and stderr unless it is kept apart)."""
         return self.log.read_text(errors="replace")
 
     def records(self, kind: str) -> list[dict[str, Any]]:
@@ -79,14 +106,15 @@ class ClientRun:
         lines = self.witness.read_text().splitlines()
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
-    def wait_paused(self, call: int, timeout: float = 150.0) -> dict[str, Any]:
-        """Wait until the script waits before its ``call``-th optimizer step."""
+    def wait_paused(self, call: int, timeout: float = 150.0, ranks: int = 1) -> dict[str, Any]:
+        """Wait until the script waits before its ``call``-th optimizer step (in each of its
+        ``ranks`` processes, all writing to the same witness file)."""
 
         def paused() -> dict[str, Any] | None:
             found = [r for r in self.records("paused") if r["call"] == call]
-            if not found and self.proc.poll() is not None:
+            if len(found) < ranks and self.proc.poll() is not None:
                 pytest.fail(f"the script ended before step {call}:\n{self.tail()}")
-            return found[0] if found else None
+            return found[0] if len(found) >= ranks else None
 
         return dict(wait_for(paused, timeout, what=f"the script to pause at step {call}"))  # type: ignore[call-overload]
 
@@ -132,9 +160,18 @@ class ClientRun:
 
 
 def start(
-    script: Path, args: Sequence[str], env: dict[str, str], pause_at: Sequence[int], label: str
+    script: Path,
+    args: Sequence[str],
+    env: dict[str, str],
+    pause_at: Sequence[int],
+    label: str,
+    launcher: Sequence[str] = (),
+    interpreter: Sequence[str] = (),
+    stderr_apart: bool = False,
 ) -> ClientRun:
-    """``python SCRIPT ARGS`` under the witness, in the script's directory."""
+    """``python SCRIPT ARGS`` under the witness, in the script's directory; ``launcher`` before
+    it (``memtui run --``), ``interpreter`` instead of ``python`` (``torchrun ...``), stderr in
+    ``LABEL.err`` when ``stderr_apart``."""
     workdir = script.parent
     for stale in workdir.glob("go-*"):
         stale.unlink()
@@ -145,16 +182,18 @@ def start(
         MEMTUI_WITNESS_PAUSE_AT=",".join(map(str, pause_at)),
         MEMTUI_WITNESS_GO_DIR=str(workdir),
     )
-    with open(log, "w") as handle:
+    errors = workdir / f"{label}.err" if stderr_apart else None
+    command = [*launcher, *(interpreter or [sys.executable]), str(WITNESS), str(script), *args]
+    with open(log, "w") as handle, open(errors or os.devnull, "w") as error_handle:
         proc = subprocess.Popen(
-            [sys.executable, str(WITNESS), str(script), *args],
+            command,
             stdout=handle,
-            stderr=subprocess.STDOUT,
+            stderr=error_handle if errors else subprocess.STDOUT,
             text=True,
             cwd=workdir,
             env=run_env,
         )
-    return ClientRun(proc, workdir, log, witness, env)
+    return ClientRun(proc, workdir, log, witness, env, errors)
 
 
 @dataclass
@@ -189,12 +228,13 @@ class Scenario:
     restart_paused: dict[str, Any] = field(default_factory=dict)
 
 
-def play(script: Path, env: dict[str, str], plan: Plan) -> Scenario:
+def play(script: Path, env: dict[str, str], plan: Plan, launcher: Sequence[str] = ()) -> Scenario:
     """Run ``plan``: queue its first change before checkpoint 1, its second before checkpoint 2;
     read memtui's status at ``kill_at``, then kill the run there and restart it from its
-    checkpoint 3 (pausing it once to read memtui's step), or let it run to its end."""
+    checkpoint 3 (pausing it once to read memtui's step), or let it run to its end; each process
+    started with ``launcher`` before it (``memtui run --``)."""
     every = plan.every
-    first = start(script, plan.args, env, [every, 2 * every, plan.kill_at], "first")
+    first = start(script, plan.args, env, [every, 2 * every, plan.kill_at], "first", launcher)
     scenario = Scenario(first, None, {}, [])
     try:
         first.wait_paused(every)
@@ -215,7 +255,7 @@ def play(script: Path, env: dict[str, str], plan: Plan) -> Scenario:
     finally:
         if first.proc.poll() is None:
             first.kill()
-    restart = start(script, plan.restart_args, env, [2], "restart")
+    restart = start(script, plan.restart_args, env, [2], "restart", launcher)
     scenario.restart = restart
     try:
         scenario.restart_paused = restart.wait_paused(2)
@@ -271,3 +311,78 @@ def lr_mismatches(
         for s in steps
         if any(abs(lr - expected(s.number)) > rel * abs(expected(s.number)) for lr in s.lrs)
     ]
+
+
+@dataclass
+class Pair:
+    """The same script and arguments run twice in the same directory, as its users run it and
+    under ``memtui run``, each under the witness; the first run's outputs set aside."""
+
+    plain: ClientRun
+    watched: ClientRun
+    aside: dict[Path, Path]
+    """Where each output of the plain run was moved (its path: the set-aside path)."""
+    registered: list[dict[str, Any]]
+    """``memtui ls --json``'s entries of the watched run's name, read while it was paused."""
+    status: dict[str, Any]
+    """``memtui status RUN --json`` of the watched run, read while it was paused."""
+    status_text: str
+    """``memtui status RUN``, read then too."""
+
+
+def registered_runs(run: ClientRun, name: str) -> list[dict[str, Any]]:
+    """The live runs ``memtui ls --json`` lists under ``name`` (``memtui run --name NAME``)."""
+    result = run.memtui("ls", "--json")
+    assert result.returncode == 0, result.stderr
+    return [
+        r for r in json.loads(result.stdout) if r["run"] == name or r["run"].startswith(f"{name}-")
+    ]
+
+
+def run_pair(
+    script: Path,
+    args: Sequence[str],
+    env: dict[str, str],
+    outputs: Sequence[Path],
+    name: str,
+    pause_at: int,
+    interpreter: Sequence[str] = (),
+    ranks: int = 1,
+) -> Pair:
+    """Run the script to its end as its users run it, move its ``outputs`` aside, then run it
+    again under ``memtui run --name NAME``, paused before step ``pause_at`` in each of its
+    ``ranks`` processes until memtui's command line lists all of them, to its end; stderr kept
+    apart from stdout in both."""
+    plain = start(script, args, env, [], "plain", interpreter=interpreter, stderr_apart=True)
+    try:
+        plain.finish()
+    finally:
+        if plain.proc.poll() is None:
+            plain.kill()
+    aside = {}
+    for output in outputs:
+        if output.exists():
+            aside[output] = output.with_name(output.name + ".plain")
+            output.rename(aside[output])
+    watched = start(
+        script, args, env, [pause_at], "watched", memtui_run(name), interpreter, stderr_apart=True
+    )
+    try:
+        watched.wait_paused(pause_at, ranks=ranks)
+
+        def all_ranks() -> list[dict[str, Any]] | None:
+            runs = registered_runs(watched, name)
+            return runs if runs and all(r["ranks"] >= ranks for r in runs) else None
+
+        registered = list(wait_for(all_ranks, 30, what=f"{ranks} ranks of {name} listed"))  # type: ignore[call-overload]
+        run = registered[0]["run"]
+        status = watched.memtui("status", run, "--json")
+        assert status.returncode == 0, status.stderr + status.stdout
+        text = watched.memtui("status", run)
+        watched.go(pause_at)
+        watched.finish()
+    finally:
+        watched.go(pause_at)  # ranks a launcher's kill would orphan run on to their end
+        if watched.proc.poll() is None:
+            watched.kill()
+    return Pair(plain, watched, aside, registered, json.loads(status.stdout), text.stdout)
