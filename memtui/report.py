@@ -550,7 +550,22 @@ def lr_line(lr: LrState, world_size: int = 1) -> str:
 
 def render_status(report: StatusReport, now: float | None = None) -> str:
     """The human ``memtui status`` text, from the report alone."""
-    lines = []
+    sections = (
+        _run_lines(report, now),
+        _memory_lines(report),
+        _config_lines(report),
+        _change_lines(report),
+        _accuracy_lines(report),
+        _advice_lines(report),
+        _rank_lines(report),
+        _hook_lines(report),
+    )
+    return "\n".join(line for section in sections for line in section)
+
+
+def _run_lines(report: StatusReport, now: float | None) -> list[str]:
+    """The run, its exposure, the verdict and the step line."""
+    lines: list[str] = []
     age = format_duration(max(0.0, (time.time() if now is None else now) - report.started))
     lines.append(
         f"run {report.run}  pid {report.pid}  host {report.host}  ranks {report.world_size}  up {age}"
@@ -568,6 +583,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         )
     else:
         lines.append(f"step {report.step}  (no timed steps yet)")
+    return lines
+
+
+def _memory_lines(report: StatusReport) -> list[str]:
+    """Device memory, its breakdown, the memory model, the ceiling and the host."""
+    lines: list[str] = []
     memory = report.memory
     if memory:
         label = (
@@ -594,7 +615,7 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
     model = report.model
     if model:
         safe = report.max_safe_batch_size
-        edge = verdict.thresholds.memory_edge_fraction
+        edge = report.verdict.thresholds.memory_edge_fraction
         lines.append(
             f"memory model: {format_bytes(model.steady_bytes)} steady + "
             f"{format_bytes(model.per_sample_bytes)} per sample ({model.confidence})"
@@ -616,6 +637,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             f"swap {format_bytes(host.swap_used_bytes)}, main RSS {format_bytes(host.main_rss_bytes)}, "
             + workers_memory(host)
         )
+    return lines
+
+
+def _config_lines(report: StatusReport) -> list[str]:
+    """The knobs, which cannot change and why, where changes apply, the LR factor."""
+    lines: list[str] = []
     config = " ".join(
         f"{k}=- ({report.config_unused[k]})"
         if k in report.config_unused
@@ -629,6 +656,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(f"changes apply at {report.boundary}")
     if report.lr is not None and (line := lr_line(report.lr, report.world_size)):
         lines.append(line)
+    return lines
+
+
+def _change_lines(report: StatusReport) -> list[str]:
+    """Pending changes and the last five applied, each with its effect and prediction."""
+    lines: list[str] = []
     for change in report.pending:
         note = f"  [{change.note}]" if change.note else ""
         predicted = ""
@@ -657,6 +690,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         if applied.lr_note:
             line += f"; {applied.lr_note}"
         lines.append(line)
+    return lines
+
+
+def _accuracy_lines(report: StatusReport) -> list[str]:
+    """How the memory and speed predictions fared."""
+    lines: list[str] = []
     scored = report.prediction_accuracy
     if scored.mean_abs_error is not None or scored.changes_out_of_memory:
         parts = []
@@ -672,6 +711,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
     speeds = report.speed_accuracy
     if speeds is not None and speeds.note:
         lines.append("predicted speeds: " + speeds.note)
+    return lines
+
+
+def _advice_lines(report: StatusReport) -> list[str]:
+    """Out-of-memory errors, recommendations, refusals, cancellations, the autopilot."""
+    lines: list[str] = []
     for oom in report.ooms[-3:]:
         lines.append(
             f"OUT OF MEMORY at step {oom.step}: {'rolled back' if oom.rolled_back else 'not rolled back'}; {oom.batch}"
@@ -693,6 +738,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         lines.append(f"changes are OFF: {report.disabled}")
     if report.autopilot is not None and report.autopilot.mode != "off":
         lines.append(describe_autopilot(report.autopilot))
+    return lines
+
+
+def _rank_lines(report: StatusReport) -> list[str]:
+    """One row per rank of a job with several."""
+    lines: list[str] = []
     if len(report.ranks) > 1:
         lines.append("rank  host          step   step time  data wait  peak mem")
         for entry in report.ranks:
@@ -707,6 +758,12 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
             lines.append(
                 f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
             )
+    return lines
+
+
+def _hook_lines(report: StatusReport) -> list[str]:
+    """What the hook could not do: a lost change, an unsaved config, its errors, its peers."""
+    lines: list[str] = []
     counters = report.counters
     if report.requeue:
         lines.append(
@@ -728,7 +785,7 @@ def render_status(report: StatusReport, now: float | None = None) -> str:
         if counters.control_rests:
             line += f"; the control socket paused {counters.control_rests} times to spare training"
         lines.append(line)
-    return "\n".join(lines)
+    return lines
 
 
 def workers_memory(host: HostSample) -> str:
