@@ -24,7 +24,15 @@ from memtui.runs.state import RunState, ViewOptions, who_is
 from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, flow
 from memtui.tui.widgets.base import StateView
-from memtui.wire import AppliedChange, ControlState, Effect, OomEvent, PendingChange
+from memtui.wire import (
+    AppliedChange,
+    CancelledChange,
+    ControlState,
+    Effect,
+    OomEvent,
+    PendingChange,
+    RejectedChange,
+)
 
 INDENT = " " * 9
 """The second line of an entry starts under the first line's text."""
@@ -193,7 +201,6 @@ def change_lines(
     out where they do not fit."""
     control = state.control
     lines: list[Text] = []
-    bands = state.thresholds.thresholds
     history: list[tuple[float, list[Text]]] = []
     if state.notices:
         last = state.notices[-1]
@@ -201,95 +208,16 @@ def change_lines(
         head = NOTICE_HEADS.get(last.who, NOTICE_HEADS[YOU])
         history.append((last.time, entry_lines(head, [Chip(said)], width)))
     if control is not None:
-        pilot = control.autopilot
         for change in reversed(control.pending):
-            chips = [
-                Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
-                Chip(Text(f"queued at step {change.queued_step}", "dim")),
-            ]
-            theirs = AUTOPILOT if change.origin == AUTOPILOT else change.client
-            if who := by_whom(who_is(theirs)):  # narrow: the autopilot's always, others if room
-                style = "bold cyan" if change.origin else "cyan"
-                chips.append(Chip(Text(who, style), optional=narrow and not change.origin))
-            trial = pilot is not None and pilot.why and pilot.trying == change.changes
-            if change.origin == AUTOPILOT and pilot is not None and trial:  # why, in words
-                chips.append(Chip(Text(f"({pilot.why})", "dim"), optional=narrow))
-            if change.note and not change.forced:  # a forced change's note is the warning
-                chips.append(Chip(Text(f"({change.note})", "dim"), optional=narrow))
-            if not view.readonly:  # narrow: the footer says it too
-                chips.append(Chip(Text("c: cancel", "dim"), optional=narrow))
-            lines += entry_lines(Text("pending  ", "bold yellow"), chips, width)
-            if change.predicted_peak_bytes is not None:
-                lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
+            lines += _pending_entry(state, control, change, view, narrow, width)
         for applied in control.applied:
-            if applied.rollback:
-                head = Text("rollback ", "bold magenta")
-            else:
-                head = Text("applied  ", "bold green")
-            chips = [Chip(Text(f"step {applied.step}", "bold"))]
-            landed, known = state.applied_on(applied)
-            if known > 1:  # every rank applies the same change set at the same step
-                ranks = Text(f"on {landed}/{known} ranks", "" if landed == known else "bold yellow")
-                chips.append(Chip(ranks))
-            diffs = diff_words(applied.changes, "→")
-            chips.append(Chip(Text(diffs or "no effective change")))
-            ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
-            chips.append(Chip(ids, optional=narrow))
-            if not applied.rollback:  # a rollback's head says what it was
-                mine = applied.origin == AUTOPILOT
-                who = "the autopilot" if mine else state.who_queued(applied.ids) or "an operator"
-                style = "bold cyan" if mine else "cyan"
-                chips.append(Chip(Text(by_whom(who), style), optional=narrow and not mine))
-            if applied.note:
-                chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
-            if applied.lr_note:  # a warning that the LR stayed is never left out
-                warned = applied.lr_factor is None
-                lr = Text(applied.lr_note, "bold yellow" if warned else "cyan")
-                chips.append(Chip(lr, optional=narrow and not warned))
-            entry = entry_lines(head, chips, width)
-            reverted = next(
-                (
-                    later
-                    for later in control.applied
-                    if later.rollback and later.step >= applied.step and later.time > applied.time
-                ),
-                None,
-            )
-            if reverted is not None and applied.effect is None:
-                undone = [
-                    Chip(Text(f"reverted at step {reverted.step} (out of memory)", "bold magenta"))
-                ]
-                if applied.predicted_peak_bytes is not None:
-                    predicted = f"predicted {format_bytes(applied.predicted_peak_bytes)}"
-                    undone.append(Chip(Text(predicted, "dim"), " · "))
-                entry += entry_lines(Text(INDENT), undone, width)
-            elif not applied.rollback:
-                measured = effect_chips(applied, state.step)
-                if measured is not None:
-                    entry += entry_lines(Text(INDENT), measured, width)
-            history.append((applied.time, entry))
+            history.append((applied.time, _applied_entry(state, control, applied, narrow, width)))
         for oom in control.ooms:
             history.append((oom.time, oom_lines(oom, width)))
         for rejected in control.rejected:
-            chips = [Chip(Text(f"step {rejected.step}", "bold"))]
-            reason = Text(f"{format_changes(rejected.requested)}: ")
-            reason.append(rejected.reason, "red")
-            chips.append(Chip(reason))
-            if who := by_whom(who_is(rejected.client)):
-                chips.append(Chip(Text(who, "dim"), optional=narrow))
-            history.append(
-                (rejected.time, entry_lines(Text("rejected ", "bold red"), chips, width))
-            )
+            history.append((rejected.time, _rejected_entry(rejected, narrow, width)))
         for cancelled in control.cancelled:
-            chips = [
-                Chip(Text(f"step {cancelled.step}", "bold")),
-                Chip(Text(f"#{cancelled.id} {format_changes(cancelled.changes)}")),
-            ]
-            if who := by_whom(who_is(cancelled.client)):
-                chips.append(Chip(Text(who, "dim"), optional=narrow))
-            history.append(
-                (cancelled.time, entry_lines(Text("cancelled ", "bold yellow"), chips, width))
-            )
+            history.append((cancelled.time, _cancelled_entry(cancelled, narrow, width)))
     history.sort(key=lambda item: item[0], reverse=True)
     lines += [line for _time, entry in history for line in entry]
     if not lines:
@@ -299,6 +227,110 @@ def change_lines(
     if summary is None:
         return lines[:limit]
     return [*lines[: max(0, limit - 1)], summary][-limit:]
+
+
+def _pending_entry(
+    state: RunState,
+    control: ControlState,
+    change: PendingChange,
+    view: ViewOptions,
+    narrow: bool,
+    width: int,
+) -> list[Text]:
+    """A pending change: what, when queued, by whom and why, and its predicted peak."""
+    pilot = control.autopilot
+    chips = [
+        Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
+        Chip(Text(f"queued at step {change.queued_step}", "dim")),
+    ]
+    theirs = AUTOPILOT if change.origin == AUTOPILOT else change.client
+    if who := by_whom(who_is(theirs)):  # narrow: the autopilot's always, others if room
+        style = "bold cyan" if change.origin else "cyan"
+        chips.append(Chip(Text(who, style), optional=narrow and not change.origin))
+    trial = pilot is not None and pilot.why and pilot.trying == change.changes
+    if change.origin == AUTOPILOT and pilot is not None and trial:  # why, in words
+        chips.append(Chip(Text(f"({pilot.why})", "dim"), optional=narrow))
+    if change.note and not change.forced:  # a forced change's note is the warning
+        chips.append(Chip(Text(f"({change.note})", "dim"), optional=narrow))
+    if not view.readonly:  # narrow: the footer says it too
+        chips.append(Chip(Text("c: cancel", "dim"), optional=narrow))
+    lines = entry_lines(Text("pending  ", "bold yellow"), chips, width)
+    if change.predicted_peak_bytes is not None:
+        bands = state.thresholds.thresholds
+        lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
+    return lines
+
+
+def _applied_entry(
+    state: RunState, control: ControlState, applied: AppliedChange, narrow: bool, width: int
+) -> list[Text]:
+    """An applied change or a rollback: at which step, on how many ranks, what, by whom, its
+    notes; then its measured effect, or that an out-of-memory error reverted it."""
+    head = (
+        Text("rollback ", "bold magenta") if applied.rollback else Text("applied  ", "bold green")
+    )
+    chips = [Chip(Text(f"step {applied.step}", "bold"))]
+    landed, known = state.applied_on(applied)
+    if known > 1:  # every rank applies the same change set at the same step
+        ranks = Text(f"on {landed}/{known} ranks", "" if landed == known else "bold yellow")
+        chips.append(Chip(ranks))
+    diffs = diff_words(applied.changes, "→")
+    chips.append(Chip(Text(diffs or "no effective change")))
+    ids = Text(" ".join(f"#{i}" for i in applied.ids), "dim")
+    chips.append(Chip(ids, optional=narrow))
+    if not applied.rollback:  # a rollback's head says what it was
+        mine = applied.origin == AUTOPILOT
+        who = "the autopilot" if mine else state.who_queued(applied.ids) or "an operator"
+        style = "bold cyan" if mine else "cyan"
+        chips.append(Chip(Text(by_whom(who), style), optional=narrow and not mine))
+    if applied.note:
+        chips.append(Chip(Text(f"({applied.note})", "dim"), optional=narrow))
+    if applied.lr_note:  # a warning that the LR stayed is never left out
+        warned = applied.lr_factor is None
+        lr = Text(applied.lr_note, "bold yellow" if warned else "cyan")
+        chips.append(Chip(lr, optional=narrow and not warned))
+    entry = entry_lines(head, chips, width)
+    reverted = next(
+        (
+            later
+            for later in control.applied
+            if later.rollback and later.step >= applied.step and later.time > applied.time
+        ),
+        None,
+    )
+    if reverted is not None and applied.effect is None:
+        undone = [Chip(Text(f"reverted at step {reverted.step} (out of memory)", "bold magenta"))]
+        if applied.predicted_peak_bytes is not None:
+            predicted = f"predicted {format_bytes(applied.predicted_peak_bytes)}"
+            undone.append(Chip(Text(predicted, "dim"), " · "))
+        entry += entry_lines(Text(INDENT), undone, width)
+    elif not applied.rollback:
+        measured = effect_chips(applied, state.step)
+        if measured is not None:
+            entry += entry_lines(Text(INDENT), measured, width)
+    return entry
+
+
+def _rejected_entry(rejected: RejectedChange, narrow: bool, width: int) -> list[Text]:
+    """A refused change: at which step, what, the reason, who asked."""
+    chips = [Chip(Text(f"step {rejected.step}", "bold"))]
+    reason = Text(f"{format_changes(rejected.requested)}: ")
+    reason.append(rejected.reason, "red")
+    chips.append(Chip(reason))
+    if who := by_whom(who_is(rejected.client)):
+        chips.append(Chip(Text(who, "dim"), optional=narrow))
+    return entry_lines(Text("rejected ", "bold red"), chips, width)
+
+
+def _cancelled_entry(cancelled: CancelledChange, narrow: bool, width: int) -> list[Text]:
+    """A cancelled pending change: at which step, which one, by whom."""
+    chips = [
+        Chip(Text(f"step {cancelled.step}", "bold")),
+        Chip(Text(f"#{cancelled.id} {format_changes(cancelled.changes)}")),
+    ]
+    if who := by_whom(who_is(cancelled.client)):
+        chips.append(Chip(Text(who, "dim"), optional=narrow))
+    return entry_lines(Text("cancelled ", "bold yellow"), chips, width)
 
 
 class ChangeLog(StateView):
