@@ -33,7 +33,7 @@ from memtui.advice.verdict import Inputs as VerdictInputs
 from memtui.paths import config_file as config_path
 from memtui.stats import MemoryStats, StepStats
 from memtui.userconfig import load_thresholds
-from memtui.wire import HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
+from memtui.wire import Ceiling, HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -319,6 +319,25 @@ def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> No
     top = recommend(inputs)[0]
     assert top.changes == {"batch_size": 32}, "never a no-op like 16 -> 16"
     assert "effective batch grows" in top.title and top.effective_batch == 32
+
+
+def test_a_bigger_micro_batch_after_an_out_of_memory_error_says_it_stays_under_the_one_that_failed() -> (
+    None
+):
+    inputs = Inputs(
+        config=Knobs(batch_size=16, grad_accum=1, num_workers=4, pin_memory=True),
+        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
+        steps=StepStats(
+            steps=20, step_time_s=1.0, data_wait_s=0.02, samples_per_s=16, steps_per_s=1
+        ),
+        samples_per_step=16,
+        model=_model(16, 0.45),  # type: ignore[arg-type]
+        device_kind="cuda",
+        ceiling=Ceiling(batch_size=40, step=90, note="out of memory at step 90"),
+    )
+    top = recommend(inputs)[0]
+    assert top.changes == {"batch_size": 32}
+    assert top.why.endswith("; under 40, the micro-batch that ran out of memory"), top.why
 
 
 def test_near_oom_recommends_a_smaller_micro_batch_and_expandable_segments() -> None:

@@ -389,6 +389,14 @@ def _effective(
     return effective_batch(b, a or 1, world)
 
 
+def _under_the_ceiling(ceiling: Ceiling | None) -> str:
+    """``; under 32, the micro-batch that ran out of memory`` where one did ('' otherwise): a
+    bigger micro-batch after a rollback stays under the one that failed, and says so."""
+    if ceiling is None or ceiling.batch_size is None:
+        return ""
+    return f"; under {ceiling.batch_size}, the micro-batch that ran out of memory"
+
+
 def _batch_options(inputs: Inputs) -> list[Recommendation]:
     config, model = inputs.config, inputs.model
     out: list[Recommendation] = []
@@ -436,7 +444,8 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                     else " (the effective batch grows)"
                 ),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {shown})",
+                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {shown})"
+                + _under_the_ceiling(inputs.ceiling),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
                 speed_delta=speed,
