@@ -481,6 +481,48 @@ def test_lightning_example_unchanged_prints_trains_and_saves_as_without_memtui(
 # ---------------------------------------------------------------------- Accelerate's GPT loop
 
 
+@pytest.fixture(scope="module")
+def lightning_tuned() -> Iterator[Scenario]:
+    pytest.importorskip("lightning")
+    pytest.importorskip("requests")  # WikiText2 requires it, even for a file already there
+    from tests.clients.test_lightning_transformer import EVERY, MAX_STEPS, PLAN
+
+    with client_home() as (base, env):
+        script = unchanged_client_script("lightning_transformer", base / "run")
+        local_data.wikitext2(script.parent, train_samples=20 * EVERY)
+        env = dict(
+            env,
+            PL_TRAINER_MAX_STEPS=str(MAX_STEPS),
+            PL_TRAINER_LIMIT_VAL_BATCHES="2",
+            PL_TRAINER_LIMIT_TEST_BATCHES="2",
+            TTY_COMPATIBLE="1",
+            TTY_INTERACTIVE="1",
+        )
+        yield play(script, env, PLAN, memtui_run("lt"))
+
+
+def test_lightning_example_unchanged_takes_batch_size_and_workers_at_its_next_checkpoint(
+    lightning_tuned: Scenario,
+) -> None:
+    """The explicit lines' scenario with none: Lightning's own DataLoader, taken over by memtui,
+    trains 20 x 1 with no worker until the checkpoint at the end of epoch 0 (step 4); 10 x 2 with
+    two loader worker processes after it; 20 x 2 after the one at step 8, the LR x2 from there
+    (the example has no resume of its own: there is no restart to test)."""
+    from tests.clients.test_lightning_transformer import MAX_STEPS, expected_lr
+
+    for reply in lightning_tuned.replies:
+        assert reply.returncode == 0, reply.stderr + reply.stdout
+    steps = {s.number: s for s in steps_of(lightning_tuned.first)}
+    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    assert [steps[n].batches for n in range(1, 5)] == [[20]] * 4
+    assert [steps[n].batches for n in range(5, 9)] == [[10, 10]] * 4
+    assert [steps[n].batches for n in range(9, MAX_STEPS + 1)] == [[20, 20]] * (MAX_STEPS - 8)
+    assert [steps[n].workers for n in range(1, 5)] == [0] * 4
+    assert [steps[n].workers for n in range(5, MAX_STEPS + 1)] == [2] * (MAX_STEPS - 4)
+    wrong = lr_mismatches(steps_of(lightning_tuned.first), expected_lr)
+    assert not wrong, f"(step, LR used, LR expected): {wrong}"
+
+
 def accelerate_args(steps: int) -> list[str]:
     """The script's arguments of the explicit line's test, for ``steps`` optimizer steps."""
     from tests.clients.test_accelerate_clm import ARGS
