@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf bench-clients screenshots docs clean
+.PHONY: demo demo-no-tui test test-unit test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf bench-clients screenshots docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,10 @@ bench-clients: $(FRAMEWORKS_STAMP) $(if $(wildcard tests/clients/upstream/*),$(C
 
 bench-hf: $(FRAMEWORKS_STAMP)
 	$(PY) benchmarks/hf_overhead.py
+
+# the unit tests alone: no process started, no socket to another process (about 20 s)
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

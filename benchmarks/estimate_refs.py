@@ -1,7 +1,7 @@
 """``memtui estimate`` against published references on the same inputs: prints the estimate guide's table.
 
 Every row runs ``memtui estimate ... --json`` in this process and sets one of its numbers next
-to a reference's, with the tolerance tests/test_estimate_refs.py asserts. Run from the
+to a reference's, with the tolerance tests/unit/test_estimate_refs.py asserts. Run from the
 repository root: ``python benchmarks/estimate_refs.py`` (markdown) or ``--json``.
 
 The Korthikanti rows measure ``gpt3_6_7b`` below on the meta device: GPT-3 6.7B's shape

@@ -20,7 +20,7 @@ def starving() -> Iterator[SharedDemo]:
     """The default demo, starving (no loader workers, its loader sleeping 2 ms a sample: about as
     long as a step's compute) with the autopilot on from the start; a checkpoint every 25 steps,
     the fewest that leave room for a change's measured effect (2 settling steps and 20 timed);
-    a budget of 4 boundaries (the workers take two: the rest is tests/test_autopilot.py's)."""
+    a budget of 4 boundaries (the workers take two: the rest is tests/unit/test_autopilot.py's)."""
     with shared_demo(
         "--steps", "100000", "--checkpoint-every", "25", "--workers", "0", "--autotune",
         extra_env={"MEMTUI_AUTOTUNE_BUDGET": "4"},
@@ -99,7 +99,7 @@ def test_turned_on_after_an_operators_change_it_leaves_that_change_alone() -> No
         assert not [e for e in queued_by_it if "batch_size" in e["changes"]], queued_by_it
 
 
-@pytest.mark.slow  # ~60 CPU-s under load; tests/test_autopilot.py checks the policy's ceiling
+@pytest.mark.slow  # ~60 CPU-s under load; tests/unit/test_autopilot.py checks the policy's ceiling
 def test_a_region_that_ran_out_of_memory_is_never_retried(
     start_demo: Callable[..., DemoRun],
 ) -> None:

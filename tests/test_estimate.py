@@ -482,7 +482,7 @@ def test_korthikanti_per_layer_fast() -> None:
     """One layer of GPT-3 6.7B's shape at s=2048 (two layers less one, on meta): within 1%.
 
     The difference leaves out what is kept once per model (the loss's fp32 copy of the output).
-    The estimate guide's rows measure all 32 layers (tests/test_estimate_refs.py, -m slow).
+    The estimate guide's rows measure all 32 layers (tests/unit/test_estimate_refs.py, -m slow).
     """
     from benchmarks.estimate_refs import PaperStack, korthikanti
 

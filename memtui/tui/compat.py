@@ -1,6 +1,6 @@
 """Where the viewer relies on Textual beyond its public API, each use with the Textual version it
 was checked on: a Textual release that changes one of them breaks it here, in one module, and
-``pyproject.toml`` bounds Textual to the versions tested (``tests/tui/test_compat.py`` checks the
+``pyproject.toml`` bounds Textual to the versions tested (``tests/unit/tui/test_compat.py`` checks the
 installed one against ``CHECKED_ON``).
 """
 

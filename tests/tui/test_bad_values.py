@@ -39,7 +39,7 @@ from memtui.wire import (
     encode,
 )
 from tests.tui.conftest import OOM, STARVING, HookLoop, replay_app, run, screen_text, settle, until
-from tests.tui.test_state import GIB, T0, fold, snapshot, telemetry
+from tests.unit.tui.test_state import GIB, T0, fold, snapshot, telemetry
 
 INF, NAN = math.inf, math.nan
 NASTY_FLOATS = (INF, -INF, NAN, -1.0, 1e300, -1e300)

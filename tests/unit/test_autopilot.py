@@ -44,7 +44,7 @@ from memtui.wire import (
 
 GIB = 1 << 30
 MIB = 1 << 20
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 ALL = ("batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor")
 HOST = HostSample(time=0, ram_total_bytes=32 * GIB, ram_available_bytes=20 * GIB, ram_used_bytes=0)
 STARVING = StepStats(steps=20, step_time_s=0.12, data_wait_s=0.08, samples_per_s=266, steps_per_s=8)

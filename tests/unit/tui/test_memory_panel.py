@@ -22,7 +22,7 @@ from tests.tui.conftest import (
     settle,
 )
 from tests.tui.test_app_replay import NARROW, WIDE, text_of
-from tests.tui.test_state import GIB, T0, fold, snapshot, telemetry
+from tests.unit.tui.test_state import GIB, T0, fold, snapshot, telemetry
 
 MIB = 1 << 20
 

@@ -22,7 +22,7 @@ from memtui.wire import (
     Snapshot,
     Telemetry,
 )
-from tests.tui.test_state import T0, fold
+from tests.unit.tui.test_state import T0, fold
 
 MIB = 1 << 20
 CONFIG = Knobs(batch_size=16, grad_accum=2, num_workers=2, pin_memory=False)

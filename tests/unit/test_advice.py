@@ -583,7 +583,7 @@ def test_verdicts_on_the_recorded_advice_stream() -> None:
     from memtui.report import build_status, status_json
     from memtui.wire import Decoder, Snapshot, Telemetry
 
-    recording = read_recording(Path(__file__).parent / "data" / "demo_advice.mtrec")
+    recording = read_recording(Path(__file__).parents[1] / "data" / "demo_advice.mtrec")
     decoder = Decoder()
     snapshot: Snapshot | None = None
     for frame in recording.frames:  # the snapshot, brought up to 0.9 s (before any change)

@@ -16,7 +16,7 @@ from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
 from memtui.userconfig import load_thresholds
 from memtui.wire import Decoder
-from tests.test_verdict_parity import RECORDINGS, HookHistories
+from tests.unit.test_verdict_parity import RECORDINGS, HookHistories
 
 STABLE_KEYS = {
     "applied", "audit_path", "breakdown", "checkpoints", "command", "config", "counters",

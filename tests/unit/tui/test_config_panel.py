@@ -8,7 +8,7 @@ from rich.text import Text
 from memtui.runs.state import ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
 from memtui.wire import ControlState, Knobs
-from tests.tui.test_changelog import attached
+from tests.unit.tui.test_changelog import attached
 
 WHY = "memtui run cannot change a plain loop's batch size or accumulation: the loop's own code sets them"
 
