@@ -183,13 +183,15 @@ def test_a_huge_control_seq_is_not_believed_and_a_missed_change_still_asks() -> 
         run.send(run.telemetry(control_seq=2**39, control=bogus))
         wait_for(lambda: receiver.bad_values == 1, 10, what="the bogus control state dropped")
         run.change(batch_size=32)
-        wait_for(lambda: run.hellos > asked + 1, 10, what="a snapshot asked for the change")
 
         def shows_the_change() -> bool:
             control = folded(batches).control
             return control is not None and control.config.batch_size == 32
 
-        wait_for(shows_the_change, 10, what="the run's config in the view")
+        # one snapshot asked after the bogus count at least (on a busy machine the bogus count
+        # and the change's arrive in one poll, and one snapshot answers both)
+        wait_for(shows_the_change, 30, what="the run's config in the view")
+        assert run.hellos > asked
         state = folded(batches)
         assert state.control_seq == run.control_seq == 2
         assert state.bad_values == 1
