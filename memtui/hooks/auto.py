@@ -14,10 +14,11 @@ When ``torch`` is imported, two hooks watch the training:
   step of the **counted optimizer**: the first optimizer that steps in this process (a GAN's
   second optimizer, stepping in the same iteration, is not counted again); when it is garbage
   collected, the next optimizer that steps is counted;
-* ``DataLoader.__iter__`` is wrapped until the first iteration; from then the DataLoader
-  iterators' ``__next__`` is ``timed_batches`` over torch's own: each batch's wait is the
-  micro-batch's data wait, its first tensor dimension its samples (every DataLoader of the
-  process feeds the open step, an evaluation loader's included).
+* ``DataLoader.__iter__`` is wrapped (once an epoch: where the training loader's epoch starts);
+  from the first iteration the DataLoader iterators' ``__next__`` is ``timed_batches`` over
+  torch's own: each batch's wait is the micro-batch's data wait, its first tensor dimension its
+  samples (every DataLoader of the process feeds the open step, an evaluation loader's
+  included).
 
 The **training DataLoader** is the one whose iteration started last before the counted
 optimizer's first step (a loop that evaluates before it trains starts its training loader

@@ -784,14 +784,7 @@ class Tuner:
         applied: Applied | None = None
         try:
             self.device.refresh(self.model)
-            self._refresh_static(between_steps=ledger.step > 0)
-            step = ledger.step
-            applied = self.boundary.run(step)
-            if applied is not None:  # the peak so far was the old config's
-                self.device.reset_peaks()
-                self.tracker.emit(applied, step)
-            if self.rank == 0 and applied is None:  # an applied change has just saved it all
-                self.tuned.save_again(step)
+            applied = self._apply_pending()
             taken = self.control.taken_time if self.rank == 0 else time.time()
             ledger.close_checkpoint(taken, save_s)
         except Exception as exc:
@@ -803,18 +796,22 @@ class Tuner:
         """A boundary where no checkpoint is saved (an epoch start, for a loop watched with no
         code): the pending changes are applied as at a checkpoint, the same set at this step on
         every rank, and no checkpoint is recorded; returns what changed, or None."""
-        applied: Applied | None = None
         try:
-            step = self.ledger.step
-            self._refresh_static(between_steps=step > 0)
-            applied = self.boundary.run(step)
-            if applied is not None:
-                self.device.reset_peaks()
-                self.tracker.emit(applied, step)
-            if self.rank == 0 and applied is None:
-                self.tuned.save_again(step)
+            return self._apply_pending()
         except Exception as exc:
             self.report(exc, "epoch boundary")
+            return None
+
+    def _apply_pending(self) -> Applied | None:
+        """A boundary's work at this step: take, agree on and apply the pending changes."""
+        step = self.ledger.step
+        self._refresh_static(between_steps=step > 0)
+        applied = self.boundary.run(step)
+        if applied is not None:  # the peak so far was the old config's
+            self.device.reset_peaks()
+            self.tracker.emit(applied, step)
+        if self.rank == 0 and applied is None:  # an applied change has just saved it all
+            self.tuned.save_again(step)
         return applied
 
     def loader_changed(self) -> None:

@@ -50,21 +50,26 @@ def expected_lr(step: int) -> float:
     return 0.1 * (2.0 if step > 2 * EVERY else 1.0)
 
 
+def short_trainer(
+    env: dict[str, str], max_steps: int = MAX_STEPS, bar: bool = True
+) -> dict[str, str]:
+    """``env`` with Lightning's own ``PL_TRAINER_*`` defaults keeping the Trainer short, and (with
+    ``bar``) Rich drawing its live bar as on a terminal (into the log)."""
+    short = dict(
+        env,
+        PL_TRAINER_MAX_STEPS=str(max_steps),
+        PL_TRAINER_LIMIT_VAL_BATCHES="2",
+        PL_TRAINER_LIMIT_TEST_BATCHES="2",
+    )
+    return dict(short, TTY_COMPATIBLE="1", TTY_INTERACTIVE="1") if bar else short
+
+
 @pytest.fixture(scope="module")
 def scenario() -> Iterator[Scenario]:
     with client_home() as (base, env):
         script = client_script("lightning_transformer", base / "run")
         local_data.wikitext2(script.parent, train_samples=20 * EVERY)
-        env = dict(
-            env,
-            PL_TRAINER_MAX_STEPS=str(MAX_STEPS),
-            PL_TRAINER_LIMIT_VAL_BATCHES="2",
-            PL_TRAINER_LIMIT_TEST_BATCHES="2",
-            # Rich draws its live bar only on a terminal: render as on one (into the log)
-            TTY_COMPATIBLE="1",
-            TTY_INTERACTIVE="1",
-        )
-        yield play(script, env, PLAN)
+        yield play(script, short_trainer(env), PLAN)
 
 
 def test_the_run_registers(scenario: Scenario) -> None:

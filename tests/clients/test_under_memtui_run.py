@@ -40,6 +40,7 @@ from tests.clients.harness import (
     steps_of,
     unchanged_client_script,
 )
+from tests.clients.test_nanogpt import CONFIG as NANOGPT_CONFIG
 
 TORCHRUN = [
     str(Path(sys.executable).with_name("torchrun")),
@@ -54,23 +55,11 @@ TORCHRUN = [
     "3",
 ]
 NANOGPT = [
-    "--device=cpu",
-    "--compile=False",
-    "--dtype=float32",
-    "--dataset=tiny",
-    "--n_layer=2",
-    "--n_head=2",
-    "--n_embd=32",
-    "--block_size=32",
-    "--dropout=0.0",
-    "--batch_size=4",
-    "--gradient_accumulation_steps=2",
+    *(a for a in NANOGPT_CONFIG if not a.startswith(("--max_iters=", "--lr_decay_iters="))),
     "--max_iters=10",
     "--lr_decay_iters=10",
-    "--eval_interval=4",
-    "--eval_iters=2",
-    "--warmup_iters=2",
 ]
+"""The explicit nanoGPT test's tiny config, 10 iterations long."""
 PAUSE_AT = 6
 """The step before which the run under ``memtui run`` waits while memtui's command line is read
 (after the script's first checkpoint, at step 4 in every client here)."""
@@ -416,16 +405,13 @@ def test_run_clm_unchanged_resumes_the_tuned_knobs_from_its_checkpoint(hf_tuned:
 def lightning_pair() -> Iterator[Pair]:
     pytest.importorskip("lightning")
     pytest.importorskip("requests")  # WikiText2 requires it, even for a file already there
+    from tests.clients.test_lightning_transformer import short_trainer
+
     with client_home() as (base, env):
         script = unchanged_client_script("lightning_transformer", base / "run")
         local_data.wikitext2(script.parent, train_samples=80)
-        env = dict(
-            env,
-            PL_TRAINER_MAX_STEPS="8",
-            PL_TRAINER_LIMIT_VAL_BATCHES="2",
-            PL_TRAINER_LIMIT_TEST_BATCHES="2",
-        )
         outputs = [script.parent / "lightning_logs"]
+        env = short_trainer(env, max_steps=8, bar=False)
         yield run_pair(script, [], env, outputs, "lightning", PAUSE_AT)
 
 
@@ -485,20 +471,12 @@ def test_lightning_example_unchanged_prints_trains_and_saves_as_without_memtui(
 def lightning_tuned() -> Iterator[Scenario]:
     pytest.importorskip("lightning")
     pytest.importorskip("requests")  # WikiText2 requires it, even for a file already there
-    from tests.clients.test_lightning_transformer import EVERY, MAX_STEPS, PLAN
+    from tests.clients.test_lightning_transformer import EVERY, PLAN, short_trainer
 
     with client_home() as (base, env):
         script = unchanged_client_script("lightning_transformer", base / "run")
         local_data.wikitext2(script.parent, train_samples=20 * EVERY)
-        env = dict(
-            env,
-            PL_TRAINER_MAX_STEPS=str(MAX_STEPS),
-            PL_TRAINER_LIMIT_VAL_BATCHES="2",
-            PL_TRAINER_LIMIT_TEST_BATCHES="2",
-            TTY_COMPATIBLE="1",
-            TTY_INTERACTIVE="1",
-        )
-        yield play(script, env, PLAN, memtui_run("lt"))
+        yield play(script, short_trainer(env), PLAN, memtui_run("lt"))
 
 
 def test_lightning_example_unchanged_takes_batch_size_and_workers_at_its_next_checkpoint(

@@ -305,8 +305,9 @@ def test_underused_recommends_a_bigger_micro_batch_keeping_the_effective_batch()
     assert top.memory_delta_bytes and top.memory_delta_bytes > 0
 
 
-def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> None:
-    inputs = Inputs(
+def _underused_at_accumulation_one(ceiling: Ceiling | None = None) -> Inputs:
+    """A card at 45% with micro-batch 16 x 1 (and what ran out of memory, if anything)."""
+    return Inputs(
         config=Knobs(batch_size=16, grad_accum=1, num_workers=4, pin_memory=True),
         tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
         steps=StepStats(
@@ -315,8 +316,12 @@ def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> No
         samples_per_step=16,
         model=_model(16, 0.45),  # type: ignore[arg-type]
         device_kind="cuda",
+        ceiling=ceiling,
     )
-    top = recommend(inputs)[0]
+
+
+def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> None:
+    top = recommend(_underused_at_accumulation_one())[0]
     assert top.changes == {"batch_size": 32}, "never a no-op like 16 -> 16"
     assert "effective batch grows" in top.title and top.effective_batch == 32
 
@@ -324,18 +329,8 @@ def test_underused_at_accumulation_one_grows_the_micro_batch_and_says_so() -> No
 def test_a_bigger_micro_batch_after_an_out_of_memory_error_says_it_stays_under_the_one_that_failed() -> (
     None
 ):
-    inputs = Inputs(
-        config=Knobs(batch_size=16, grad_accum=1, num_workers=4, pin_memory=True),
-        tunable=("batch_size", "grad_accum", "num_workers", "pin_memory"),
-        steps=StepStats(
-            steps=20, step_time_s=1.0, data_wait_s=0.02, samples_per_s=16, steps_per_s=1
-        ),
-        samples_per_step=16,
-        model=_model(16, 0.45),  # type: ignore[arg-type]
-        device_kind="cuda",
-        ceiling=Ceiling(batch_size=40, step=90, note="out of memory at step 90"),
-    )
-    top = recommend(inputs)[0]
+    failed = Ceiling(batch_size=40, step=90, note="out of memory at step 90")
+    top = recommend(_underused_at_accumulation_one(failed))[0]
     assert top.changes == {"batch_size": 32}
     assert top.why.endswith("; under 40, the micro-batch that ran out of memory"), top.why
 
