@@ -46,11 +46,11 @@ os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtats", dir="/t
 import benchlib
 import msgspec
 
-from memtui import registry
-from memtui.client import ClientError, ControlClient
-from memtui.report import Applied, StatusReport, build_status
-from memtui.stats import format_bytes, parse_bytes
-from memtui.userconfig import load_thresholds
+from memtui.core.stats import format_bytes, parse_bytes
+from memtui.runs.report import Applied, StatusReport, build_status
+from memtui.storage import registry
+from memtui.storage.userconfig import load_thresholds
+from memtui.transport.client import ClientError, ControlClient
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

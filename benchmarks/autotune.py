@@ -47,9 +47,9 @@ os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="mtaus", dir="/t
 
 import benchlib
 
-from memtui import registry
 from memtui.advice.autopilot import KEPT, history
-from memtui.client import ClientError, ControlClient
+from memtui.storage import registry
+from memtui.transport.client import ClientError, ControlClient
 from memtui.wire import AppliedChange, Snapshot
 
 HERE = Path(__file__).resolve().parent

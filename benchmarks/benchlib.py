@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memtui.stats import t975
+from memtui.core.stats import t975
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -337,8 +337,8 @@ def _subscribe() -> None:
     """The subscriber process (see the module's docstring)."""
     import zmq
 
-    from memtui import registry
-    from memtui.client import ControlClient, client_name
+    from memtui.storage import registry
+    from memtui.transport.client import ControlClient, client_name
     from memtui.wire import Decoder
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -225,8 +225,8 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import psutil
     from msgspec.json import encode as encode_json
 
-    from memtui import registry
-    from memtui.client import ClientError, ControlClient
+    from memtui.storage import registry
+    from memtui.transport.client import ClientError, ControlClient
     from memtui.wire import to_builtins
 
     work = Path(tempfile.mkdtemp(prefix="mtflood"))

@@ -60,7 +60,7 @@ SAMPLE_S = 5.0
 def register(run: str, pid: int, created: float, host: str, sockets: bool) -> list[socket.socket]:
     """Write ``run``'s record as a hook does; with ``sockets``, bind its control and telemetry
     sockets as listening unix sockets that nobody serves (returned, to be kept open)."""
-    from memtui import registry
+    from memtui.storage import registry
     from memtui.wire import RankInfo, RunRecord
 
     rundir = registry.run_dir(run)
@@ -90,7 +90,7 @@ class Registry:
     """The benchmark's stand-in runs (hung, dead, silent), rewritten for each count."""
 
     def __init__(self) -> None:
-        from memtui import registry
+        from memtui.storage import registry
 
         self.pid = os.getpid()
         self.created = registry.process_create_time(self.pid)
@@ -119,7 +119,7 @@ class Registry:
 
     def clear(self) -> None:
         """Remove every stand-in (its record, its sockets)."""
-        from memtui import registry
+        from memtui.storage import registry
 
         for sock in self.held:
             sock.close()
@@ -132,7 +132,7 @@ class Registry:
 def start_demos(count: int, base: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
     """``count`` demo trainings (the light model), running until stopped; waits until each has
     registered its run."""
-    from memtui import registry
+    from memtui.storage import registry
 
     demos = []
     for index in range(count):
@@ -300,7 +300,7 @@ def measure_viewer(args: argparse.Namespace, env: dict[str, str], run: str) -> d
 def headless_viewer(run: str, minutes: float) -> int:
     """The viewer's app attached to ``run``, headless, until stopped (or ``minutes`` and a
     margin have passed); says ``ready`` once it runs."""
-    from memtui.sources import LiveSource
+    from memtui.transport.sources import LiveSource
     from memtui.tui.app import MemtuiApp
 
     async def main() -> None:
@@ -342,7 +342,7 @@ def main() -> int:
     results = []
     try:
         demos = start_demos(args.live, base, env)
-        from memtui import registry
+        from memtui.storage import registry
 
         live_runs = sorted(r.run for r in registry.list_runs())
         for count in (int(c) for c in args.counts.split(",")):

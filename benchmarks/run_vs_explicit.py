@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the suite's trainings and to
 
 import benchlib
 
-from memtui.recording import read_recording
+from memtui.transport.recording import read_recording
 from memtui.wire import Decoder, Telemetry
 from tests.clients import local_data
 from tests.clients.harness import INTEGRATION_PATCH, WITNESS

@@ -62,7 +62,7 @@ def hook_loop(rate: float, seconds: float, checkpoint_every: int) -> int:
 
 def headless_viewer(run: str, seconds: float, warmup: float, width: int, height: int) -> int:
     """Run the viewer headless; print its own CPU over the measured window as JSON."""
-    from memtui.sources import LiveSource
+    from memtui.transport.sources import LiveSource
     from memtui.tui.app import MemtuiApp
 
     async def main() -> dict[str, float]:

@@ -99,7 +99,7 @@ class Stream:
 
 def load_streams(paths: list[Path]) -> list[Stream]:
     """Every rank's telemetry in each recording, as a stream."""
-    from memtui.recording import read_recording
+    from memtui.transport.recording import read_recording
     from memtui.wire import Decoder, Snapshot, Telemetry
 
     streams = []
@@ -243,7 +243,7 @@ def publish(
     import msgspec
     import zmq
 
-    from memtui import registry
+    from memtui.storage import registry
     from memtui.wire import Decoder, Hello, RankInfo, RunInfo, RunRecord, encode
 
     streams = load_streams(paths)
@@ -343,7 +343,7 @@ def publish(
 
 def headless_viewer(run: str, seconds: float, warmup: float, width: int, height: int) -> int:
     """Run the viewer headless; print its own CPU over the measured window as JSON."""
-    from memtui.sources import LiveSource
+    from memtui.transport.sources import LiveSource
     from memtui.tui.app import MemtuiApp
 
     async def main() -> dict[str, float]:

@@ -4,7 +4,7 @@
   its root, so the links work on GitHub too); the site serves them under ``screenshots/`` and the
   links are rewritten to that place.
 - ``<!-- status-json-schema -->`` in a page becomes the schema of ``memtui status --json``,
-  walked from ``memtui/report.py``'s ``StatusReport`` (msgspec Structs and dataclasses): one table
+  walked from ``memtui/runs/report.py``'s ``StatusReport`` (msgspec Structs and dataclasses): one table
   per object, each field with its JSON type and the docstring written under it in the code, or,
   for a field whose code has none, its entry in ``FIELD_NOTES`` below.
 """
@@ -66,7 +66,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
 def status_schema() -> str:
     """The schema of ``memtui status --json`` as Markdown: one table per object, top first."""
-    from memtui.report import StatusReport
+    from memtui.runs.report import StatusReport
 
     tables: list[str] = []
     seen: set[type] = set()

@@ -498,7 +498,7 @@ class RunInfo(Struct, omit_defaults=True):
     audit_path: str = ""
     security: str = ""
     """How the run can be reached: ``ipc``, ``curve``, ``plain-tcp`` or ``plain-tcp+control``
-    (``memtui.security``; "" from a hook that does not say)."""
+    (``memtui.transport.security``; "" from a hook that does not say)."""
     readonly: bool = False
     """True in a snapshot from a plain TCP socket without the control opt-in: it takes no set or
     cancel, and leaves out the command line, cwd and paths."""

@@ -17,8 +17,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from memtui.recording import read_recording
-from memtui.sources import ReplaySource
+from memtui.transport.recording import read_recording
+from memtui.transport.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.wire import Telemetry
 from tests.tui.conftest import one_rank

@@ -115,7 +115,7 @@ def _python_for(user: OtherUser) -> list[str]:
         [f"/usr/bin/{version}", "-s"],
         [f"/usr/local/bin/{version}", "-s"],
     ]
-    probe = "import memtui.sources, memtui.tui.app, zmq, textual, tests.other_user"
+    probe = "import memtui.transport.sources, memtui.tui.app, zmq, textual, tests.other_user"
     failures = []
     for python in candidates:
         if python[0] != sys.executable and not Path(python[0]).exists():
@@ -144,7 +144,7 @@ def viewer(endpoint: str, seconds: float, extra_ranks: str) -> dict[str, Any]:
 
     from memtui.runs.events import ConnectionEvent, Notice
     from memtui.runs.receiver import Inbox, Receiver
-    from memtui.sources import LiveSource
+    from memtui.transport.sources import LiveSource
     from memtui.wire import RankInfo
 
     source = LiveSource(endpoint)
@@ -185,7 +185,7 @@ def app(endpoint: str, seconds: float) -> dict[str, Any]:
     screen line it drew with a status dot or an error, the steps it showed, its last screen."""
     from textual.pilot import Pilot
 
-    from memtui.sources import LiveSource
+    from memtui.transport.sources import LiveSource
     from memtui.tui.app import MemtuiApp
     from tests.tui.conftest import run, screen_text, until
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from memtui import registry
-from memtui.client import ControlClient
+from memtui.storage import registry
+from memtui.transport.client import ControlClient
 from tests.conftest import ROOT, logged_subprocess, memtui_cli, memtui_here, status_json, wait_for
 
 SCRIPT = """

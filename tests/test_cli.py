@@ -13,9 +13,9 @@ import click
 from click.testing import CliRunner
 
 from memtui.cli import main
+from memtui.core.knobs import LR_RULES
 from memtui.demo.launcher import NO_NUMPY_WARNING, quiet_numpy_warning
 from memtui.hooks import Options, Tuner
-from memtui.knobs import LR_RULES
 from tests.conftest import memtui_cli, memtui_here
 from tests.test_tuner import Config
 

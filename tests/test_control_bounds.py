@@ -21,12 +21,12 @@ import msgspec
 import pytest
 import zmq
 
-from memtui.client import ClientError, ControlClient, hello_many
 from memtui.hooks import Options, Tuner
 from memtui.hooks.control import MAX_CHANGES, MAX_REASON, MAX_TEXT, Control
 from memtui.hooks.limits import Budget, PeerRates
 from memtui.hooks.persist import AuditLog
-from memtui.security import keygen, load_keys
+from memtui.transport.client import ClientError, ControlClient, hello_many
+from memtui.transport.security import keygen, load_keys
 from memtui.wire import (
     CancelRequest,
     Decoder,

@@ -24,8 +24,8 @@ import psutil
 import pytest
 import zmq
 
-from memtui import registry
-from memtui.client import ControlClient, hello_many
+from memtui.storage import registry
+from memtui.transport.client import ControlClient, hello_many
 from memtui.wire import Decoder, Snapshot, Telemetry
 from tests.conftest import (
     LIGHT,

@@ -399,7 +399,7 @@ def test_every_memtui_demo_command_is_accepted() -> None:
 def test_every_replayed_recording_opens_whole() -> None:
     """Each ``memtui replay FILE`` of the pages names a recording of this repository that the
     replay source opens whole (the viewer's replay tests play the same files)."""
-    from memtui.sources import ReplaySource
+    from memtui.transport.sources import ReplaySource
 
     lines = [c for _, c in memtui_lines() if c.startswith("memtui replay")]
     lines += [s for p in PAGES for s in inline_code(p) if s.startswith("memtui replay tests/")]
@@ -412,7 +412,7 @@ def test_every_replayed_recording_opens_whole() -> None:
 def test_output_blocks_are_what_the_command_prints(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``run: output`` block's ``$ COMMAND`` prints its lines exactly (``memtui gpus``'s
     message where no NVIDIA driver is loaded)."""
-    from memtui.gpus import NoDriver, load_nvml
+    from memtui.planning.gpus import NoDriver, load_nvml
 
     monkeypatch.chdir(ROOT)
     compared = 0
@@ -437,7 +437,7 @@ def test_output_blocks_are_what_the_command_prints(monkeypatch: pytest.MonkeyPat
 def test_gpu_pick_line_stops_where_no_gpu_is_picked(tmp_path: Path) -> None:
     """The ``gpus --pick`` form, run by bash as written: without a GPU to pick it stops with the
     reason and never starts the training with an empty device list."""
-    from memtui.gpus import NoDriver, load_nvml
+    from memtui.planning.gpus import NoDriver, load_nvml
 
     try:
         load_nvml()
@@ -465,7 +465,7 @@ def test_config_blocks_are_what_memtui_reads(tmp_path: Path) -> None:
     """A YAML block with a ``verdict:`` section is read by memtui's own loader without one
     complaint (a complete one holds the defaults); other YAML and INI blocks parse."""
     from memtui.advice.verdict import THRESHOLDS
-    from memtui.userconfig import load_thresholds
+    from memtui.storage.userconfig import load_thresholds
 
     checked = 0
     for block in blocks():

@@ -10,8 +10,8 @@ from typing import Any
 import psutil
 import yaml
 
-from memtui import registry
-from memtui.client import ControlClient
+from memtui.storage import registry
+from memtui.transport.client import ControlClient
 from tests.conftest import LIGHT, PLUMBING, DemoRun, memtui_cli, status_json, wait_for
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from memtui import estimate, memmath
+from memtui.core import memmath
 from memtui.hooks.memory import static_memory
+from memtui.planning import estimate
 from tests.conftest import memtui_cli
 
 GB = 10**9

@@ -29,12 +29,12 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from memtui import registry
 from memtui.cli import main
 from memtui.export.fleet import DEFAULT_MAX_RUNS
 from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
 from memtui.export.metrics import COUNTERS, GAUGES
 from memtui.export.serve import parse_listen
+from memtui.storage import registry
 from memtui.wire import (
     ControlState,
     Decoder,

@@ -35,10 +35,10 @@ import pytest
 import yaml
 import zmq
 
-from memtui import registry
-from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
-from memtui.recording import RecordingHeader, RecordingWriter, read_recording
+from memtui.storage import registry
+from memtui.transport.client import ControlClient
+from memtui.transport.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
 from tests.conftest import LIGHT, PLUMBING, ROOT, demo_run_id, launch_demo, memtui_cli, wait_for
 from tests.forkserver import ForkedDemo
@@ -458,7 +458,7 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
     assert recording.duration_s >= 4.0 - 1.5, (recording.duration_s, recording.cut_note)
     replay = subprocess.run(
         [sys.executable, "-c", "import sys; from memtui.tui.app import run_replay; "
-         "from memtui.sources import ReplaySource; "
+         "from memtui.transport.sources import ReplaySource; "
          "print(len(ReplaySource(sys.argv[1], speed=None).recording.frames))", str(record)],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from memtui.gpus import GpuInfo, NoDriver, format_gpus, load_nvml, pick, read_gpus
-from memtui.stats import format_bytes
+from memtui.core.stats import format_bytes
+from memtui.planning.gpus import GpuInfo, NoDriver, format_gpus, load_nvml, pick, read_gpus
 from tests.conftest import memtui_cli
 
 GiB = 2**30
@@ -133,7 +133,7 @@ def test_watch_refreshes_until_interrupted(monkeypatch: pytest.MonkeyPatch) -> N
     """``--watch`` reads NVML again at every refresh (the stand-in NVML; no GPU here)."""
     from click.testing import CliRunner
 
-    import memtui.gpus
+    import memtui.planning.gpus
     from memtui.cli import main
 
     reads: list[int] = []
@@ -149,7 +149,7 @@ def test_watch_refreshes_until_interrupted(monkeypatch: pytest.MonkeyPatch) -> N
         if len(sleeps) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(memtui.gpus, "host_gpus", host_gpus)
+    monkeypatch.setattr(memtui.planning.gpus, "host_gpus", host_gpus)
     monkeypatch.setattr("memtui.commands.gpus.time.sleep", sleep)
     result = CliRunner().invoke(main, ["gpus", "--watch", "--interval", "0.5"])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from memtui.recording import read_recording
+from memtui.transport.recording import read_recording
 from memtui.wire import Decoder, Telemetry
 from tests.conftest import ROOT, launch_script, memtui_cli, wait_for
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-VIEWER = ("memtui.tui", "memtui.sources", "memtui.client")
+VIEWER = ("memtui.tui", "memtui.transport.sources", "memtui.transport.client")
 """The viewer's code, its transport and its control client: never loaded by a training process."""
 
 
@@ -46,11 +46,13 @@ def test_hooks_with_torch_still_no_ui() -> None:
     )
     assert not {m.split(".")[0] for m in loaded} & {"textual", "rich"}
     assert not viewer_modules(loaded), "the hook loads none of the viewer's client code"
-    assert "memtui.recording" in loaded, "the hook writes recordings with the format module"
+    assert "memtui.transport.recording" in loaded, (
+        "the hook writes recordings with the format module"
+    )
 
 
 def test_recording_format_loads_no_transport() -> None:
-    loaded = modules_after("import memtui.recording")
+    loaded = modules_after("import memtui.transport.recording")
     assert "zmq" not in {m.split(".")[0] for m in loaded}
     assert not viewer_modules(loaded)
 
@@ -70,7 +72,14 @@ def test_no_import_cycles() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["memtui.cli", "memtui.client", "memtui.registry", "memtui.wire", "memtui.stats"]
+    "module",
+    [
+        "memtui.cli",
+        "memtui.transport.client",
+        "memtui.storage.registry",
+        "memtui.wire",
+        "memtui.core.stats",
+    ],
 )
 def test_clients_import_no_torch(module: str) -> None:
     assert "torch" not in loaded_after(f"import {module}")
@@ -87,8 +96,8 @@ def test_status_loads_no_psutil_and_without_a_config_file_no_yaml() -> None:
     verdict's thresholds need the YAML parser only when there is a config file."""
     loaded = loaded_after(
         "import os\nos.environ['MEMTUI_CONFIG'] = '/nonexistent/memtui.yaml'\n"
-        "import memtui.report, memtui.client, memtui.registry\n"
-        "from memtui.userconfig import load_thresholds\nload_thresholds()"
+        "import memtui.runs.report, memtui.transport.client, memtui.storage.registry\n"
+        "from memtui.storage.userconfig import load_thresholds\nload_thresholds()"
     )
     assert "zmq" in loaded and not loaded & {"yaml", "psutil"}, loaded
 

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from memtui.client import ClientError, ControlClient
 from memtui.hooks import Options, Tuner
+from memtui.transport.client import ClientError, ControlClient
 from memtui.wire import (
     CancelRequest,
     Decoder,

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from memtui.recording import read_recording
-from memtui.sources import LiveSource
+from memtui.transport.recording import read_recording
+from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry
 from tests.conftest import ROOT
 

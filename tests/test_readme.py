@@ -17,7 +17,7 @@ from typing import cast
 import msgspec
 import yaml
 
-from memtui.report import StatusReport
+from memtui.runs.report import StatusReport
 from tests.conftest import (
     PLUMBING,
     DemoRun,

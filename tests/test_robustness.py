@@ -18,15 +18,15 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from memtui import registry
-from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner
+from memtui.storage import registry
+from memtui.transport.client import ControlClient
 from memtui.wire import Decoder, ErrorReply, Telemetry
 from tests.conftest import LIGHT, PLUMBING, ROOT, DemoRun, memtui_cli, wait_for
 
 VIEWER = """
 import sys, time, zmq
-from memtui.client import ControlClient
+from memtui.transport.client import ControlClient
 from memtui.wire import Decoder
 control, pub = sys.argv[1], sys.argv[2]
 sub = zmq.Context.instance().socket(zmq.SUB)

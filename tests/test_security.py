@@ -19,11 +19,11 @@ import msgspec
 import pytest
 import zmq
 
-from memtui import registry
-from memtui.client import ClientError, ControlClient, hello_many
 from memtui.hooks import Options, Tuner
-from memtui.security import keygen, load_keys
-from memtui.sources import LiveSource
+from memtui.storage import registry
+from memtui.transport.client import ClientError, ControlClient, hello_many
+from memtui.transport.security import keygen, load_keys
+from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
 from tests.conftest import (
     LIGHT,
@@ -86,7 +86,7 @@ def test_the_authenticated_client_works(tcp_tuner: Tuner) -> None:
     assert snapshot.info.run == tcp_tuner.run_id and snapshot.step == 3
     assert snapshot.ranks[0].pub_tcp == rank.pub_tcp
     sub = zmq.Context.instance().socket(zmq.SUB)
-    from memtui.security import make_client
+    from memtui.transport.security import make_client
 
     make_client(sub, rank.pub_tcp)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -37,11 +37,11 @@ from typing import Any
 import pytest
 import yaml
 
-from memtui import registry
 from memtui.hooks import Options, Tuner
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE
-from memtui.recording import RecordingHeader, RecordingWriter, read_recording
-from memtui.security import SecurityError, keygen
+from memtui.storage import registry
+from memtui.transport.recording import RecordingHeader, RecordingWriter, read_recording
+from memtui.transport.security import SecurityError, keygen
 from memtui.wire import SetRequest
 
 CHILD_TIMEOUT_S = 20.0

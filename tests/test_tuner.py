@@ -16,10 +16,10 @@ import pytest
 import torch
 import yaml
 
-from memtui.client import ControlClient
 from memtui.hooks import Options, Tuner, install
 from memtui.hooks.publisher import HISTORY_STEPS
 from memtui.hooks.sampler import CudaDeviceProbe
+from memtui.transport.client import ControlClient
 from memtui.wire import CancelRequest, KnobDiff, SetRequest
 from tests.conftest import wait_for
 
@@ -512,9 +512,9 @@ def test_the_threads_wake_often_only_while_watched(
     """
     import zmq
 
-    from memtui import registry
     from memtui.hooks.agent import Agent
     from memtui.hooks.sampler import Sampler
+    from memtui.storage import registry
 
     polls: list[float] = []
     samples: list[float] = []
@@ -573,7 +573,7 @@ def test_a_queued_change_reaches_the_viewer_at_once_not_at_the_next_flush(tmp_pa
     """
     import zmq
 
-    from memtui import registry
+    from memtui.storage import registry
     from memtui.wire import Decoder, Telemetry
 
     options = Options(flush_period_s=5.0, idle_flush_s=5.0)

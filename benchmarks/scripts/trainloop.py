@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from memtui import hooks
+from memtui.core.stats import parse_bytes
 from memtui.demo.train import MemoryBudget
-from memtui.stats import parse_bytes
 
 
 def parse_args(description: str, batch_size: int) -> argparse.Namespace:

@@ -17,7 +17,13 @@ from memtui.advice.recommend import Inputs as RecommendInputs
 from memtui.advice.recommend import Recommendation, bands, recommend
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
 from memtui.advice.verdict import Inputs as VerdictInputs
-from memtui.stats import MemoryStats, StepStats, ram_fraction, summarize_device, summarize_steps
+from memtui.core.stats import (
+    MemoryStats,
+    StepStats,
+    ram_fraction,
+    summarize_device,
+    summarize_steps,
+)
 from memtui.wire import ControlState, HostSample, RunInfo, Snapshot
 
 STATE_NAMES = {state: state.name for state in State}

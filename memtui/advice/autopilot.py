@@ -34,7 +34,7 @@ from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
 from memtui.advice.recommend import Inputs, speed_noise, thresholds_of, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.knobs import format_changes, format_value, grew, knobs_with
+from memtui.core.knobs import format_changes, format_value, grew, knobs_with
 from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, Knobs, KnobValue
 
 AUTOPILOT = "autopilot"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memtui.stats import MemoryStats
+from memtui.core.stats import MemoryStats
 from memtui.wire import MemoryModel, StaticMemory
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from memtui.stats import format_bytes, format_duration, mean_and_margin, summarize_steps
+from memtui.core.stats import format_bytes, format_duration, mean_and_margin, summarize_steps
 from memtui.wire import Effect, StepRecord
 
 SETTLE_STEPS = 2

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
 from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
-from memtui.knobs import knobs_with
-from memtui.stats import summarize_steps
+from memtui.core.knobs import knobs_with
+from memtui.core.stats import summarize_steps
 from memtui.wire import (
     AppliedChange,
     DeviceSample,

@@ -17,7 +17,7 @@ from memtui.advice.predict import (
     safe_batch,
 )
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.stats import format_bytes
+from memtui.core.stats import format_bytes
 from memtui.wire import Ceiling, Knobs, MemoryModel
 
 

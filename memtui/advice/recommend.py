@@ -23,7 +23,7 @@ from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import predict_peak, safe_batch
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.knobs import (
+from memtui.core.knobs import (
     DEFAULT_PREFETCH_FACTOR,
     accumulation_for,
     effective_batch,
@@ -31,7 +31,7 @@ from memtui.knobs import (
     knobs_with,
     max_workers,
 )
-from memtui.stats import MemoryStats, StepStats, format_bytes
+from memtui.core.stats import MemoryStats, StepStats, format_bytes
 from memtui.wire import (
     AppliedChange,
     Ceiling,

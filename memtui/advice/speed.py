@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from memtui.advice.predict import line_fit
 from memtui.advice.verdict import THRESHOLDS
-from memtui.stats import StepStats
+from memtui.core.stats import StepStats
 from memtui.wire import AppliedChange, Effect, Knobs, KnobValue
 
 WORKER_KNOBS = frozenset({"num_workers"})

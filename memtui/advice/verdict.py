@@ -3,7 +3,7 @@
 Pure: the inputs are summaries (data-wait fraction, peak-memory fraction, host RAM and swap), the
 output is a state, a severity, a position on the STARVED..OOM RISK gauge and the numbers behind
 it. Every threshold lives in :class:`Thresholds` (one documented place, shown in the viewer's
-help screen, overridable in a YAML file read by ``memtui.userconfig.load_thresholds``). The memory bands are those
+help screen, overridable in a YAML file read by ``memtui.storage.userconfig.load_thresholds``). The memory bands are those
 operators size a batch by after an out-of-memory error: under 85% of capacity is safe, 85-90% is
 the edge, over 90% is danger. On a run of
 several ranks the inputs are the worst rank's numbers (``wait_rank``, ``memory_rank``) and the
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtui.stats import format_bytes, format_duration, one_line, shown
+from memtui.core.stats import format_bytes, format_duration, one_line, shown
 
 
 class State(enum.Enum):

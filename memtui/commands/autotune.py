@@ -14,7 +14,7 @@ from memtui.commands.common import TIMEOUT_HELP, client_for, fail, find_target
 def autotune_command(switch: str, run: str | None, timeout: float) -> None:
     """Turn the autopilot on or off: memtui autotune on|off [RUN]."""
     from memtui.advice.autopilot import describe_state
-    from memtui.client import ClientError
+    from memtui.transport.client import ClientError
 
     target = find_target(run, changes=True, usage=f"memtui autotune {switch} RUN")
     try:

@@ -15,7 +15,7 @@ NOTHING_PENDING = "no change is pending"
 @click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def cancel_command(args: tuple[str, ...], timeout: float) -> None:
     """Cancel a pending change: memtui cancel [RUN] ID (or 'all')."""
-    from memtui.client import ClientError
+    from memtui.transport.client import ClientError
 
     words = list(args)
     if not words:

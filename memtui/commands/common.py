@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:  # each command imports what it uses: `memtui --version` loads no zmq or psutil
-    from memtui import registry
     from memtui.advice.verdict import ThresholdConfig, Thresholds
-    from memtui.client import ControlClient
+    from memtui.storage import registry
+    from memtui.transport.client import ControlClient
 
 
 TIMEOUT_HELP = "Seconds to wait for the run's answer."
@@ -28,7 +28,7 @@ def find_target(run: str | None, *, changes: bool = False, usage: str = "") -> r
     ``changes`` one); ``usage``: the command's own form with RUN, said when a run must be named.
     A RUN that must be named or that matches several runs is a usage error (exit 2), one that
     matches none a lookup failure (exit 1)."""
-    from memtui import registry
+    from memtui.storage import registry
 
     try:
         target = registry.find_run(run, changes=changes)
@@ -49,7 +49,7 @@ def find_target(run: str | None, *, changes: bool = False, usage: str = "") -> r
 
 def name_one(usage: str) -> str:
     """``2 live runs: name the one to change (memtui cancel RUN ID): ...``, with each live run."""
-    from memtui import registry
+    from memtui.storage import registry
 
     runs = registry.list_runs()
     listed = "; ".join(f"{r.run} (pid {r.pid}, {r.cwd or '?'})" for r in runs)
@@ -58,7 +58,7 @@ def name_one(usage: str) -> str:
 
 def client_for(target: registry.Target, timeout: float) -> ControlClient:
     """A control client for the run ``target`` names."""
-    from memtui.client import ControlClient
+    from memtui.transport.client import ControlClient
 
     return ControlClient(target.control, timeout_s=timeout)
 
@@ -70,7 +70,7 @@ def thresholds_in_force() -> Thresholds:
 
 def threshold_config() -> ThresholdConfig:
     """The YAML config's verdict: section, if any; what it got wrong is said on stderr."""
-    from memtui.userconfig import load_thresholds
+    from memtui.storage.userconfig import load_thresholds
 
     config = load_thresholds()
     for problem in config.problems:

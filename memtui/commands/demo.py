@@ -126,7 +126,7 @@ def demo_command(
 def _tcp_env(tcp: str | None, insecure: bool, insecure_control: bool = False) -> dict[str, str]:
     """The environment that makes the training publish over TCP; refuse (exit 2) what the run
     would refuse: TCP without keys, or ``--insecure`` on an address other than loopback."""
-    from memtui.security import SecurityError, plan_tcp
+    from memtui.transport.security import SecurityError, plan_tcp
 
     if insecure_control and not insecure:
         fail("--insecure-control goes with --insecure (control over plain TCP is asked twice)", 2)

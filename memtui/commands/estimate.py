@@ -83,8 +83,8 @@ def estimate_command(**kwargs: Any) -> None:
     """The memory a training job needs per GPU, by part, and the largest micro-batch that fits."""
     import json
 
-    from memtui.estimate import EstimateError, Options, as_dict, estimate, format_table
-    from memtui.stats import parse_bytes
+    from memtui.core.stats import parse_bytes
+    from memtui.planning.estimate import EstimateError, Options, as_dict, estimate, format_table
 
     as_json = kwargs.pop("as_json")
     gpu_memory = kwargs.pop("gpu_memory")

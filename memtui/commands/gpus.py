@@ -33,8 +33,8 @@ def gpus_command(
     """
     import json
 
-    from memtui.gpus import NoDriver, format_gpus, host_gpus, pick
-    from memtui.stats import format_bytes
+    from memtui.core.stats import format_bytes
+    from memtui.planning.gpus import NoDriver, format_gpus, host_gpus, pick
 
     def read() -> list[Any]:
         try:

@@ -11,7 +11,7 @@ from memtui.commands.common import fail
 @click.option("--force", is_flag=True, help="Replace existing keys.")
 def keygen_command(force: bool) -> None:
     """Make the CURVE keys for multi-node runs over TCP (files 0600 in ~/.config/memtui/curve)."""
-    from memtui.security import SecurityError, keygen
+    from memtui.transport.security import SecurityError, keygen
 
     try:
         root = keygen(force=force)

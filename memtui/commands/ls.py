@@ -15,8 +15,8 @@ def ls_command(as_json: bool) -> None:
     """List live runs on this host."""
     import json
 
-    from memtui import registry
-    from memtui.security import exposure, tcp_endpoints
+    from memtui.storage import registry
+    from memtui.transport.security import exposure, tcp_endpoints
     from memtui.wire import to_builtins
 
     try:

@@ -59,9 +59,15 @@ def set_command(
     """
     import json
 
-    from memtui.client import ClientError
-    from memtui.knobs import KnobError, format_changes, names_knob, parse_assignments, parse_changes
-    from memtui.userconfig import load_thresholds
+    from memtui.core.knobs import (
+        KnobError,
+        format_changes,
+        names_knob,
+        parse_assignments,
+        parse_changes,
+    )
+    from memtui.storage.userconfig import load_thresholds
+    from memtui.transport.client import ClientError
     from memtui.wire import to_builtins
 
     if keep_effective_batch and allow_effective_batch:
@@ -121,7 +127,7 @@ def set_command(
 
 def _prediction_line(reply: SetReply, edge: float) -> str:
     """The memory prediction in a reply, in one line (``edge``: the top of the safe band)."""
-    from memtui.stats import format_bytes
+    from memtui.core.stats import format_bytes
 
     if reply.predicted_peak_bytes is None or not reply.capacity_bytes:
         return "predicted peak: no memory model yet (it needs a few steps of samples)"

@@ -109,7 +109,7 @@ def wait_for_run(
 ) -> str:
     """The run id of the demo training writing to ``out``, once it registered (the registry's
     run whose state directory it is: the demo installs with ``state_dir=out``, on rank 0 too)."""
-    from memtui import registry
+    from memtui.storage import registry
 
     wanted = out.resolve()
     deadline = time.monotonic() + timeout

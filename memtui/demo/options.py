@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memtui.stats import parse_bytes
+from memtui.core.stats import parse_bytes
 
 DESCRIPTION = (
     "The demo training: a small GPT-style model on synthetic tokens whose data loading is slow."
@@ -120,7 +120,7 @@ def parse_args(
 
 def default_out() -> Path:
     """The demo's checkpoint and state directory when ``--out`` is not given."""
-    from memtui.registry import state_home
+    from memtui.storage.registry import state_home
 
     return state_home().parent / "demo"
 
@@ -128,7 +128,7 @@ def default_out() -> Path:
 def out_in_use(out: Path) -> str:
     """Why ``out`` cannot take another demo ("": no live run keeps its state there): two runs in
     one directory would overwrite each other's checkpoint, tuned config and audit log."""
-    from memtui.registry import list_runs
+    from memtui.storage.registry import list_runs
 
     wanted = out.resolve()
     for run in list_runs(clean=False):

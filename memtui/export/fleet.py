@@ -11,7 +11,7 @@ else; a run whose ipc socket is not there is not asked at all. A run that does n
 asked again later (after ``PROBE_FIRST_S``, doubling to ``PROBE_MAX_S``) and shown as not up.
 
 A run that answers gets a :class:`RunWatch` while fewer than ``max_runs`` are watched: the
-viewer's own transport and state, a :class:`~memtui.sources.LiveSource` read by a
+viewer's own transport and state, a :class:`~memtui.transport.sources.LiveSource` read by a
 :class:`~memtui.runs.receiver.Receiver` on a thread of its own, each batch folded into a
 :class:`~memtui.runs.state.RunState` as it is posted. With every place taken, the run is left
 unwatched and counted once (``dropped``). A watch whose run stops answering for ``LOST_AFTER_S``
@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from memtui import registry
 from memtui.advice.verdict import State, ThresholdConfig
-from memtui.client import client_name, send_request
+from memtui.core.stats import MemoryStats, StepStats
 from memtui.runs.events import Status
 from memtui.runs.receiver import Inbox, Receiver
 from memtui.runs.state import RankSeries, RunState
-from memtui.sources import LiveSource
-from memtui.stats import MemoryStats, StepStats
+from memtui.storage import registry
+from memtui.transport.client import client_name, send_request
+from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, HostSample, RunRecord, Snapshot, encode
 
 REFRESH_S = 2.0

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from memtui import registry
 from memtui.advice.measure import (
     EFFECT_STEPS,
     effects_due,
@@ -58,8 +57,9 @@ from memtui.hooks.placement import Placement
 from memtui.hooks.publisher import Publisher, Recorder
 from memtui.hooks.server import ControlServer
 from memtui.hooks.threadname import name_native_thread
-from memtui.recording import CONTROL_RANK, RecordingHeader
-from memtui.security import IPC, TcpPlan, ZapHandler, exposure, make_server
+from memtui.storage import registry
+from memtui.transport.recording import CONTROL_RANK, RecordingHeader
+from memtui.transport.security import IPC, TcpPlan, ZapHandler, exposure, make_server
 from memtui.wire import HookCounters, ModelPoint, RankInfo, RunInfo, RunRecord, Snapshot, encode
 
 if TYPE_CHECKING:

@@ -388,7 +388,7 @@ def _find_training_loader(tuner: Any) -> None:
         return
     from torch.utils.data import IterableDataset
 
-    from memtui.knobs import DEFAULT_PREFETCH_FACTOR
+    from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 
     _watch.train, _watch.train_dataset = _weak(loader), _weak(loader.dataset)
     found: dict[str, Any] = {

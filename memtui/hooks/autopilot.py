@@ -26,9 +26,9 @@ from memtui.advice.autopilot import (
 from memtui.advice.effect import SETTLE_STEPS
 from memtui.advice.measure import EFFECT_STEPS
 from memtui.advice.recommend import Inputs, bands
+from memtui.core.knobs import format_changes, parse_value
+from memtui.core.stats import summarize_steps
 from memtui.hooks.control import Control, clip
-from memtui.knobs import format_changes, parse_value
-from memtui.stats import summarize_steps
 from memtui.wire import (
     AutopilotState,
     AutotuneReply,

@@ -2,7 +2,7 @@
 
 A config may be a dataclass, an ``argparse.Namespace``, a ``SimpleNamespace``, a dict, a module
 (or its ``globals()``), or any object with attributes. Knobs are found under their common names
-(see ``memtui.knobs.CONFIG_ALIASES``); an explicit mapping of knob to (dotted) path overrides
+(see ``memtui.core.knobs.CONFIG_ALIASES``); an explicit mapping of knob to (dotted) path overrides
 the search, e.g. ``{"batch_size": "train.micro_bs"}``.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from memtui.knobs import CONFIG_ALIASES, KNOBS, KnobError, canonical_name
+from memtui.core.knobs import CONFIG_ALIASES, KNOBS, KnobError, canonical_name
 
 _MISSING = object()
 

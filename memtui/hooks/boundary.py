@@ -14,14 +14,7 @@ from collections.abc import Callable
 import msgspec
 
 from memtui.advice.prediction import Prediction
-from memtui.hooks.caches import release_caches
-from memtui.hooks.control import Control
-from memtui.hooks.errors import Report
-from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
-from memtui.hooks.lr import LearningRate
-from memtui.hooks.persist import TunedConfig
-from memtui.hooks.placement import Placement
-from memtui.knobs import (
+from memtui.core.knobs import (
     KnobError,
     format_diffs,
     format_lr,
@@ -30,6 +23,13 @@ from memtui.knobs import (
     merge,
     shrank,
 )
+from memtui.hooks.caches import release_caches
+from memtui.hooks.control import Control
+from memtui.hooks.errors import Report
+from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
+from memtui.hooks.lr import LearningRate
+from memtui.hooks.persist import TunedConfig
+from memtui.hooks.placement import Placement
 from memtui.wire import AppliedChange, PendingChange
 
 log = logging.getLogger("memtui")

@@ -18,10 +18,7 @@ from memtui.advice.measure import Measured
 from memtui.advice.prediction import Prediction
 from memtui.advice.speed import SpeedEstimate, speed_error
 from memtui.advice.verdict import Thresholds
-from memtui.hooks.limits import PeerRates
-from memtui.hooks.lr import LearningRate
-from memtui.hooks.persist import AuditLog
-from memtui.knobs import (
+from memtui.core.knobs import (
     KNOBS,
     KnobError,
     format_changes,
@@ -31,7 +28,10 @@ from memtui.knobs import (
     parse_changes,
     resolve,
 )
-from memtui.userconfig import load_thresholds
+from memtui.hooks.limits import PeerRates
+from memtui.hooks.lr import LearningRate
+from memtui.hooks.persist import AuditLog
+from memtui.storage.userconfig import load_thresholds
 from memtui.wire import (
     AppliedChange,
     AutopilotState,

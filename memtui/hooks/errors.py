@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from memtui.stats import one_line
+from memtui.core.stats import one_line
 
 log = logging.getLogger("memtui")
 

@@ -13,9 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from memtui.hooks.binding import ConfigBinding
-from memtui.hooks.errors import Report
-from memtui.knobs import (
+from memtui.core.knobs import (
     KNOBS,
     KnobError,
     as_dict,
@@ -25,7 +23,9 @@ from memtui.knobs import (
     knobs_with,
     parse_value,
 )
-from memtui.stats import shown
+from memtui.core.stats import shown
+from memtui.hooks.binding import ConfigBinding
+from memtui.hooks.errors import Report
 from memtui.wire import KnobDiff, Knobs, KnobValue
 
 log = logging.getLogger("memtui")

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
-from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")

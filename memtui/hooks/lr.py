@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, TypeGuard
 
-from memtui.knobs import Knobs, format_lr, lr_rule, samples_per_rank_step
+from memtui.core.knobs import Knobs, format_lr, lr_rule, samples_per_rank_step
 from memtui.wire import LrState
 
 LR_SECTION = "lr"

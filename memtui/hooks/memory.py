@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from memtui import memmath
+from memtui.core import memmath
 from memtui.wire import StaticMemory
 
 
@@ -61,7 +61,7 @@ def static_memory(
 ) -> StaticMemory:
     """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``.
 
-    Parameters and gradients come from the shared arithmetic (``memtui.memmath``) over the
+    Parameters and gradients come from the shared arithmetic (``memtui.core.memmath``) over the
     live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
     the same arithmetic's expectation before the first step. ``between_steps`` (a step's end or
     a checkpoint boundary) also counts the gradients that exist there.

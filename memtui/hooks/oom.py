@@ -39,6 +39,7 @@ from types import TracebackType
 
 from memtui.advice.oom import is_oom, parse_oom
 from memtui.advice.predict import max_batch
+from memtui.core.knobs import accumulation_for, as_dict, format_diffs, grew, knobs_with
 from memtui.hooks.boundary import Boundary
 from memtui.hooks.caches import release_caches
 from memtui.hooks.control import Control
@@ -48,7 +49,6 @@ from memtui.hooks.ledger import StepLedger
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
 from memtui.hooks.tracker import TrackerEvent
-from memtui.knobs import accumulation_for, as_dict, format_diffs, grew, knobs_with
 from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent, all_fields
 
 log = logging.getLogger("memtui")

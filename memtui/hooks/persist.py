@@ -3,7 +3,7 @@
 Both live in the run's state directory (``install(state_dir=...)``, by default
 ``~/.local/state/memtui/runs/<run id>``); the tuned config can also be written to a path the
 user gives. ``install(resume=True)`` reads the tuned config back so a restarted run keeps it.
-Both are opened through ``memtui.ownfiles``: written only as the user's own 0600 files, read
+Both are opened through ``memtui.storage.ownfiles``: written only as the user's own 0600 files, read
 back only if no other account owns or can write them, and a state dir other accounts can write
 is said once, loudly.
 """
@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from memtui import ownfiles, safeyaml
-from memtui.knobs import KNOBS, KnobError, as_dict, parse_value
-from memtui.stats import one_line
+from memtui.core.knobs import KNOBS, KnobError, as_dict, parse_value
+from memtui.core.stats import one_line
+from memtui.storage import ownfiles, safeyaml
 from memtui.wire import Ceiling, Knobs, to_builtins
 
 log = logging.getLogger("memtui")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
 from memtui.hooks.ledger import CHECKPOINT_RECORDS, OUTBOX_RECORDS, RawStep, StepLedger
-from memtui.recording import RecordingHeader, RecordingWriter
+from memtui.transport.recording import RecordingHeader, RecordingWriter
 from memtui.wire import (
     CheckpointRecord,
     DeviceSample,

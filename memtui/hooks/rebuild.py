@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from memtui.knobs import DEFAULT_PREFETCH_FACTOR
+from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 
 CARRIED = frozenset(
     {

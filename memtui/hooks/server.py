@@ -19,11 +19,11 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from memtui import registry
 from memtui.hooks.control import Control, Pilot
 from memtui.hooks.errors import Report
 from memtui.hooks.limits import Budget, PeerRates
-from memtui.security import READONLY_REASON, public_info
+from memtui.storage import registry
+from memtui.transport.security import READONLY_REASON, public_info
 from memtui.wire import (
     AutotuneReply,
     AutotuneRequest,

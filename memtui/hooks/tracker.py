@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memtui.core.knobs import as_dict, format_changes, format_diffs
 from memtui.hooks.errors import Report
-from memtui.knobs import as_dict, format_changes, format_diffs
 from memtui.wire import AppliedChange, LrWithdrawn, OomEvent
 
 TrackerEvent = AppliedChange | OomEvent | LrWithdrawn

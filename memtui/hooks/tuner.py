@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import memtui
-from memtui import registry
 from memtui.advice.autopilot import BUDGET
+from memtui.core.knobs import format_value
+from memtui.core.stats import one_line, parse_bytes
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.batches import Args, BatchT, timed_batches
@@ -63,10 +64,9 @@ from memtui.hooks.persist import (
 from memtui.hooks.placement import Placement
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.tracker import EventCallback, Tracker
-from memtui.knobs import format_value
-from memtui.ownfiles import UnsafeFile
-from memtui.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
-from memtui.stats import one_line, parse_bytes
+from memtui.storage import registry
+from memtui.storage.ownfiles import UnsafeFile
+from memtui.transport.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
 from memtui.wire import KnobDiff, Knobs, LrWithdrawn, RankInfo, RunInfo
 
 log = logging.getLogger("memtui")

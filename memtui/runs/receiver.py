@@ -22,8 +22,7 @@ from collections.abc import Callable
 import msgspec
 
 from memtui.advice.autopilot import describe_state
-from memtui.client import client_name
-from memtui.knobs import format_changes
+from memtui.core.knobs import format_changes
 from memtui.runs.events import (
     MANY_RANKS,
     VIEWER,
@@ -36,7 +35,8 @@ from memtui.runs.events import (
 )
 from memtui.runs.frames import FrameDecoder
 from memtui.runs.plausible import MAX_RANKS, rank_limit
-from memtui.sources import Source, SourceUnavailable
+from memtui.transport.client import client_name
+from memtui.transport.sources import Source, SourceUnavailable
 from memtui.wire import (
     AutotuneReply,
     AutotuneRequest,

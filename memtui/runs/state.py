@@ -7,7 +7,7 @@ the state. Everything is bounded: recent raw records for the summaries (the same
 rate.
 
 Every rank has its own series (every rank publishes, and answers hello with its own history and
-config). :meth:`RunState.summary` compares them: the medians, stragglers (``memtui.stats``), the
+config). :meth:`RunState.summary` compares them: the medians, stragglers (``memtui.core.stats``), the
 rank nearest OOM, silent ranks, each rank's pressure (how close to a threshold) and the order
 worst first; the verdict is made from the worst rank's numbers and names that rank.
 """
@@ -40,11 +40,8 @@ from memtui.advice.verdict import (
     Verdict,
     VerdictTracker,
 )
-from memtui.client import client_name
-from memtui.knobs import KNOBS, effective_batch, merge
-from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
-from memtui.runs.plausible import check_snapshot, check_telemetry, is_time, rank_limit
-from memtui.stats import (
+from memtui.core.knobs import KNOBS, effective_batch, merge
+from memtui.core.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
     MemoryStats,
@@ -54,6 +51,9 @@ from memtui.stats import (
     summarize_device,
     summarize_steps,
 )
+from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
+from memtui.runs.plausible import check_snapshot, check_telemetry, is_time, rank_limit
+from memtui.transport.client import client_name
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,

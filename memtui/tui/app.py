@@ -28,14 +28,15 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from memtui import registry
 from memtui.advice.recommend import Recommendation
-from memtui.knobs import KNOBS, next_lr_scale
+from memtui.core.knobs import KNOBS, next_lr_scale
 from memtui.runs.events import MANY_RANKS, RUN, Notice
 from memtui.runs.receiver import Inbox, Receiver
 from memtui.runs.state import RunState, ViewOptions
 from memtui.runs.text import clean
-from memtui.sources import LiveSource, ReplaySource, Source, SourceUnavailable
+from memtui.storage import registry
+from memtui.storage.userconfig import load_thresholds
+from memtui.transport.sources import LiveSource, ReplaySource, Source, SourceUnavailable
 from memtui.tui.compat import TerminalDriver
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.screens.advice import AdviceScreen
@@ -44,7 +45,6 @@ from memtui.tui.screens.edit import EditKnobScreen, EditResult
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.screens.main import MainScreen
 from memtui.tui.widgets.advice import top_applicable
-from memtui.userconfig import load_thresholds
 from memtui.wire import AutotuneRequest, CancelRequest, KnobValue, SetRequest
 
 EDIT_GROUP = Binding.Group("set knob")

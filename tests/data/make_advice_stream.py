@@ -30,10 +30,10 @@ from pathlib import Path
 
 from memtui.advice.assess import assess
 from memtui.advice.predict import fraction
-from memtui.client import ControlClient
-from memtui.recording import read_recording
-from memtui.registry import find_run
-from memtui.sources import record
+from memtui.storage.registry import find_run
+from memtui.transport.client import ControlClient
+from memtui.transport.recording import read_recording
+from memtui.transport.sources import record
 from memtui.wire import Snapshot
 
 HERE = Path(__file__).resolve().parent

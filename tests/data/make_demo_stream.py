@@ -24,10 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-from memtui.client import ControlClient
-from memtui.recording import read_recording
-from memtui.registry import find_run
-from memtui.sources import record
+from memtui.storage.registry import find_run
+from memtui.transport.client import ControlClient
+from memtui.transport.recording import read_recording
+from memtui.transport.sources import record
 
 HERE = Path(__file__).resolve().parent
 

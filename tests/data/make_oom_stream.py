@@ -22,8 +22,8 @@ import math
 import sys
 from pathlib import Path
 
-from memtui.knobs import resolve
-from memtui.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
+from memtui.core.knobs import resolve
+from memtui.transport.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,

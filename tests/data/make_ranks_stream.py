@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from memtui.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
+from memtui.transport.recording import CONTROL_RANK, RecordingHeader, RecordingWriter
 from memtui.wire import (
     AppliedChange,
     CheckpointRecord,

@@ -309,7 +309,7 @@ def bootstrap(tmp_path: Path, site_code: str = SITECUSTOMIZE, **extra: str) -> d
 
 def run_id_of_the_one_run() -> str:
     """The run the script registered (each test has its own runtime directory)."""
-    from memtui import registry
+    from memtui.storage import registry
 
     runs: Any = wait_for(registry.list_runs, 30, what="the run to register")
     assert len(runs) == 1, runs
@@ -423,7 +423,7 @@ def test_a_trainer_script_without_memtui_runs_as_it_always_did(
     tmp_path: Path, started: str
 ) -> None:
     pytest.importorskip("transformers")
-    from memtui import registry
+    from memtui.storage import registry
 
     script = tmp_path / "hf_plain.py"
     script.write_text(HF_SCRIPT)
@@ -529,7 +529,7 @@ def test_a_script_with_its_own_install_line_keeps_it_under_the_bootstrap(
     """The framework test scripts (``hooks.install(trainer)`` in them) under the bootstrap: one
     run, the script's own tuner, and a change lands as without the bootstrap."""
     pytest.importorskip(framework)
-    from memtui import registry
+    from memtui.storage import registry
 
     hf = framework == "transformers"
     script = Path(__file__).with_name("hf_train.py" if hf else "lightning_train.py")
@@ -560,7 +560,7 @@ def test_under_the_watch_of_memtui_run_the_trainer_is_one_run_that_takes_a_chang
     auto = pytest.importorskip("memtui.hooks.auto")
     if not hasattr(auto, "activate"):
         pytest.skip("memtui.hooks.auto has no activate()")
-    from memtui import registry
+    from memtui.storage import registry
 
     script = tmp_path / "hf_plain.py"
     script.write_text(HF_SCRIPT)
@@ -581,7 +581,7 @@ def test_every_rank_of_lightnings_own_ddp_launcher_is_hooked_as_one_run(tmp_path
     """``strategy="ddp"`` on two CPU processes: Lightning starts the second rank as a new process
     of the script, which gets the bootstrap too; one run, the change at the same step on both."""
     pytest.importorskip("lightning.pytorch")
-    from memtui import registry
+    from memtui.storage import registry
 
     script = tmp_path / "lightning_plain.py"
     script.write_text(LIGHTNING_SCRIPT)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from memtui import estimate
+from memtui.planning import estimate
 from tests.test_estimate import TINY_MISTRAL
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memtui import registry
-from memtui.client import hello_many
+from memtui.storage import registry
+from memtui.transport.client import hello_many
 from tests.frameworks.harness import ACCELERATE_CPU, accelerate_launch, paused_run, torchrun
 
 pytest.importorskip("transformers")

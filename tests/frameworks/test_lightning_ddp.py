@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memtui import registry
-from memtui.client import hello_many
+from memtui.storage import registry
+from memtui.transport.client import hello_many
 from tests.frameworks.harness import PYTHON, paused_run, torchrun
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")

@@ -209,7 +209,7 @@ def write_script(tmp_path: Path) -> Path:
 
 def the_one_run() -> str:
     """The id of the run the script registered (each test has its own runtime directory)."""
-    from memtui import registry
+    from memtui.storage import registry
 
     runs: Any = wait_for(registry.list_runs, 30, what="the run to register")
     assert len(runs) == 1, runs

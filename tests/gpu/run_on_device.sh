@@ -59,7 +59,7 @@ import importlib.metadata as md
 
 import torch
 
-import memtui.cli, memtui.client, memtui.hooks, memtui.report, memtui.tui.app  # noqa: F401
+import memtui.cli, memtui.transport.client, memtui.hooks, memtui.runs.report, memtui.tui.app  # noqa: F401
 
 names = ["textual", "pyzmq", "psutil", "nvidia-ml-py", "PyYAML", "click", "msgspec",
          "prometheus_client", "pytest", "pytest-timeout"]

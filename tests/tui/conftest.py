@@ -19,8 +19,8 @@ from rich.console import Console
 from textual.app import App
 from textual.pilot import Pilot
 
-from memtui.recording import RecordedFrame, Recording, read_recording
-from memtui.sources import ReplayEnd, ReplaySource
+from memtui.transport.recording import RecordedFrame, Recording, read_recording
+from memtui.transport.sources import ReplayEnd, ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.wire import Decoder, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, wait_for

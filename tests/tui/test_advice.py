@@ -15,7 +15,7 @@ from textual.pilot import Pilot
 
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import State
-from memtui.sources import LiveSource
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.edit import EditKnobScreen

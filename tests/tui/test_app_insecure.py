@@ -10,8 +10,8 @@ import pytest
 from rich.text import Text
 from textual.pilot import Pilot
 
-from memtui import registry
-from memtui.sources import LiveSource
+from memtui.storage import registry
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.tui.widgets.header import RunHeader

@@ -15,7 +15,7 @@ import zmq
 from textual.pilot import Pilot
 
 from memtui.runs.events import Status
-from memtui.sources import LiveSource
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.wire import RankInfo, Telemetry, encode

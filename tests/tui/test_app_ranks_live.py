@@ -16,7 +16,7 @@ from typing import Any
 from textual.pilot import Pilot
 
 from memtui.runs.events import Status
-from memtui.sources import LiveSource
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from tests.conftest import LIGHT, DemoRun

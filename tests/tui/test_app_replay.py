@@ -14,7 +14,7 @@ from textual.widgets import Input
 
 from memtui.cli import main
 from memtui.runs.events import Status
-from memtui.sources import LiveSource, ReplaySource
+from memtui.transport.sources import LiveSource, ReplaySource
 from memtui.tui.app import MemtuiApp, left_at
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.edit import EditKnobScreen

@@ -15,10 +15,10 @@ import pytest
 import zmq
 from textual.pilot import Pilot
 
+from memtui.core.stats import format_bytes, format_duration
 from memtui.runs.events import ReceivedBatch, Status
 from memtui.runs.state import RunState
-from memtui.sources import LiveSource
-from memtui.stats import format_bytes, format_duration
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.palette import rate

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from memtui import registry
+from memtui.storage import registry
 from tests.conftest import LIGHT, ROOT, wait_for
 
 VIEWER = """

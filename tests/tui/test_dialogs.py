@@ -10,8 +10,8 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import OptionList
 
-from memtui.recording import read_recording
 from memtui.runs.events import ReceivedBatch
+from memtui.transport.recording import read_recording
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.cancel import CancelScreen
 from memtui.tui.screens.help import KEYS, HelpScreen

@@ -19,11 +19,11 @@ from typing import Any
 from click.testing import CliRunner
 from textual.pilot import Pilot
 
-from memtui import registry
 from memtui.cli import main
 from memtui.hooks import Options, Tuner
 from memtui.runs.events import Status
-from memtui.sources import LiveSource
+from memtui.storage import registry
+from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from tests.conftest import memtui_cli, wait_for
 from tests.test_tuner import Config

@@ -31,12 +31,12 @@ from textual.pilot import Pilot
 from textual.strip import Strip
 from textual.widgets import Input
 
-from memtui import registry
-from memtui.gpus import GpuInfo, GpuProcessInfo
-from memtui.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.planning.gpus import GpuInfo, GpuProcessInfo
 from memtui.runs.events import Notice, ReceivedBatch, Status
 from memtui.runs.text import clean
-from memtui.sources import LiveSource, ReplaySource
+from memtui.storage import registry
+from memtui.transport.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.transport.sources import LiveSource, ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
@@ -154,7 +154,7 @@ def hostile_run(text: str) -> Recording:
 def shown(text: str) -> str:
     """What of ``text`` must be on the screen: itself, control characters made visible (those
     Rich drops, such as BEL, may be dropped), and of a very long one its start: the rest wraps,
-    and a message that echoes a value cuts it to 40 characters (``memtui.stats.shown``)."""
+    and a message that echoes a value cuts it to 40 characters (``memtui.core.stats.shown``)."""
     return clean(strip_control_codes(text))[:30]
 
 

@@ -16,8 +16,8 @@ from tests.conftest import ROOT
     [
         "memtui.tui",
         "memtui.tui.app",
-        "memtui.sources",
-        "memtui.recording",
+        "memtui.transport.sources",
+        "memtui.transport.recording",
         "memtui.advice.verdict",
     ],
 )
@@ -34,7 +34,7 @@ def test_viewer_imports_no_torch_and_no_hook(module: str) -> None:
 def test_advice_and_state_import_no_textual() -> None:
     code = (
         "import sys, json, memtui.advice.verdict, memtui.runs.state, memtui.runs.events, "
-        "memtui.runs.receiver, memtui.sources\nprint(json.dumps(sorted(sys.modules)))"
+        "memtui.runs.receiver, memtui.transport.sources\nprint(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True

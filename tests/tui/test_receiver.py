@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from memtui.recording import RecordingWriter, read_recording
-from memtui.registry import find_run
 from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, Status
 from memtui.runs.receiver import Inbox, Receiver
 from memtui.runs.state import RunState
-from memtui.sources import LiveSource, ReplaySource, Source
+from memtui.storage.registry import find_run
+from memtui.transport.recording import RecordingWriter, read_recording
+from memtui.transport.sources import LiveSource, ReplaySource, Source
 from memtui.wire import SetRequest, Snapshot, Telemetry, encode
 from tests.conftest import ROOT, memtui_cli, wait_for
 from tests.tui.conftest import STARVING, HookLoop

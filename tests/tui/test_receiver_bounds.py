@@ -18,13 +18,13 @@ from contextlib import contextmanager
 import msgspec
 import zmq
 
-from memtui import registry
-from memtui.recording import RecordedFrame, Recording, RecordingHeader
 from memtui.runs.events import ReceivedBatch, Status
 from memtui.runs.plausible import MAX_RANKS
 from memtui.runs.receiver import MAX_CONTROL_JUMP, Receiver
 from memtui.runs.state import RunState
-from memtui.sources import LiveSource, ReplaySource
+from memtui.storage import registry
+from memtui.transport.recording import RecordedFrame, Recording, RecordingHeader
+from memtui.transport.sources import LiveSource, ReplaySource
 from memtui.wire import (
     ControlState,
     Decoder,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memtui.recording import (
+from memtui.transport.recording import (
     CONTROL_RANK,
     MAGIC,
     RecordingError,
@@ -18,7 +18,7 @@ from memtui.recording import (
     RecordingWriter,
     read_recording,
 )
-from memtui.sources import ReplaySource, SourceUnavailable, record
+from memtui.transport.sources import ReplaySource, SourceUnavailable, record
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry
 from tests.conftest import ROOT
 from tests.tui.conftest import DATA, OOM, STARVING, HookLoop

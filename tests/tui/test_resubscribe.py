@@ -20,9 +20,9 @@ import pytest
 import zmq
 from textual.pilot import Pilot
 
-from memtui import registry
 from memtui.runs.events import Status
-from memtui.sources import MAX_FRAME, LiveSource
+from memtui.storage import registry
+from memtui.transport.sources import MAX_FRAME, LiveSource
 from memtui.tui.app import MemtuiApp
 from memtui.wire import (
     ControlState,

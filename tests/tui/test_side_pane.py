@@ -17,7 +17,7 @@ from textual.geometry import Region
 from textual.pilot import Pilot
 
 from memtui.advice.verdict import State
-from memtui.sources import ReplaySource
+from memtui.transport.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.charts import to_columns
 from memtui.tui.palette import Chip, flow

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 CHILD = """
 import asyncio, json, os, shutil, sys
 from memtui.tui.app import MemtuiApp
-from memtui.sources import ReplaySource
+from memtui.transport.sources import ReplaySource
 
 async def main():
     app = MemtuiApp(ReplaySource({recording!r}, speed=None))

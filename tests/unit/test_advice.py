@@ -30,9 +30,9 @@ from memtui.advice.verdict import (
     describe_thresholds,
 )
 from memtui.advice.verdict import Inputs as VerdictInputs
-from memtui.paths import config_file as config_path
-from memtui.stats import MemoryStats, StepStats
-from memtui.userconfig import load_thresholds
+from memtui.core.stats import MemoryStats, StepStats
+from memtui.storage.paths import config_file as config_path
+from memtui.storage.userconfig import load_thresholds
 from memtui.wire import Ceiling, HostSample, Knobs, ModelPoint, StaticMemory, StepRecord
 
 GIB = 1 << 30
@@ -574,8 +574,8 @@ def test_verdicts_on_the_recorded_advice_stream() -> None:
     """The real CPU demo recording (tests/data/make_advice_stream.py): underused at batch 4 under
     its 900 MiB limit, balanced at batch 8; ``memtui status --json`` names the states."""
     from memtui.advice.assess import STATE_NAMES, assess
-    from memtui.recording import read_recording
-    from memtui.report import build_status, status_json
+    from memtui.runs.report import build_status, status_json
+    from memtui.transport.recording import read_recording
     from memtui.wire import Decoder, Snapshot, Telemetry
 
     recording = read_recording(Path(__file__).parents[1] / "data" / "demo_advice.mtrec")
@@ -779,7 +779,7 @@ def test_a_loop_whose_batches_memtui_never_timed_has_its_data_wait_unknown() -> 
     leave the data wait unknown: never STARVED, and the verdict and status say it is not
     measured rather than that the loader keeps up."""
     from memtui.advice.verdict import Inputs, decide
-    from memtui.stats import summarize_steps
+    from memtui.core.stats import summarize_steps
 
     untimed = [StepRecord(i, float(i), 0.1, 0.0, 32, 0) for i in range(1, 21)]
     steps = summarize_steps(untimed)

@@ -26,11 +26,11 @@ from memtui.advice.predict import (
 )
 from memtui.advice.prediction import Prediction
 from memtui.advice.recommend import Inputs, recommend
+from memtui.core.stats import StepStats
 from memtui.hooks import Options, Tuner
 from memtui.hooks.control import Control
 from memtui.hooks.persist import read_ceiling
 from memtui.hooks.sampler import usable_cpus
-from memtui.stats import StepStats
 from memtui.wire import (
     AppliedChange,
     Ceiling,

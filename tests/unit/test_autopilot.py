@@ -25,9 +25,9 @@ from memtui.advice.autopilot import (
 )
 from memtui.advice.predict import Observation, fit
 from memtui.advice.recommend import Inputs
+from memtui.core.stats import StepStats
 from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.control import Control
-from memtui.stats import StepStats
 from memtui.wire import (
     AppliedChange,
     AutotuneRequest,

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from memtui.client import ClientError, ControlClient
 from memtui.hooks import Options, Tuner, server
 from memtui.hooks.persist import AUDIT_FILE, read_audit
 from memtui.hooks.server import TOGGLES_BURST, TOGGLES_PER_S
+from memtui.transport.client import ClientError, ControlClient
 
 
 @pytest.fixture

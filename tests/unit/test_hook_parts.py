@@ -21,11 +21,11 @@ from memtui.advice.measure import (
 from memtui.advice.predict import fit
 from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds
+from memtui.core.knobs import KnobError, diff, format_diffs, knobs_with, merge
 from memtui.hooks.device import allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
-from memtui.knobs import KnobError, diff, format_diffs, knobs_with, merge
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from memtui.hooks.persist import read_tuned, write_tuned
-from memtui.knobs import (
+from memtui.core.knobs import (
     KNOBS,
     KnobError,
     accumulation_for,
@@ -22,6 +21,7 @@ from memtui.knobs import (
     parse_value,
     resolve,
 )
+from memtui.hooks.persist import read_tuned, write_tuned
 from memtui.wire import Knobs
 
 ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor"]

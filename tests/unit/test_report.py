@@ -9,12 +9,12 @@ import re
 import msgspec
 import pytest
 
-from memtui.recording import read_recording
-from memtui.report import StatusReport, build_status, render_status, status_json
 from memtui.runs.events import ReceivedBatch
+from memtui.runs.report import StatusReport, build_status, render_status, status_json
 from memtui.runs.state import RunState, ViewOptions
+from memtui.storage.userconfig import load_thresholds
+from memtui.transport.recording import read_recording
 from memtui.tui.widgets.config import ConfigPanel
-from memtui.userconfig import load_thresholds
 from memtui.wire import Decoder
 from tests.unit.test_verdict_parity import RECORDINGS, HookHistories
 
@@ -124,7 +124,7 @@ def test_status_reads_each_prediction_next_to_its_measurement_in_words() -> None
     """An applied change reads ``predicted speed +118%, measured +233%`` and ``predicted peak 430
     MiB (2% high)``, says who asked for it, and names a knob the run had not set as its default
     (before: ``(off by -115 points)``, ``(+2%)`` and ``prefetch_factor - -> 2``)."""
-    from memtui.report import Applied, Diff, EffectReport
+    from memtui.runs.report import Applied, Diff, EffectReport
 
     report = _reports(RECORDINGS[0])[-1]
     measured = EffectReport(20, 20, 100.0, 333.0, 0.3, 0.09, 0.2, 0.01, summary="+233% samples/s")

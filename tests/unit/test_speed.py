@@ -14,8 +14,8 @@ from memtui.advice.speed import (
     speed_accuracy,
     speed_error,
 )
+from memtui.core.stats import StepStats
 from memtui.hooks.ledger import StepLedger
-from memtui.stats import StepStats
 from memtui.wire import AppliedChange, Effect, KnobDiff, Knobs
 
 

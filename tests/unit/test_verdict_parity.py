@@ -21,11 +21,11 @@ import pytest
 from memtui.advice.assess import STATE_NAMES
 from memtui.advice.verdict import decide
 from memtui.hooks.publisher import HISTORY_STEPS
-from memtui.recording import RecordedFrame, read_recording
-from memtui.report import build_status
 from memtui.runs.events import ReceivedBatch
+from memtui.runs.report import build_status
 from memtui.runs.state import RunState
-from memtui.userconfig import load_thresholds
+from memtui.storage.userconfig import load_thresholds
+from memtui.transport.recording import RecordedFrame, read_recording
 from memtui.wire import (
     CheckpointRecord,
     ControlState,
@@ -198,7 +198,7 @@ def test_status_and_the_viewer_show_the_same_max_safe_batch(
     """The largest safe micro-batch in the viewer's config panel and in ``memtui status`` is one
     figure at every point of every recording with a memory model (a CPU run showed ``> 128``
     in the viewer and 25016 in ``status``; a guess shows only its floor in both)."""
-    from memtui.report import render_status
+    from memtui.runs.report import render_status
     from memtui.tui.widgets.config import safe_batch_lines
 
     monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "none.yaml"))  # the default bands

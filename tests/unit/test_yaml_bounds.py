@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from memtui import safeyaml
 from memtui.advice.verdict import THRESHOLDS
 from memtui.hooks import Options, Tuner
+from memtui.storage import safeyaml
 
 BILLION_LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)

@@ -62,12 +62,12 @@ import math
 import time
 from typing import Any
 
+from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.knobstore import LOADER_KNOBS
 from memtui.hooks.loader import TunedLoader
 from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
-from memtui.knobs import DEFAULT_PREFETCH_FACTOR
 
 log = logging.getLogger("memtui")
 

@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from memtui.knobs import format_changes
+from memtui.core.knobs import format_changes
 from memtui.tui.safe import as_text
 from memtui.wire import ControlState, PendingChange
 

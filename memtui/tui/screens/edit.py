@@ -19,7 +19,7 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Input, Label, Static
 
 from memtui.advice.prediction import Prediction
-from memtui.knobs import (
+from memtui.core.knobs import (
     GROWING_KNOBS,
     KnobError,
     Resolved,

@@ -17,8 +17,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
-from memtui.gpus import GpuInfo, NoDriver, format_gpus, host_gpus
-from memtui.stats import format_bytes
+from memtui.core.stats import format_bytes
+from memtui.planning.gpus import GpuInfo, NoDriver, format_gpus, host_gpus
 from memtui.tui.safe import as_text
 
 REFRESH_S = 2.0

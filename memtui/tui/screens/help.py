@@ -14,8 +14,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from memtui.advice.verdict import THRESHOLDS, ThresholdConfig, describe_thresholds
+from memtui.core.stats import STRAGGLER_LAG_S, STRAGGLER_STEP_FACTOR, STRAGGLER_WAIT_SHARE
 from memtui.runs.state import NEAREST_OOM_FROM, SILENT_AFTER_S
-from memtui.stats import STRAGGLER_LAG_S, STRAGGLER_STEP_FACTOR, STRAGGLER_WAIT_SHARE
 from memtui.tui.safe import as_text
 
 KEYS: tuple[tuple[str, str], ...] = (

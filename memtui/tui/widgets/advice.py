@@ -13,8 +13,8 @@ from rich.text import Text
 from memtui.advice.autopilot import describe_state
 from memtui.advice.recommend import Recommendation
 from memtui.advice.verdict import State
+from memtui.core.stats import format_bytes
 from memtui.runs.state import RunState, ViewOptions
-from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, chips, flow
 from memtui.tui.widgets.base import StateView
 

@@ -17,11 +17,11 @@ from memtui.advice.measure import accuracy, error_words, prediction_error
 from memtui.advice.predict import confidence
 from memtui.advice.speed import inside_noise
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.knobs import format_changes, format_value
-from memtui.report import diff_words, signed
+from memtui.core.knobs import format_changes, format_value
+from memtui.core.stats import format_bytes
 from memtui.runs.events import RUN, VIEWER, YOU
+from memtui.runs.report import diff_words, signed
 from memtui.runs.state import RunState, ViewOptions, who_is
-from memtui.stats import format_bytes
 from memtui.tui.palette import Chip, flow
 from memtui.tui.widgets.base import StateView
 from memtui.wire import (

@@ -9,8 +9,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
-from memtui.knobs import KNOBS, format_value
-from memtui.report import untunable_lines, unused_knobs
+from memtui.core.knobs import KNOBS, format_value
+from memtui.runs.report import untunable_lines, unused_knobs
 from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import Ceiling, MemoryModel

@@ -7,9 +7,9 @@ from collections.abc import Hashable
 
 from rich.console import RenderableType
 
+from memtui.core.stats import format_duration
 from memtui.runs.events import Status
 from memtui.runs.state import RunState, ViewOptions
-from memtui.stats import format_duration
 from memtui.tui.palette import STATUS_STYLES, chips, counted, rate
 from memtui.tui.widgets.base import StateView
 

@@ -10,8 +10,8 @@ from rich.text import Text
 
 from memtui.advice.breakdown import Breakdown, breakdown
 from memtui.advice.verdict import Thresholds
+from memtui.core.stats import MemoryStats, format_bytes, ram_fraction
 from memtui.runs.state import RunState, ViewOptions
-from memtui.stats import MemoryStats, format_bytes, ram_fraction
 from memtui.tui.palette import SEVERITY_STYLES, chips
 from memtui.tui.widgets.base import StateView
 from memtui.wire import HostSample

@@ -15,8 +15,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, Thresholds
+from memtui.core.stats import format_bytes, format_duration
 from memtui.runs.state import RankSummary, RunState, Summary, ViewOptions
-from memtui.stats import format_bytes, format_duration
 from memtui.tui.palette import SEVERITY_STYLES, chips
 from memtui.tui.widgets.base import StateView
 

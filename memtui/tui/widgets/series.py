@@ -14,6 +14,7 @@ from rich.style import Style
 from rich.text import Text
 
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds
+from memtui.core.stats import format_bytes, format_duration
 from memtui.runs.state import (
     HostBucket,
     MemoryBucket,
@@ -22,7 +23,6 @@ from memtui.runs.state import (
     StepBucket,
     ViewOptions,
 )
-from memtui.stats import format_bytes, format_duration
 from memtui.tui import palette
 from memtui.tui.charts import Layer, legend, nice_ceiling, sparkline, stacked_rows, to_columns
 from memtui.tui.widgets.base import StateView

@@ -5,9 +5,9 @@ to what was measured, and the memory predictions' accuracy sits under the rows i
 from __future__ import annotations
 
 from memtui.advice.autopilot import AUTOPILOT
-from memtui.client import client_name
 from memtui.runs.events import RUN, VIEWER, Notice
 from memtui.runs.state import RunState, ViewOptions, who_is
+from memtui.transport.client import client_name
 from memtui.tui.widgets.changelog import change_lines
 from memtui.wire import (
     AppliedChange,

@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.pilot import Pilot
 
-from memtui.gpus import read_gpus
+from memtui.planning.gpus import read_gpus
 from memtui.tui.screens.gpus import GpusScreen
 from tests.test_gpus import FakeNvml, describe, no_driver_here
 from tests.tui.conftest import STARVING, replay_app, run, screen_text, settle, until

@@ -8,11 +8,11 @@ from typing import Any
 from textual.pilot import Pilot
 
 from memtui.advice.verdict import State
-from memtui.recording import RecordingWriter, read_recording
+from memtui.core.stats import MemoryStats, RankSpread, StepStats
 from memtui.runs.events import ReceivedBatch, Status
 from memtui.runs.state import SILENT_AFTER_S, RunState
-from memtui.sources import ReplaySource
-from memtui.stats import MemoryStats, RankSpread, StepStats
+from memtui.transport.recording import RecordingWriter, read_recording
+from memtui.transport.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.tui.widgets.ranks import COLUMN_GAP, ROW_WIDTH
 from memtui.wire import (

@@ -15,7 +15,7 @@ from rich.text import Text
 from textual.pilot import Pilot
 
 from memtui.advice.predict import GUESS_MULTIPLE, max_batch
-from memtui.recording import read_recording
+from memtui.transport.recording import read_recording
 from memtui.tui.palette import SEVERITY_STYLES
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.widgets.config import safe_batch_lines

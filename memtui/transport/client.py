@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import zmq
 
-from memtui.security import SecurityError, make_client
+from memtui.transport.security import SecurityError, make_client
 from memtui.wire import (
     AutotuneReply,
     AutotuneRequest,

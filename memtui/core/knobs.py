@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from memtui.stats import shown
+from memtui.core.stats import shown
 from memtui.wire import KnobDiff, Knobs, KnobValue
 
 KNOBS: tuple[str, ...] = (

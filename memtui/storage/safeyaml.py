@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from memtui import ownfiles
+from memtui.storage import ownfiles
 
 MAX_BYTES = 1 << 20
 """A config file larger than this is refused unread (both of memtui's are a few hundred bytes)."""

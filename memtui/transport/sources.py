@@ -5,7 +5,7 @@ replay goes through the same decoder, bad-frame counting included). Two sources 
 :class:`LiveSource` (ZeroMQ: SUB to every rank's telemetry, one socket per security domain,
 requests to rank 0's control socket, and one hello to every other rank's control socket for its
 history and config) and :class:`ReplaySource` (a recording file, at real or accelerated speed).
-:func:`record` writes what a live source receives to a recording (:mod:`memtui.recording`, the
+:func:`record` writes what a live source receives to a recording (:mod:`memtui.transport.recording`, the
 file format, which the training process uses too and which imports no ZeroMQ).
 
 Nothing here imports torch or Textual; the training process does not import this module.
@@ -24,16 +24,17 @@ from typing import Literal, Protocol, TypeVar
 
 import zmq
 
-from memtui import registry, wire
-from memtui.client import ClientError, ControlClient, client_name, send_request
-from memtui.recording import (
+from memtui import wire
+from memtui.storage import registry
+from memtui.transport.client import ClientError, ControlClient, client_name, send_request
+from memtui.transport.recording import (
     CONTROL_RANK,
     Recording,
     RecordingHeader,
     RecordingWriter,
     read_recording,
 )
-from memtui.security import SecurityError, client_domain, make_client
+from memtui.transport.security import SecurityError, client_domain, make_client
 from memtui.wire import Decoder, Hello, Message, RankInfo, Snapshot, Telemetry, encode
 
 TELEMETRY = -2

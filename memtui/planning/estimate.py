@@ -1,6 +1,6 @@
 """``memtui estimate``: the memory a training job will need, by part, before it runs.
 
-Static parts come from ``memtui.memmath`` (the arithmetic the live breakdown uses too).
+Static parts come from ``memtui.core.memmath`` (the arithmetic the live breakdown uses too).
 Activations are measured when the model can be built: a forward and backward at two small
 micro-batches, counting the bytes autograd keeps for backward (deduplicated by storage,
 parameters excluded), extrapolated per sample. Small models run for real on the CPU; large ones
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memtui import memmath
 from memtui.advice.verdict import THRESHOLDS, Thresholds
-from memtui.stats import format_bytes
+from memtui.core import memmath
+from memtui.core.stats import format_bytes
 
 REAL_LIMIT_BYTES = 2 * 2**30
 """Models with parameters up to this size are measured on the CPU for real; larger on meta."""

@@ -1,7 +1,7 @@
 """The recording format (``.mtrec``): what a viewer saw, written to a file and read back.
 
-The hook writes one (``install(record=...)``), so does :func:`memtui.sources.record`, and
-:class:`memtui.sources.ReplaySource` replays one; this module is the format alone (no ZeroMQ),
+The hook writes one (``install(record=...)``), so does :func:`memtui.transport.sources.record`, and
+:class:`memtui.transport.sources.ReplaySource` replays one; this module is the format alone (no ZeroMQ),
 small on purpose::
 
     file    := MAGIC record*
@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from memtui import ownfiles
+from memtui.storage import ownfiles
 from memtui.wire import Decoder, Message
 
 MAGIC = b"MTREC01\n"

@@ -27,8 +27,8 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
-from memtui import paths
-from memtui.ownfiles import UnsafeFile, private_dir
+from memtui.storage import paths
+from memtui.storage.ownfiles import UnsafeFile, private_dir
 from memtui.wire import RankInfo, RunInfo
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"

@@ -21,7 +21,7 @@ from memtui.advice.measure import accuracy, error_words, prediction_error
 from memtui.advice.prediction import ceiling_words
 from memtui.advice.speed import describe_speed, speed_accuracy, speed_error
 from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
-from memtui.knobs import (
+from memtui.core.knobs import (
     KNOBS,
     KnobValue,
     OldNew,
@@ -30,8 +30,8 @@ from memtui.knobs import (
     format_diffs,
     format_value,
 )
-from memtui.security import exposure, tcp_endpoints
-from memtui.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.core.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.transport.security import exposure, tcp_endpoints
 from memtui.wire import (
     AppliedChange,
     AutopilotState,

@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memtui import paths
 from memtui.advice.verdict import THRESHOLDS, ThresholdConfig, parse_thresholds
+from memtui.storage import paths
 
 
 def load_thresholds(
@@ -28,7 +28,7 @@ def load_thresholds(
         return missing
     import yaml
 
-    from memtui import safeyaml
+    from memtui.storage import safeyaml
 
     try:
         data = safeyaml.read(file)

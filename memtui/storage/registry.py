@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtui import ownfiles, paths
+from memtui.storage import ownfiles, paths
 from memtui.wire import RankInfo, RunRecord, decode_run_record, encode_run_record
 
 RUN_FILE = "run.json"
