@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 
 # the suite runs in one worker more than there are cores (its tests wait on trainings about a
 # quarter of the time), a file's tests on one worker (its shared training starts once), the
-# heaviest files first (tests/conftest.py: HEAVY_FIRST); `make test PYTEST_WORKERS=` runs it in
+# heaviest files first (those marked `heavy`); `make test PYTEST_WORKERS=` runs it in
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 

@@ -21,7 +21,7 @@ from memtui.transport.recording import read_recording
 from memtui.transport.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.wire import Telemetry
-from tests.tui.conftest import one_rank
+from tests.support.viewer import one_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "screenshots"

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from tests.clients.upstream import CLIENTS, Manifest, apply_patch, cached, materialise, missing
-from tests.conftest import memtui_cli, wait_for
+from tests.support.cli import memtui_cli
+from tests.support.processes import wait_for
 
 WITNESS = Path(__file__).with_name("witness.py")
 INTEGRATION_PATCH = "integration.patch"

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import ROOT, memtui_cli, wait_for
+from tests.support.cli import memtui_cli
+from tests.support.processes import ROOT, wait_for
 
 PYTHON = [sys.executable]
 """Run the script in one process (or let the framework launch its own ranks)."""

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, logged_subprocess, memtui_here, status_json, wait_for
 from tests.frameworks.harness import ACCELERATE_CPU, accelerate_launch
+from tests.support.cli import memtui_here, status_json
+from tests.support.processes import ROOT, logged_subprocess, wait_for
 
 pytestmark = pytest.mark.frameworks
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from memtui.planning import estimate
-from tests.test_estimate import TINY_MISTRAL
+from tests.integration.test_estimate import TINY_MISTRAL
 
 
 def test_hf_config_builds_without_download(tmp_path: Any) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import memtui_cli
 from tests.frameworks.harness import PYTHON, paused_run
+from tests.support.cli import memtui_cli
 
 pytest.importorskip("transformers")
 

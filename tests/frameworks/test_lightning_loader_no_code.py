@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, memtui_cli, wait_for
 from tests.frameworks.harness import PYTHON, paused_run
+from tests.support.cli import memtui_cli
+from tests.support.processes import ROOT, wait_for
 
 SCRIPT = textwrap.dedent(
     '''

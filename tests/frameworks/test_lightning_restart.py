@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.frameworks.harness import PYTHON, paused_run
+from tests.support.processes import ROOT
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 SAMPLES = 96

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.frameworks.harness import PYTHON, paused_run
-from tests.tbevents import read_events
+from tests.support.tbevents import read_events
 
 pytest.importorskip("tensorboard")
 HERE = Path(__file__).parent

@@ -3,7 +3,7 @@
 Each test runs ``cuda_train.py`` (a hooked training on ``cuda:0``) in a fresh interpreter, never
 forked from the test process: CUDA does not survive a fork. The CPU-runnable halves of what they
 check (the OOM message parsed, the peak-reset switch, the expandable_segments check) are in
-tests/unit/test_advice.py, tests/test_tuner.py and tests/unit/test_hook_parts.py.
+tests/unit/test_advice.py, tests/integration/test_tuner.py and tests/unit/test_hook_parts.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, launch_script
 from tests.gpu.cuda_train import HUGE_BATCH
+from tests.support.processes import ROOT, launch_script
 
 pytestmark = pytest.mark.gpu
 

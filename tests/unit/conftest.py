@@ -13,7 +13,7 @@ import pytest
 
 def _refused(*_args: Any, **_kwargs: Any) -> NoReturn:
     raise AssertionError(
-        "a unit test started a process: it belongs in the integration tests (tests/, tests/tui/)"
+        "a unit test started a process: it belongs in the integration tests (tests/integration/)"
     )
 
 

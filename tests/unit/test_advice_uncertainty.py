@@ -44,7 +44,7 @@ from memtui.wire import (
     SetRequest,
     StepRecord,
 )
-from tests.test_tuner import Config
+from tests.integration.test_tuner import Config
 
 MIB = 2**20
 GIB = 2**30

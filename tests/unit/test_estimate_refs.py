@@ -8,7 +8,7 @@ import re
 import pytest
 
 from benchmarks.estimate_refs import CASES, GB, Case, run
-from tests.conftest import ROOT
+from tests.support.processes import ROOT
 
 MEASURED = {i for i, case in enumerate(CASES) if "--model" in case.args}
 """The rows that measure a 32-layer model on the meta device (seconds each): -m slow."""

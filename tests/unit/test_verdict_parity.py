@@ -38,7 +38,7 @@ from memtui.wire import (
     Telemetry,
     encode,
 )
-from tests.conftest import ROOT
+from tests.support.processes import ROOT
 
 MIB = 1 << 20
 

@@ -1,6 +1,6 @@
 """The YAML files memtui reads but does not control never block or break install.
 
-Beyond the alias bomb (tests/test_faults.py): nesting deep enough to exhaust the composer's
+Beyond the alias bomb (tests/integration/test_faults.py): nesting deep enough to exhaust the composer's
 recursion, a number whose conversion is quadratic or overflows, a date that does not exist, and
 a FIFO where the file should be; each is, in the tuned YAML at resume and in ``$MEMTUI_CONFIG``
 at install, one one-line warning within a second, and the script's config stands.

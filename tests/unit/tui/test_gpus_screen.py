@@ -1,7 +1,7 @@
 """The GPUs screen (key ``g``) on real Textual with Pilot: the no-driver message, and a table.
 
 Where there is no NVIDIA driver, the first test shows the real no-driver path; the second
-passes a reader over ``tests.test_gpus.FakeNvml`` (a stand-in NVML: no GPU needed).
+passes a reader over ``tests.integration.test_gpus.FakeNvml`` (a stand-in NVML: no GPU needed).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from textual.pilot import Pilot
 
 from memtui.planning.gpus import read_gpus
 from memtui.tui.screens.gpus import GpusScreen
-from tests.test_gpus import FakeNvml, describe, no_driver_here
-from tests.tui.conftest import STARVING, replay_app, run, screen_text, settle, until
+from tests.integration.test_gpus import FakeNvml, describe, no_driver_here
+from tests.support.viewer import STARVING, replay_app, run, screen_text, settle, until
 
 WIDE = (120, 40)
 

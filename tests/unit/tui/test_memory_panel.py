@@ -11,7 +11,8 @@ from memtui.runs.state import RunState
 from memtui.tui.widgets.header import devices
 from memtui.tui.widgets.memory import cpu_rows
 from memtui.wire import DeviceSample, HostSample
-from tests.tui.conftest import (
+from tests.integration.tui.test_app_replay import NARROW, WIDE, text_of
+from tests.support.viewer import (
     OOM,
     RANKS_8,
     STARVING,
@@ -21,7 +22,6 @@ from tests.tui.conftest import (
     screen_text,
     settle,
 )
-from tests.tui.test_app_replay import NARROW, WIDE, text_of
 from tests.unit.tui.test_state import GIB, T0, fold, snapshot, telemetry
 
 MIB = 1 << 20

@@ -25,15 +25,7 @@ from memtui.wire import (
     StepRecord,
     Telemetry,
 )
-from tests.tui.conftest import (
-    RANKS_8,
-    STARVING,
-    replay_app,
-    run,
-    screen_text,
-    settle,
-    until,
-)
+from tests.support.viewer import RANKS_8, STARVING, replay_app, run, screen_text, settle, until
 
 T0 = 2_000_000.0
 GIB = 1 << 30

@@ -20,8 +20,8 @@ from memtui.tui.palette import SEVERITY_STYLES
 from memtui.tui.screens.help import HelpScreen
 from memtui.tui.widgets.config import safe_batch_lines
 from memtui.wire import Ceiling, MemoryModel, ModelPoint, Telemetry
-from tests.tui.conftest import ADVICE, OOM, STARVING, replay_app, run, settle
-from tests.tui.test_app_replay import NARROW, WIDE, text_of
+from tests.integration.tui.test_app_replay import NARROW, WIDE, text_of
+from tests.support.viewer import ADVICE, OOM, STARVING, replay_app, run, settle
 
 MIB = 1 << 20
 GIB = 1 << 30

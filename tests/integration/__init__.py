@@ -1,0 +1,1 @@
+"""Tests that start processes (trainings, commands, sockets to other processes) or run the viewer."""
