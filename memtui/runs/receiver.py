@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -69,6 +70,70 @@ GONE = frozenset({Status.ENDED, Status.EXITED, Status.DISCONNECTED})
 """The run is lost: another live run may be offered (never followed without a key press)."""
 
 
+@dataclass(frozen=True)
+class ReceiverTimings:
+    """How long the receiver waits, polls and gathers, in seconds."""
+
+    quiet_after_s: float = 3.0
+    """Silence after which the run is called quiet (the hook sends a heartbeat every 1 s)."""
+    disconnect_after_s: float = 6.0
+    """Silence after which a source that cannot be asked (a replay) is called disconnected."""
+    retry_s: float = 1.0
+    """The wait between two looks for a run not found."""
+    poll_s: float = 0.1
+    """The longest wait for frames in one poll."""
+    post_interval_s: float = 0.1
+    """The least time between two batches posted to the app (a change of connection or a
+    request's outcome goes sooner)."""
+    heartbeat_s: float = 1.0
+    """How often the clock is posted when nothing else happens (ages keep counting)."""
+    gather_s: float = 0.1
+    """After a poll that brought frames, wait this long before the next one, so that the frames
+    of many ranks are taken in one wake-up each (64 ranks send 640 a second)."""
+    many_ranks_gather_s: float = 0.25
+    """The same (and the least time between two batches posted) above ``MANY_RANKS`` ranks."""
+    refresh_s: float = 1.0
+    """The least time between two snapshots asked for because of what the stream said (a missed
+    change, another run, an implausible count): a peer cannot make it ask more."""
+
+
+DEFAULT_TIMINGS = ReceiverTimings()
+"""The viewer's and the exporter's timings."""
+
+
+@dataclass
+class ReceiverCounts:
+    """What the receiver counted since it started."""
+
+    errors: int = 0
+    """Exceptions the receiver caught (and survived)."""
+    batches_posted: int = 0
+    """Batches handed to the app."""
+    attempts: int = 0
+    """Times the receiver looked for its run (found or not)."""
+    bad_values: int = 0
+    """Messages (or their control states) dropped for values the run cannot have sent: a rank
+    past its world size, a control seq that jumps or goes back."""
+    snapshots_asked: int = 0
+    """Snapshots asked for because of what the stream said (not counting the connection's)."""
+    reconnects: int = 0
+    """Times telemetry was subscribed to anew: the run (or a rank) answered a hello but sent
+    nothing for ``quiet_after_s`` (libzmq drops a connection for good on an oversized frame)."""
+
+
+@dataclass(frozen=True)
+class Posted:
+    """What the last batch handed to the app carried (a batch with nothing new is not posted)."""
+
+    at: float = 0.0
+    """When it was posted (``time.monotonic``)."""
+    clock: float = 0.0
+    """The source's clock it carried."""
+    bad_frames: int = 0
+    bad_values: int = 0
+    reconnects: int = 0
+
+
 class Inbox:
     """Batches handed from the receiver's thread to the app's, in order (thread-safe)."""
 
@@ -116,55 +181,19 @@ class Receiver:
         notify: Callable[[], None],
         *,
         readonly: bool = False,
-        quiet_after_s: float = 3.0,
-        disconnect_after_s: float = 6.0,
-        retry_s: float = 1.0,
-        poll_s: float = 0.1,
-        post_interval_s: float = 0.1,
-        heartbeat_s: float = 1.0,
-        gather_s: float = 0.1,
-        many_ranks_gather_s: float = 0.25,
-        refresh_s: float = 1.0,
+        timings: ReceiverTimings = DEFAULT_TIMINGS,
     ) -> None:
         self.source = source
         self.inbox = inbox
         self.notify = notify
         self.readonly = readonly
-        self.quiet_after_s = quiet_after_s
-        """Silence after which the run is called quiet (the hook sends a heartbeat every 1 s)."""
-        self.disconnect_after_s = disconnect_after_s
-        """Silence after which a source that cannot be asked (a replay) is called disconnected."""
-        self.retry_s = retry_s
-        self.poll_s = poll_s
-        self.post_interval_s = post_interval_s
-        self.heartbeat_s = heartbeat_s
-        """How often the clock is posted when nothing else happens (ages keep counting)."""
-        self.gather_s = gather_s
-        """After a poll that brought frames, wait this long before the next one, so that the
-        frames of many ranks are taken in one wake-up each (64 ranks send 640 a second)."""
-        self.many_ranks_gather_s = many_ranks_gather_s
-        """The same (and the least time between two batches posted) above ``MANY_RANKS`` ranks."""
-        self.refresh_s = refresh_s
-        """The least time between two snapshots asked for because of what the stream said (a
-        missed change, another run, an implausible count): a peer cannot make it ask more."""
+        self.timings = timings
+        self.counts = ReceiverCounts()
+        """What the receiver counted (the app shows some; the tests read them)."""
         self._ranks_seen: set[int] = set()
         """Ranks heard from: at most the run's world size (``plausible.rank_limit``)."""
         self.decoder = FrameDecoder()
         self.client = client_name("tui")
-        self.errors = 0
-        """Exceptions the receiver caught (and survived)."""
-        self.batches_posted = 0
-        """Batches handed to the app."""
-        self.attempts = 0
-        """Times the receiver looked for its run (found or not)."""
-        self.bad_values = 0
-        """Messages (or their control states) dropped for values the run cannot have sent: a
-        rank past its world size, a control seq that jumps or goes back."""
-        self.snapshots_asked = 0
-        """Snapshots asked for because of what the stream said (not counting the connection's)."""
-        self.reconnects = 0
-        """Times telemetry was subscribed to anew: the run (or a rank) answered a hello but sent
-        nothing for ``quiet_after_s`` (libzmq drops a connection for good on an oversized frame)."""
         self._heard: dict[int, float] = {}
         """Each rank's last telemetry, on the source's clock (in this connection)."""
         self._retry: dict[int, tuple[float, float]] = {}
@@ -197,11 +226,8 @@ class Receiver:
         self._last_frame_clock = 0.0
         self._next_retry = 0.0
         self._next_probe = 0.0
-        self._last_post = 0.0
-        self._posted_bad = 0
-        self._posted_values = 0
-        self._posted_reconnects = 0
-        self._posted_clock = 0.0
+        self._posted = Posted()
+        """What the last batch posted carried, and when."""
 
     # ------------------------------------------------------------------ app side (any thread)
 
@@ -231,7 +257,7 @@ class Receiver:
                 try:
                     self._cycle()
                 except Exception as exc:  # never die: say what happened and start over
-                    self.errors += 1
+                    self.counts.errors += 1
                     self._emit(
                         Notice(False, f"receiver error: {type(exc).__name__}: {exc}", who=VIEWER)
                     )
@@ -256,10 +282,10 @@ class Receiver:
                 self._check_gone()
             if not self._connected:
                 self._serve_requests()
-                self._stop.wait(self.poll_s)
+                self._stop.wait(self.timings.poll_s)
                 return
         started = time.monotonic()
-        frames = self.source.poll(self.poll_s)
+        frames = self.source.poll(self.timings.poll_s)
         for _rank, frame in frames:
             self._handle(frame)
         if self._snapshot_wanted and self._connected and time.monotonic() >= self._next_refresh:
@@ -272,8 +298,8 @@ class Receiver:
     def _gather(self) -> float:
         """How long frames are gathered between two polls (longer with many ranks)."""
         if len(self._ranks_seen) > MANY_RANKS:
-            return max(self.gather_s, self.many_ranks_gather_s)
-        return self.gather_s
+            return max(self.timings.gather_s, self.timings.many_ranks_gather_s)
+        return self.timings.gather_s
 
     def _emit(self, event: Event, urgent: bool = False) -> None:
         self._events.append(event)
@@ -290,29 +316,30 @@ class Receiver:
         now = time.monotonic()
         bad = self.decoder.bad_frames
         clock = self.source.now()
-        news = (
-            bool(self._events)
-            or bad != self._posted_bad
-            or self.bad_values != self._posted_values
-            or self.reconnects != self._posted_reconnects
+        posted = self._posted
+        news = bool(self._events) or (bad, self.counts.bad_values, self.counts.reconnects) != (
+            posted.bad_frames,
+            posted.bad_values,
+            posted.reconnects,
         )
-        heartbeat = clock != self._posted_clock and now - self._last_post >= self.heartbeat_s
+        heartbeat = clock != posted.clock and now - posted.at >= self.timings.heartbeat_s
         if not (news or heartbeat):
             return
-        if not self._urgent and now - self._last_post < max(self.post_interval_s, self._gather()):
+        if not self._urgent and now - posted.at < max(self.timings.post_interval_s, self._gather()):
             return
         batch = ReceivedBatch(
-            self._events, clock, bad, self.decoder.last_error, self.bad_values, self.reconnects
+            self._events,
+            clock,
+            bad,
+            self.decoder.last_error,
+            self.counts.bad_values,
+            self.counts.reconnects,
         )
         self._events = []
         self._urgent = False
-        self._last_post = now
-        self._posted_bad = bad
-        self._posted_values = self.bad_values
-        self._posted_reconnects = self.reconnects
-        self._posted_clock = clock
+        self._posted = Posted(now, clock, bad, self.counts.bad_values, self.counts.reconnects)
         self.inbox.put(batch)
-        self.batches_posted += 1
+        self.counts.batches_posted += 1
         self.notify()
 
     # ------------------------------------------------------------------ connection
@@ -354,8 +381,8 @@ class Receiver:
         self._drop(Status.EXITED if gone else Status.DISCONNECTED, gone or detail)
 
     def _try_connect(self) -> None:
-        self._next_retry = time.monotonic() + self.retry_s
-        self.attempts += 1
+        self._next_retry = time.monotonic() + self.timings.retry_s
+        self.counts.attempts += 1
         try:
             self.source.connect()
             if self.source.serves_requests:
@@ -383,7 +410,7 @@ class Receiver:
     def _drop(self, status: Status, detail: str) -> None:
         self._connected = False
         self._snapshot_wanted = False
-        self._next_retry = time.monotonic() + self.retry_s
+        self._next_retry = time.monotonic() + self.timings.retry_s
         with contextlib.suppress(Exception):
             self.source.disconnect()
         self._set_status(status, detail)
@@ -411,8 +438,8 @@ class Receiver:
 
     def _refresh_snapshot(self) -> None:
         self._snapshot_wanted = False
-        self._next_refresh = time.monotonic() + self.refresh_s
-        self.snapshots_asked += 1
+        self._next_refresh = time.monotonic() + self.timings.refresh_s
+        self.counts.snapshots_asked += 1
         try:
             snapshot = self.source.request(Hello(client=self.client, history=HISTORY), Snapshot)
         except SourceUnavailable as exc:
@@ -426,7 +453,7 @@ class Receiver:
             info = message.info
             if self._run and info.run == self._run and info.rank != self._control_rank:
                 if not 0 <= info.rank < self.decoder.rank_limit:
-                    self.bad_values += 1  # a rank the run does not have
+                    self.counts.bad_values += 1  # a rank the run does not have
                     return
                 self._emit(message)  # that rank's history and config only
             elif self._run and info.run != self._run and self.source.serves_requests:
@@ -441,7 +468,7 @@ class Receiver:
             return  # None (counted by the decoder) or a stray reply: nothing to show
         ours = not self._run or message.run == self._run
         if not 0 <= message.rank < (self.decoder.rank_limit if ours else MAX_RANKS):
-            self.bad_values += 1  # a rank the run does not have: no entry kept for it
+            self.counts.bad_values += 1  # a rank the run does not have: no entry kept for it
             return
         self._last_frame_clock = self.source.now()
         if ours:
@@ -481,14 +508,14 @@ class Receiver:
         self._want_snapshot()
         if message.control is None:
             return message
-        self.bad_values += 1
+        self.counts.bad_values += 1
         return msgspec.structs.replace(message, control=None, control_seq=known)
 
     def _check_silence(self) -> None:
         if not self._connected:
             return
         silence = self.source.now() - self._last_frame_clock
-        if silence < self.quiet_after_s:
+        if silence < self.timings.quiet_after_s:
             self._check_ranks()
             return
         quiet = f"no data for {silence:.0f} s"
@@ -497,7 +524,7 @@ class Receiver:
             self._drop(Status.EXITED, gone)
             return
         if not self.source.serves_requests:
-            if silence >= self.disconnect_after_s:
+            if silence >= self.timings.disconnect_after_s:
                 self._drop(Status.DISCONNECTED, quiet)
             else:
                 self._set_status(Status.QUIET, quiet)
@@ -506,7 +533,7 @@ class Receiver:
             self._set_status(Status.QUIET, f"{quiet}; the run answers")
             return
         self._set_status(Status.QUIET, quiet)
-        self._next_probe = time.monotonic() + self.quiet_after_s
+        self._next_probe = time.monotonic() + self.timings.quiet_after_s
         try:
             snapshot = self.source.request(Hello(client=self.client, history=0), Snapshot)
         except SourceUnavailable as exc:
@@ -520,13 +547,13 @@ class Receiver:
     def _is_silent(self, rank: int) -> bool:
         """``rank`` sent telemetry in this connection, but none for ``quiet_after_s``."""
         heard = self._heard.get(rank)
-        return heard is not None and self.source.now() - heard >= self.quiet_after_s
+        return heard is not None and self.source.now() - heard >= self.timings.quiet_after_s
 
     def _due(self, key: int) -> bool:
         """Whether a silent rank (``ALL_RANKS``: the run) may be asked again now; if so, the
         next time is set (twice as far off as the last)."""
         now = time.monotonic()
-        due, wait = self._retry.get(key, (0.0, self.quiet_after_s))
+        due, wait = self._retry.get(key, (0.0, self.timings.quiet_after_s))
         if now < due:
             return False
         self._retry[key] = (now + wait, min(2 * wait, RESUBSCRIBE_MAX_S))
@@ -545,7 +572,7 @@ class Receiver:
         """Subscribe anew to the telemetry of ``ranks`` (None: the whole run), which answered
         but sent nothing, and count it."""
         if self.source.resubscribe(ranks):
-            self.reconnects += 1
+            self.counts.reconnects += 1
 
     # ------------------------------------------------------------------ requests
 

@@ -31,7 +31,7 @@ from textual.worker import get_current_worker
 from memtui.advice.recommend import Recommendation
 from memtui.core.knobs import KNOBS, next_lr_scale
 from memtui.runs.events import MANY_RANKS, RUN, Notice
-from memtui.runs.receiver import Inbox, Receiver
+from memtui.runs.receiver import DEFAULT_TIMINGS, Inbox, Receiver, ReceiverTimings
 from memtui.runs.state import RunState, ViewOptions
 from memtui.runs.text import clean
 from memtui.storage import registry
@@ -108,7 +108,7 @@ class MemtuiApp(App[int]):
         demo_process: subprocess.Popen[Any] | None = None,
         refresh_hz: float = 4.0,
         chart_every: int = 2,
-        receiver_options: dict[str, float] | None = None,
+        receiver_timings: ReceiverTimings = DEFAULT_TIMINGS,
         replay_controls: bool = False,
     ) -> None:
         super().__init__()
@@ -129,7 +129,7 @@ class MemtuiApp(App[int]):
             self.inbox,
             self._post_update,
             readonly=readonly,
-            **(receiver_options or {}),
+            timings=receiver_timings,
         )
         self.batches_folded = 0
         """Receiver batches folded into the state."""
@@ -256,7 +256,8 @@ class MemtuiApp(App[int]):
     def caught_up(self) -> bool:
         """A finished source (the end of a replay) has been received and folded entirely."""
         return (
-            self.receiver.caught_up.is_set() and self.batches_folded >= self.receiver.batches_posted
+            self.receiver.caught_up.is_set()
+            and self.batches_folded >= self.receiver.counts.batches_posted
         )
 
     def _check_demo(self) -> None:

@@ -178,7 +178,7 @@ def viewer(endpoint: str, seconds: float, extra_ranks: str) -> dict[str, Any]:
         "said": said,
         "steps": steps,
         "subscribed": sorted(subscribed),
-        "errors": receiver.errors,
+        "errors": receiver.counts.errors,
     }
 
 

@@ -147,8 +147,8 @@ def test_a_plain_attach_offers_the_next_run_and_follows_it_on_f(
         await until(pilot, lambda: state.connection.status is Status.ENDED, 20, "the run's end")
         second = start_hook_loop(rate=100, seconds=60)
         await until(pilot, lambda: state.offer.run == second.run_id, 20, "the offer")
-        start = app.receiver.attempts
-        await until(pilot, lambda: app.receiver.attempts >= start + 2, 20, "two more looks")
+        start = app.receiver.counts.attempts
+        await until(pilot, lambda: app.receiver.counts.attempts >= start + 2, 20, "two more looks")
         app.refresh_view()
         await pilot.pause()
         text = screen_text(app)
@@ -197,7 +197,7 @@ def test_garbage_on_a_telemetry_socket_is_counted(
         app.refresh_view()
         await pilot.pause()
         assert "bad frames" in screen_text(app)
-        assert state.connection.status is Status.LIVE and app.receiver.errors == 0
+        assert state.connection.status is Status.LIVE and app.receiver.counts.errors == 0
 
     try:
         run(app, check, (120, 40))

@@ -115,7 +115,7 @@ def test_two_ranks_one_view_one_decision_and_a_lost_rank(
         assert "rank 1 silent" in text_of(app, "#header")
         first_row = rows(app)[0]
         assert first_row[0] == "1" and "no data" in " ".join(first_row), "silent ranks first"
-        assert app.receiver.errors == 0
+        assert app.receiver.counts.errors == 0
         assert "● live" in screen_text(app)
 
     try:

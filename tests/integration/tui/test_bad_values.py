@@ -285,7 +285,9 @@ def test_impossible_numbers_through_the_real_receiver(
         text = screen_text(app)
         assert "bad values" in text and "● live" in text
         assert state.connection.status is Status.LIVE
-        assert state.viewer_errors == 0 and app.receiver.errors == 0 and state.bad_frames == 0
+        assert (
+            state.viewer_errors == 0 and app.receiver.counts.errors == 0 and state.bad_frames == 0
+        )
 
     try:
         run(app, check, (120, 40))

@@ -45,8 +45,10 @@ def listed(run_id: str) -> bool:
 
 async def looked_again(pilot: Pilot[Any], app: MemtuiApp, times: int = 3) -> None:
     """Let the receiver look for its run ``times`` more times (it looks once a second)."""
-    start = app.receiver.attempts
-    await until(pilot, lambda: app.receiver.attempts >= start + times, 20, "the receiver to look")
+    start = app.receiver.counts.attempts
+    await until(
+        pilot, lambda: app.receiver.counts.attempts >= start + times, 20, "the receiver to look"
+    )
     app.refresh_view()
     await pilot.pause()
 

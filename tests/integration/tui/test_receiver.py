@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, Status
-from memtui.runs.receiver import Inbox, Receiver
+from memtui.runs.receiver import DEFAULT_TIMINGS, Inbox, Receiver, ReceiverTimings
 from memtui.runs.state import RunState
 from memtui.storage.registry import find_run
 from memtui.transport.recording import RecordingWriter, read_recording
@@ -24,7 +24,9 @@ from tests.support.viewer import STARVING, HookLoop
 
 
 @contextmanager
-def receiving(source: Source, **options: object) -> Iterator[tuple[Receiver, list[ReceivedBatch]]]:
+def receiving(
+    source: Source, readonly: bool = False, timings: ReceiverTimings = DEFAULT_TIMINGS
+) -> Iterator[tuple[Receiver, list[ReceivedBatch]]]:
     """A receiver on its thread; the batches it posts are collected as the app would."""
     inbox = Inbox()
     batches: list[ReceivedBatch] = []
@@ -34,7 +36,7 @@ def receiving(source: Source, **options: object) -> Iterator[tuple[Receiver, lis
         with lock:
             batches.extend(inbox.drain())
 
-    receiver = Receiver(source, inbox, notify, **options)  # type: ignore[arg-type]
+    receiver = Receiver(source, inbox, notify, readonly=readonly, timings=timings)
     thread = threading.Thread(target=receiver.run, daemon=True)
     thread.start()
     try:

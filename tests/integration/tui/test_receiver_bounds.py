@@ -20,7 +20,7 @@ import zmq
 
 from memtui.runs.events import ReceivedBatch, Status
 from memtui.runs.plausible import MAX_RANKS
-from memtui.runs.receiver import MAX_CONTROL_JUMP, Receiver
+from memtui.runs.receiver import DEFAULT_TIMINGS, MAX_CONTROL_JUMP, Receiver, ReceiverTimings
 from memtui.runs.state import RunState
 from memtui.storage import registry
 from memtui.transport.recording import RecordedFrame, Recording, RecordingHeader
@@ -151,9 +151,12 @@ class StandInRun:
 
 
 @contextmanager
-def attached(run: StandInRun, **options: object) -> Iterator[tuple[Receiver, list[ReceivedBatch]]]:
+def attached(
+    run: StandInRun, refresh_s: float = DEFAULT_TIMINGS.refresh_s
+) -> Iterator[tuple[Receiver, list[ReceivedBatch]]]:
     """The real receiver on the stand-in run, once it hears the run's heartbeats."""
-    with receiving(LiveSource(run.run), **options) as (receiver, batches):
+    timings = ReceiverTimings(refresh_s=refresh_s)
+    with receiving(LiveSource(run.run), timings=timings) as (receiver, batches):
         wait_for(lambda: Status.LIVE in statuses(batches), 10, what="the connection")
         heard = len([e for e in events(batches) if isinstance(e, Telemetry)])
         wait_for(
@@ -181,7 +184,9 @@ def test_a_huge_control_seq_is_not_believed_and_a_missed_change_still_asks() -> 
         asked = run.hellos
         bogus = ControlState(config=Knobs(batch_size=999), tunable=TUNABLE)
         run.send(run.telemetry(control_seq=2**39, control=bogus))
-        wait_for(lambda: receiver.bad_values == 1, 10, what="the bogus control state dropped")
+        wait_for(
+            lambda: receiver.counts.bad_values == 1, 10, what="the bogus control state dropped"
+        )
         run.change(batch_size=32)
 
         def shows_the_change() -> bool:
@@ -240,11 +245,11 @@ def test_a_storm_of_implausible_counts_asks_at_most_once_per_refresh() -> None:
             control = ControlState(config=Knobs(batch_size=100 + k), tunable=TUNABLE)
             run.send(run.telemetry(control_seq=10**6 + 1000 * k, control=control))
             time.sleep(0.05)
-        wait_for(lambda: receiver.bad_values >= 40, 10, what="every bogus control state")
+        wait_for(lambda: receiver.counts.bad_values >= 40, 10, what="every bogus control state")
         # The receiver counts an ask when it sends it; the run counts it when it answers. Wait
         # for the last ask in flight to be answered (all but the connection's hello are asks).
         wait_for(
-            lambda: receiver.snapshots_asked == run.hellos - 1,
+            lambda: receiver.counts.snapshots_asked == run.hellos - 1,
             5,
             what="the asks in flight answered",
         )
@@ -263,7 +268,9 @@ def test_ranks_past_the_world_size_are_dropped_and_counted() -> None:
             for rank in extra[start : start + 100]:
                 run.send(run.telemetry(rank=rank, steps=[]))
             time.sleep(0.02)
-        wait_for(lambda: receiver.bad_values == len(extra), 20, what="every extra rank counted")
+        wait_for(
+            lambda: receiver.counts.bad_values == len(extra), 20, what="every extra rank counted"
+        )
         wait_for(lambda: folded(batches).bad_values == len(extra), 10, what="posted")
         assert receiver._ranks_seen == {0, 1}
         assert set(receiver.decoder._tokens) <= {0, 1}
@@ -285,7 +292,7 @@ def test_before_the_world_size_is_known_at_most_max_ranks_are_followed() -> None
     with receiving(source) as (receiver, _batches):
         wait_for(receiver.caught_up.is_set, 20, what="the replay")
     assert len(receiver._ranks_seen) == MAX_RANKS
-    assert receiver.bad_values == 5000 - MAX_RANKS
+    assert receiver.counts.bad_values == 5000 - MAX_RANKS
 
 
 def test_a_snapshot_listing_ranks_past_its_world_size() -> None:
