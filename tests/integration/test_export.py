@@ -332,7 +332,7 @@ def test_prometheus_scrapes_the_exporter_and_answers_a_query(
 # --------------------------------------------------------------------------- the command
 
 
-def test_listen_addresses() -> None:
+def test_export_listens_on_loopback_unless_told_and_refuses_a_bad_address() -> None:
     assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
     assert parse_listen(":9464") == ("0.0.0.0", 9464), "every interface only when asked"
     assert parse_listen("[::1]:9464") == ("::1", 9464)

@@ -158,7 +158,9 @@ def test_stale_entries_of_dead_runs_are_cleaned(
     assert result.returncode == 1 and "no live run matches" in result.stderr
 
 
-def test_permissions(tmp_path: Path, private_runtime: Path) -> None:
+def test_the_runtime_dir_registry_file_and_sockets_are_the_users_alone(
+    tmp_path: Path, private_runtime: Path
+) -> None:
     tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path).start()
     try:
         run_dir = private_runtime / tuner.run_id

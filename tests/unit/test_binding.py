@@ -47,12 +47,12 @@ def test_dataclass_with_hf_names() -> None:
     assert config.per_device_train_batch_size == 24
 
 
-def test_namespace_kinds() -> None:
+def test_argparse_and_simple_namespaces_are_bound_and_written_through() -> None:
     _check_roundtrip(argparse.Namespace(batch_size=8, grad_accum=2))
     _check_roundtrip(SimpleNamespace(batch_size=8, num_workers=0))
 
 
-def test_dict() -> None:
+def test_a_dict_config_is_bound_and_written_through() -> None:
     config = {"batch_size": 8, "accumulation_steps": 2, "pin_memory": False}
     binding = _check_roundtrip(config)
     assert config["batch_size"] == 24
@@ -81,7 +81,7 @@ def test_explicit_mapping_with_dotted_path_overrides() -> None:
     assert config["train"].micro_bs == 12 and config["batch_size"] == 1000
 
 
-def test_mapping_errors() -> None:
+def test_a_missing_path_an_unknown_knob_or_a_frozen_config_is_refused_with_the_reason() -> None:
     with pytest.raises(BindingError, match=r"has no 'train\.nope'"):
         ConfigBinding({"train": {}}, {"batch_size": "train.nope"})
     with pytest.raises(BindingError, match="unknown knob"):

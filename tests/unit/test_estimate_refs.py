@@ -20,7 +20,7 @@ def _params(index: int, case: Case) -> object:
 
 
 @pytest.mark.parametrize("case", [_params(i, c) for i, c in enumerate(CASES)])
-def test_reference_row(case: Case) -> None:
+def test_the_estimate_is_within_tolerance_of_each_reference(case: Case) -> None:
     """memtui's number within the row's tolerance of the reference's."""
     value = case.pick(run(case))
     assert abs(value - case.expected) <= case.tolerance * case.expected, (

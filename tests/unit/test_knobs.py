@@ -46,11 +46,11 @@ ALL = ["batch_size", "grad_accum", "num_workers", "pin_memory", "prefetch_factor
         ("Batch-Size", "batch_size"),
     ],
 )
-def test_aliases(alias: str, knob: str) -> None:
+def test_knob_aliases_name_their_knob(alias: str, knob: str) -> None:
     assert canonical_name(alias) == knob
 
 
-def test_unknown_knob_suggests() -> None:
+def test_an_unknown_knob_suggests_the_nearest_name() -> None:
     with pytest.raises(KnobError, match=r"unknown knob 'batch_sise' \(did you mean batch_size\?\)"):
         canonical_name("batch_sise")
 
@@ -69,7 +69,7 @@ def test_unknown_knob_suggests() -> None:
         ("prefetch_factor", 1, 1),
     ],
 )
-def test_parse_value(knob: str, raw: object, value: object) -> None:
+def test_values_are_parsed_to_the_knobs_own_type(knob: str, raw: object, value: object) -> None:
     assert parse_value(knob, raw) == value
     assert type(parse_value(knob, raw)) is type(value)
 
@@ -141,7 +141,7 @@ def test_keep_effective_batch_counts_ranks() -> None:
     assert effective_batch(16, 4, 4) == 256
 
 
-def test_resolve_rejects() -> None:
+def test_an_untunable_knob_a_kept_batch_without_batch_size_or_both_halves_are_refused() -> None:
     current = Knobs(batch_size=16, grad_accum=None)
     with pytest.raises(KnobError, match="not tunable"):
         resolve({"grad_accum": 2}, current, ["batch_size"])
@@ -166,7 +166,9 @@ def test_resolve_rejects() -> None:
         (100, 33, (3, False)),
     ],
 )
-def test_accumulation_for(target: int, batch: int, expected: tuple[int, bool]) -> None:
+def test_accumulation_nearest_the_effective_batch_and_whether_it_is_exact(
+    target: int, batch: int, expected: tuple[int, bool]
+) -> None:
     assert accumulation_for(target, batch) == expected
 
 
@@ -218,7 +220,9 @@ def test_the_tuned_yaml_round_trips_all_five_knobs(tmp_path: Path) -> None:
         (Knobs(batch_size=8), Knobs(batch_size=32), "sqrt", 2.0),
     ],
 )
-def test_lr_factor(old: Knobs, new: Knobs, rule: str, factor: float | None) -> None:
+def test_lr_factor_follows_the_effective_batch_by_the_rule_or_is_none(
+    old: Knobs, new: Knobs, rule: str, factor: float | None
+) -> None:
     assert lr_factor(old, new, rule) == factor
 
 

@@ -66,7 +66,7 @@ def _telemetry() -> Telemetry:
     )
 
 
-def test_round_trip() -> None:
+def test_telemetry_and_a_snapshot_decode_to_what_was_encoded() -> None:
     decoder = Decoder()
     message = _telemetry()
     assert decoder.decode(encode(message)) == message

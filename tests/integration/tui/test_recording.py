@@ -24,7 +24,7 @@ from tests.support.processes import ROOT
 from tests.support.viewer import DATA, OOM, STARVING, HookLoop
 
 
-def test_round_trip(tmp_path: Path) -> None:
+def test_a_recording_reads_back_what_was_written(tmp_path: Path) -> None:
     path = tmp_path / "x.mtrec"
     with RecordingWriter(path, RecordingHeader(started=100.0, run="r")) as writer:
         writer.write(0.5, 0, b"\x01\x02")

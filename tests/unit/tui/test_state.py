@@ -172,7 +172,7 @@ def test_steps_go_into_one_second_buckets_and_chart_columns() -> None:
     assert wide.seconds_per_column == 2 and sum(v or 0 for v in wide.values) == 35
 
 
-def test_chart_helpers() -> None:
+def test_chart_scale_ceiling_and_stacked_rows() -> None:
     assert pick_scale(50, 60) == 1 and pick_scale(61, 60) == 2 and pick_scale(1e9, 10) == 600
     assert nice_ceiling(0.8) == 1.0 and nice_ceiling(130) == 200 and nice_ceiling(0) == 1.0
     red, green = Style(color="red"), Style(color="green")

@@ -33,7 +33,9 @@ def test_starved_at_thirty_percent_data_wait(wait: float, state: State) -> None:
         (1.02, State.OOM_RISK, 2),
     ],
 )
-def test_memory_bands(peak: float, state: State, severity: int) -> None:
+def test_peak_memory_bands_set_the_state_and_its_severity(
+    peak: float, state: State, severity: int
+) -> None:
     verdict = decide(Inputs(data_wait_fraction=0.05, peak_memory_fraction=peak))
     assert (verdict.state, verdict.severity) == (state, severity)
 
