@@ -22,7 +22,8 @@ per script and the verdict against the accuracy bar: mean |error| <= 5% and max 
 every change, no out of memory from a change accepted without ``--force``, and the max safe batch's
 observed peak under the edge band (``memory_edge_fraction``) every time.
 
-Usage: python benchmarks/advice_truth.py [--scripts demo,lm,cnn,mlp] [--quick] [--dwell S] [--json PATH]
+Usage: python benchmarks/advice_truth.py [--scripts demo,lm,cnn,mlp] [--quick] [--dwell S] [--hogs N]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -531,6 +532,9 @@ def main() -> int:
         help="seconds at each config after its effect is measured, before the next change "
         "(default 10; 0 with --quick)",
     )
+    parser.add_argument(
+        "--hogs", type=int, default=0, metavar="N", help="run N `yes` processes beside the scripts"
+    )
     args = parser.parse_args()
     names = [n for n in args.scripts.split(",") if n]
     if args.dwell is None:
@@ -547,7 +551,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     load_before = benchlib.loadavg()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="advice-truth") as tmp:
+    with tempfile.TemporaryDirectory(prefix="advice-truth") as tmp, benchlib.cpu_hogs(args.hogs):
         for name in names:
             script = SCRIPTS[name]
             if name in limits:
@@ -567,12 +571,13 @@ def main() -> int:
     result = verdict(summaries)
     print_summary(summaries, result)
     load_after = benchlib.loadavg()
-    print(f"\nload average before {load_before}, after {load_after}; "
+    print(f"\nload average before {load_before}, after {load_after}; {args.hogs} CPU hogs; "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
     if args.json:
         data = {
             "benchmark": "advice_truth",
             "quick": args.quick,
+            "hogs": args.hogs,
             "rows": [asdict(r) for r in rows],
             "runs": runs,
             "summary": summaries,

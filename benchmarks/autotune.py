@@ -1,7 +1,8 @@
 """The autopilot online against an offline grid search over the same knobs.
 
 For each start (four of the demo: starving with 0 workers, a tiny micro-batch, an oversized one
-near the memory limit, one already good; and one of ``benchmarks/scripts/transformer.py``) it
+near the memory limit, one already good; from ``benchmarks/scripts/``, the transformer with a tiny
+micro-batch, the CNN starving on a slow loader with 0 workers, the MLP with a tiny micro-batch) it
 runs the grid first: every point (num_workers x micro-batch, the accumulation recomputed so the
 effective batch stays; the same bounds the autopilot has: workers up to the CPUs the run may use)
 is a short separate run under the same memory limit (``MEMTUI_MEMORY_LIMIT``: past it the script
@@ -25,7 +26,8 @@ with ``--rounds N`` each grid point and each autopilot run is repeated N times: 
 each point's median (its rounds printed), the table the autopilot's median round by its fraction
 of the grid best, with the spread of the rounds and how many met the goal.
 
-Usage: python benchmarks/autotune.py [--quick] [--rounds N] [--starts demo-starving,...] [--json PATH]
+Usage: python benchmarks/autotune.py [--quick] [--rounds N] [--starts demo-starving,...] [--hogs N]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -105,6 +107,29 @@ LM = Script(
     },
 )
 
+TRUTH_FLAGS = {
+    "batch_size": "--batch_size",
+    "grad_accum": "--gradient_accumulation_steps",
+    "num_workers": "--num_workers",
+}
+"""The flags of ``benchmarks/scripts/``' training loops."""
+CNN = Script(
+    "cnn",
+    (PYTHON, str(HERE / "scripts" / "cnn.py"), "--slow_data_ms", "3"),
+    limit="600MiB",
+    effective=16,
+    flags=TRUTH_FLAGS,
+)
+"""A CNN with BatchNorm whose loader costs 3 ms a sample: it starves with no loader worker."""
+MLP = Script(
+    "mlp",
+    (PYTHON, str(HERE / "scripts" / "mlp.py")),
+    limit="740MiB",
+    effective=16,
+    flags=TRUTH_FLAGS,
+)
+"""A flat, optimizer-heavy MLP (9.4M parameters, AdamW): mostly static memory."""
+
 
 @dataclass(frozen=True)
 class Start:
@@ -132,6 +157,8 @@ STARTS = (
     Start("demo-oversized", DEMO, 16, 2),
     Start("demo-good", DEMO, 8, 2),
     Start("lm-tiny-micro", LM, 2, 0),
+    Start("cnn-starving", CNN, 8, 0),
+    Start("mlp-tiny-micro", MLP, 2, 0),
 )
 
 
@@ -479,7 +506,14 @@ def main() -> int:
     parser.add_argument("--starts", default=",".join(s.name for s in STARTS))
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--hogs", type=int, default=0, help="run N `yes` processes beside it all")
     args = parser.parse_args()
+    with benchlib.cpu_hogs(args.hogs):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The grid and the autopilot for every start asked for."""
     wanted = args.starts.split(",")
     starts = [s for s in STARTS if s.name in wanted]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -487,7 +521,9 @@ def main() -> int:
     batches = [4, 8, 16] if args.quick else [2, 4, 8, 16]
     timed = 20 if args.quick else 40
     print(
-        f"load {os.getloadavg()}, cpus {cpus}, rounds {args.rounds}, quick {args.quick}", flush=True
+        f"load {os.getloadavg()}, cpus {cpus}, rounds {args.rounds}, quick {args.quick}, "
+        f"{args.hogs} CPU hogs",
+        flush=True,
     )
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="autotune", dir="/tmp"))

@@ -161,6 +161,22 @@ def stop_process(proc: subprocess.Popen[Any], wait_s: float = 20.0) -> None:
             proc.wait(10)
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Any:
+    """``count`` processes of ``yes > /dev/null`` (each keeps a core busy) for the length of the
+    block: the load a shared training machine puts beside a run."""
+    hogs = [
+        subprocess.Popen(["yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(count)
+    ]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
+
+
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -31,6 +31,9 @@ def parse_args(description: str, batch_size: int) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("ckpt"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--slow_data_ms", type=float, default=0.0, help="a loader this slow per sample (it sleeps)"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.manual_seed(args.seed)
@@ -93,10 +96,30 @@ def train(
     return 0
 
 
+class Slowed(Dataset[Any]):
+    """A dataset whose every sample costs ``ms`` milliseconds more (a slow decoder or disk)."""
+
+    def __init__(self, dataset: Dataset[Any], ms: float) -> None:
+        self.dataset = dataset
+        self.seconds = ms / 1000
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.seconds)
+        return self.dataset[index]
+
+
 def loader_factory(
-    dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any] | None = None
+    dataset: Dataset[Any],
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    slow_data_ms: float = 0.0,
 ) -> Callable[[int, int, bool], DataLoader[Any]]:
-    """The DataLoader factory ``tuner.loader`` rebuilds with new knobs."""
+    """The DataLoader factory ``tuner.loader`` rebuilds with new knobs (``slow_data_ms``: each
+    sample that much slower to load)."""
+    if slow_data_ms > 0:
+        dataset = Slowed(dataset, slow_data_ms)
 
     def make(batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader[Any]:
         return DataLoader(
