@@ -16,13 +16,14 @@ if TYPE_CHECKING:
     from memtui.hooks.binding import BindingError
     from memtui.hooks.loader import TunedLoader
     from memtui.hooks.sampler import peak_rss
+    from memtui.hooks.settings import Options
     from memtui.hooks.tracker import TrackerEvent, event_text, event_values
-    from memtui.hooks.tuner import Applied, Options, Tuner
+    from memtui.hooks.tuner import Applied, Tuner
 
 _LAZY = {
     "Applied": "memtui.hooks.tuner",
     "BindingError": "memtui.hooks.binding",
-    "Options": "memtui.hooks.tuner",
+    "Options": "memtui.hooks.settings",
     "TrackerEvent": "memtui.hooks.tracker",
     "TunedLoader": "memtui.hooks.loader",
     "Tuner": "memtui.hooks.tuner",
@@ -93,20 +94,18 @@ def install(
     same as ``options=Options(record=...)`` or ``MEMTUI_RECORD``, and it wins over both.
     ``autotune=True`` starts the autopilot: it tunes the knobs by itself, one change per
     checkpoint, until nothing left is predicted to help (``Options.autotune`` likewise).
+    Every option is resolved once, here (``memtui.hooks.settings``): an argument of this call
+    over a field of ``options`` over its ``MEMTUI_*`` variable over the default.
     ``lr_scale`` is the run's rule for the LR when a change moves the effective batch and names
     no rule of its own: ``linear``, ``sqrt`` or ``none`` (see "Changing the effective batch").
     ``lr_fields`` names the config fields a loop's own LR schedule reads every step (nanoGPT's
     ``("learning_rate", "min_lr")``): memtui multiplies them with the optimizer's LR.
     """
-    import dataclasses
-
     from memtui.hooks.adapters import framework_of
-    from memtui.hooks.tuner import Options, Tuner, live_tuners
+    from memtui.hooks.settings import HookSettings
+    from memtui.hooks.tuner import Tuner, live_tuners
 
-    if autotune:
-        options = dataclasses.replace(options or Options(), autotune=True)
-    if record is not None:
-        options = dataclasses.replace(options or Options(), record=os.fspath(record))
+    settings = HookSettings.resolve(options, record=record, autotune=autotune)
     common: dict[str, Any] = {
         "model": model,
         "optimizer": optimizer,
@@ -114,7 +113,7 @@ def install(
         "tuned_path": tuned_path,
         "resume": resume,
         "name": name,
-        "options": options,
+        "options": settings,
         "lr_scale": lr_scale,
     }
     framework = framework_of(trainer)
@@ -139,7 +138,7 @@ def install(
         resume=resume,
         name=name,
         auto_step=auto_step,
-        options=options,
+        options=settings,
         lr_scale=lr_scale,
         lr_fields=lr_fields,
     ).start()

@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from memtui.hooks.environment import HookEnvironment
 
 log = logging.getLogger("memtui")
 
@@ -185,7 +186,7 @@ def activate() -> None:
     """Watch this process's training when it imports torch, and let frameworks be found on
     import (``memtui.hooks.autoframe``); never raises, imports nothing heavy."""
     try:
-        if os.environ.get("MEMTUI_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+        if HookEnvironment.read().disable:
             return
         with _lock:
             if _watch.activated:
@@ -479,10 +480,9 @@ def _watch_tuner() -> Any:
 
         _watch.creating = True
         try:
+            environment = HookEnvironment.read()
             tuner = hooks.install(
-                {},
-                name=os.environ.get("MEMTUI_RUN_NAME") or None,
-                state_dir=os.environ.get("MEMTUI_RUN_STATE_DIR") or None,
+                {}, name=environment.run_name, state_dir=environment.run_state_dir
             )
         finally:
             _watch.creating = False

@@ -31,6 +31,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from memtui.hooks.environment import HookEnvironment
+
 log = logging.getLogger("memtui")
 
 OnImport = Callable[[str, Callable[[Any], None]], None]
@@ -70,7 +72,7 @@ _installed = _Installed()
 
 def register(on_import: OnImport) -> None:
     """Wrap each framework's ``Trainer.__init__`` once its module has imported (nothing if not)."""
-    if os.environ.get("MEMTUI_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+    if HookEnvironment.read().disable:
         return  # memtui turned off: the Trainers stay exactly the framework's
     for module_name, framework in TRAINER_MODULES.items():
         try:
@@ -172,9 +174,13 @@ def _install_once(trainer: Any, framework: str, resume: bool) -> None:
         _installed.tuner, _installed.said_second = None, False
         from memtui import hooks
 
-        name = os.environ.get("MEMTUI_RUN_NAME") or None
-        state_dir = os.environ.get("MEMTUI_RUN_STATE_DIR") or None
-        tuner = hooks.install(trainer, name=name, state_dir=state_dir, resume=resume)
+        environment = HookEnvironment.read()
+        tuner = hooks.install(
+            trainer,
+            name=environment.run_name,
+            state_dir=environment.run_state_dir,
+            resume=resume,
+        )
         _installed.tuner = tuner
     except Exception as exc:
         log.warning("memtui: cannot hook %s (%s); it trains without memtui", kind, exc)

@@ -28,7 +28,7 @@ from memtui.advice.measure import EFFECT_STEPS
 from memtui.advice.recommend import Inputs, bands
 from memtui.core.knobs import format_changes, parse_value
 from memtui.core.stats import summarize_steps
-from memtui.hooks.control import Control, clip
+from memtui.hooks.control import Control, PilotSeat, clip
 from memtui.wire import (
     AutopilotState,
     AutotuneReply,
@@ -53,6 +53,7 @@ class Autopilot:
         on: bool = False,
         budget: int = BUDGET,
         leader: Callable[[], bool] = lambda: True,
+        seat: PilotSeat | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._control = control
@@ -63,6 +64,8 @@ class Autopilot:
         self._state = AutopilotState(budget=budget)
         if on:
             self._state = AutopilotState(mode="on", phase="waiting", budget=budget)
+        if seat is not None:  # the seat the queue was made with: it publishes and pauses this
+            seat.take(self)
 
     def state(self) -> AutopilotState:
         """A copy of the state as published."""

@@ -86,6 +86,20 @@ class Pilot(Protocol):
     def turn(self, request: AutotuneRequest, rate_limited_before: int = 0) -> AutotuneReply: ...
 
 
+class PilotSeat:
+    """The autopilot's place at the queue, made before both and given to each at construction:
+    the queue publishes the seated autopilot's state and tells it of an operator's change, and
+    the control server turns it on or off through it; empty, the run has no autopilot."""
+
+    def __init__(self) -> None:
+        self.pilot: Pilot | None = None
+        """The autopilot seated here (``Autopilot`` takes the seat it is given)."""
+
+    def take(self, pilot: Pilot) -> None:
+        """Seat ``pilot``: the queue publishes its state and pauses it at an operator's change."""
+        self.pilot = pilot
+
+
 class RequestRefused(KnobError):
     """A request out of bounds: refused before it is parsed, and neither stored nor logged."""
 
@@ -133,8 +147,11 @@ class Control:
         pinning: Callable[[], bool] = lambda: True,
         lr: LearningRate | None = None,
         why_not: Callable[[], Mapping[str, str]] = dict,
+        seat: PilotSeat | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._seat = seat or PilotSeat()
+        """Where rank 0's autopilot sits: published here, paused by an operator."""
         self._why_not = why_not
         """Why each knob the run has no value of is not tunable (the knob store's)."""
         self.boundary = ""
@@ -175,10 +192,17 @@ class Control:
         self._audit_rejections = PeerRates(AUDIT_REJECTIONS_PER_S, AUDIT_REJECTIONS_BURST, 1)
         self._unaudited = 0
         """Rejections left out of the audit log since the last one written."""
-        self.pilot: Pilot | None = None
-        """Rank 0's autopilot (set by the tuner): published here, paused by an operator."""
 
     # ------------------------------------------------------------- views
+
+    @property
+    def pilot(self) -> Pilot | None:
+        """Rank 0's autopilot, if one sits at this queue."""
+        return self._seat.pilot
+
+    @pilot.setter
+    def pilot(self, pilot: Pilot) -> None:
+        self._seat.take(pilot)
 
     @property
     def current(self) -> Knobs:

@@ -85,6 +85,14 @@ class KnobStore:
         """The knob values now (one frozen value: safe to keep and to read from any thread)."""
         return self._knobs
 
+    def current(self) -> Knobs:
+        """The knob values now, as a call (for the parts that read them from another thread)."""
+        return self._knobs
+
+    def untunable_reasons(self) -> dict[str, str]:
+        """Why each knob this run has no value of is not tunable (a copy)."""
+        return dict(self.why_not)
+
     def value(self, knob: str) -> KnobValue | None:
         """One knob's value now (None: not tunable in this run)."""
         value: KnobValue | None = getattr(self._knobs, knob)

@@ -108,6 +108,10 @@ class StepLedger:
         """Optimizer steps closed so far."""
         return self._step
 
+    def steps_closed(self) -> int:
+        """Optimizer steps closed so far, as a call (for the parts that read the step clock)."""
+        return self._step
+
     def start_clock(self) -> None:
         """Start the open step's clock if nothing started it yet (the first batch)."""
         if self._t_last is None:

@@ -80,6 +80,7 @@ class LearningRate:
         fields: Sequence[str] = (),
         config: Any = None,
         report: Callable[[BaseException, str], None] | None = None,
+        on_lost: Lost | None = None,
     ) -> None:
         self.rule = lr_rule(rule)
         """The run's rule for a change that names none (``hooks.install(..., lr_scale=...)``)."""
@@ -97,7 +98,8 @@ class LearningRate:
         """The rule of the last change that moved the LR ('' none since the anchor)."""
         self.owner = ""
         """Why memtui knows the script sets the optimizer's LR itself ('' it does not, so far)."""
-        self.on_lost: Lost | None = None
+        self.on_lost = on_lost
+        """Told when the script sets the optimizer's LR itself: why, and the factor to undo."""
         self._history: list[tuple[float, tuple[int, float] | None, str]] = []
         self._starts: list[list[float]] | None = None
         """Each optimizer's scaled start LRs as the tuned config kept them (resumed runs)."""

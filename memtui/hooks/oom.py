@@ -35,6 +35,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 
 from memtui.advice.oom import is_oom, parse_oom
@@ -54,38 +55,47 @@ from memtui.wire import AppliedChange, KnobDiff, Knobs, OomEvent, all_fields
 log = logging.getLogger("memtui")
 
 
+@dataclass(frozen=True)
+class OomRun:
+    """What the handler reads to judge an out-of-memory error: the step and its micro-batches,
+    the knobs, the changes applied (the control, which also records the error) and the ranks."""
+
+    ledger: StepLedger
+    store: KnobStore
+    control: Control
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class OomActions:
+    """What a post-mortem and a rollback act on."""
+
+    boundary: Boundary
+    """Reverts the change that grew the run."""
+    tuned: TunedConfig
+    """Keeps the safe config and the post-mortem for a restart."""
+    zero_grad: Callable[[], None]
+    """Drops the failed step's gradients."""
+    reset_peaks: Callable[[], None] = lambda: None
+    """Resets the allocator's peak counters once a rollback's caches are given back."""
+    notify: Callable[[TrackerEvent, int], None] = lambda event, step: None
+    """Hands each post-mortem and rollback to the user's tracker (``tuner.on_event``)."""
+
+
 class OomHandler:
     """Reports out-of-memory errors and rolls back the recent change that caused one."""
 
     def __init__(
-        self,
-        *,
-        ledger: StepLedger,
-        store: KnobStore,
-        control: Control,
-        placement: Placement,
-        boundary: Boundary,
-        tuned: TunedConfig,
-        rollback_steps: int,
-        zero_grad: Callable[[], None],
-        report: Report,
-        reset_peaks: Callable[[], None] = lambda: None,
-        notify: Callable[[TrackerEvent, int], None] = lambda event, step: None,
+        self, run: OomRun, actions: OomActions, *, rollback_steps: int, report: Report
     ) -> None:
-        self._ledger = ledger
-        self._store = store
-        self._control = control
-        self._placement = placement
-        self._boundary = boundary
-        self._tuned = tuned
+        self._ledger = run.ledger
+        self._store = run.store
+        self._control = run.control
+        self._placement = run.placement
+        self._actions = actions
         self.rollback_steps = rollback_steps
         """A change applied within this many steps before a guarded OOM is reverted (0: never)."""
-        self._zero_grad = zero_grad
         self.report = report
-        self._reset_peaks = reset_peaks
-        """Resets the allocator's peak counters once a rollback's caches are given back."""
-        self._notify = notify
-        """Hands each post-mortem and rollback to the user's tracker (``tuner.on_event``)."""
         self.empty_cache_pending = False
         """A rollback happened: the next guarded block starts by emptying the caches."""
 
@@ -99,7 +109,7 @@ class OomHandler:
         if self.empty_cache_pending:
             self.empty_cache_pending = False
             release_caches()
-            self._reset_peaks()
+            self._actions.reset_peaks()
 
     def _rollback_target(self, step: int) -> AppliedChange | None:
         """The recent change that grew the run, if a rollback may revert it."""
@@ -187,7 +197,7 @@ class OomHandler:
             )
             event.safe_config = safe
             self._record(event, why, grown)
-            self._notify(event, step)
+            self._actions.notify(event, step)
             log.error(
                 "memtui: out of memory at step %d (%s); no rollback (%s). Wrote a safe config for "
                 "the restart (%s): %s",
@@ -209,19 +219,19 @@ class OomHandler:
                 f"skipped: the step's {micro} micro-batch(es), {skipped or samples} samples, were "
                 "dropped (this loader cannot re-queue them)"
             )
-        rollback = self._boundary.revert(
+        rollback = self._actions.boundary.revert(
             target, step, f"rollback after out of memory at step {step}"
         )
         reverted = rollback if isinstance(rollback, str) else format_diffs(rollback.changes)
-        self._zero_grad()
+        self._actions.zero_grad()
         ledger.reset_open_step()
         self.empty_cache_pending = True
         event.rolled_back = True
         event.safe_config = self._store.knobs
         self._record(event, f"rolled back change #{','.join(map(str, target.ids))}", grown)
-        self._notify(event, step)
+        self._actions.notify(event, step)
         if not isinstance(rollback, str):
-            self._notify(rollback, step)
+            self._actions.notify(rollback, step)
         log.error(
             "memtui: out of memory at step %d, %d step(s) after change #%s: rolled it back (%s), "
             "training goes on; %s",
@@ -247,7 +257,9 @@ class OomHandler:
         post-mortem as the tuned config."""
         self._control.record_oom(event, grown)
         safe = event.safe_config or self._store.knobs
-        self._tuned.write(safe, event.step, {"safe_config_reason": why, "oom": all_fields(event)})
+        self._actions.tuned.write(
+            safe, event.step, {"safe_config_reason": why, "oom": all_fields(event)}
+        )
 
     def _no_rollback_reason(self, guarded: bool) -> str:
         if not guarded:

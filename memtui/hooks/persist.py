@@ -18,16 +18,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import yaml
 
 from memtui.core.knobs import KNOBS, KnobError, as_dict, parse_value
 from memtui.core.stats import one_line
-from memtui.storage import ownfiles, safeyaml
+from memtui.storage import ownfiles, paths, safeyaml
 from memtui.wire import Ceiling, Knobs, to_builtins
 
 log = logging.getLogger("memtui")
@@ -307,6 +307,44 @@ def read_tuned(path: Path) -> dict[str, Any]:
     return values
 
 
+class Persisted(Protocol):
+    """A part whose state the tuned config keeps beside the knobs (the control's ceiling, the
+    LR's factor)."""
+
+    def persisted(self) -> dict[str, Any]: ...
+
+
+class StateFiles:
+    """Where one run keeps its audit log and tuned config: the state directory given (else the
+    run's own under the state home), and a second tuned config path if one was given."""
+
+    def __init__(
+        self,
+        run_id: Callable[[], str],
+        state_dir: str | os.PathLike[str] | None = None,
+        tuned_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        """The run the files belong to now (rank 0's once the job coordinates)."""
+        self._state_dir = Path(state_dir) if state_dir else None
+        self._tuned_path = Path(tuned_path) if tuned_path else None
+
+    @property
+    def state_dir(self) -> Path:
+        """Where the audit log and the tuned config are written."""
+        return self._state_dir or paths.state_home() / self.run_id()
+
+    @property
+    def audit_path(self) -> Path:
+        """The run's audit log."""
+        return self.state_dir / AUDIT_FILE
+
+    def tuned_paths(self) -> list[Path]:
+        """Every file the tuned config is written to."""
+        own = self.state_dir / TUNED_FILE
+        return [own, self._tuned_path] if self._tuned_path else [own]
+
+
 class TunedConfig:
     """The tuned config on disk: written at every applied change (and after an out-of-memory
     error), written again at every boundary until it is, and said once a minute while it is not.
@@ -317,19 +355,18 @@ class TunedConfig:
 
     def __init__(
         self,
-        paths: Callable[[], list[Path]],
-        run: Callable[[], str],
+        files: StateFiles,
         report: Callable[[BaseException, str], None],
         audit: AuditLog | None = None,
-        sections: Callable[[], dict[str, Any]] = dict,
+        sections: Sequence[Persisted] = (),
     ) -> None:
-        self._paths = paths
-        self._run = run
+        self._files = files
         self._report = report
         self.audit = audit
         """Rank 0's audit log, whose unwritten lines are flushed with the retries."""
-        self._sections = sections
-        """What every write keeps besides the knobs (the control's ceiling), read at the write."""
+        self._sections = tuple(sections)
+        """The parts whose state every write keeps besides the knobs (the control's ceiling, the
+        LR's factor), read at the write."""
         self.unsaved_step: int | None = None
         """The step since which the tuned config could not be written (None: it is on disk)."""
         self._retry: tuple[Knobs, dict[str, Any]] | None = None
@@ -341,11 +378,14 @@ class TunedConfig:
     def write(self, knobs: Knobs, step: int, extra: dict[str, Any] | None = None) -> None:
         """Write ``knobs`` (and ``extra`` sections) to every tuned path; what fails is retried."""
         failed = False
-        sections = {**self._sections(), **(extra or {})}
-        for path in self._paths():
+        sections: dict[str, Any] = {}
+        for part in self._sections:
+            sections.update(part.persisted())
+        sections.update(extra or {})
+        for path in self._files.tuned_paths():
             warn_if_shared(path.parent)
             try:
-                write_tuned(path, self._run(), step, as_dict(knobs), sections)
+                write_tuned(path, self._files.run_id(), step, as_dict(knobs), sections)
             except OSError as exc:
                 failed = True
                 self._reason = f"{path}: {one_line(exc)}"

@@ -83,6 +83,14 @@ class Placement:
         self._timeout_s = timeout_s
         self._warn_every_s = warn_every_s
 
+    def leads(self) -> bool:
+        """Whether this process is rank 0 (it may change when the job coordinates late)."""
+        return self.rank == 0
+
+    def current_run_id(self) -> str:
+        """The run this rank publishes under now (rank 0's once joined)."""
+        return self.run_id
+
     @property
     def coordinated(self) -> bool:
         """Whether changes are agreed with the other ranks (a job of several)."""

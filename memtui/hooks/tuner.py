@@ -10,11 +10,14 @@ Each piece of state has one owner, reached through its public methods:
 * ``tuned`` (``TunedConfig``): the tuned config on disk; ``device`` (``DeviceTracker``);
 * ``oom`` (``OomHandler``): post-mortems and rollbacks; ``errors`` (``ErrorLog``);
 * ``tracker`` (``Tracker``): the user's event callbacks (``on_event``);
+* ``files`` (``StateFiles``): where the audit log and the tuned config go;
 * the sampler and agent threads (``Sampler``, ``Agent``), started by ``start``.
 
-The constructor builds the parts and touches nothing outside the process; ``start()`` joins the
-job, resumes, opens the audit log, samples and publishes. Every public method catches its own
-failures: they are counted, logged and published, never raised into training.
+The constructor takes the options resolved once (``settings``, ``memtui.hooks.settings``), has
+``memtui.hooks.parts.build_parts`` make the parts, each with the parts it uses, and touches
+nothing outside the process; ``start()`` joins the job, resumes, opens the audit log, samples
+and publishes. Every public method catches its own failures: they are counted, logged and
+published, never raised into training.
 """
 
 from __future__ import annotations
@@ -30,43 +33,35 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import memtui
-from memtui.advice.autopilot import BUDGET
 from memtui.core.knobs import format_value
-from memtui.core.stats import one_line, parse_bytes
+from memtui.core.stats import one_line
 from memtui.hooks.agent import Agent, HookParts
-from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.batches import Args, BatchT, timed_batches
-from memtui.hooks.boundary import Applied, Boundary
-from memtui.hooks.control import Control
-from memtui.hooks.device import DeviceTracker, allocator_settings
-from memtui.hooks.errors import ErrorLog
-from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
-from memtui.hooks.ledger import StepLedger
+from memtui.hooks.boundary import Applied
+from memtui.hooks.device import allocator_settings
+from memtui.hooks.knobstore import LOADER_KNOBS
 from memtui.hooks.loader import TunedLoader
-from memtui.hooks.lr import LR_SECTION, LearningRate
-from memtui.hooks.oom import Guard, OomHandler
+from memtui.hooks.lr import LR_SECTION
+from memtui.hooks.oom import Guard
+from memtui.hooks.parts import TunerCalls, build_parts
 from memtui.hooks.persist import (
-    AUDIT_FILE,
-    TUNED_FILE,
     AuditLog,
-    TunedConfig,
     read_audit,
     read_ceiling,
     read_section,
     read_tuned,
     unapplied,
 )
-from memtui.hooks.placement import Placement
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
-from memtui.hooks.tracker import EventCallback, Tracker
+from memtui.hooks.settings import HookSettings, Options
+from memtui.hooks.tracker import EventCallback
 from memtui.storage import registry
 from memtui.storage.ownfiles import UnsafeFile
-from memtui.transport.security import SecurityError, TcpPlan, insecure_requested, plan_tcp
+from memtui.transport.security import SecurityError, TcpPlan, plan_tcp
 from memtui.wire import KnobDiff, Knobs, LrWithdrawn, RankInfo, RunInfo
 
 log = logging.getLogger("memtui")
@@ -77,86 +72,6 @@ _live_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
 def live_tuners() -> list[Tuner]:
     """The Tuners of this process that started and are not closed yet."""
     return [tuner for tuner in list(_live_tuners) if not tuner._closed]  # noqa: SLF001
-
-
-@dataclass
-class Options:
-    """Rates and switches of the hook's background work."""
-
-    flush_period_s: float = 0.5
-    """How often telemetry is sent while a viewer is subscribed or a recording is written (two
-    batches a second, whatever the step rate: the viewer redraws its charts at 2 Hz; a change
-    of the control state goes out at once). Each batch wakes the agent, and a wake-up costs
-    ~70-120 µs of CPU while training holds the GIL: 4 Hz cost ~0.09% of a core more."""
-    idle_flush_s: float = 1.0
-    """How often telemetry is sent while nobody is subscribed (each send wakes a thread)."""
-    device_period_s: float = 1.0
-    """How often device memory is sampled while a viewer is subscribed or a recording is
-    written: once a second, as while nobody watches (allocator peaks in between are kept, so a
-    sample misses no peak; a CPU run's sample costs ~0.25 ms of CPU, a fifth of it glibc's
-    ``mallinfo2`` with the GIL held)."""
-    idle_device_period_s: float = 1.0
-    """How often device memory is sampled while nobody watches: the peaks stay exact (they are
-    the allocator's and the kernel's high-water marks), and each wake-up takes the GIL."""
-    host_period_s: float = 1.0
-    """How often host memory is sampled (psutil)."""
-    reset_peaks: bool = field(default_factory=lambda: _flag_env("MEMTUI_RESET_PEAKS"))
-    """Reset torch's CUDA peak counters after every device sample (``MEMTUI_RESET_PEAKS=1``):
-    per-sample peaks, but the training's own ``torch.cuda.max_memory_allocated()`` then covers
-    only the last sample period. Off (the default), memtui resets them only when it applies a
-    change or rolls one back, and reads them untouched in between."""
-    publish: bool = True
-    """Start the sampler and agent threads (False: changes and timing only, nothing sent)."""
-    boundary_timeout_s: float = field(
-        default_factory=lambda: float(os.environ.get("MEMTUI_BOUNDARY_TIMEOUT", "1800"))
-    )
-    """How long a rank waits at a checkpoint boundary for the others before changes are
-    switched off (long enough for the slowest checkpoint save); capped at half the process
-    group's own timeout, so the job's collectives never time out first."""
-    boundary_warn_s: float = 60.0
-    """How often a rank waiting at a boundary names the ranks it waits for."""
-    tcp: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_TCP") or None)
-    """Also publish over TCP on this address (multi-node; CURVE keys from ``memtui keygen``)."""
-    insecure: bool = field(default_factory=insecure_requested)
-    """Allow plain TCP (loopback addresses only)."""
-    memory_limit: int | None = field(default_factory=lambda: _size_env("MEMTUI_MEMORY_LIMIT"))
-    """On CPU runs, the budget the device (the process tree) is held to; default: the cgroup's
-    limit, else total RAM. Given, the process is a device's stand-in: memtui fixes glibc's mmap
-    threshold so that its peak follows its live tensors (unless ``stand_in_heap`` is off)."""
-    stand_in_heap: bool = field(default_factory=lambda: _flag_env("MEMTUI_STAND_IN_HEAP", True))
-    """With ``memory_limit`` on a CPU run, fix glibc's mmap threshold (``MEMTUI_STAND_IN_HEAP=0``:
-    leave glibc alone, its peaks then follow its heap's history); it costs CPU, the kernel zeroing
-    fresh pages for every large tensor (docs/explanation/measurement.md, "A CPU run as a
-    device's stand-in")."""
-    record: str | None = field(default_factory=lambda: os.environ.get("MEMTUI_RECORD") or None)
-    """Also write the published stream to this file (replay it with ``memtui replay``)."""
-    rollback_steps: int = field(
-        default_factory=lambda: int(os.environ.get("MEMTUI_ROLLBACK_STEPS", "50"))
-    )
-    """An out-of-memory error inside ``tuner.guard()`` within this many steps after an applied
-    change reverts that change and training goes on (0: never roll back)."""
-    autotune: bool = field(default_factory=lambda: _flag_env("MEMTUI_AUTOTUNE"))
-    """Start with the autopilot on (``MEMTUI_AUTOTUNE=1``): it tunes the knobs by itself."""
-    autotune_budget: int = field(
-        default_factory=lambda: int(os.environ.get("MEMTUI_AUTOTUNE_BUDGET", str(BUDGET)))
-    )
-    """The most checkpoint boundaries the autopilot's trials and reverts may take."""
-
-
-def _flag_env(name: str, default: bool = False) -> bool:
-    """The environment variable ``name`` as a switch: 1, true or yes on; 0, false or no off;
-    unset or empty ``default``."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes"):
-        return True
-    if value in ("0", "false", "no"):
-        return False
-    return default
-
-
-def _size_env(name: str) -> int | None:
-    text = os.environ.get(name)
-    return parse_bytes(text) if text else None
 
 
 class Tuner:
@@ -174,25 +89,15 @@ class Tuner:
         resume: bool | str | os.PathLike[str] = False,
         name: str | None = None,
         auto_step: bool = False,
-        options: Options | None = None,
+        options: Options | HookSettings | None = None,
         placement: tuple[int, int, int] | None = None,
         lr_scale: str = "none",
         lr_fields: Sequence[str] = (),
     ) -> None:
-        # the hot path's owner first, so ``step()`` works whatever fails later
-        self.errors = ErrorLog()
-        self.report = self.errors.report
-        """Report a failure inside memtui (``report(exc, where)``): counted, logged, published."""
-        self.ledger = StepLedger(self.report)
-        # ``step()`` is the ledger's own method, bound here: one Python call per optimizer step
-        # instead of two (the hot path); it never raises, and it reports what fails. The first
-        # step also counts the gradients the loop keeps between steps, then binds the ledger's
-        # method in its place
-        self.step = self._first_step  # type: ignore[method-assign]
-        self._static_learned = False
-        """Whether the first step has measured the memory held between steps (``_first_step``
-        runs once even where a loop kept the bound ``tuner.step`` of before its first step)."""
-        self.options = options or Options()
+        self.settings = (
+            options if isinstance(options, HookSettings) else HookSettings.resolve(options)
+        )
+        """Every option of this Tuner, resolved once (``install`` resolves them first)."""
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -203,75 +108,8 @@ class Tuner:
         training DataLoader, at its next epoch)."""
         self.loader_options: dict[str, Any] = {}
         """Extra ``TunedLoader`` arguments an adapter sets (``shard``, ``place``)."""
-        self.store = KnobStore(config, knobs, self.report)
-        self.placement = Placement(
-            registry.new_run_id(name),
-            placement,
-            self.report,
-            timeout_s=self.options.boundary_timeout_s,
-            warn_every_s=self.options.boundary_warn_s,
-        )
-        self.device = DeviceTracker(self.report)
-        self.tracker = Tracker(self.report)
-        self._state_dir_given = Path(state_dir) if state_dir else None
-        self._tuned_path_given = Path(tuned_path) if tuned_path else None
         self._resume_from = resume
         self._auto_step = auto_step
-        self.lr = LearningRate(lr_scale, fields=lr_fields, config=config, report=self.report)
-        """The LR's owner: the optimizers and schedulers that follow the effective batch."""
-        self.lr.on_lost = self._lr_withdrawn
-        self.control = Control(
-            lambda: self.store.knobs,
-            world_size=self.placement.world_size,
-            step=lambda: self.ledger.step,
-            report=self.report,
-            pinning=self.device.has_accelerator,
-            lr=self.lr,
-            why_not=lambda: self.store.why_not,
-        )
-        self.autopilot = Autopilot(
-            self.control,
-            lambda: self.ledger.step,
-            on=self.options.autotune,
-            budget=self.options.autotune_budget,
-            leader=lambda: self.placement.rank == 0,
-        )
-        """The autopilot (it acts on rank 0 only: the queue is rank 0's, and only rank 0's
-        control server answers ``memtui autotune``)."""
-        self.control.pilot = self.autopilot
-        self.tuned = TunedConfig(
-            self.tuned_paths,
-            lambda: self.run_id,
-            self.report,
-            sections=lambda: {**self.control.persisted(), **self.lr.persisted()},
-        )
-        self.boundary = Boundary(
-            self.store,
-            self.control,
-            self.placement,
-            self.tuned,
-            self.report,
-            on_ranks_changed=self._register,
-            lr=self.lr,
-            # memtui's loaders rebuild themselves, the HF adapter rebuilds the Trainer's; a loop
-            # with neither (a batch function) reads the config memtui writes into
-            has_loader=lambda: (
-                bool(self.loaders) or self.adapter is not None or self.follows_loader
-            ),
-        )
-        self.oom = OomHandler(
-            ledger=self.ledger,
-            store=self.store,
-            control=self.control,
-            placement=self.placement,
-            boundary=self.boundary,
-            tuned=self.tuned,
-            rollback_steps=self.options.rollback_steps,
-            zero_grad=self._zero_grad,
-            report=self.report,
-            reset_peaks=self.device.reset_peaks,
-            notify=self.tracker.emit,
-        )
         self.resumed: dict[str, KnobDiff] = {}
         """What ``resume`` changed in the script's config."""
         self.tcp_plan: TcpPlan | None = None
@@ -283,6 +121,49 @@ class Tuner:
         self._pid = os.getpid()
         self._started = False
         self._closed = False
+        # the parts call back on this Tuner only through these methods (its state above)
+        parts = build_parts(
+            self.settings,
+            TunerCalls(
+                lr_withdrawn=self._lr_withdrawn,
+                ranks_changed=self._register,
+                zero_grad=self._zero_grad,
+                has_loader=self._has_loader,
+            ),
+            config=config,
+            knobs=knobs,
+            name=name,
+            where=placement,
+            state_dir=state_dir,
+            tuned_path=tuned_path,
+            lr_scale=lr_scale,
+            lr_fields=lr_fields,
+        )
+        self.errors = parts.errors
+        self.report = parts.errors.report
+        """Report a failure inside memtui (``report(exc, where)``): counted, logged, published."""
+        self.ledger = parts.ledger
+        # ``step()`` is the ledger's own method, bound here: one Python call per optimizer step
+        # instead of two (the hot path); it never raises, and it reports what fails. The first
+        # step also counts the gradients the loop keeps between steps, then binds the ledger's
+        # method in its place
+        self.step = self._first_step  # type: ignore[method-assign]
+        self._static_learned = False
+        """Whether the first step has measured the memory held between steps (``_first_step``
+        runs once even where a loop kept the bound ``tuner.step`` of before its first step)."""
+        self.store = parts.store
+        self.placement = parts.placement
+        self.device = parts.device
+        self.tracker = parts.tracker
+        self.lr = parts.lr
+        """The LR's owner: the optimizers and schedulers that follow the effective batch."""
+        self.files = parts.files
+        self.control = parts.control
+        self.autopilot = parts.autopilot
+        """The autopilot (it acts on rank 0 only)."""
+        self.tuned = parts.tuned
+        self.boundary = parts.boundary
+        self.oom = parts.oom
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -300,13 +181,14 @@ class Tuner:
         if self._resume_from:
             self._resume(self._resume_from)
         if placement.rank == 0:
-            audit = AuditLog(self.state_dir / AUDIT_FILE, self.run_id)
+            audit = AuditLog(self.files.audit_path, self.run_id)
             self.control.audit = self.tuned.audit = audit
         self.info = self._make_info()
         if self._resume_from and placement.rank == 0:
             self._say_unapplied()
         try:
-            self.tcp_plan = plan_tcp(self.options.tcp, self.options.insecure)
+            settings = self.settings
+            self.tcp_plan = plan_tcp(settings.tcp, settings.insecure, settings.insecure_control)
         except SecurityError as exc:
             self.report(exc, "tcp")
         self.device.refresh(self.model)
@@ -319,8 +201,7 @@ class Tuner:
         self.oom.install_excepthook(lambda: self._closed)
         _live_tuners.add(self)
         atexit.register(self._close_at_exit)
-        disabled = _flag_env("MEMTUI_DISABLE")
-        if self.options.publish and not disabled:
+        if self.settings.publishes:
             self._start_threads()
         self.coordinate()
         return self
@@ -358,7 +239,7 @@ class Tuner:
 
     def _start_threads(self) -> None:
         try:
-            options = self.options
+            options = self.settings
             self.sampler = Sampler(
                 self.device,
                 lambda: self.ledger.step,
@@ -489,12 +370,11 @@ class Tuner:
     @property
     def state_dir(self) -> Path:
         """Where the audit log and the tuned config are written."""
-        return self._state_dir_given or registry.state_home() / self.run_id
+        return self.files.state_dir
 
     def tuned_paths(self) -> list[Path]:
         """Every file the tuned config is written to."""
-        paths = [self.state_dir / TUNED_FILE]
-        return [*paths, self._tuned_path_given] if self._tuned_path_given else paths
+        return self.files.tuned_paths()
 
     @property
     def tuned_unsaved_step(self) -> int | None:
@@ -508,7 +388,7 @@ class Tuner:
             return
         info.run = self.run_id
         info.state_dir = str(self.state_dir)
-        info.audit_path = str(self.state_dir / AUDIT_FILE)
+        info.audit_path = str(self.files.audit_path)
         info.tuned_path = str(self.tuned_paths()[-1])
 
     def _my_endpoints(self) -> RankInfo:
@@ -553,7 +433,7 @@ class Tuner:
             hook_version=memtui.__version__,
             state_dir=str(self.state_dir),
             tuned_path=str(self.tuned_paths()[-1]),
-            audit_path=str(self.state_dir / AUDIT_FILE),
+            audit_path=str(self.files.audit_path),
             cpus=usable_cpus(),
         )
 
@@ -623,7 +503,7 @@ class Tuner:
     def _say_unapplied(self) -> None:
         """Name the changes the resumed run queued but never applied, and how to queue them."""
         try:
-            run, changes = unapplied(read_audit(self.state_dir / AUDIT_FILE), self.run_id)
+            run, changes = unapplied(read_audit(self.files.audit_path), self.run_id)
         except Exception as exc:
             self.report(exc, "reading the audit log")
             return
@@ -655,6 +535,12 @@ class Tuner:
         static = self.device.static(self.model, self.optimizer, between_steps)
         if static is not None:
             self.control.set_static(static)
+
+    def _has_loader(self) -> bool:
+        """Whether a loader follows the loader knobs: memtui's loaders rebuild themselves, the HF
+        adapter rebuilds the Trainer's; a loop with neither (a batch function) reads the config
+        memtui writes into."""
+        return bool(self.loaders) or self.adapter is not None or self.follows_loader
 
     def _zero_grad(self) -> None:
         try:

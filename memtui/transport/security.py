@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from memtui.core.switches import switch
 from memtui.storage import paths
 from memtui.storage.ownfiles import UnsafeFile, private_dir
 from memtui.wire import RankInfo, RunInfo
@@ -136,12 +137,12 @@ def host_of(endpoint: str) -> str:
 
 def insecure_requested() -> bool:
     """``MEMTUI_INSECURE=1``: plain TCP, allowed on loopback addresses only."""
-    return os.environ.get("MEMTUI_INSECURE", "") in ("1", "true", "yes")
+    return bool(switch(os.environ.get("MEMTUI_INSECURE")))
 
 
 def insecure_control_requested() -> bool:
     """``MEMTUI_INSECURE_CONTROL=1``: plain TCP also serves changes (asked for a second time)."""
-    return os.environ.get("MEMTUI_INSECURE_CONTROL", "") in ("1", "true", "yes")
+    return bool(switch(os.environ.get("MEMTUI_INSECURE_CONTROL")))
 
 
 @dataclass(frozen=True)

@@ -372,7 +372,9 @@ def test_torchrun_ranks_are_watched_and_its_launcher_is_not(launch: Launch) -> N
         "ranks.py",
         """\
         import os
-        print("rank", os.environ["RANK"], flush=True)
+        # one write a line: the two ranks share the launcher's stdout, and print's separate
+        # writes of the words and the newline interleave between processes
+        os.write(1, f"rank {os.environ['RANK']}\\n".encode())
         """,
     )
     watched = launch.run("torchrun", "--standalone", "--nproc_per_node", "2", script)

@@ -40,7 +40,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
-from memtui.hooks.tuner import Options, Tuner
+from memtui.hooks.tuner import Tuner
 
 log = logging.getLogger("memtui")
 
@@ -472,8 +472,6 @@ def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
     tuner_kwargs.pop("auto_step", None)
     if tuner_kwargs.get("state_dir") is None:
         tuner_kwargs["state_dir"] = trainer.args.output_dir
-    options = tuner_kwargs.get("options") or Options()
-    tuner_kwargs["options"] = options
     tuner_kwargs.pop("model", None)
     tuner_kwargs.pop("optimizer", None)
     return HFAdapter(trainer, tuner_kwargs).tuner
