@@ -62,7 +62,9 @@ def test_changes_apply_only_at_the_boundary_and_merge(tmp_path: Path) -> None:
     assert tuner.checkpoint() is None, "a change applies once"
 
 
-def test_keep_effective_batch(tmp_path: Path) -> None:
+def test_a_kept_effective_batch_halves_the_accumulation_when_the_micro_batch_doubles(
+    tmp_path: Path,
+) -> None:
     config = Config(batch_size=16, grad_accum=4)
     tuner = quiet(config, tmp_path)
     queue(tuner, keep=True, batch_size=32)
@@ -70,7 +72,7 @@ def test_keep_effective_batch(tmp_path: Path) -> None:
     assert (config.batch_size, config.grad_accum) == (32, 2)
 
 
-def test_cancel(tmp_path: Path) -> None:
+def test_a_cancelled_change_is_not_applied_and_cannot_be_cancelled_twice(tmp_path: Path) -> None:
     tuner = quiet(Config(), tmp_path)
     change = queue(tuner, batch_size=8)
     queue(tuner, grad_accum=3)
@@ -492,7 +494,9 @@ def test_cpu_probe_reports_rss_against_the_limit(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("value", ["0", "1"])
-def test_memtui_disable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
+def test_memtui_disable_1_starts_no_agent_and_0_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
     monkeypatch.setenv("MEMTUI_DISABLE", value)
     tuner = Tuner(Config(), state_dir=tmp_path).start()
     try:

@@ -159,7 +159,7 @@ def test_store_leaves_the_config_whole_when_a_write_fails() -> None:
     assert errors.count == 1 and "apply" in errors.last
 
 
-def test_knob_helpers() -> None:
+def test_pending_changes_merge_and_diffs_are_worded() -> None:
     base = Knobs(batch_size=8, grad_accum=2)
     assert merge([{"batch_size": 4}, {"batch_size": 6, "grad_accum": 3}]) == {
         "batch_size": 6,
