@@ -264,6 +264,11 @@ class MemoryModel(Struct, omit_defaults=True):
     returns_freed: bool = False
     """A CPU run whose freed large blocks go back at once (the stand-in fixed glibc's mmap
     threshold): after a decrease it keeps nothing, and its peaks there count in the fit."""
+    per_sample_bound_bytes: float = 0.0
+    """With one micro-batch seen, the most per-sample memory its peak allows (the peak over what
+    stays between steps, over the micro-batch): where the optimizer's step, not the micro-batch,
+    may have set that peak, the batch's own growth is not seen and the interval's high end grows
+    by up to this per sample (0: by ``per_sample_bytes``'s spread only)."""
 
 
 class StaticMemory(Struct, omit_defaults=True):
@@ -286,6 +291,16 @@ class StaticMemory(Struct, omit_defaults=True):
     checkpoint boundary (None: no step yet). 0 where the loop frees them (``zero_grad(
     set_to_none=True)`` before its step ends): they are then made within each step and the
     memory between steps lacks them."""
+    between_steps_bytes: int | None = None
+    """Memory in use between two steps, read where ``gradients_held_bytes`` is (CPU: the main
+    process's resident memory less what malloc holds free; CUDA: torch's allocated memory; None:
+    not read): what stays allocated across steps, measured where the step cycle is known rather
+    than sampled at a moment of it."""
+    step_temporaries_bytes: int = 0
+    """What the optimizer's step allocates and frees within itself, by the optimizer's own
+    arithmetic (torch's per-tensor Adam: two of its largest parameter's size; a foreach step:
+    all its parameters' size; fused or SGD: none; 0 where not known): memory at the step's
+    peak that does not grow with the micro-batch."""
 
 
 class OomEvent(Struct, omit_defaults=True):

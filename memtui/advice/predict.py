@@ -1,11 +1,14 @@
 """Predicting peak device memory from the micro-batch: steady + per_sample x batch, learned live.
 
-Pure. The steady part is what does not grow with the batch: on CUDA the parameters, gradients
-and optimizer state computed exactly from the tensors (or the lowest allocation seen between
-steps, if higher); on CPU the lowest memory in use between steps (less the loader workers'),
-plus the gradients each step makes where the loop frees them before its step ends (``measure.
-gradients_made_per_step``). The per-sample part comes from the run itself: the step peak
-minus the steady part, over the micro-batch (one point). Every applied change of the micro-batch
+Pure. The steady part is what does not grow with the batch: what stays allocated between steps
+(read by the hook between two steps, else the lowest memory sampled; on CUDA at least the
+parameters, gradients and optimizer state computed exactly from the tensors; on CPU less the
+loader workers'), plus the gradients each step makes where the loop frees them before its step
+ends (``measure.gradients_made_per_step``) and the temporaries of the optimizer's step, up to the
+peak (``measure.between_steps``). The per-sample part comes from the run itself: the step peak
+minus the steady part, over the micro-batch (one point); where the optimizer's step may have
+set that peak, the interval's high end lets all of the peak over what stays between steps grow
+with the batch (``per_sample_bound_bytes``). Every applied change of the micro-batch
 adds an observed (batch, peak) point; with two or more distinct batches the model is a least-
 squares line through them, and its fit error is reported. The device total adds the allocator's
 reserve overhead (peak reserved over peak allocated: the 3.18 GiB "reserved but unallocated"
@@ -20,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from memtui.core.stats import format_bytes
 from memtui.wire import Ceiling, MemoryModel, ModelPoint
 
 
@@ -43,6 +47,9 @@ class Observation:
     """Memory of one worker of its own (0: not measured)."""
     returns_freed: bool = False
     """A CPU run that gives freed large blocks back at once (``MemoryModel.returns_freed``)."""
+    unseen_bytes: int = 0
+    """The part of ``steady_bytes`` over what stays between steps: the optimizer's step
+    temporaries, which may have hidden what the micro-batch itself grows by."""
 
 
 def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryModel:
@@ -72,6 +79,7 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
     overhead = 1.0
     if observation.peak_allocated_bytes > 0:
         overhead = max(1.0, observation.peak_reserved_bytes / observation.peak_allocated_bytes)
+    bound = 0.0
     if len(ordered) >= 2:
         steady, slope, error = _least_squares(ordered)
         basis = (
@@ -88,6 +96,14 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
             f"one micro-batch ({seen.batch_size}): step peak minus the steady part, "
             "assuming activations grow linearly with the batch"
         )
+        unseen = observation.unseen_bytes if not retained else 0
+        if unseen > 0:
+            bound = (activations + unseen) / max(1, seen.batch_size)
+            basis += (
+                f"; the optimizer's step may have set that peak ({unseen / 2**20:.0f} MiB of "
+                "temporaries over the memory between steps), so the high end lets up to "
+                f"{bound / 2**20:.2f} MiB per sample grow with the batch"
+            )
     if retained:
         basis += (
             f"; micro-batch {observation.batch_size} left out: seen after a larger one, whose "
@@ -107,6 +123,7 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
         workers=observation.workers,
         per_worker_bytes=observation.per_worker_bytes,
         returns_freed=observation.returns_freed,
+        per_sample_bound_bytes=bound,
     )
 
 
@@ -144,9 +161,11 @@ Z = 2.0
 """Standard errors in the interval where the noise is the measured spread (about 95%)."""
 GUESS_MULTIPLE = 4
 """A max safe batch beyond this multiple of the largest micro-batch measured is a guess."""
-WORKER_PRIOR_BYTES = 16 * 2**20
-"""Before a worker's memory is measured, the prediction counts this much per new worker (its own
-memory, USS: measured at 8-36 MiB a worker on the demo and the benchmark scripts)."""
+WORKER_PRIOR_BYTES = 8 * 2**20
+"""Before a worker's memory is measured, the prediction counts this much per new worker: its own
+memory (USS, as the hook counts it) measured at 7.6-9.5 MiB a worker on the benchmark scripts'
+0 -> 2 and 2 -> 4 worker changes (the transformer, the CNN, the MLP; torch 2.13 on CPU). 16 MiB
+predicted every first change of workers 9-16 MiB high (+2.0% to +3.7%)."""
 WORKER_GUESS_BYTES = 64 * 2**20
 """Before a worker's memory is measured, the high end counts this much per new worker."""
 RETAINED_ON_DECREASE = 0.5
@@ -210,7 +229,10 @@ def margin(model: MemoryModel, batch_size: int) -> int:
     noise = math.sqrt(sum(_noise(p) ** 2 for p in points) / len(points))
     xs = [float(p.batch_size) for p in points]
     if len(points) == 1:
-        width = Z * noise + ONE_POINT_SPREAD * model.per_sample_bytes * abs(batch_size - xs[0])
+        away = abs(batch_size - xs[0])
+        width = Z * noise + ONE_POINT_SPREAD * model.per_sample_bytes * away
+        # what the one point cannot tell apart: a step's temporaries or the batch's own growth
+        width += max(0.0, model.per_sample_bound_bytes - model.per_sample_bytes) * away
     else:
         n = len(points)
         mean_x = sum(xs) / n
@@ -267,7 +289,8 @@ class SafeBatch:
 
     size: int
     guess: bool
-    """Beyond ``GUESS_MULTIPLE`` x the largest micro-batch measured: an extrapolation."""
+    """The model puts it beyond ``GUESS_MULTIPLE`` x the largest micro-batch measured, an
+    extrapolation: ``size`` is then that multiple, the most the measured points justify."""
     largest_measured: int
     capped_by_oom: bool = False
     """An out-of-memory error at a larger micro-batch set it (the ceiling), not the model."""
@@ -297,18 +320,21 @@ def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) 
     largest = max((p.batch_size for p in model.points), default=model.batch_size)
     limit = ceiling.batch_size if ceiling is not None else None
     flat = model.per_sample_bytes <= 0
-    if model.capacity_bytes <= 0 or (flat and len(model.points) < 2):
+    unseen = len(model.points) < 2 and model.per_sample_bound_bytes <= 0
+    if model.capacity_bytes <= 0 or (flat and unseen):
         if limit is None:
             return None
         return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
     budget = band * model.capacity_bytes
     budget_allocated = (budget - model.beyond_bytes) / model.overhead_ratio
-    if flat:
-        # measured micro-batches peaking alike (a parameter-heavy MLP): no slope to solve for,
-        # but the interval still widens away from the points; past the guess multiple it guesses
-        top = GUESS_MULTIPLE * largest + 1
-    else:
-        top = max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
+    # Past the guess multiple of the largest micro-batch measured the model only extrapolates:
+    # the search stops there (a slope of ~0 from one point solved to a "max safe" micro-batch
+    # of 803,085,751, which the gate then refused as out of range)
+    top = GUESS_MULTIPLE * largest + 1
+    if not flat:  # (micro-batches peaking alike, a parameter-heavy MLP's, give no slope)
+        top = min(
+            top, max(0, int((budget_allocated - model.steady_bytes) // model.per_sample_bytes))
+        )
     low, high = 0, top  # the high end grows with the batch: the largest under the budget
     while low < high:
         middle = (low + high + 1) // 2
@@ -323,7 +349,9 @@ def safe_batch(model: MemoryModel, band: float, ceiling: Ceiling | None = None) 
     )
     if limit is not None and low >= limit:
         return SafeBatch(max(0, limit - 1), False, largest, capped_by_oom=True)
-    return SafeBatch(low, low > GUESS_MULTIPLE * largest, largest)
+    if low > GUESS_MULTIPLE * largest:
+        return SafeBatch(GUESS_MULTIPLE * largest, True, largest)
+    return SafeBatch(low, False, largest)
 
 
 def _seen_safe(model: MemoryModel, budget_allocated: float) -> int:
@@ -357,6 +385,12 @@ def confidence(model: MemoryModel) -> str:
     peak = predict_peak(model, batch)
     spread = f"+-{(high - low) / 2 / peak:.0%} at {batch}" if peak > 0 else "no interval"
     if len(model.points) < 2:
+        unseen = model.per_sample_bound_bytes - model.per_sample_bytes
+        if unseen > 0:  # what the high end allows and the point prediction does not
+            return (
+                f"low: one micro-batch seen, {spread}; its peak may be the optimizer's step, "
+                f"with up to {format_bytes(int(model.per_sample_bound_bytes))} per sample unseen"
+            )
         return f"low: one micro-batch seen, {spread}"
     if len(model.points) == 2 or model.fit_error is None:
         return f"{len(model.points)} micro-batches seen, {spread}"

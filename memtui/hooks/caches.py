@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from typing import Any
 
 
 def release_caches() -> None:
@@ -53,3 +54,27 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (bytes malloc holds free, among others), or None elsewhere."""
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd",
+                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+                )
+            ]  # fmt: skip
+
+        # PyDLL keeps the GIL for the call (a few microseconds): releasing it would cost the
+        # training thread a forced switch to give it back
+        function = ctypes.PyDLL("libc.so.6").mallinfo2
+        function.restype = MallInfo2
+        function()
+        return function
+    except (OSError, AttributeError):
+        return None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
+from memtui.hooks.caches import mallinfo2
 from memtui.hooks.errors import Report
 from memtui.hooks.memory import static_memory
 from memtui.wire import StaticMemory
@@ -47,6 +49,15 @@ def allocator_settings() -> str | None:
     return ""
 
 
+def _malloc_free_reader() -> Callable[[], int]:
+    """A reader of the bytes glibc's malloc holds free (``mallinfo2``'s ``fordblks``, as the CPU
+    sampler subtracts them from the RSS); one that reads 0 where there is no ``mallinfo2``."""
+    function = mallinfo2()
+    if function is None:
+        return lambda: 0
+    return lambda: int(function().fordblks)
+
+
 class DeviceTracker:
     """The CUDA device index (None on CPU), the install baseline, and the static memory."""
 
@@ -58,6 +69,11 @@ class DeviceTracker:
         self._report = report
         self._accelerator: bool | None = None
         """Whether torch sees an accelerator (None: not asked yet)."""
+        self._malloc_free: Callable[[], int] | None = None
+        """Reads the bytes malloc holds free (None: not looked up yet)."""
+        self._between_low: int | None = None
+        """The lowest memory in use read between steps since the config last changed (None:
+        none read yet)."""
 
     def has_accelerator(self) -> bool:
         """Whether torch sees an accelerator, as its DataLoader asks before pinning memory."""
@@ -101,7 +117,9 @@ class DeviceTracker:
 
     def reset_peaks(self) -> None:
         """Reset torch's peak memory counters of the CUDA device (a no-op on CPU); a host-side
-        call into the allocator, no device synchronisation."""
+        call into the allocator, no device synchronisation. The memory read between steps is
+        read afresh too: what stays between steps may differ under the new config."""
+        self._between_low = None
         torch = sys.modules.get("torch")
         if self.cuda_index is None or torch is None:
             return
@@ -121,6 +139,31 @@ class DeviceTracker:
         except Exception:
             self.baseline_bytes = 0
 
+    def in_use(self) -> int | None:
+        """Memory in use now: torch's allocated bytes on CUDA (a host-side counter, no device
+        synchronisation), on CPU the main process's resident memory less what malloc holds free
+        (as the CPU sampler counts it); None where it cannot be read."""
+        try:
+            torch = sys.modules.get("torch")
+            if self.cuda_index is not None and torch is not None:
+                return int(torch.cuda.memory_allocated(self.cuda_index))
+            if self._malloc_free is None:
+                self._malloc_free = _malloc_free_reader()
+            return max(0, int(psutil.Process().memory_info().rss) - self._malloc_free())
+        except Exception as exc:
+            self._report(exc, "memory in use")
+            return None
+
+    def _between_steps(self) -> int | None:
+        """The lowest memory in use read between steps since the config last changed: a
+        boundary whose script still holds something of its own there (a copy made for its
+        checkpoint) does not raise what stays across steps."""
+        reading = self.in_use()
+        if reading is not None:
+            low = self._between_low
+            self._between_low = reading if low is None else min(low, reading)
+        return self._between_low
+
     def static(
         self, model: Any, optimizer: Any, between_steps: bool = False
     ) -> StaticMemory | None:
@@ -130,7 +173,12 @@ class DeviceTracker:
             return None
         try:
             return static_memory(
-                model, optimizer, self.kind, self.baseline_bytes, between_steps=between_steps
+                model,
+                optimizer,
+                self.kind,
+                self.baseline_bytes,
+                between_steps=between_steps,
+                in_use_bytes=self._between_steps() if between_steps else None,
             )
         except Exception as exc:
             self._report(exc, "static memory")

@@ -56,15 +56,49 @@ def _expected_optimizer(
     return states, f"expected before the first step: {name} keeps {named}"
 
 
+STEP_TEMPORARIES = {"Adam": 2, "AdamW": 2, "RMSprop": 1, "Adagrad": 1}
+"""Tensors of one parameter's size that torch's per-tensor step of each optimizer holds at once
+(Adam's ``exp_avg_sq.sqrt() / bias_correction``: two; RMSprop's and Adagrad's square root: one;
+measured on torch 2.13; SGD's momentum is updated in place: none)."""
+
+
+def step_temporaries(optimizer: Any, kind: str) -> int:
+    """The most memory the optimizer's step allocates and frees within itself on ``kind``: per
+    tensor (torch's default off CUDA), its factor times the largest trainable parameter; a
+    foreach step (the default on CUDA), every parameter of a group at once; fused, none. 0 for an
+    optimizer whose step is not known (its temporaries then count with the micro-batch's)."""
+    factor = STEP_TEMPORARIES.get(type(optimizer).__name__, 0)
+    most = 0
+    for group in list(getattr(optimizer, "param_groups", [])) if factor else []:
+        if group.get("fused") or group.get("differentiable"):
+            continue
+        sizes = [
+            _nbytes(p)
+            for p in group["params"]
+            if getattr(p, "requires_grad", False) and _on(p, kind)
+        ]
+        foreach = group.get("foreach")
+        if foreach is None:  # torch's default: foreach where the parameters are on CUDA
+            foreach = kind == "cuda"
+        most = max(most, sum(sizes) if foreach else factor * max(sizes, default=0))
+    return most
+
+
 def static_memory(
-    model: Any, optimizer: Any, kind: str, baseline_bytes: int = 0, between_steps: bool = False
+    model: Any,
+    optimizer: Any,
+    kind: str,
+    baseline_bytes: int = 0,
+    between_steps: bool = False,
+    in_use_bytes: int | None = None,
 ) -> StaticMemory:
     """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``.
 
     Parameters and gradients come from the shared arithmetic (``memtui.core.memmath``) over the
     live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
     the same arithmetic's expectation before the first step. ``between_steps`` (a step's end or
-    a checkpoint boundary) also counts the gradients that exist there.
+    a checkpoint boundary) also counts the gradients that exist there, and keeps ``in_use_bytes``
+    (the memory in use read there) as what stays allocated between steps.
     """
     seen: set[int] = set()
     params: list[Any] = []
@@ -118,4 +152,6 @@ def static_memory(
         optimizer_note=note,
         baseline_bytes=baseline_bytes,
         gradients_held_bytes=held,
+        between_steps_bytes=in_use_bytes if between_steps else None,
+        step_temporaries_bytes=step_temporaries(optimizer, kind) if optimizer is not None else 0,
     )

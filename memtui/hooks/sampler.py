@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from memtui.hooks.caches import fix_mmap_threshold
+from memtui.hooks.caches import fix_mmap_threshold, mallinfo2
 from memtui.hooks.errors import Report
 from memtui.hooks.threadname import name_native_thread
 from memtui.wire import DeviceSample, GpuProcess, HostSample
@@ -540,7 +540,7 @@ class CpuDeviceProbe:
 
     def __init__(self, host: HostProbe, stand_in: bool = False) -> None:
         self.host = host
-        self._mallinfo = _mallinfo2()
+        self._mallinfo = mallinfo2()
         self._peak_rss = PeakRss()
         self.returns_freed = stand_in and fix_mmap_threshold()
         """Whether freed large blocks go back to the OS at once (the stand-in fixed glibc's mmap
@@ -577,30 +577,6 @@ class CpuDeviceProbe:
             reserved_bytes=resident,
             peak_reserved_bytes=peak,
         )
-
-
-def _mallinfo2() -> Any:
-    """glibc's ``mallinfo2`` (bytes malloc holds free, among others), or None elsewhere."""
-    try:
-        import ctypes
-
-        class MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (name, ctypes.c_size_t)
-                for name in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd",
-                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-                )
-            ]  # fmt: skip
-
-        # PyDLL keeps the GIL for the call (a few microseconds): releasing it would cost the
-        # training thread a forced switch to give it back
-        function = ctypes.PyDLL("libc.so.6").mallinfo2
-        function.restype = MallInfo2
-        function()
-        return function
-    except (OSError, AttributeError):
-        return None
 
 
 class CudaDeviceProbe:

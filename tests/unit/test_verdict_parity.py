@@ -222,9 +222,9 @@ def test_status_and_the_viewer_show_the_same_max_safe_batch(
             printed = re.search(
                 r"largest micro-batch under \d+%: (> \d+|\d+)", render_status(report)
             )
-            in_viewer = re.match(r"max safe batch  (> \d+|\d+|unbounded)", shown)
+            in_viewer = re.match(r"max safe batch  (> \d+|\d+|unknown)", shown)
             assert in_viewer, shown
-            assert (printed.group(1) if printed else "unbounded") == in_viewer.group(1), (
+            assert (printed.group(1) if printed else "unknown") == in_viewer.group(1), (
                 f"{path.name} at {frame.offset_s:.1f} s: status {printed}, the viewer {shown!r}"
             )
             figures.setdefault(path.stem, set()).add(in_viewer.group(1))

@@ -69,7 +69,7 @@ def _safe_batch_layouts(
             layouts.append([head, [(f"  predicted {band}; {conf}", "dim")]])
             layouts.append([[*short, (f" ({conf})", "dim")]])
         return layouts
-    figure = [(LABEL, "dim"), ("unbounded" if safe is None else str(safe.size), "bold cyan")]
+    figure = [(LABEL, "dim"), ("unknown" if safe is None else str(safe.size), "bold cyan")]
     for conf in _confidences(model):
         layouts.append([[*figure, (f" (predicted {band}) {conf}", "dim")]])
         layouts.append([[*figure, (f" (predicted {band})", "dim")], [(f"  {conf}", "dim")]])

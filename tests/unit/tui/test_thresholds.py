@@ -150,11 +150,11 @@ def plain(lines: list[Text]) -> list[str]:
 
 def test_max_safe_batch_far_past_the_batches_seen_is_a_floor() -> None:
     """One micro-batch of 16 on a 23 GiB host: even the interval's high end stays under the edge
-    for some 10000, which says nothing that far out; the panel says > 64 (GUESS_MULTIPLE x the
-    largest seen: the rest is a guess) with a low confidence, in the most words that fit: two
-    lines in the wide layout's column (48), one in a side pane (56)."""
+    for some 10000, which says nothing that far out; the max safe batch is 64 (GUESS_MULTIPLE x
+    the largest seen: the most it justifies) and the panel says > 64 with a low confidence, in
+    the most words that fit: two lines in the wide layout's column (48), one in a side pane (56)."""
     model = cpu_model([16])
-    assert (max_batch(model, 0.85) or 0) > 10_000
+    assert max_batch(model, 0.85) == GUESS_MULTIPLE * 16
     assert plain(safe_batch_lines(model, 0.85, 48, 2)) == [
         f"max safe batch  > {GUESS_MULTIPLE * 16}, 4x the largest seen (16)",
         "  predicted < 85%; low: one micro-batch seen",
