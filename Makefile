@@ -80,7 +80,7 @@ bench-clients: $(FRAMEWORKS_STAMP) $(if $(wildcard tests/clients/upstream/*),$(C
 bench-hf: $(FRAMEWORKS_STAMP)
 	$(PY) benchmarks/hf_overhead.py
 
-# the unit tests alone: no process started, no socket to another process (about 20 s)
+# the unit tests alone: no process started, no socket to another process (about 25 s)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
