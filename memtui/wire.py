@@ -265,10 +265,11 @@ class MemoryModel(Struct, omit_defaults=True):
     """A CPU run whose freed large blocks go back at once (the stand-in fixed glibc's mmap
     threshold): after a decrease it keeps nothing, and its peaks there count in the fit."""
     per_sample_bound_bytes: float = 0.0
-    """With one micro-batch seen, the most per-sample memory its peak allows (the peak over what
-    stays between steps, over the micro-batch): where the optimizer's step, not the micro-batch,
-    may have set that peak, the batch's own growth is not seen and the interval's high end grows
-    by up to this per sample (0: by ``per_sample_bytes``'s spread only)."""
+    """Where the optimizer's step, not the micro-batch, may have set the peaks, the most
+    per-sample memory they allow (the peak over what stays between steps, over the micro-batch):
+    the batch's own growth is hidden under the step's, and the interval's high end grows by up to
+    this per sample, from the one micro-batch seen, or past the largest of a line the step kept
+    flat (0: by ``per_sample_bytes``'s spread only)."""
 
 
 class StaticMemory(Struct, omit_defaults=True):

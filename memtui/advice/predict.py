@@ -86,6 +86,21 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
             f"a line through {len(ordered)} observed micro-batches "
             f"({', '.join(str(p.batch_size) for p in ordered)})"
         )
+        unseen = observation.unseen_bytes if not retained else 0
+        largest = ordered[-1].batch_size
+        if unseen > 0 and slope * largest < unseen:
+            # The peak is the larger of the step's (temporaries over what stays) and the
+            # backward pass's (activations over what stays): while the step's sets every point,
+            # the line is flat and says nothing of the activations, which may take over past the
+            # largest point (an MLP with AdamW peaked at 537-542 MiB from micro-batch 12 to 512,
+            # then at 728 MiB at 3072, predicted 569): past it the high end lets up to the step's
+            # share of the largest point's peak grow with the batch
+            bound = slope + unseen / max(1, largest)
+            basis += (
+                f"; the optimizer's step may set these peaks ({unseen / 2**20:.0f} MiB of "
+                f"temporaries over the memory between steps), so past micro-batch {largest} the "
+                f"high end lets up to {bound / 2**20:.2f} MiB per sample grow with the batch"
+            )
     else:
         seen = ordered[0] if retained else now
         steady = observation.steady_bytes
@@ -251,6 +266,10 @@ def margin(model: MemoryModel, batch_size: int) -> int:
     if len(points) > 1 and batch_size > largest:  # (one point's spread covers it already)
         doublings = math.log2(batch_size / largest)
         width += NONLINEAR_PER_DOUBLING * doublings * model.per_sample_bytes * batch_size
+        # what a line the optimizer's step flattened cannot see past its largest point
+        width += max(0.0, model.per_sample_bound_bytes - model.per_sample_bytes) * (
+            batch_size - largest
+        )
     return int(width)
 
 

@@ -21,7 +21,7 @@ from memtui.advice.predict import (
 from memtui.advice.prediction import Prediction
 from memtui.hooks.device import DeviceTracker
 from memtui.hooks.memory import static_memory
-from memtui.wire import DeviceSample, StaticMemory
+from memtui.wire import DeviceSample, ModelPoint, StaticMemory
 
 MIB = 1 << 20
 LIMIT = 740 * MIB
@@ -159,3 +159,33 @@ def test_the_memory_between_steps_is_the_lowest_read_since_the_config_changed(
     assert [read(), read(), read()] == [500 * MIB, 500 * MIB, 500 * MIB]
     tracker.reset_peaks()  # an applied change or a rollback
     assert read() == 530 * MIB
+
+
+def test_a_line_the_optimizer_step_kept_flat_does_not_vouch_for_far_past_its_largest_point() -> (
+    None
+):
+    """An MLP with AdamW peaked at 537-542 MiB from micro-batch 12 to 512 (its step's peak, the
+    activations under it), then at 728 MiB of 740 at micro-batch 3072, predicted at 569 MiB and
+    accepted without ``--force``: past the largest point the high end now lets the step's share
+    of that point's peak grow with the batch, and the gate refuses 3072."""
+    history = [
+        ModelPoint(12, 540 * MIB, 20, MIB),
+        ModelPoint(32, 537 * MIB, 20, MIB),
+        ModelPoint(64, 537 * MIB, 20, MIB),
+        ModelPoint(128, 539 * MIB, 20, MIB),
+    ]
+    now = Observation(
+        "cpu", 512, LIMIT, 540 * MIB, 542 * MIB, 542 * MIB, samples=20, noise_bytes=MIB,
+        returns_freed=True, unseen_bytes=32 * MIB,
+    )  # fmt: skip
+    model = fit(now, history)
+    assert model.per_sample_bytes < 0.02 * MIB  # flat: the step's peak at every point
+    assert model.per_sample_bound_bytes == pytest.approx(model.per_sample_bytes + 32 * MIB / 512)
+    assert Prediction.of(model, 3072).over_danger
+    assert predict_high(model, 3072) > 728 * MIB  # what it ran at
+    # up to the largest point measured the bound changes nothing
+    assert predict_high(model, 512) == predict_high(
+        msgspec.structs.replace(model, per_sample_bound_bytes=0.0), 512
+    )
+    safe = safe_batch(model, 0.85)
+    assert safe is not None and 512 <= safe.size < 2048
