@@ -86,21 +86,6 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
             f"a line through {len(ordered)} observed micro-batches "
             f"({', '.join(str(p.batch_size) for p in ordered)})"
         )
-        unseen = observation.unseen_bytes if not retained else 0
-        largest = ordered[-1].batch_size
-        if unseen > 0 and slope * largest < unseen:
-            # The peak is the larger of the step's (temporaries over what stays) and the
-            # backward pass's (activations over what stays): while the step's sets every point,
-            # the line is flat and says nothing of the activations, which may take over past the
-            # largest point (an MLP with AdamW peaked at 537-542 MiB from micro-batch 12 to 512,
-            # then at 728 MiB at 3072, predicted 569): past it the high end lets up to the step's
-            # share of the largest point's peak grow with the batch
-            bound = slope + unseen / max(1, largest)
-            basis += (
-                f"; the optimizer's step may set these peaks ({unseen / 2**20:.0f} MiB of "
-                f"temporaries over the memory between steps), so past micro-batch {largest} the "
-                f"high end lets up to {bound / 2**20:.2f} MiB per sample grow with the batch"
-            )
     else:
         seen = ordered[0] if retained else now
         steady = observation.steady_bytes
@@ -111,14 +96,22 @@ def fit(observation: Observation, history: Sequence[ModelPoint] = ()) -> MemoryM
             f"one micro-batch ({seen.batch_size}): step peak minus the steady part, "
             "assuming activations grow linearly with the batch"
         )
-        unseen = observation.unseen_bytes if not retained else 0
-        if unseen > 0:
-            bound = (activations + unseen) / max(1, seen.batch_size)
-            basis += (
-                f"; the optimizer's step may have set that peak ({unseen / 2**20:.0f} MiB of "
-                "temporaries over the memory between steps), so the high end lets up to "
-                f"{bound / 2**20:.2f} MiB per sample grow with the batch"
-            )
+    unseen = observation.unseen_bytes if not retained else 0
+    largest = ordered[-1].batch_size
+    if unseen > 0 and (len(ordered) == 1 or slope * largest < unseen):
+        # The peak is the larger of the step's (its temporaries over what stays between steps)
+        # and the backward pass's (the activations over it): while the step's sets the points,
+        # the batch's own growth is hidden under it, from one point, or past the largest point
+        # of a line it kept flat (an MLP with AdamW peaked at 537-542 MiB from micro-batch 12 to
+        # 512, then at 728 MiB at 3072, predicted 569): the high end lets the step's share of
+        # the largest point's peak grow with the batch too
+        bound = slope + unseen / max(1, largest)
+        where = "that peak" if len(ordered) == 1 else f"these peaks, up to micro-batch {largest}"
+        basis += (
+            f"; the optimizer's step may have set {where} ({unseen / 2**20:.0f} MiB of "
+            "temporaries over the memory between steps), so the high end lets up to "
+            f"{bound / 2**20:.2f} MiB per sample grow with the batch"
+        )
     if retained:
         basis += (
             f"; micro-batch {observation.batch_size} left out: seen after a larger one, whose "
@@ -244,10 +237,7 @@ def margin(model: MemoryModel, batch_size: int) -> int:
     noise = math.sqrt(sum(_noise(p) ** 2 for p in points) / len(points))
     xs = [float(p.batch_size) for p in points]
     if len(points) == 1:
-        away = abs(batch_size - xs[0])
-        width = Z * noise + ONE_POINT_SPREAD * model.per_sample_bytes * away
-        # what the one point cannot tell apart: a step's temporaries or the batch's own growth
-        width += max(0.0, model.per_sample_bound_bytes - model.per_sample_bytes) * away
+        width = Z * noise + ONE_POINT_SPREAD * model.per_sample_bytes * abs(batch_size - xs[0])
     else:
         n = len(points)
         mean_x = sum(xs) / n
@@ -266,11 +256,11 @@ def margin(model: MemoryModel, batch_size: int) -> int:
     if len(points) > 1 and batch_size > largest:  # (one point's spread covers it already)
         doublings = math.log2(batch_size / largest)
         width += NONLINEAR_PER_DOUBLING * doublings * model.per_sample_bytes * batch_size
-        # what a line the optimizer's step flattened cannot see past its largest point
-        width += max(0.0, model.per_sample_bound_bytes - model.per_sample_bytes) * (
-            batch_size - largest
-        )
-    return int(width)
+    # what the optimizer's step may hide (``per_sample_bound_bytes``): from one point, either
+    # way from it; from a line, past its largest point
+    hidden = max(0.0, model.per_sample_bound_bytes - model.per_sample_bytes)
+    reach = abs(batch_size - largest) if len(points) == 1 else max(0.0, batch_size - largest)
+    return int(width + hidden * reach)
 
 
 def predict_range(
