@@ -22,12 +22,17 @@ back), and the changes it kept that the grid says are worse. Goals: >= 95% of th
 within 8 boundaries, no OOM not rolled back, never slower at the end than at the start.
 
 The machine is shared: every number moves with the load (printed with ``os.getloadavg``), and
-with ``--rounds N`` each grid point and each autopilot run is repeated N times: the grid keeps
-each point's median (its rounds printed), the table the autopilot's median round by its fraction
-of the grid best, with the spread of the rounds and how many met the goal.
+with ``--rounds N`` each grid point and each autopilot run is repeated N times: the grid's rounds
+are interleaved (every point once, then every point again), the grid keeps each point's median
+(its rounds printed), the table the autopilot's median round by its fraction of the grid best,
+with the spread of the rounds and how many met the goal. On a busy machine a grid point's 20
+steps vary as much as the configs differ (beside two CPU hogs on two cores the CNN's configs past
+one worker are within 6% of each other, its 20-step rate within +-12-18%): ``--grid-steps``
+times each point over more steps, so that the grid the autopilot is judged by is not itself
+noise (and its best no winner of a draw).
 
 Usage: python benchmarks/autotune.py [--quick] [--rounds N] [--starts demo-starving,...] [--hogs N]
-       [--json PATH]
+       [--grid-steps N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -452,14 +457,18 @@ def measure_grid(
     args: argparse.Namespace,
     work: Path,
 ) -> None:
-    """Measure each of ``configs`` the grid lacks, ``args.rounds`` times, into ``grid``."""
+    """Measure each of ``configs`` the grid lacks, ``args.rounds`` times (the rounds interleaved),
+    into ``grid``."""
     warm, timed = (8, 20) if args.quick else (10, 40)
-    for config in configs:
-        if key(config) in grid:
-            continue
-        values = [
-            grid_point(script, config, work, warm, timed).samples_per_s for _ in range(args.rounds)
-        ]
+    timed = args.grid_steps or timed
+    missing = list({key(c): c for c in configs if key(c) not in grid}.values())
+    measured: dict[str, list[float]] = {key(config): [] for config in missing}
+    for _ in range(args.rounds):
+        for config in missing:
+            point = grid_point(script, config, work, warm, timed)
+            measured[key(config)].append(point.samples_per_s)
+    for config in missing:
+        values = measured[key(config)]
         grid[key(config)] = median_of(values)
         spread = f"[{min(values):.0f}-{max(values):.0f}]" if len(values) > 1 else ""
         print(
@@ -507,6 +516,9 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--hogs", type=int, default=0, help="run N `yes` processes beside it all")
+    parser.add_argument(
+        "--grid-steps", type=int, default=0, help="steps each grid point is timed over"
+    )
     args = parser.parse_args()
     with benchlib.cpu_hogs(args.hogs):
         return run(args)
@@ -522,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
     timed = 20 if args.quick else 40
     print(
         f"load {os.getloadavg()}, cpus {cpus}, rounds {args.rounds}, quick {args.quick}, "
-        f"{args.hogs} CPU hogs",
+        f"{args.hogs} CPU hogs, grid points over {args.grid_steps or timed} steps",
         flush=True,
     )
     began = time.monotonic()

@@ -398,7 +398,8 @@ class AutopilotState(Struct, omit_defaults=True):
     mode: str = "off"
     """off, on or paused (by an operator change or an error)."""
     phase: str = ""
-    """What it does now: waiting, trying, kept, reverted, converged ('' while off)."""
+    """What it does now: waiting, trying, measuring, timing (its trial over more steps),
+    reverting, refused, converged ('' while off)."""
     why: str = ""
     """The reason for the phase or the pause, in words."""
     trying: dict[str, KnobValue] = {}

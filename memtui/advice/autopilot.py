@@ -12,10 +12,14 @@ faster beyond the noise (the lower end of the measured effect's 95% interval abo
 for a loader knob, when the data wait fell well beyond its own noise and the speed did not fall
 measurably (on a busy machine the speed's interval can be wider than a worker's whole gain,
 while the wait it removes still shows). A trial the run measured slower is reverted and never
-tried again; one whose speed change stayed inside the noise is reverted too, and tried again
-once a later change is measured with an interval under half as wide (the noise fell). A value
-that ran out of memory is never tried again, one the prediction gate refused only while the
-gate, with the memory model as it is now, still would.
+tried again. One whose speed change stayed inside the noise with a gain for its point estimate is
+timed longer first: once a trial measured inside the noise, every config is timed over enough
+steps for a 5% gain to show beyond the spread of its steps (``RESOLVE``, at most ``LONG_STEPS`` a
+side), the one a trial starts from included. Still inside the noise, it is reverted, and tried
+again once a later change is measured with an interval under half as wide (the noise fell); two
+such moves of different knobs that each measured a gain are tried together. A value that ran out
+of memory is never tried again, one the prediction gate refused only while the gate, with the
+memory model as it is now, still would.
 
 An operator's change is the autopilot's starting point, not one of its trials: while the run still
 has the values an operator set, the autopilot never moves a knob back to the value the operator
@@ -25,17 +29,27 @@ and then its reason names the operator's change it undoes.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from memtui.advice.effect import measurable, speed_words, speedup
-from memtui.advice.measure import per_worker_bytes
+from memtui.advice.effect import SETTLE_STEPS, measurable, speed_words, speedup
+from memtui.advice.measure import EFFECT_STEPS, LONG_STEPS, per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
 from memtui.advice.recommend import Inputs, speed_noise, thresholds_of, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
 from memtui.core.knobs import format_changes, format_value, grew, knobs_with
-from memtui.wire import AppliedChange, AutopilotState, Effect, KnobDiff, Knobs, KnobValue
+from memtui.wire import (
+    AppliedChange,
+    AutopilotState,
+    Effect,
+    KnobDiff,
+    Knobs,
+    KnobValue,
+    StepRecord,
+)
 
 AUTOPILOT = "autopilot"
 """The origin of the autopilot's own changes (and its client name in the change log)."""
@@ -63,6 +77,10 @@ WAIT_DROP = 0.3
 (and beyond its own interval): the benchmark's CNN under load cut its wait 13% -> 5% with one
 worker while its speed change, -3% +-13%, was inside the noise."""
 RETRYABLE = "to try again: the noise fell"
+TOGETHER = "together"
+"""The axis of two knobs' moves tried at once."""
+INSIDE_NOISE = frozenset({UNCLEAR, UNCLEAR_REVERTED, RETRYABLE})
+"""Outcomes of trials whose speed change stayed inside the noise."""
 RETRY_NOISE = 0.5
 """A trial reverted inside the noise is tried again once a later change was measured with an
 interval at most this share of its own."""
@@ -70,6 +88,11 @@ WAITS_FRACTION = 0.05
 """The share of the step waiting for data from which the loader's knobs are tried (a trial is
 measured and reverted if no faster; under the STARVED threshold a worker still hid a wait of
 20% on the benchmark's transformer)."""
+RESOLVE = 0.05
+"""Once a trial measured inside the noise, each config is timed over enough steps for a gain of
+this share to show beyond the spread of its steps (at most ``LONG_STEPS`` a side): beside two CPU
+hogs the benchmark's CNN varied 23% step to step, and its configs past one worker were within 6%
+of each other, which 20 steps a side (+-12% to +-18%) could not tell apart."""
 
 
 @dataclass
@@ -288,11 +311,12 @@ def operator_changes(applied: Sequence[AppliedChange], config: Knobs) -> tuple[A
 
 
 def axis_of(changes: Mapping[str, object]) -> str:
-    """The axis a change belongs to: the first of ``AXES`` whose knob it sets."""
-    for axis in AXES:
-        if axis.knob in changes:
-            return axis.knob
-    return next(iter(changes), "")
+    """The axis a change belongs to: the one of ``AXES`` whose knob it sets (``together``
+    where it sets two)."""
+    knobs = [axis.knob for axis in AXES if axis.knob in changes]
+    if len(knobs) > 1:
+        return TOGETHER
+    return knobs[0] if knobs else next(iter(changes), "")
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -303,11 +327,33 @@ class Decision:
     """What to do now: wait, try a change, revert the last one, or stop (converged)."""
 
     action: str
-    """wait, try, revert or converged."""
+    """wait, time (the last trial, over more steps), try, revert or converged."""
     why: str
     changes: dict[str, KnobValue] = field(default_factory=dict)
     safety: bool = False
     """A move out of the memory danger band (kept unless it runs out of memory)."""
+    steps: int = 0
+    """To time: the steps a side wanted."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The steps timed at the run's current config: how many, and how much their speed varies."""
+
+    steps: int
+    """Steps timed since the current config settled."""
+    spread: float
+    """The relative standard deviation of their samples/s, step to step."""
+
+
+def timing_of(records: Sequence[StepRecord], since_step: int) -> Timing:
+    """The timing of the steps after ``since_step`` (the current config's last change) once it
+    settled, over the latest ``LONG_STEPS`` of them."""
+    timed = [r for r in records if r.step > since_step + SETTLE_STEPS and r.step_time_s > 0]
+    rates = [r.samples / r.step_time_s for r in timed[-LONG_STEPS:]]
+    mean = statistics.fmean(rates) if rates else 0.0
+    spread = statistics.stdev(rates) / mean if len(rates) > 1 and mean > 0 else 0.0
+    return Timing(len(timed), spread)
 
 
 @dataclass(frozen=True)
@@ -323,6 +369,19 @@ class Situation:
     budget: int = BUDGET
     allow_effective_batch: bool = False
     """Left to the learning-rate rule: without it, micro x accumulation x ranks stays."""
+    timing: Timing | None = None
+    """The steps timed at the current config (None: as many as the steps measured say)."""
+
+    @property
+    def wanted_steps(self) -> int:
+        """Steps a side to time a config over: ``EFFECT_STEPS``, or once one of the autopilot's
+        trials measured inside the noise, enough for a gain of ``RESOLVE`` to show past the
+        spread of the steps (up to ``LONG_STEPS``)."""
+        noisy = any(t.outcome in INSIDE_NOISE for t in self.history.trials)
+        if self.timing is None or not noisy:
+            return EFFECT_STEPS
+        wanted = math.ceil(2 * (1.96 * self.timing.spread / RESOLVE) ** 2)
+        return min(max(wanted, EFFECT_STEPS), LONG_STEPS)
 
     @property
     def input_bound(self) -> bool:
@@ -390,6 +449,9 @@ def decide(situation: Situation) -> Decision:
         return Decision("wait", f"measuring {format_diff_values(last.changes)}")
     if situation.pending:
         return Decision("wait", "a change is pending: it lands at the next checkpoint")
+    timing_longer = _timing_longer(situation, last)
+    if timing_longer is not None:
+        return timing_longer
     if last is not None and last.outcome in (WORSE, UNCLEAR):
         back = {k: d.old for k, d in last.changes.items() if d.old is not None}
         why = f"{format_diff_values(last.changes)} was not faster beyond the noise"
@@ -420,10 +482,41 @@ def decide(situation: Situation) -> Decision:
     for axis in AXES:
         changes, why = axis.candidate(situation)
         if changes:
+            timing, wanted = situation.timing, situation.wanted_steps
+            if timing is not None and timing.steps < wanted:
+                return Decision("wait", f"timing the current config: {_steps_words(situation)}")
             return Decision("try", why, changes)
         if why:
             reasons.append(why)
     return Decision("converged", "; ".join(reasons) or "nothing left to try")
+
+
+def _timing_longer(situation: Situation, last: Trial | None) -> Decision | None:
+    """Time the last trial over more steps (None: not needed): its speed change stayed inside
+    the noise with a gain for its point estimate, and its config has fewer steps timed than
+    wanted; "no measurable change" is not "slower" until the steps say so."""
+    if last is None or last.outcome != UNCLEAR or last.effect is None or last.safety:
+        return None
+    wanted = situation.wanted_steps
+    if speedup(last.effect) <= 0 or last.effect.steps_after >= wanted:
+        return None
+    why = f"{speed_words(last.effect)} over {last.effect.steps_after} of {wanted} steps a side"
+    return Decision("time", why, _new_values(last.changes), steps=wanted)
+
+
+def _steps_words(situation: Situation) -> str:
+    """``45 of 163 steps (their speed varies +-23% step to step)``."""
+    timing = situation.timing
+    done = timing.steps if timing is not None else 0
+    spread = timing.spread if timing is not None else 0.0
+    return (
+        f"{done} of {situation.wanted_steps} steps (their speed varies +-{spread:.0%} step to step)"
+    )
+
+
+def _new_values(changes: Mapping[str, KnobDiff]) -> dict[str, KnobValue]:
+    """The values a change set."""
+    return {k: d.new for k, d in changes.items()}
 
 
 SHRINK_COST_GUESS = 0.2
@@ -630,15 +723,41 @@ def _prefetch(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     return {"prefetch_factor": value}, f"{_wait_words(situation)}: prefetch_factor {now} -> {value}"
 
 
+def _together(situation: Situation) -> tuple[dict[str, KnobValue], str]:
+    """The latest two moves of different knobs that each measured faster inside the noise and
+    were reverted, tried at once from the config they both started from: their gains add up
+    where neither alone showed (beside two CPU hogs the benchmark's CNN, timed over 380 steps a
+    config, gained 1% with a second worker, 4% with micro-batch 16 and 6% with both)."""
+    latest: dict[str, Trial] = {}
+    for trial in situation.history.trials:
+        inside = trial.outcome in (UNCLEAR_REVERTED, RETRYABLE) and trial.axis != TOGETHER
+        if inside and trial.effect is not None and speedup(trial.effect) > 0 and not trial.safety:
+            latest.pop(trial.axis, None)  # the latest of each axis, in the order they ran
+            latest[trial.axis] = trial
+    if len(latest) < 2:
+        return {}, ""
+    pair = list(latest.values())[-2:]
+    config = situation.inputs.config
+    if any(getattr(config, k, None) != d.old for t in pair for k, d in t.changes.items()):
+        return {}, ""
+    changes = {k: v for t in pair for k, v in _new_values(t.changes).items()}
+    done = [_new_values(t.changes) for t in situation.history.trials]
+    if changes in done or situation.gate_refuses(changes):
+        return {}, ""
+    words = " and ".join(format_diff_values(t.changes) for t in pair)
+    return changes, f"{words} each measured faster inside the noise: both at once"
+
+
 AXES: tuple[Axis, ...] = (
     Axis("num_workers", _workers),
     Axis("pin_memory", _pinning),
     Axis("batch_size", _micro_batch),
+    Axis(TOGETHER, _together),
     Axis("prefetch_factor", _prefetch),
 )
 """The knobs the autopilot tunes, in the order it tries them (the likeliest gains first: the
 budget of boundaries ran out on prefetch trials before the micro-batch was tried on the
-benchmark's transformer): a knob is one more entry."""
+benchmark's transformer): a knob is one more entry; ``together`` pairs two of them."""
 
 
 def describe_state(state: AutopilotState) -> str:
@@ -648,11 +767,11 @@ def describe_state(state: AutopilotState) -> str:
     if state.mode == "paused":
         return f"autopilot {state.why or 'paused'}"
     doing = state.phase or "waiting"
-    if state.trying and state.phase in ("trying", "reverting", "measuring"):
+    if state.trying and state.phase in ("trying", "reverting", "measuring", "timing"):
         doing += " " + format_changes(state.trying)
     words = f"autopilot on: {doing}"
     if state.why and not state.why.startswith("measuring"):
         words += f" ({state.why})"
-    if state.last and not state.last.startswith(MEASURING):
+    if state.last and not state.last.startswith(MEASURING) and state.phase != "timing":
         words += f"; last: {state.last}"
     return words + f"; {state.boundaries}/{state.budget} boundaries"

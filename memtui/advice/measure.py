@@ -31,6 +31,9 @@ from memtui.wire import (
 
 EFFECT_STEPS = 20
 """Steps compared before and after an applied change for its measured effect."""
+LONG_STEPS = 200
+"""The most steps a side the autopilot times a trial over where the run's steps vary too much
+for ``EFFECT_STEPS`` to tell a small gain from the noise."""
 
 PEAK_SAMPLES = 3
 """Device samples at a change's new config before its peak is taken (its effect waits for them)."""
@@ -340,3 +343,19 @@ def accuracy(applied: Sequence[AppliedChange], ooms: Sequence[OomEvent] = ()) ->
                 break
     errors = [abs(e) for a in applied if a not in missed and (e := prediction_error(a)) is not None]
     return Accuracy(len(errors), sum(errors) / len(errors) if errors else None, len(missed))
+
+
+def timed_longer(
+    change: AppliedChange, earlier_step: int, steps: Sequence[StepRecord]
+) -> Measured | None:
+    """``change``'s effect over every step timed on each side (up to ``LONG_STEPS`` a side: the
+    steps at the config before it since the change at ``earlier_step`` settled, those after it
+    since it settled), its peaks as first measured (None: no effect measured yet, or too few
+    steps)."""
+    if change.effect is None:
+        return None
+    before = [r for r in steps if earlier_step + SETTLE_STEPS < r.step <= change.step]
+    after = [r for r in steps if r.step > change.step + SETTLE_STEPS]
+    peaks = change.effect.peak_bytes_before, change.effect.peak_bytes_after
+    effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks)
+    return Measured(change, effect, change.observed_peak_bytes) if effect is not None else None

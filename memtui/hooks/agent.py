@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from memtui.advice.measure import (
-    EFFECT_STEPS,
+    LONG_STEPS,
     effects_due,
     measuring,
     model_moved,
@@ -622,7 +622,7 @@ class Agent(threading.Thread):
         autopilot = parts.autopilot
         if autopilot is not None and not final and autopilot.acting():
             autopilot.tick(
-                parts.ledger.records(list(publisher.steps)[-2 * EFFECT_STEPS :]),
+                parts.ledger.records(list(publisher.steps)[-3 * LONG_STEPS :]),
                 publisher.host[-1] if publisher.host else None,
                 parts.info(),
             )

@@ -22,9 +22,10 @@ from memtui.advice.autopilot import (
     Situation,
     decide,
     history,
+    timing_of,
 )
 from memtui.advice.effect import SETTLE_STEPS
-from memtui.advice.measure import EFFECT_STEPS
+from memtui.advice.measure import EFFECT_STEPS, timed_longer
 from memtui.advice.recommend import Inputs, bands
 from memtui.core.knobs import format_changes, parse_value
 from memtui.core.stats import summarize_steps
@@ -124,12 +125,28 @@ class Autopilot:
         decision = decide(situation)
         if decision.action in ("try", "revert"):
             self._queue(decision)
+        elif decision.action == "time":
+            self._time_longer(steps, decision.steps)
+            self._set(phase="timing", why=decision.why, trying=dict(decision.changes))
         elif decision.action == "converged":
             self._set(phase="converged", why=decision.why, trying={})
         elif last is not None and last.outcome == MEASURING:
             self._set(phase="measuring", why=decision.why, trying=_new_values(last.changes))
         else:
             self._set(phase="waiting", why=decision.why, trying=self.state().trying)
+
+    def _time_longer(self, steps: Sequence[StepRecord], wanted: int) -> None:
+        """Measure the latest change (the trial being timed) again over every step on each side,
+        once the steps after it doubled since its effect was measured or reached ``wanted``."""
+        applied = self._control.applied_changes()
+        change = applied[-1] if applied else None
+        if change is None or change.effect is None:
+            return
+        earlier = applied[-2].step if len(applied) > 1 else -1
+        measured = timed_longer(change, earlier, steps)
+        recorded = change.effect.steps_after
+        if measured is not None and measured.effect.steps_after >= min(2 * recorded, wanted):
+            self._control.record_effect(measured)
 
     def _situation(
         self, steps: Sequence[StepRecord], host: HostSample | None, info: RunInfo
@@ -180,6 +197,7 @@ class Autopilot:
             ),
             pending=bool(own.pending),
             budget=state.budget,
+            timing=timing_of(steps, since - SETTLE_STEPS),
         )
 
     def _queue(self, decision: Decision) -> None:

@@ -53,11 +53,21 @@ def interrupted(tmp_path: Path, *args: str, again_after_s: float | None = None) 
     return code, err.read_text()
 
 
+FD_HANDOFF = 'multiprocessing/resource_sharer.py", line'
+"""Where a loader worker's thread that hands a batch's file descriptor to the training process
+prints a ``ConnectionResetError`` when Ctrl-C cuts the hand-off (torch's ``file_descriptor``
+sharing over Python's ``resource_sharer``): a race between the two processes' own code, which the
+same script prints without memtui."""
+
+
 def assert_only_the_users_traceback(code: int, stderr: str) -> None:
-    """One traceback, the user's KeyboardInterrupt, and nothing from memtui."""
+    """One traceback, the user's KeyboardInterrupt, and nothing from memtui (besides a loader
+    worker's cut batch hand-off, which is torch's and Python's own)."""
     assert code in (-signal.SIGINT, 130), (code, stderr)
-    assert stderr.count("Traceback (most recent call last)") == 1, stderr
-    assert stderr.rstrip().endswith("KeyboardInterrupt"), stderr
+    handoffs = 1 if FD_HANDOFF in stderr and "in _serve" in stderr else 0
+    assert stderr.count("Traceback (most recent call last)") == 1 + handoffs, stderr
+    ends = [line for line in stderr.splitlines() if line and not line.startswith(" ")]
+    assert ends[-1] == "KeyboardInterrupt" or (handoffs and "KeyboardInterrupt" in ends), stderr
     assert "Exception ignored" not in stderr, stderr
     assert "memtui:" not in stderr and "training goes on" not in stderr, stderr
 

@@ -19,10 +19,14 @@ from memtui.advice.autopilot import (
     UNCLEAR_REVERTED,
     WORSE,
     Situation,
+    Timing,
     decide,
+    describe_state,
     doubling,
     history,
+    timing_of,
 )
+from memtui.advice.measure import EFFECT_STEPS, LONG_STEPS, timed_longer
 from memtui.advice.predict import Observation, fit
 from memtui.advice.recommend import Inputs
 from memtui.core.stats import StepStats
@@ -30,6 +34,7 @@ from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.control import Control
 from memtui.wire import (
     AppliedChange,
+    AutopilotState,
     AutotuneRequest,
     Ceiling,
     Effect,
@@ -78,6 +83,7 @@ def situation(
     refused: tuple[dict[str, object], ...] = (),
     pending: bool = False,
     model: MemoryModel | None = None,
+    timing: Timing | None = None,
 ) -> Situation:
     """The policy's view of a run with ``config``, its timed steps and the autopilot's changes."""
     if peak_fraction is not None and config.batch_size:
@@ -99,7 +105,7 @@ def situation(
         applied=applied,
     )
     done = history(applied, refused, config=config)  # type: ignore[arg-type]
-    return Situation(inputs, done, pending=pending)
+    return Situation(inputs, done, pending=pending, timing=timing)
 
 
 START = Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
@@ -382,6 +388,7 @@ def test_a_fifth_knob_is_one_more_entry_in_the_table() -> None:
         "num_workers",
         "pin_memory",
         "batch_size",
+        "together",
         "prefetch_factor",
     ]
     kept = change(50, effect(200, 300, 0.05), num_workers=(0, 2))
@@ -481,3 +488,141 @@ def test_a_trial_reverted_inside_the_noise_is_tried_again_once_the_noise_fell() 
     back = change(100, effect(240, 300, 0.05), num_workers=(4, 2))
     later = change(150, effect(300, 330, 0.01), prefetch_factor=(2, 4))
     assert decide(situation(now, applied=(worse, back, later))).changes != {"num_workers": 4}
+
+
+def timed(before: float, after: float, margin: float, steps_after: int) -> Effect:
+    """An effect measured over 20 steps before and ``steps_after`` after."""
+    return Effect(20, steps_after, before, after, 0.1, 0.1, 0.0, 0.0, speedup_margin=margin)
+
+
+NOISY = Timing(steps=40, spread=0.23)
+"""A config timed over 40 steps whose speed varies 23% step to step (two CPU hogs on two cores)."""
+
+
+def test_a_trial_inside_the_noise_with_a_gain_is_timed_longer_instead_of_reverted() -> None:
+    """+4% +-14% over 20 steps on a noisy run: timed until its steps a side are enough for a 5%
+    gain to show (163 at a 23% spread), then kept, or reverted if still inside the noise."""
+    config = Knobs(8, 2, 2, False)
+    trial = change(50, timed(110, 114, 0.14, 20), num_workers=(1, 2))
+    view = situation(config, WAITING, (trial,), timing=NOISY)
+    assert view.wanted_steps == 163
+    decision = decide(view)
+    assert (decision.action, decision.steps) == ("time", 163), decision.why
+    assert "over 20 of 163 steps a side" in decision.why
+    resolved = change(50, timed(110, 118, 0.05, 163), num_workers=(1, 2))
+    assert history([resolved]).trials[0].outcome == KEPT
+    still = change(50, timed(110, 112, 0.05, 163), num_workers=(1, 2))
+    assert decide(situation(config, WAITING, (still,), timing=NOISY)).action == "revert"
+    # a loss inside the noise is not worth the time: reverted at once
+    lower = change(50, timed(110, 106, 0.14, 20), num_workers=(1, 2))
+    assert decide(situation(config, WAITING, (lower,), timing=NOISY)).action == "revert"
+
+
+def test_a_quiet_run_times_each_config_over_the_usual_steps() -> None:
+    """Steps that vary little, or no trial inside the noise yet: ``EFFECT_STEPS`` a side."""
+    trial = change(50, timed(110, 114, 0.14, 20), num_workers=(1, 2))
+    quiet = situation(Knobs(8, 2, 2, False), WAITING, (trial,), timing=Timing(40, 0.05))
+    assert quiet.wanted_steps == EFFECT_STEPS
+    assert decide(quiet).action == "revert"
+    kept = change(50, effect(110, 190, 0.1), num_workers=(0, 1))
+    noisy_but_clear = situation(Knobs(8, 2, 1, False), WAITING, (kept,), timing=NOISY)
+    assert noisy_but_clear.wanted_steps == EFFECT_STEPS
+    assert decide(noisy_but_clear).action == "try"
+    always = situation(Knobs(8, 2, 1, False), WAITING, (trial,), timing=Timing(40, 0.9))
+    assert always.wanted_steps == LONG_STEPS
+
+
+def test_after_a_trial_inside_the_noise_the_next_waits_for_its_config_to_be_timed_as_long() -> None:
+    """The comparison is only as good as its shorter side: the config a trial starts from is
+    timed over the wanted steps first."""
+    trial = change(50, timed(110, 114, 0.14, 20), num_workers=(1, 2))
+    back = change(75, None, num_workers=(2, 1))
+    config = Knobs(8, 2, 1, False)
+    short = decide(
+        situation(config, FED, (trial, back), peak_fraction=0.3, timing=Timing(30, 0.23))
+    )
+    assert short.action == "wait"
+    assert short.why == (
+        "timing the current config: 30 of 163 steps (their speed varies +-23% step to step)"
+    )
+    long_enough = decide(
+        situation(config, FED, (trial, back), peak_fraction=0.3, timing=Timing(170, 0.23))
+    )
+    assert (long_enough.action, long_enough.changes) == (
+        "try",
+        {"batch_size": 16, "grad_accum": 1},
+    ), long_enough.why
+
+
+def test_two_moves_each_faster_inside_the_noise_are_tried_together() -> None:
+    """A second worker (+4% +-14%) and micro-batch 16 (+6% +-16%), each reverted inside the noise:
+    both at once, from the config both started from, where the gains add up."""
+    workers = change(50, timed(110, 114, 0.14, 163), num_workers=(1, 2))
+    workers_back = change(75, None, num_workers=(2, 1))
+    batch = change(100, timed(110, 117, 0.16, 163), batch_size=(8, 16), grad_accum=(2, 1))
+    batch_back = change(125, None, batch_size=(16, 8), grad_accum=(1, 2))
+    applied = (workers, workers_back, batch, batch_back)
+    view = situation(Knobs(8, 2, 1, False), FED, applied, timing=Timing(170, 0.23))
+    assert [t.outcome for t in view.history.trials] == [UNCLEAR_REVERTED, UNCLEAR_REVERTED]
+    decision = decide(view)
+    assert decision.changes == {"num_workers": 2, "batch_size": 16, "grad_accum": 1}
+    assert "each measured faster inside the noise: both at once" in decision.why
+    together = change(150, timed(110, 128, 0.06, 163), batch_size=(8, 16), grad_accum=(2, 1),
+                      num_workers=(1, 2))  # fmt: skip
+    done = situation(Knobs(16, 1, 2, False), FED, (*applied, together), timing=Timing(170, 0.23))
+    assert done.history.trials[-1].outcome == KEPT
+    assert done.history.tried("num_workers")[1] == WORSE
+    # one of them slower inside the noise: no pair
+    slower = change(100, timed(110, 104, 0.16, 163), batch_size=(8, 16), grad_accum=(2, 1))
+    view = situation(Knobs(8, 2, 1, False), FED, (workers, workers_back, slower, batch_back))
+    assert decide(view).changes != decision.changes
+
+
+def test_the_trial_timed_longer_is_measured_over_every_step_on_each_side() -> None:
+    """Before: the steps at the old config since the change before it settled; after: all the
+    steps since the trial settled, up to ``LONG_STEPS`` a side."""
+    steps = [StepRecord(n, n, 0.1 if n <= 300 else 0.08, 0.0, 8, 1) for n in range(1, 700)]
+    trial = change(300, timed(80, 100, 0.2, 20), num_workers=(1, 2))
+    trial.observed_peak_bytes = 5 * MIB
+    measured = timed_longer(trial, 100, steps)
+    assert measured is not None
+    got = measured.effect
+    assert (got.steps_before, got.steps_after) == (198, LONG_STEPS)
+    assert round(got.samples_per_s_before) == 80 and round(got.samples_per_s_after) == 100
+    assert measured.peak_after == 5 * MIB
+    assert timed_longer(change(300, None, num_workers=(1, 2)), 100, steps) is None
+    timing = timing_of(steps[:340], 300)
+    assert (timing.steps, round(timing.spread, 3)) == (38, 0.0)  # steps 303-340
+
+
+def test_the_loop_times_a_trial_inside_the_noise_over_more_steps_and_records_it() -> None:
+    """The hook's loop over a real ``Control``: the trial's effect over 20 steps a side is inside
+    the noise with a gain; the steps vary 20% step to step, so it is measured again over every
+    step there is, published as the change's effect, and kept once that shows the gain."""
+    config = Knobs(16, 2, 2, False)
+    control = Control(lambda: config)
+    pilot = Autopilot(control, lambda: 300, on=True)
+    control.pilot = pilot
+    trial = change(100, timed(267, 278, 0.14, 20), num_workers=(1, 2))
+    control.applied.append(trial)
+    steps = [
+        StepRecord(n, float(n), (0.08 if n % 2 else 0.12) * (0.9 if n > 100 else 1.0), 0.02, 32, 2)
+        for n in range(1, 301)
+    ]
+    info = RunInfo(run="r", pid=1, host="h", started=0.0, cpus=4)
+    seq = control.seq
+    pilot.tick(steps, HOST, info)
+    state = pilot.state()
+    assert state.phase == "timing" and "over 20 of 124 steps a side" in state.why, state.why
+    assert control.seq > seq and trial.effect is not None
+    assert (trial.effect.steps_before, trial.effect.steps_after) == (99, 198)
+    assert not control.pending
+    pilot.tick(steps, HOST, info)
+    assert history([trial]).trials[0].outcome == KEPT
+    assert pilot.state().phase != "timing"
+    words = describe_state(AutopilotState(mode="on", phase="timing", why=state.why,
+                                          trying={"num_workers": 2}, last="x", budget=8))  # fmt: skip
+    assert words == (
+        "autopilot on: timing num_workers=2 (no measurable change (+4% +-14% samples/s) over 20 "
+        "of 124 steps a side); 0/8 boundaries"
+    )
