@@ -354,8 +354,9 @@ def timed_longer(
     steps)."""
     if change.effect is None:
         return None
-    before = [r for r in steps if earlier_step + SETTLE_STEPS < r.step <= change.step]
-    after = [r for r in steps if r.step > change.step + SETTLE_STEPS]
+    timed = [r for r in steps if r.step_time_s > 0]  # as the effect counts them
+    before = [r for r in timed if earlier_step + SETTLE_STEPS < r.step <= change.step]
+    after = [r for r in timed if r.step > change.step + SETTLE_STEPS]
     peaks = change.effect.peak_bytes_before, change.effect.peak_bytes_after
     effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks)
     return Measured(change, effect, change.observed_peak_bytes) if effect is not None else None

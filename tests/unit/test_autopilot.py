@@ -582,6 +582,7 @@ def test_the_trial_timed_longer_is_measured_over_every_step_on_each_side() -> No
     """Before: the steps at the old config since the change before it settled; after: all the
     steps since the trial settled, up to ``LONG_STEPS`` a side."""
     steps = [StepRecord(n, n, 0.1 if n <= 300 else 0.08, 0.0, 8, 1) for n in range(1, 700)]
+    steps[350] = StepRecord(351, 351, 0.0, 0.0, 8, 1)  # untimed: the after side counts past it
     trial = change(300, timed(80, 100, 0.2, 20), num_workers=(1, 2))
     trial.observed_peak_bytes = 5 * MIB
     measured = timed_longer(trial, 100, steps)
