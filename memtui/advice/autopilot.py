@@ -40,7 +40,14 @@ from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
 from memtui.advice.recommend import Inputs, speed_noise, thresholds_of, workers_allowed
 from memtui.advice.speed import SpeedEstimate, predict_speed
-from memtui.core.knobs import format_changes, format_value, grew, knobs_with
+from memtui.core.knobs import (
+    format_changes,
+    format_value,
+    grew,
+    knobs_with,
+    merge,
+    new_values,
+)
 from memtui.wire import (
     AppliedChange,
     AutopilotState,
@@ -412,7 +419,7 @@ class Situation:
             diff = trial.changes.get(knob)
             if trial.outcome != REFUSED or diff is None or values.get(diff.new) != REFUSED:
                 continue
-            if not self.gate_refuses({k: d.new for k, d in trial.changes.items()}):
+            if not self.gate_refuses(new_values(trial.changes)):
                 del values[diff.new]
         theirs = self.history.left_by_operator(knob) if operator else None
         if theirs is not None:
@@ -484,7 +491,9 @@ def decide(situation: Situation) -> Decision:
         if changes:
             timing, wanted = situation.timing, situation.wanted_steps
             if timing is not None and timing.steps < wanted:
-                return Decision("wait", f"timing the current config: {_steps_words(situation)}")
+                return Decision(
+                    "wait", f"timing the current config: {_steps_words(timing, wanted)}"
+                )
             return Decision("try", why, changes)
         if why:
             reasons.append(why)
@@ -501,22 +510,13 @@ def _timing_longer(situation: Situation, last: Trial | None) -> Decision | None:
     if speedup(last.effect) <= 0 or last.effect.steps_after >= wanted:
         return None
     why = f"{speed_words(last.effect)} over {last.effect.steps_after} of {wanted} steps a side"
-    return Decision("time", why, _new_values(last.changes), steps=wanted)
+    return Decision("time", why, new_values(last.changes), steps=wanted)
 
 
-def _steps_words(situation: Situation) -> str:
+def _steps_words(timing: Timing, wanted: int) -> str:
     """``45 of 163 steps (their speed varies +-23% step to step)``."""
-    timing = situation.timing
-    done = timing.steps if timing is not None else 0
-    spread = timing.spread if timing is not None else 0.0
-    return (
-        f"{done} of {situation.wanted_steps} steps (their speed varies +-{spread:.0%} step to step)"
-    )
-
-
-def _new_values(changes: Mapping[str, KnobDiff]) -> dict[str, KnobValue]:
-    """The values a change set."""
-    return {k: d.new for k, d in changes.items()}
+    spread = f"+-{timing.spread:.0%} step to step"
+    return f"{timing.steps} of {wanted} steps (their speed varies {spread})"
 
 
 SHRINK_COST_GUESS = 0.2
@@ -541,7 +541,7 @@ def _worth_its_memory(situation: Situation, trial: Trial, safer: Mapping[str, Kn
 
 def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
     """``num_workers=2 batch_size=8``: the new values of a change."""
-    return format_changes({k: d.new for k, d in changes.items()})
+    return format_changes(new_values(changes))
 
 
 def doubling(
@@ -740,8 +740,8 @@ def _together(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     config = situation.inputs.config
     if any(getattr(config, k, None) != d.old for t in pair for k, d in t.changes.items()):
         return {}, ""
-    changes = {k: v for t in pair for k, v in _new_values(t.changes).items()}
-    done = [_new_values(t.changes) for t in situation.history.trials]
+    changes = merge(new_values(t.changes) for t in pair)
+    done = [new_values(t.changes) for t in situation.history.trials]
     if changes in done or situation.gate_refuses(changes):
         return {}, ""
     words = " and ".join(format_diff_values(t.changes) for t in pair)

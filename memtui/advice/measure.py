@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
 from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
-from memtui.core.knobs import knobs_with
+from memtui.core.knobs import knobs_with, new_values
 from memtui.core.stats import summarize_steps
 from memtui.wire import (
     AppliedChange,
@@ -292,7 +292,7 @@ def speed_prediction_due(
     was = knobs_with(knobs, {k: d.old for k, d in latest.changes.items()})
     samples_per_step = stats.samples_per_s * stats.step_time_s  # total samples / steps
     basis = SpeedBasis(was, stats, samples_per_step, tuple(applied[:-1]), starved_wait_fraction)
-    return latest, predict_speed(basis, {k: d.new for k, d in latest.changes.items()})
+    return latest, predict_speed(basis, new_values(latest.changes))
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,11 @@ def diff(current: Knobs, target: Mapping[str, KnobValue | None]) -> dict[str, Kn
     }
 
 
+def new_values(diffs: Mapping[str, KnobDiff]) -> dict[str, KnobValue]:
+    """The values a change set: ``{knob: new}`` of its diffs."""
+    return {k: d.new for k, d in diffs.items()}
+
+
 class OldNew(Protocol):
     """A knob's value before and after a change (the wire's ``KnobDiff``, or a report's view)."""
 

@@ -27,7 +27,7 @@ from memtui.advice.autopilot import (
 from memtui.advice.effect import SETTLE_STEPS
 from memtui.advice.measure import EFFECT_STEPS, timed_longer
 from memtui.advice.recommend import Inputs, bands
-from memtui.core.knobs import format_changes, parse_value
+from memtui.core.knobs import format_changes, new_values, parse_value
 from memtui.core.stats import summarize_steps
 from memtui.hooks.control import Control, PilotSeat, clip
 from memtui.wire import (
@@ -35,7 +35,6 @@ from memtui.wire import (
     AutotuneReply,
     AutotuneRequest,
     HostSample,
-    KnobDiff,
     KnobValue,
     RunInfo,
     SetRequest,
@@ -131,7 +130,7 @@ class Autopilot:
         elif decision.action == "converged":
             self._set(phase="converged", why=decision.why, trying={})
         elif last is not None and last.outcome == MEASURING:
-            self._set(phase="measuring", why=decision.why, trying=_new_values(last.changes))
+            self._set(phase="measuring", why=decision.why, trying=new_values(last.changes))
         else:
             self._set(phase="waiting", why=decision.why, trying=self.state().trying)
 
@@ -218,8 +217,3 @@ def _value(knob: str, raw: object) -> KnobValue | None:
         return parse_value(knob, raw)
     except ValueError:
         return None
-
-
-def _new_values(changes: dict[str, KnobDiff]) -> dict[str, KnobValue]:
-    """The values a change set."""
-    return {k: d.new for k, d in changes.items()}

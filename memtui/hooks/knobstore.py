@@ -21,6 +21,7 @@ from memtui.core.knobs import (
     format_diffs,
     format_value,
     knobs_with,
+    new_values,
     parse_value,
 )
 from memtui.core.stats import shown
@@ -150,7 +151,7 @@ class KnobStore:
                 self.binding.write(knob, diffs[knob].old)
             self._report(exc, "apply")
             raise KnobError(f"could not write {failing} into the config: {exc}") from exc
-        self._knobs = knobs_with(self._knobs, {k: d.new for k, d in diffs.items()})
+        self._knobs = knobs_with(self._knobs, new_values(diffs))
         if any(k in LOADER_KNOBS for k in diffs):
             self.memory_since_step = step
             self.loader_generation += 1
