@@ -4,6 +4,7 @@ from the script's own checkpoint; and what the witness saw, step by step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,7 +12,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,26 +109,44 @@ class ClientRun:
         lines = self.witness.read_text().splitlines()
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
-    def wait_paused(self, call: int, timeout: float = 150.0, ranks: int = 1) -> dict[str, Any]:
-        """Wait until the script waits before its ``call``-th optimizer step (in each of its
-        ``ranks`` processes, all writing to the same witness file)."""
+    def wait_paused(
+        self, call: int, timeout: float = 150.0, ranks: int = 1, forward: bool = False
+    ) -> dict[str, Any]:
+        """Wait until the script waits before its ``call``-th optimizer step (its ``call``-th
+        training forward, with ``forward``) in each of its ``ranks`` processes, all writing to
+        the same witness file."""
+        key, what = ("forward", "training forward") if forward else ("call", "step")
 
         def paused() -> dict[str, Any] | None:
-            found = [r for r in self.records("paused") if r["call"] == call]
+            found = [r for r in self.records("paused") if r.get(key) == call]
             if len(found) < ranks and self.proc.poll() is not None:
-                pytest.fail(f"the script ended before step {call}:\n{self.tail()}")
+                pytest.fail(f"the script ended before {what} {call}:\n{self.tail()}")
             return found[0] if len(found) >= ranks else None
 
-        return dict(wait_for(paused, timeout, what=f"the script to pause at step {call}"))  # type: ignore[call-overload]
+        return dict(wait_for(paused, timeout, what=f"the script to pause at {what} {call}"))  # type: ignore[call-overload]
 
-    def go(self, call: int) -> None:
-        """Let the script paused before step ``call`` go on."""
-        (self.workdir / f"go-{call}").touch()
+    def go(self, call: int, forward: bool = False) -> None:
+        """Let the script paused before step ``call`` (training forward ``call``) go on."""
+        (self.workdir / f"go-{'f' if forward else ''}{call}").touch()
 
     def kill(self) -> None:
         """Kill the script (SIGKILL: nothing of it runs after)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
+
+    def kill_job(self) -> None:
+        """Kill the script's launcher, then every process the witness saw start (its ranks,
+        which a launcher killed alone would leave running), and wait until they are gone."""
+        import psutil
+
+        self.kill()
+        ranks = []
+        for record in self.records("start"):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(record["pid"])
+                process.kill()
+                ranks.append(process)
+        psutil.wait_procs(ranks, timeout=30)
 
     def finish(self, timeout: float = 150.0) -> None:
         """Wait for the script to end; fail the test unless it ended well."""
@@ -169,10 +189,12 @@ def start(
     launcher: Sequence[str] = (),
     interpreter: Sequence[str] = (),
     stderr_apart: bool = False,
+    pause_at_forward: Sequence[int] = (),
 ) -> ClientRun:
     """``python SCRIPT ARGS`` under the witness, in the script's directory; ``launcher`` before
     it (``memtui run --``), ``interpreter`` instead of ``python`` (``torchrun ...``), stderr in
-    ``LABEL.err`` when ``stderr_apart``."""
+    ``LABEL.err`` when ``stderr_apart``; paused before the optimizer steps ``pause_at`` and the
+    training forwards ``pause_at_forward``."""
     workdir = script.parent
     for stale in workdir.glob("go-*"):
         stale.unlink()
@@ -181,6 +203,7 @@ def start(
         env,
         MEMTUI_WITNESS_OUT=str(witness),
         MEMTUI_WITNESS_PAUSE_AT=",".join(map(str, pause_at)),
+        MEMTUI_WITNESS_PAUSE_AT_FORWARD=",".join(map(str, pause_at_forward)),
         MEMTUI_WITNESS_GO_DIR=str(workdir),
     )
     errors = workdir / f"{label}.err" if stderr_apart else None
@@ -279,20 +302,24 @@ class Step:
     workers: int
     batches: list[int]
     """The first dimension of each training forward's input."""
+    rank: int = 0
+    """The rank of the process that made it."""
 
 
 def steps_of(run: ClientRun) -> list[Step]:
-    """The run's optimizer steps, in order, each with the micro-batches it trained on."""
-    forwards: dict[int, list[int]] = {}
+    """The run's optimizer steps, in order, each with the micro-batches its rank trained on."""
+    forwards: dict[tuple[int, int], list[int]] = {}
     for record in run.records("forward"):
         if record["training"] and record["shape"]:
-            forwards.setdefault(record["step"], []).append(record["shape"][0])
+            key = (record.get("rank", 0), record["step"])
+            forwards.setdefault(key, []).append(record["shape"][0])
     return [
         Step(
             number=record["opt_step"] or record["call"],
             lrs=record["lrs"],
             workers=record["workers"],
-            batches=forwards.get(record["call"], []),
+            batches=forwards.get((record.get("rank", 0), record["call"]), []),
+            rank=record.get("rank", 0),
         )
         for record in run.records("step")
     ]
@@ -387,3 +414,97 @@ def run_pair(
         if watched.proc.poll() is None:
             watched.kill()
     return Pair(plain, watched, aside, registered, json.loads(status.stdout), text.stdout)
+
+
+def records_by_rank(run: ClientRun, kind: str) -> dict[int, list[dict[str, Any]]]:
+    """The witness's records of ``kind`` of every process of the run, by rank, each rank's in
+    the order it wrote them (the ranks of a job append to the same file)."""
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for record in run.records(kind):
+        ranks.setdefault(int(record.get("rank", 0)), []).append(record)
+    return dict(sorted(ranks.items()))
+
+
+def trained_epochs(run: ClientRun, limit: int | None = None) -> dict[int, list[list[str]]]:
+    """The digests of the rows each rank trained on, epoch by epoch, for a loop that evaluates
+    after each epoch: an epoch ends at the first evaluation forward (not in training mode) after
+    its training forwards; ``limit``: only each rank's first ``limit`` training forwards (the
+    loop's steps up to a checkpoint it named by them)."""
+    epochs: dict[int, list[list[str]]] = {}
+    for rank, forwards in records_by_rank(run, "forward").items():
+        mine: list[list[str]] = [[]]
+        taken, evaluating = 0, False
+        for record in forwards:
+            if not record["training"]:
+                if not evaluating:  # the epoch ends, even one that trained on nothing
+                    mine.append([])
+                evaluating = True
+                continue
+            if limit is not None and taken == limit:
+                break
+            taken, evaluating = taken + 1, False
+            mine[-1].extend(record.get("rows") or [])
+        epochs[rank] = mine if mine[-1] else mine[:-1]
+    return epochs
+
+
+def union_of_ranks(epochs: dict[int, list[list[str]]]) -> list[list[str]]:
+    """Each epoch's rows on all ranks together."""
+    count = max((len(e) for e in epochs.values()), default=0)
+    return [
+        [row for mine in epochs.values() if i < len(mine) for row in mine[i]] for i in range(count)
+    ]
+
+
+def continued(before: list[list[str]], after: list[list[str]]) -> list[list[str]]:
+    """The epochs of a run killed in the middle of its last epoch (``before``, up to the
+    checkpoint it restarted from) and of its restart (``after``), which finishes that epoch
+    first."""
+    if not before:
+        return after
+    if not after:
+        return before
+    return [*before[:-1], before[-1] + after[0], *after[1:]]
+
+
+@dataclass(frozen=True)
+class EpochCoverage:
+    """How one epoch covered the data set: each sample trained on exactly once, or not."""
+
+    epoch: int
+    trained: int
+    """Rows trained on (every rank)."""
+    duplicates: int
+    """Trainings beyond the first of a sample (a sample trained 3 times counts 2)."""
+    twice: int
+    """Samples trained on more than once."""
+    missing: int
+    """Samples of the data set never trained on."""
+    unknown: int
+    """Rows trained on that are no sample of the data set."""
+
+    @property
+    def exact(self) -> bool:
+        """Every sample exactly once, nothing else."""
+        return not (self.duplicates or self.missing or self.unknown)
+
+
+def coverage(dataset: Collection[str], epochs: Sequence[Sequence[str]]) -> list[EpochCoverage]:
+    """Each epoch's coverage of ``dataset`` (the digests of its samples, as ``row_digest``
+    computes them from its own rows)."""
+    samples = set(dataset)
+    assert len(samples) == len(dataset), "two samples of the data set have the same digest"
+    found = []
+    for epoch, rows in enumerate(epochs):
+        counts = Counter(rows)
+        found.append(
+            EpochCoverage(
+                epoch=epoch,
+                trained=len(rows),
+                duplicates=sum(n - 1 for row, n in counts.items() if n > 1 and row in samples),
+                twice=sum(1 for row, n in counts.items() if n > 1 and row in samples),
+                missing=len(samples - counts.keys()),
+                unknown=sum(n for row, n in counts.items() if row not in samples),
+            )
+        )
+    return found

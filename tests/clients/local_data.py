@@ -149,3 +149,119 @@ def accuracy_metric(workdir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(ACCURACY)
     return path
+
+
+def sentence_pairs(count: int, seed: int) -> list[dict[str, object]]:
+    """``count`` MRPC-like rows (``sentence1``, ``sentence2``, ``label``, ``idx``), no two with
+    the same pair of sentences, their lengths varied (batches of them pad to different lengths)."""
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    seen: set[tuple[str, str]] = set()
+    while len(rows) < count:
+        pair = tuple(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24))) for _ in range(2)
+        )
+        if pair in seen:
+            continue
+        seen.add((pair[0], pair[1]))
+        rows.append(
+            {
+                "sentence1": pair[0],
+                "sentence2": pair[1],
+                "label": rng.randint(0, 1),
+                "idx": len(rows),
+            }
+        )
+    return rows
+
+
+GLUE_README = """---
+configs:
+- config_name: mrpc
+  data_files:
+  - split: train
+    path: mrpc/train.jsonl
+  - split: validation
+    path: mrpc/validation.jsonl
+---
+MRPC-like sentence pairs made locally for a test.
+"""
+
+GLUE = '''"""GLUE's MRPC metric: accuracy and the F1 of the positive class."""
+
+import datasets
+import evaluate
+
+
+class Glue(evaluate.Metric):
+    """Accuracy and F1 of predictions against references."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="glue",
+            citation="",
+            inputs_description="predictions and references: lists of integers",
+            features=datasets.Features(
+                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+            ),
+        )
+
+    def _compute(self, predictions, references):
+        pairs = list(zip(predictions, references))
+        true_positives = sum(p == r == 1 for p, r in pairs)
+        predicted, actual = sum(p == 1 for p, _ in pairs), sum(r == 1 for _, r in pairs)
+        return {
+            "accuracy": sum(p == r for p, r in pairs) / max(1, len(pairs)),
+            "f1": 2 * true_positives / max(1, predicted + actual),
+        }
+'''
+
+
+def mrpc_inputs(workdir: Path, train_rows: int, validation_rows: int) -> list[dict[str, object]]:
+    """What Accelerate's ``complete_nlp_example.py`` loads, under the names it loads them by, in
+    its working directory: ``nyu-mll/glue`` (a local dataset whose README's ``configs`` section
+    names ``mrpc``), ``bert-base-cased`` (a cased WordPiece tokenizer trained here on the rows
+    and a 2-layer BERT of width 32 for sequence classification, saved with ``save_pretrained``)
+    and a ``glue`` metric; returns the training rows."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    train = sentence_pairs(train_rows, seed=11)
+    validation = sentence_pairs(validation_rows, seed=12)
+    glue = workdir / "nyu-mll" / "glue"
+    (glue / "mrpc").mkdir(parents=True, exist_ok=True)
+    (glue / "README.md").write_text(GLUE_README)
+    for split, rows in (("train", train), ("validation", validation)):
+        lines = (json.dumps(row) for row in rows)
+        (glue / "mrpc" / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=False)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    texts = [str(row[key]) for row in train + validation for key in ("sentence1", "sentence2")]
+    wordpiece.train_from_iterator(
+        texts, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials)
+    )
+    model_dir = workdir / "bert-base-cased"
+    tokenizer = BertTokenizer(
+        vocab=wordpiece.get_vocab(), do_lower_case=False, model_max_length=128
+    )
+    tokenizer.save_pretrained(str(model_dir))
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(str(model_dir))
+    metric = workdir / "glue" / "glue.py"
+    metric.parent.mkdir(parents=True, exist_ok=True)
+    metric.write_text(GLUE)
+    return train

@@ -27,7 +27,13 @@ PATCH = """--- a/f.py
 
 def test_every_client_names_its_commit_license_files_and_patches() -> None:
     names = upstream.names()
-    assert {"nanogpt", "hf_run_clm", "lightning_transformer", "accelerate_clm"} <= set(names)
+    assert {
+        "nanogpt",
+        "hf_run_clm",
+        "lightning_transformer",
+        "accelerate_clm",
+        "accelerate_nlp",
+    } <= set(names)
     for name in names:
         manifest = Manifest.load(name)
         assert len(manifest.commit) == 40 and manifest.license and manifest.files

@@ -9,13 +9,23 @@ torch's global hooks record, as JSON lines in ``$MEMTUI_WITNESS_OUT``:
   (the loader's workers);
 * ``forward``: every call of a top-level module (none other running): the shape of its first
   tensor input, whether in training mode, and the step (``call``) it feeds: the one running, for
-  a forward inside ``optimizer.step(closure)`` as Lightning calls it, else the next one;
+  a forward inside ``optimizer.step(closure)`` as Lightning calls it, else the next one; in
+  training mode also ``rows``, a short digest of each row of that input (``row_digest``), its
+  padding left out where the call has an ``attention_mask`` (only the positions whose mask is 1
+  count): a sample has the same digest in whatever batch it lands, however that batch is padded;
 * ``paused``: the step (``call``) named in ``$MEMTUI_WITNESS_PAUSE_AT`` (comma-separated) waits
-  before it runs until the file ``go-<call>`` exists in ``$MEMTUI_WITNESS_GO_DIR``.
+  before it runs until the file ``go-<call>`` exists in ``$MEMTUI_WITNESS_GO_DIR``; the training
+  forward (``forward``, counted from 1 in this process) named in
+  ``$MEMTUI_WITNESS_PAUSE_AT_FORWARD`` waits before it runs until ``go-f<forward>`` exists (a
+  position in micro-batches, whatever the optimizer steps they make).
+
+Every record carries the process's ``rank`` (``$RANK``, 0 without it): the ranks of a job append
+to the same file, each record in one ``write``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import runpy
@@ -29,11 +39,21 @@ from typing import Any
 class Witness:
     """The records of one training process."""
 
-    def __init__(self, out: str, pause_at: set[int], go_dir: Path) -> None:
-        self.out = open(out, "a", buffering=1)  # noqa: SIM115 (open until the process ends)
+    def __init__(
+        self,
+        out: str,
+        pause_at: set[int],
+        go_dir: Path,
+        pause_at_forward: frozenset[int] = frozenset(),
+    ) -> None:
+        # one write per record on a file opened for appending: the ranks' lines never interleave
+        self.out = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.rank = int(os.environ.get("RANK") or 0)
         self.pause_at = pause_at
         self.go_dir = go_dir
         self.calls = 0
+        self.pause_at_forward = pause_at_forward
+        self.training_forwards = 0
         self.stepping = False
         self.local = threading.local()
         import psutil
@@ -44,7 +64,8 @@ class Witness:
     def write(self, **record: Any) -> None:
         """One JSON line."""
         record["t"] = time.time()
-        self.out.write(json.dumps(record) + "\n")
+        record["rank"] = self.rank
+        os.write(self.out, (json.dumps(record) + "\n").encode())
 
     def workers(self) -> int:
         """The live child processes (a DataLoader's workers)."""
@@ -76,8 +97,18 @@ class Witness:
         self.stepping = False
 
     def before_forward(self, module: Any, args: Any) -> None:
-        """Count the depth of module calls on this thread."""
-        self.local.depth = getattr(self.local, "depth", 0) + 1
+        """Count the depth of module calls on this thread; wait before a training forward if
+        told to."""
+        depth = getattr(self.local, "depth", 0)
+        self.local.depth = depth + 1
+        if depth or not module.training:
+            return
+        self.training_forwards += 1
+        if self.training_forwards in self.pause_at_forward:
+            self.write(kind="paused", forward=self.training_forwards, call=None)
+            go = self.go_dir / f"go-f{self.training_forwards}"
+            while not go.exists():
+                time.sleep(0.02)
 
     def after_forward(self, module: Any, args: Any, *rest: Any) -> None:
         """Record the call of a top-level module (with its keyword arguments when torch gives them)."""
@@ -85,13 +116,17 @@ class Witness:
         if self.local.depth:
             return
         kwargs = rest[0] if len(rest) == 2 else {}
-        self.write(
-            kind="forward",
-            module=type(module).__name__,
-            training=bool(module.training),
-            step=self.calls if self.stepping else self.calls + 1,
-            shape=first_shape(args, kwargs),
-        )
+        first = first_tensor(args, kwargs)
+        record: dict[str, Any] = {
+            "kind": "forward",
+            "module": type(module).__name__,
+            "training": bool(module.training),
+            "step": self.calls if self.stepping else self.calls + 1,
+            "shape": list(first.shape) if first is not None else None,
+        }
+        if module.training and first is not None:
+            record["rows"] = row_digests(first, kwargs.get("attention_mask"))
+        self.write(**record)
 
 
 def optimizer_step(optimizer: Any) -> int | None:
@@ -105,15 +140,37 @@ def optimizer_step(optimizer: Any) -> int | None:
     return 1 if any("betas" in group for group in optimizer.param_groups) else None
 
 
-def first_shape(args: Any, kwargs: dict[str, Any]) -> list[int] | None:
-    """The shape of the first tensor among a call's inputs (``input_ids`` first)."""
+def first_tensor(args: Any, kwargs: dict[str, Any]) -> Any:
+    """The first tensor among a call's inputs (``input_ids`` first; None: no tensor)."""
     import torch
 
     candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
     for value in candidates:
         if isinstance(value, torch.Tensor):
-            return list(value.shape)
+            return value
     return None
+
+
+def row_digest(values: Any) -> str:
+    """A short digest of one sample's values (its token ids: a sequence of Python numbers, as
+    ``tensor.tolist()`` gives them), the same whichever batch or process it came in: the harness
+    computes it from the data set's own rows."""
+    text = ",".join(map(str, values))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def row_digests(tensor: Any, mask: Any) -> list[str]:
+    """The digest of each row of a batch (its first dimension), only the positions where
+    ``mask`` (an attention mask of the same shape) is 1 where there is one."""
+    import torch
+
+    if tensor.dim() == 0:
+        return [row_digest([tensor.item()])]
+    rows = tensor.detach().cpu().reshape(tensor.shape[0], -1)
+    if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(tensor.shape):
+        keep = mask.detach().cpu().reshape(tensor.shape[0], -1) == 1
+        return [row_digest(row[kept].tolist()) for row, kept in zip(rows, keep, strict=True)]
+    return [row_digest(row.tolist()) for row in rows]
 
 
 def main() -> None:
@@ -123,7 +180,9 @@ def main() -> None:
     go_dir = Path(os.environ.get("MEMTUI_WITNESS_GO_DIR", "."))
     sys.argv = [str(script), *sys.argv[2:]]
     sys.path[0] = str(script.parent)
-    witness = Witness(os.environ["MEMTUI_WITNESS_OUT"], pause_at, go_dir)
+    forwards = os.environ.get("MEMTUI_WITNESS_PAUSE_AT_FORWARD", "")
+    pause_at_forward = frozenset(int(x) for x in forwards.split(",") if x)
+    witness = Witness(os.environ["MEMTUI_WITNESS_OUT"], pause_at, go_dir, pause_at_forward)
     import torch
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
