@@ -416,6 +416,16 @@ def test_the_changes_land_at_their_save_state_on_both_ranks(restarted: Restarted
         assert workers == [0] * 3 * EVERY + [2] * (KILL_AT - 1 - 3 * EVERY), (rank, workers)
 
 
+def test_the_restart_trains_with_the_tuned_batch_and_workers(restarted: Restarted) -> None:
+    """``resume=True`` reads the tuned config ``state_dir`` kept beside the checkpoints: the
+    restart's micro-batches are of 32 with two loader workers, on each rank."""
+    ranks = steps_by_rank(restarted.restart)
+    assert sorted(ranks) == [0, 1], "both ranks of the restart stepped"
+    for rank, steps in ranks.items():
+        batches = [(b, s.workers) for s in steps for b in s.batches]
+        assert batches and set(batches) == {(2 * BATCH, 2)}, (rank, batches)
+
+
 def test_an_accumulation_memtui_reports_is_the_one_trained(restarted: Restarted) -> None:
     """Where memtui reports accumulation 2 from the save at micro-batch 8, each optimizer step
     after it trains on two micro-batches (the script steps its optimizer at every micro-batch
