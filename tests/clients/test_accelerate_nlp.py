@@ -396,13 +396,23 @@ def lr_factors(restarted: Restarted) -> list[tuple[int, float]]:
     ]
 
 
-def test_the_changes_are_taken(restarted: Restarted) -> None:
-    """``memtui set`` takes each change: batch 16 -> 32 with the LR scaled, accumulation 1 -> 2,
-    two loader workers."""
-    for at, reply in restarted.replies.items():
+def test_the_loader_changes_are_taken_and_the_accumulation_refused_with_its_reason(
+    restarted: Restarted,
+) -> None:
+    """``memtui set`` takes batch 16 -> 32 with the LR scaled and two loader workers; the
+    accumulation is refused, with why: the script steps its optimizer on a count of its own (a
+    local ``gradient_accumulation_steps``, no ``accelerator.accumulate``), which memtui cannot
+    change, so it never reports an accumulation the training would not run."""
+    taken = {
+        at: reply for at, reply in restarted.replies.items() if "grad_accum=2" not in CHANGES[at]
+    }
+    for at, reply in taken.items():
         assert reply.returncode == 0, f"before save {at}: {reply.stderr}{reply.stdout}"
+    ((at, refused),) = [(at, r) for at, r in restarted.replies.items() if at not in taken]
+    assert refused.returncode == 2, f"before save {at}: {refused.stderr}{refused.stdout}"
+    assert "grad_accum is not tunable in this run" in refused.stderr + refused.stdout
     applied = restarted.status_before_kill["applied"]
-    assert [a["step"] for a in applied] == list(CHANGES), applied
+    assert [a["step"] for a in applied] == list(taken), applied
 
 
 def test_the_changes_land_at_their_save_state_on_both_ranks(restarted: Restarted) -> None:
