@@ -52,6 +52,9 @@ class KnobStore:
         read = {k: self.binding.read(k) for k in KNOBS if self.binding.has(k)}
         parsed = {k: _parsed(k, v) for k, v in read.items()}
         self._knobs = knobs_with(Knobs(), {k: v for k, (v, _) in parsed.items()})
+        self.own: dict[str, KnobValue] = {k: v for k, (v, _) in parsed.items() if v is not None}
+        """The script's own values: its config's at install, and a loader's for a knob the config
+        does not hold (what a checkpoint's tuned config is told apart from)."""
         self.untunable: dict[str, Any] = {k: read[k] for k, (v, _) in parsed.items() if v is None}
         """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
         code as they are (torch says what is wrong with them), and not tunable."""
@@ -120,6 +123,7 @@ class KnobStore:
         missing = {k: v for k, v in found.items() if self.value(k) is None and v is not None}
         if missing:
             self._knobs = knobs_with(self._knobs, missing)
+            self.own.update(missing)
 
     def touch_loaders(self) -> None:
         """Make every loader look at its knobs again at its next batch."""
@@ -157,8 +161,11 @@ class KnobStore:
             self.loader_generation += 1
         return diffs
 
-    def resume(self, values: Mapping[str, KnobValue], path: Path) -> dict[str, KnobDiff]:
-        """Start from a tuned config's values (read from ``path``); return what they changed."""
+    def resume(
+        self, values: Mapping[str, KnobValue], source: str | Path, *, say: bool = True
+    ) -> dict[str, KnobDiff]:
+        """Start from a tuned config's values (read from ``source``); return what they changed
+        (``say``: name them in the log)."""
         wanted = {
             k: v for k, v in values.items() if k != "grad_accum" or self.binding.has("grad_accum")
         }
@@ -167,6 +174,8 @@ class KnobStore:
                 self.binding.write(knob, value)
         resumed = diff(self._knobs, wanted)
         self._knobs = knobs_with(self._knobs, wanted)
+        if any(k in LOADER_KNOBS for k in resumed):  # a loader already built follows them
+            self.loader_generation += 1
         # a knob no config holds (a framework's loader knobs) has no value to name yet: the
         # loader that ``tuner.loader(factory)`` builds later takes the tuned one
         known = {k: d for k, d in resumed.items() if d.old is not None}
@@ -176,9 +185,19 @@ class KnobStore:
             said.append(
                 f"the training loader is built with {', '.join(later)} (instead of its own values)"
             )
-        if said:
-            log.warning("memtui: resumed the tuned config from %s: %s", path, "; ".join(said))
+        if said and say:
+            log.warning("memtui: resumed the tuned config from %s: %s", source, "; ".join(said))
         return resumed
+
+    def tuned_values(self) -> dict[str, KnobValue]:
+        """The knob values memtui set (those that are not the script's own), and those of the
+        knobs only a loader holds (a restart cannot read the script's own from its config)."""
+        own, binding = self.own, self.binding
+        return {
+            k: v
+            for k, v in as_dict(self._knobs).items()
+            if v is not None and (own.get(k) != v or not binding.has(k))
+        }
 
     def as_dict(self) -> dict[str, KnobValue | None]:
         """The set knobs as ``{name: value}``."""

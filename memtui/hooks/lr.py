@@ -326,6 +326,31 @@ class LearningRate:
         self._arm()
         return self.factor
 
+    def restore(self, section: Any) -> float:
+        """Start from a checkpoint's LR section in place of the factor held now (a tuned YAML's,
+        resumed at install): the LRs that still carry memtui's scaling for it (an optimizer whose
+        start LRs are the ones memtui gave it, the ``lr_fields``) give it back, then ``resume``
+        reconciles every optimizer with the checkpoint's; return its factor (1.0: none)."""
+        held = self.factor
+        if held != 1.0:
+            for index, optimizer in enumerate(self._optimizers):
+                given = self._starts[index] if self._starts and index < len(self._starts) else []
+                now = _starts(optimizer)
+                if self.fields or not given or len(given) != len(now):
+                    continue
+                if all(_close(a, b) for a, b in zip(now, given, strict=True)):
+                    _scale_groups(optimizer, 1.0 / held)
+                    for scheduler in self._schedulers:
+                        if _optimizer_of(scheduler) is optimizer:
+                            _rebase(scheduler)
+            self._scale_fields(1.0 / held)
+        self.factor, self.anchor, self.last_rule = 1.0, None, ""
+        self._history, self._starts, self._unchecked = [], None, set()
+        self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
+        factor = self.resume(section)
+        self._arm()  # a section without a factor leaves the LR the script's own: nothing to read
+        return factor
+
     def _reconcile(self, index: int) -> None:
         """Make optimizer ``index`` carry the factor once: left alone where its start LRs are the
         tuned config's (a checkpoint saved after the change), multiplied where they lack it."""

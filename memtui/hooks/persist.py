@@ -276,7 +276,11 @@ def read_section(path: Path, name: str) -> Any:
 
 def read_ceiling(path: Path) -> Ceiling | None:
     """The out-of-memory ceiling a tuned-config file keeps (None: none, or unreadable)."""
-    raw = read_section(path, "ceiling")
+    return ceiling_of(read_section(path, "ceiling"))
+
+
+def ceiling_of(raw: Any) -> Ceiling | None:
+    """A kept out-of-memory ceiling as a ``Ceiling`` (None: none, or not one)."""
     if not isinstance(raw, dict):
         return None
     try:
@@ -288,22 +292,35 @@ def read_ceiling(path: Path) -> Ceiling | None:
 def read_tuned(path: Path) -> dict[str, Any]:
     """The knob values in a tuned-config file, validated; raise ``ownfiles.UnsafeFile`` if it is
     not the user's own or others can write it, ValueError if it is not a tuned config."""
+    return tuned_values(read_tuned_body(path).get("config"), str(path))
+
+
+def read_tuned_body(path: Path) -> dict[str, Any]:
+    """A tuned-config file's sections as YAML reads them; raise ``ownfiles.UnsafeFile`` if it is
+    not the user's own or others can write it, ValueError if it cannot be read as a mapping."""
     try:
         body = safeyaml.read(path, private=True)
     except ownfiles.UnsafeFile:
         raise
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ValueError(f"cannot read tuned config {path}: {one_line(exc)}")
-    config = body.get("config") if isinstance(body, dict) else None
-    if not isinstance(config, dict):
+    if not isinstance(body, dict):
         raise ValueError(f"{path} has no 'config' mapping")
+    return body
+
+
+def tuned_values(config: Any, where: str) -> dict[str, Any]:
+    """The knob values of a tuned config's ``config`` mapping (read from ``where``), validated;
+    raise ValueError if it is not one."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} has no 'config' mapping")
     values: dict[str, Any] = {}
     for knob in KNOBS:
         if knob in config:
             try:
                 values[knob] = parse_value(knob, config[knob])
             except KnobError as exc:
-                raise ValueError(f"{path}: {exc}")
+                raise ValueError(f"{where}: {exc}")
     return values
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import memtui
-from memtui.core.knobs import format_value
+from memtui.core.knobs import format_diffs, format_value
 from memtui.core.stats import one_line
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.batches import Args, BatchT, timed_batches
@@ -48,14 +48,8 @@ from memtui.hooks.loader import TunedLoader
 from memtui.hooks.lr import LR_SECTION
 from memtui.hooks.oom import Guard
 from memtui.hooks.parts import TunerCalls, build_parts
-from memtui.hooks.persist import (
-    AuditLog,
-    read_audit,
-    read_ceiling,
-    read_section,
-    read_tuned,
-    unapplied,
-)
+from memtui.hooks.persist import AuditLog, read_audit, unapplied
+from memtui.hooks.restart import CHECKPOINT, TunedState, differ, from_entry, from_yaml, yaml_wins
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.settings import HookSettings, Options
 from memtui.hooks.tracker import EventCallback
@@ -111,7 +105,11 @@ class Tuner:
         self._resume_from = resume
         self._auto_step = auto_step
         self.resumed: dict[str, KnobDiff] = {}
-        """What ``resume`` changed in the script's config."""
+        """What ``resume`` (or a checkpoint's ``load_state_dict``) changed in the script's config."""
+        self._found: TunedState | None = None
+        """The tuned YAML in the state dir (or the file ``resume`` names) as install read it."""
+        self._found_resumed = False
+        """Whether install started from ``_found`` (``resume``)."""
         self.tcp_plan: TcpPlan | None = None
         self.info: RunInfo | None = None
         self.sampler: Sampler | None = None
@@ -180,6 +178,8 @@ class Tuner:
         self.control.world_size = placement.world_size
         if self._resume_from:
             self._resume(self._resume_from)
+        else:
+            self._find_tuned()
         if placement.rank == 0:
             audit = AuditLog(self.files.audit_path, self.run_id)
             self.control.audit = self.tuned.audit = audit
@@ -480,25 +480,51 @@ class Tuner:
             log.info("memtui: no tuned config at %s; starting from the script's config", path)
             return
         try:
-            values = read_tuned(path)
-            self.resumed = self.store.resume(values, path)
-            factor = self.lr.resume(read_section(path, LR_SECTION))
+            found = from_yaml(path)
+            self.resumed = self.store.resume(found.config, path)
+            factor = self.lr.resume(found.lr)
             if factor != 1.0:
                 log.warning(
                     "memtui: kept the LR factor x%s from %s (the tuned batch's learning rate)",
                     round(factor, 4),
                     path,
                 )
-            ceiling = read_ceiling(path)
-            if ceiling is not None:
-                self.control.restore_ceiling(ceiling)
+            if found.ceiling is not None:
+                self.control.restore_ceiling(found.ceiling)
                 log.warning(
-                    "memtui: kept the out-of-memory ceiling from %s: %s", path, ceiling.note
+                    "memtui: kept the out-of-memory ceiling from %s: %s", path, found.ceiling.note
                 )
+            self._found, self._found_resumed = found, True
         except UnsafeFile as exc:  # another account would choose this run's memory
             self.report(UnsafeFile(f"{exc}; the script's config stands"), "resume")
         except ValueError as exc:
             self.report(exc, "resume")
+
+    def _find_tuned(self) -> None:
+        """A run not told to resume: keep the state dir's tuned YAML for ``load_state_dict`` to
+        weigh against the checkpoint's, and say once (rank 0) that the run does not start from
+        it, before any change of this run writes over it."""
+        path = self.tuned_paths()[0]
+        try:
+            if not path.exists():
+                return
+        except OSError:
+            return
+        held = ""
+        try:
+            self._found = from_yaml(path)
+            held = f" ({self._found.summary()})"
+        except (UnsafeFile, ValueError) as exc:
+            held = f" (unusable: {one_line(exc)})"
+        if self.rank == 0:
+            log.warning(
+                "memtui: %s keeps a tuned config%s that this run does not start from: it was not "
+                "told to resume (hooks.install(..., resume=True), or tuner.load_state_dict("
+                'checkpoint["memtui"]) with a checkpoint that saved tuner.state_dict()); its first '
+                "change writes over that file",
+                path,
+                held,
+            )
 
     def _say_unapplied(self) -> None:
         """Name the changes the resumed run queued but never applied, and how to queue them."""
@@ -719,20 +745,121 @@ class Tuner:
         return self.ledger.step
 
     def state_dict(self) -> dict[str, Any]:
-        """The tuner's place in training: save it in your checkpoint to resume exactly."""
-        return {
+        """memtui's part of your checkpoint: save it there (``checkpoint["memtui"] =
+        tuner.state_dict()``) and give it back at a restart (``load_state_dict``).
+
+        A dict of plain values (``torch.load(..., weights_only=True)`` loads it): ``step`` (the
+        optimizer steps so far), ``loaders`` (each loader's epoch and samples consumed in it),
+        ``run`` (this run's id), ``config`` (the knob values memtui set, those that are not the
+        script's own, and those of the knobs only a loader holds), ``lr`` (the LR factor memtui
+        applied, its anchor, rule and each optimizer's scaled start LRs; empty while the LR is
+        the script's own) and, once something ran out of memory, ``ceiling``: what the tuned
+        YAML keeps, kept with the weights.
+        """
+        state: dict[str, Any] = {
             "step": self.ledger.step,
             "loaders": [loader.state_dict() for loader in self.loaders],
         }
+        try:
+            tuned: dict[str, Any] = {
+                "run": self.run_id,
+                "config": self.store.tuned_values(),
+                LR_SECTION: self.lr.persisted().get(LR_SECTION, {}),
+                **self.control.persisted(),
+            }
+            state.update(tuned)
+        except Exception as exc:  # the step and the loaders are still saved
+            self.report(exc, "state_dict")
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a saved ``state_dict()``: the step count and the loaders' data position."""
+        """Continue from a saved ``state_dict()``: the step count, the loaders' data position and
+        the tuned config (knobs written into your config, which the loaders follow from their
+        next iteration; the LR factor, reconciled with the optimizer state: call it after your
+        optimizer's and scheduler's ``load_state_dict``).
+
+        Where the tuned YAML is there too (``resume=True``, or a YAML in the state dir), the
+        checkpoint's tuned config wins: its weights were trained with it. The YAML wins where it
+        is newer knowledge of that same point: written at the checkpoint's step after its save (a
+        change applied at that boundary), or an out-of-memory error's safe config written after
+        it. One line says which was used when they differ. An entry saved before checkpoints kept
+        the tuned config restores the step and the loaders only.
+        """
         try:
             self.ledger.resume_at(int(state.get("step", 0)))
             for loader, saved in zip(self.loaders, state.get("loaders", []), strict=False):
                 loader.load_state_dict(saved)
         except Exception as exc:
             self.report(exc, "load_state_dict")
+        try:
+            self._restore(state)
+        except Exception as exc:
+            self.report(exc, "restoring the checkpoint's tuned config")
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        """Start from the tuned config a checkpoint's entry keeps, or from the tuned YAML where
+        that is newer knowledge of the same point; say what was used."""
+        entry = from_entry(state)
+        if entry is None:  # saved before checkpoints kept the tuned config
+            return
+        found, own = self._found, self.store.own
+        why = yaml_wins(found, entry) if found is not None else ""
+        if found is None or not differ(found, entry, own):
+            why = ""
+        # the checkpoint's factor first: its optimizer state carries it; then the YAML's, if it wins
+        self.lr.restore(entry.lr)
+        chosen = entry
+        if found is not None and why:
+            self.lr.restore(found.lr)
+            chosen = found
+        target = dict(found.config) if chosen is found else {**own, **entry.config}
+        changed = self.store.resume(target, chosen.where, say=False)
+        held = self.store.knobs
+        self.resumed = {
+            k: KnobDiff(own.get(k), v)
+            for k, v in target.items()
+            if own.get(k) != v and getattr(held, k) == v
+        }
+        for ceiling in (entry.ceiling, chosen.ceiling):  # what ran out of memory stays known
+            kept = self.control.ceiling
+            if ceiling is not None and (kept is None or ceiling.step >= kept.step):
+                self.control.restore_ceiling(ceiling)
+        self.control.touch()
+        self._say_restored(entry, chosen, why, changed)
+
+    def _say_restored(
+        self, entry: TunedState, chosen: TunedState, why: str, changed: dict[str, KnobDiff]
+    ) -> None:
+        """One line: the tuned config the restart starts from, and the other where they differ."""
+        found = self._found
+        if chosen is not entry:
+            log.warning(
+                "memtui: resumed the tuned config from %s (%s) rather than the checkpoint's "
+                "(%s): %s",
+                chosen.where,
+                chosen.summary(),
+                entry.summary(),
+                why,
+            )
+            return
+        other = ""
+        if found is not None and differ(found, entry, self.store.own):
+            other = (
+                f"; not {found.where}'s ({found.summary()}): the checkpoint's weights were "
+                "trained with its own"
+            )
+        if not changed and not other and (self._found_resumed or entry.factor == 1.0):
+            return  # nothing the run did not already start from
+        words = [format_diffs(changed)] if changed else []
+        if entry.factor != 1.0:
+            words.append(f"lr x{round(entry.factor, 4)}")
+        log.warning(
+            "memtui: resumed the tuned config from %s (step %s): %s%s",
+            CHECKPOINT,
+            entry.step,
+            ", ".join(words) or "the script's own",
+            other,
+        )
 
 
 def _after_fork_in_child() -> None:

@@ -129,6 +129,22 @@ def test_a_restart_from_the_scripts_checkpoint_resumes_the_tuned_knobs(scenario:
     assert (config["batch_size"], config["grad_accum"]) == (4, 4)
 
 
+def test_the_scripts_checkpoint_keeps_the_tuned_config_beside_its_startup_config(
+    scenario: Scenario,
+) -> None:
+    """nanoGPT's ``ckpt.pt`` keeps the config it started with; memtui's entry in it keeps what
+    memtui set (4 x 4 over the script's 4 x 2, the LR x2), loadable as nanoGPT loads it."""
+    import torch
+
+    assert scenario.restart is not None
+    saved = torch.load(Path(scenario.restart.workdir) / "out" / "ckpt.pt", weights_only=True)
+    assert (saved["config"]["batch_size"], saved["config"]["gradient_accumulation_steps"]) == (4, 2)
+    entry = saved["memtui"]
+    assert entry["step"] == MAX_ITERS and entry["config"] == {"grad_accum": 4}, entry
+    assert entry["lr"]["factor"] == pytest.approx(2.0), entry
+    assert entry["lr"]["fields"] == ["learning_rate", "min_lr"], entry
+
+
 def test_after_the_restart_memtui_counts_the_scripts_steps(scenario: Scenario) -> None:
     """Paused before the restarted process's second step (nanoGPT's 14th): memtui's step is the
     13 nanoGPT counts (``tuner.load_state_dict({"step": iter_num})``), not this process's 1."""

@@ -161,9 +161,11 @@ model = Net()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 dataset = Until()
 saved = []
+checkpoint = None  # a fresh start
 
 
-def save_checkpoint():
+def save_checkpoint(memtui=None):
+    assert memtui is None or memtui["step"] == tuner.step_count and "config" in memtui, memtui
     saved.append(tuner.step_count)
 
 """
