@@ -54,6 +54,7 @@ from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
+from memtui.hooks.progress import BackwardWatch, Progress, in_backward
 from memtui.hooks.publisher import Publisher, Recorder
 from memtui.hooks.server import ControlServer
 from memtui.hooks.threadname import name_native_thread
@@ -174,6 +175,9 @@ class Agent(threading.Thread):
         """Subscription reports of each PUB socket (by id) in the current second: (since, count)."""
         self._closed_pubs: list[tuple[bool, str, float]] = []
         """Telemetry sockets closed for misuse: (TCP or not, endpoint, when to bind it again)."""
+        self._backward = BackwardWatch()
+        self._posted: Progress | None = None
+        """This rank's progress as last posted for the other ranks."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -249,6 +253,7 @@ class Agent(threading.Thread):
                     self._check_registry()
                 if now >= next_model:
                     next_model = now + 1.0
+                    self.post_progress()
                     self.learn()
             except BaseException as exc:  # never let the thread die silently
                 self._report(exc, "agent")
@@ -590,6 +595,28 @@ class Agent(threading.Thread):
         return self.publisher.snapshot(
             self.parts.info(), self.ranks(), self.current_counters(), history
         )
+
+    # ------------------------------------------------------------------ the other ranks
+
+    def post_progress(self) -> None:
+        """Post how far this rank got, for a rank waiting at a checkpoint boundary: the steps
+        closed, the open step's micro-batches, whether the training thread is in a backward
+        pass (a job of several only; nothing posted while it stays where it was); switch
+        changes off here once an abort is posted at a boundary this rank went past."""
+        parts = self.parts
+        if not parts.placement.coordinated:
+            return
+        ledger = parts.ledger
+        # a step closing between these reads is seen whole at the next look (a second later),
+        # and only a position seen twice in a backward pass names a rank
+        step, micro = ledger.step, ledger.open.micro
+        busy = in_backward(ledger.training_thread)
+        progress = self._backward.look(step, micro, busy, time.monotonic())
+        fresh = progress if progress != self._posted else None
+        self._posted = progress
+        aborted = parts.placement.post_progress(fresh)
+        if aborted:
+            parts.control.disable(aborted)
 
     # ------------------------------------------------------------------ what the run teaches
 

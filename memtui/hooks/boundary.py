@@ -85,8 +85,9 @@ class Boundary:
         self.loader_words = "the data loader is rebuilt at the next batch"
         """What the note of an applied change of loader knobs says the loader does next."""
 
-    def run(self, step: int) -> Applied | None:
-        """Take (rank 0), agree on and apply the pending changes at ``step``; what was applied."""
+    def run(self, step: int, micro: int = 0) -> Applied | None:
+        """Take (rank 0), agree on and apply the pending changes at ``step`` (``micro``: the
+        micro-batches of the next step drawn already); what was applied."""
         control, placement = self._control, self._placement
         rank = placement.rank
         taken: list[PendingChange] = self._decide_lr(control.take_pending()) if rank == 0 else []
@@ -103,7 +104,7 @@ class Boundary:
             return None
         pending = taken
         if coordinator is not None:
-            agreed, abort = coordinator.boundary(step, taken)
+            agreed, abort = coordinator.boundary(step, taken, micro)
             if abort:
                 if taken:
                     control.record_rejected(taken, f"changes are off for this run: {abort}", step)

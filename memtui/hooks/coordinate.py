@@ -13,15 +13,24 @@ few seconds for the others' and picks up latecomers at its first boundary. A ran
 (``fail``), so the others learn in milliseconds, not at a timeout, and changes switch off on
 every rank, loudly.
 
+Every rank also posts how far it got (``memtui.hooks.progress``: the steps it closed, the
+micro-batches of the open step, whether it is in a backward pass), one key per rank overwritten,
+from the agent thread about once a second and at each boundary; the agent thread also looks for
+an abort posted at the boundary its rank has not reached (``learn_abort``), so that a rank that
+went past one and may never call it knows that changes are off too.
+
 At the k-th checkpoint boundary of every rank, before anything is applied:
 
 1. each rank posts its arrival (with its step);
 2. rank 0 waits until every rank has arrived (polling; a warning names the missing ranks every
    ``warn_every_s``, at least three times before it gives up; a rank that posted a failure, or
    that never installed memtui and has not arrived after a short grace, ends the wait at
-   once), checks that they are all at the same step, and posts the decision with
-   ``compare_set``: ``go`` with rank 0's change set, or ``abort: <reason>``, so that a rank
-   that gives up waiting (after ``timeout_s``) and rank 0 cannot post different decisions;
+   once, and so does a missing rank whose progress says it went past the boundary: a later
+   step, or the next step's backward pass, where a rank that skipped the boundary is blocked
+   in the gradient all-reduce), checks that they are all at the same step, and posts the
+   decision with ``compare_set``: ``go`` with rank 0's change set, or ``abort: <reason>``, so
+   that a rank that gives up waiting (after ``timeout_s``, or once rank 0's own progress says
+   it went past) and rank 0 cannot post different decisions;
 3. on ``go`` every rank applies exactly that change set at that step;
 4. on ``abort`` nothing is applied anywhere, every rank logs the reason loudly, and changes are
    switched off for the rest of the run (the boundaries are no longer aligned): queued changes
@@ -29,10 +38,12 @@ At the k-th checkpoint boundary of every rank, before anything is applied:
    step, as their own checkpointing already does.
 
 The wait must also end before the *job's own* next collective times out: a rank that skipped
-the boundary is already blocked in it (the gradient all-reduce) while rank 0 waits here. So a
-boundary gives up after at most half the default process group's timeout (read from its
-backends: 10 minutes for NCCL and 30 for gloo unless ``init_process_group(timeout=...)`` says
-otherwise; 10 minutes assumed when torch does not tell), whatever longer timeout was asked for.
+the boundary is already blocked in it (the gradient all-reduce) while rank 0 waits here. Its
+progress names it within seconds; where progress says nothing (a rank blocked in another
+collective, or one that posts none), a boundary gives up after at most half the default process
+group's timeout (read from its backends: 10 minutes for NCCL and 30 for gloo unless
+``init_process_group(timeout=...)`` says otherwise; 10 minutes assumed when torch does not
+tell), whatever longer timeout was asked for.
 The other half is left for rank 0 to reach the boundary (a save before ``checkpoint()``) and get
 back to training.
 """
@@ -46,6 +57,7 @@ from typing import Any
 
 import msgspec
 
+from memtui.hooks.progress import PLACEMENT_FIX, Progress, went_past
 from memtui.wire import PendingChange, RankInfo
 
 log = logging.getLogger("memtui")
@@ -65,6 +77,8 @@ ABSENT_GRACE_S = 10.0
 """How long rank 0 waits at a boundary for a rank that never posted its install entry."""
 REASON_CHARS = 300
 """A failure reason posted for the other ranks is cut to this length."""
+PROGRESS_EVERY_S = 0.5
+"""How often a waiting rank reads the progress of the ranks it waits for."""
 
 _ordinal = itertools.count(1)
 """The k-th coordinator of this process: every rank makes the same ones in the same order."""
@@ -125,6 +139,8 @@ class Coordinator:
         """Why changes are off for the rest of the run (empty while they are on)."""
         self.poll_s = 0.02
         """How often a waiting rank looks at the store (a check is one round trip)."""
+        self.progress_every_s = PROGRESS_EVERY_S
+        """How often a waiting rank reads the progress of the ranks it waits for."""
         self._endpoints: dict[int, RankInfo] = {}
         """Every rank's endpoints read from the store so far."""
 
@@ -177,6 +193,43 @@ class Coordinator:
         """Whether every rank's endpoints have been read."""
         return len(self._endpoints) == self.world_size
 
+    def post_progress(self, progress: Progress) -> None:
+        """Post how far this rank got (one key, overwritten), for the ranks waiting at a boundary."""
+        self.store.set(f"progress/{self.rank}", msgspec.json.encode(progress))
+
+    def progress_of(self, rank: int) -> Progress | None:
+        """How far ``rank`` got, as it last posted (None: nothing posted, or nothing readable)."""
+        key = f"progress/{rank}"
+        if not self.store.check([key]):  # a get would wait for the key
+            return None
+        try:
+            return msgspec.json.decode(self.store.get(key), type=Progress)
+        except msgspec.DecodeError:
+            return None
+
+    def learn_abort(self) -> str:
+        """Why changes are off, once an abort is posted for the boundary this rank has not
+        reached (it went past it: it may never call it); "" while none is, or when this rank
+        knew already."""
+        if self.broken:
+            return ""
+        k = self.boundaries + 1
+        key = f"b{k}/decision"
+        if not self.store.check([key]):  # a get would wait for the key
+            return ""
+        decision = _text(self.store.get(key))
+        if not decision.startswith("abort: ") or self.broken:
+            return ""
+        self.broken = decision.removeprefix("abort: ")
+        log.error(
+            "memtui: changes are OFF for this run (rank %d, checkpoint #%d, which it did not "
+            "reach): %s.",
+            self.rank,
+            k,
+            self.broken,
+        )
+        return self.broken
+
     def fail(self, reason: str) -> None:
         """Tell the other ranks at once that memtui failed here (best effort; never raises)."""
         self.broken = self.broken or reason
@@ -184,14 +237,15 @@ class Coordinator:
 
     # ------------------------------------------------------------------ boundary
 
-    def boundary(self, step: int, pending: list[PendingChange]) -> tuple[Any, str]:
-        """Agree on this boundary: (rank 0's pending changes, "") or (None, reason to abort)."""
+    def boundary(self, step: int, pending: list[PendingChange], micro: int = 0) -> tuple[Any, str]:
+        """Agree on this boundary, reached after ``step`` steps and ``micro`` micro-batches of the
+        next: (rank 0's pending changes, "") or (None, reason to abort)."""
         if self.broken:
             return None, self.broken
         self.boundaries += 1
         k = self.boundaries
         try:
-            decision = self._decide(k, step, pending)
+            decision = self._decide(k, Progress(step, micro), pending)
             if decision == GO or decision.startswith(GO + " "):
                 payload = decision[len(GO) :].strip() or "[]"
                 return msgspec.json.decode(payload, type=list[PendingChange]), ""
@@ -199,23 +253,30 @@ class Coordinator:
         except Exception as exc:  # say so to the others at once: they must not wait for us
             reason = f"rank {self.rank} failed at checkpoint #{k} ({type(exc).__name__}: {exc})"
             self.fail(reason)
+        fix = (
+            ""
+            if PLACEMENT_FIX in self.broken
+            else " Call tuner.checkpoint() on every rank at the same step."
+        )
         log.error(
-            "memtui: changes are OFF for this run (rank %d, checkpoint #%d at step %d): %s. "
-            "Call tuner.checkpoint() on every rank at the same step.",
+            "memtui: changes are OFF for this run (rank %d, checkpoint #%d at step %d): %s.%s",
             self.rank,
             k,
             step,
             self.broken,
+            fix,
         )
         return None, self.broken
 
-    def _decide(self, k: int, step: int, pending: list[PendingChange]) -> str:
+    def _decide(self, k: int, arrived: Progress, pending: list[PendingChange]) -> str:
         store = self.store
+        step = arrived.step
+        self.post_progress(arrived)
         store.set(f"b{k}/r{self.rank}", str(step))
         decision_key = f"b{k}/decision"
         if self.rank == 0:
             keys = [f"b{k}/r{r}" for r in range(self.world_size)]
-            missing, why = self._wait(keys, step, k)
+            missing, why = self._wait(keys, arrived, k)
             if why:
                 verdict = f"abort: {why}"
             elif missing:
@@ -237,7 +298,7 @@ class Coordinator:
                     store.delete_key(f"b{k - 1}/r{r}")
                 store.delete_key(f"b{k - 1}/decision")
             return final
-        missing, why = self._wait([decision_key], step, k)
+        missing, why = self._wait([decision_key], arrived, k)
         if missing or why:
             give_up = why or (
                 f"rank {self.rank} waited {self._within()} at checkpoint #{k} (step {step}) "
@@ -269,12 +330,16 @@ class Coordinator:
         """Which of ``ranks`` never posted their install entry (memtui is not installed there)."""
         return [r for r in ranks if not self.store.check([f"rank/{r}"])]
 
-    def _wait(self, keys: list[str], step: int, k: int) -> tuple[list[int], str]:
+    def _wait(self, keys: list[str], arrived: Progress, k: int) -> tuple[list[int], str]:
         """Poll until every key exists: ([], "") or the ranks still missing at the timeout, or a
-        reason to stop waiting at once (a rank posted a failure, or never installed memtui)."""
+        reason to stop waiting at once (a rank posted a failure, never installed memtui, or
+        went past the boundary)."""
+        step = arrived.step
         start = time.monotonic()
         next_warning = start + self.warn_every_s
+        next_progress = start
         grace_checked = False
+        seen: dict[int, Progress] = {}
         while True:
             missing = [key for key in keys if not self.store.check([key])]
             if not missing:
@@ -283,6 +348,14 @@ class Coordinator:
             if failed:
                 return [], failed
             now = time.monotonic()
+            if now >= next_progress:
+                next_progress = now + self.progress_every_s
+                # rank 0 waits for the ranks missing; the others for rank 0's decision, and
+                # rank 0 may be the one that went past
+                waited = [_rank_of(key) for key in missing] if self.rank == 0 else [0]
+                past = self._gone_past(k, arrived, waited, seen)
+                if past:
+                    return [], past
             if self.rank == 0 and not grace_checked and now - start >= ABSENT_GRACE_S:
                 grace_checked = True
                 absent = self._absent([_rank_of(key) for key in missing])
@@ -298,17 +371,35 @@ class Coordinator:
                 next_warning = now + self.warn_every_s
                 who = ", ".join(str(_rank_of(key)) for key in missing)
                 log.warning(
-                    "memtui: rank %d has waited %.0f s at checkpoint #%d (step %d) for rank(s) %s; "
-                    "is tuner.checkpoint() called on every rank? Changes are switched off after "
-                    "%s.",
+                    "memtui: rank %d has waited %.0f s at checkpoint #%d (step %d) for "
+                    "rank(s) %s%s; is tuner.checkpoint() called on every rank? Changes are "
+                    "switched off after %s.",
                     self.rank,
                     now - start,
                     k,
                     step,
                     who,
+                    _positions(seen),
                     self._within(),
                 )
             time.sleep(self.poll_s)
+
+    def _gone_past(
+        self, k: int, arrived: Progress, ranks: list[int], seen: dict[int, Progress]
+    ) -> str:
+        """Why one of ``ranks`` that has not arrived at boundary ``k`` went past it ("" while
+        each may still arrive); ``seen`` keeps what each last posted."""
+        for rank in ranks:
+            if rank == self.rank or self.store.check([f"b{k}/r{rank}"]):
+                continue
+            progress = self.progress_of(rank)
+            if progress is None:
+                continue
+            seen[rank] = progress
+            why = went_past(rank, progress, arrived.step, arrived.micro)
+            if why:
+                return why
+        return ""
 
 
 def post_failure(store: Any, rank: int, reason: str) -> None:
@@ -318,6 +409,19 @@ def post_failure(store: Any, rank: int, reason: str) -> None:
         store.add("failed", 1)
     except Exception as exc:
         log.warning("memtui: could not tell the other ranks that rank %d failed (%s)", rank, exc)
+
+
+def _positions(seen: dict[int, Progress]) -> str:
+    """Where the ranks waited for were last seen (`` (rank 1 last seen at step 10, 2
+    micro-batches into the next)``), "" when none posted."""
+    if not seen:
+        return ""
+    words = [
+        f"rank {rank} last seen at step {p.step}, {p.micro} "
+        f"micro-batch{'es' if p.micro != 1 else ''} into the next"
+        for rank, p in sorted(seen.items())
+    ]
+    return f" ({'; '.join(words)})"
 
 
 def _rank_of(key: str) -> int:

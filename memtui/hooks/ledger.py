@@ -10,6 +10,7 @@ does both without a lock) and turns them into wire records with ``records``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -83,6 +84,7 @@ class StepLedger:
         "_step",
         "_t_last",
         "open",
+        "training_thread",
         "wall_offset",
     )
     """The fields in the object itself: each step touches fewer cache lines."""
@@ -100,6 +102,9 @@ class StepLedger:
         self._checkpoints: deque[CheckpointRecord] = deque(maxlen=CHECKPOINT_RECORDS)
         self.wall_offset = time.time() - time.perf_counter()
         """Wall-clock time minus the step clock: a record's end time is wall-clock time."""
+        self.training_thread = threading.get_ident()
+        """The thread that trains: the one that made the ledger, then the one that closed the
+        first step (the agent thread looks where it is for the other ranks)."""
 
     # ------------------------------------------------------------ the training thread
 

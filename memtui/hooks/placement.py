@@ -18,6 +18,7 @@ from typing import Any
 
 from memtui.hooks.coordinate import JOIN_WAIT_S, Coordinator
 from memtui.hooks.errors import Report
+from memtui.hooks.progress import Progress
 from memtui.wire import RankInfo
 
 log = logging.getLogger("memtui")
@@ -82,6 +83,9 @@ class Placement:
         self._report = report
         self._timeout_s = timeout_s
         self._warn_every_s = warn_every_s
+        self._progress_failed = False
+        """Posting this rank's progress failed once: it is not tried again (the ranks waiting at
+        a boundary then wait for it up to their bound, as for a rank that posts none)."""
 
     def leads(self) -> bool:
         """Whether this process is rank 0 (it may change when the job coordinates late)."""
@@ -147,6 +151,23 @@ class Placement:
             self._report(exc, "coordination")
             return False
         return True
+
+    def post_progress(self, progress: Progress | None) -> str:
+        """Post how far this rank got for the ranks waiting at a boundary (None: as posted
+        last), and look for an abort posted at the boundary this rank has not reached: why
+        changes are off, once ("" otherwise). A job of several, coordinated; a failure is
+        reported once and posting stops, never raised."""
+        coordinator = self.coordinator
+        if coordinator is None or self._progress_failed:
+            return ""
+        try:
+            if progress is not None:
+                coordinator.post_progress(progress)
+            return coordinator.learn_abort()
+        except Exception as exc:
+            self._progress_failed = True
+            self._report(exc, "posting progress")
+            return ""
 
     def failed(self, coordinator: Coordinator | None, exc: BaseException) -> None:
         """Switch changes off here, loudly, and tell the other ranks at once (they stop too)."""

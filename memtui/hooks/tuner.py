@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -663,6 +664,7 @@ class Tuner:
         if self._static_learned:  # a caller kept ``tuner.step`` from before the first step
             return
         self._static_learned = True
+        self.ledger.training_thread = threading.get_ident()
         try:
             self._refresh_static(between_steps=True)
         except Exception as exc:  # never into training
@@ -716,9 +718,10 @@ class Tuner:
 
     def _apply_pending(self) -> Applied | None:
         """A boundary's work at this step: take, agree on and apply the pending changes."""
-        step = self.ledger.step
+        ledger = self.ledger
+        step = ledger.step
         self._refresh_static(between_steps=step > 0)
-        applied = self.boundary.run(step)
+        applied = self.boundary.run(step, ledger.open.micro)
         if applied is not None:  # the peak so far was the old config's
             self.device.reset_peaks()
             self.tracker.emit(applied, step)

@@ -6,6 +6,9 @@ as torch's global hooks see it."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from tests.clients.harness import (
     play,
     steps_of,
 )
+from tests.clients.upstream import CLIENTS, apply_patch
 
 pytest.importorskip("numpy")
 
@@ -167,3 +171,37 @@ def test_the_scripts_own_logging_evaluation_and_checkpoints_keep_working(
     assert f"iter {MAX_ITERS}: loss" in restart and f"step {MAX_ITERS}: train loss" in restart
     saved = torch.load(Path(scenario.restart.workdir) / "out" / "ckpt.pt", weights_only=False)
     assert saved["iter_num"] == MAX_ITERS
+
+
+def test_a_boundary_inside_the_master_s_save_gives_up_in_seconds_under_torchrun() -> None:
+    """nanoGPT's natural spot for ``tuner.checkpoint()`` is inside its master-only save, where it
+    must not be. Under torchrun (two ranks, gloo) rank 1 goes on into the next step and waits in
+    DDP's gradient all-reduce; rank 0 names it within seconds (the boundary's bound is half of
+    gloo's 30 minutes), and the job trains to its end."""
+    with client_home() as (base, env):
+        script = client_script("nanogpt", base / "run")
+        # on top of the documented lines: CPU ranks under torchrun (upstream sets a CUDA device)
+        # and the boundary moved into the master's save
+        patch = CLIENTS / "nanogpt" / "checkpoint_on_master.patch"
+        apply_patch(patch.read_text(), script.parent)
+        local_data.nanogpt_dataset(script.parent, "tiny")
+        env.pop("MEMTUI_BOUNDARY_TIMEOUT", None)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        started = time.monotonic()
+        result = subprocess.run(
+            [*launcher, "--nproc_per_node=2", str(script), *CONFIG, "--backend=gloo"],
+            cwd=script.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"iter {MAX_ITERS}: loss" in output, "trained to its end\n" + output
+    assert (
+        f"rank 1 went past step {EVERY} without calling tuner.checkpoint() "
+        f"(it is in the backward pass of step {EVERY + 1})"
+    ) in output, output
+    assert took < 90, f"{took:.0f} s: the boundary waited\n{output}"

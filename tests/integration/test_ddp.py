@@ -264,6 +264,9 @@ MISMATCH = textwrap.dedent(
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, 31):
+        # a metric averaged over the ranks, as loggers do: a collective outside the backward
+        # pass, where rank 1 waits after it skipped the boundary and its progress says nothing
+        dist.all_reduce(torch.ones(1))
         model(torch.ones(config.batch_size, 4)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -294,11 +297,12 @@ def run_mismatch(tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
     assert (
         "rejected changes are off for this run: rank(s) 1 did not reach checkpoint #1" in output
     ), output
-    # said while waiting, not only at the end: the missing rank by number
+    # said while waiting, not only at the end: the missing rank by number, and where it was
     assert (
         "memtui: rank 0 has waited" in output
-        and "at checkpoint #1 (step 10) for rank(s) 1;" in (output)
+        and "at checkpoint #1 (step 10) for rank(s) 1 (rank 1 last seen at step" in (output)
     ), output
+    assert "went past" not in output, "blocked outside a backward pass: progress says nothing"
     return output, time.monotonic() - started
 
 
@@ -313,9 +317,10 @@ def test_a_boundary_missed_on_one_rank_is_loud_not_a_hang(tmp_path: Path) -> Non
 def test_the_boundary_gives_up_before_the_jobs_own_collectives_time_out(tmp_path: Path) -> None:
     """The default wait (1800 s) is cut to half the process group's timeout (here 12 s).
 
-    Rank 1, which skipped the boundary, is meanwhile blocked in DDP's all-reduce, which gloo gives
-    up on after 12 s and kills the job: rank 0 must be back in training before that (6 s after
-    its wait gave up: a step of a 4-weight model, under any load).
+    Rank 1, which skipped the boundary, is meanwhile blocked in the next step's first
+    collective (outside a backward pass, so its progress does not say it went past), which gloo
+    gives up on after 12 s and kills the job: rank 0 must be back in training before that (6 s
+    after its wait gave up: a step of a 4-weight model, under any load).
     """
     env = {k: v for k, v in os.environ.items() if k != "MEMTUI_BOUNDARY_TIMEOUT"}
     output, took = run_mismatch(tmp_path, {**env, "GROUP_TIMEOUT_S": "12"})

@@ -3,10 +3,13 @@
 nanoGPT's ``train.py`` evaluates and saves on the master rank only (``if iter_num %
 eval_interval == 0 and master_process:``), and with ``always_save_checkpoint=False`` only when the
 validation loss improved; it sets ``param_group['lr'] = get_lr(iter_num)`` at the top of every
-iteration. Two ranks over gloo on the CPU, under real torchrun: ``tuner.checkpoint()`` placed
-where the guide says (at every eval interval, outside the master-only block) applies a change on
-both ranks at the same step; placed inside the master's save it aborts every change, saying why;
-``lr_fields`` makes nanoGPT's own schedule follow the LR rule on every rank.
+iteration. Two ranks over gloo on the CPU, under real torchrun, with the boundary's default wait
+(half of gloo's 30 minutes): ``tuner.checkpoint()`` placed where the guide says (at every eval
+interval, outside the master-only block) applies a change on both ranks at the same step, also
+when rank 1 is seconds slower to get there; placed inside the master's save it aborts every
+change within seconds, naming the rank that went past the step without calling it (it is
+blocked in DDP's gradient all-reduce meanwhile); ``lr_fields`` makes nanoGPT's own schedule
+follow the LR rule on every rank.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.heavy
+
 SCRIPT = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, math, os, sys, time
     import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,6 +45,7 @@ SCRIPT = textwrap.dedent(
     eval_interval = 10
     always_save_checkpoint = True
     placement = "every rank"
+    slow_rank_s = 0.0  # rank 1 takes this long to reach its first boundary (a long save)
     out_dir = "out"
     for arg in sys.argv[1:]:  # nanoGPT's configurator, in short
         key, value = arg.removeprefix("--").split("=")
@@ -95,6 +103,8 @@ SCRIPT = textwrap.dedent(
                     if placement == "master only":
                         tuner.checkpoint()
         if iter_num % eval_interval == 0 and iter_num > 0 and placement == "every rank":
+            if rank == 1 and iter_num == eval_interval:
+                time.sleep(slow_rank_s)
             tuner.checkpoint()  # every rank, after the master's save
         if master_process and iter_num == 1:
             assert tuner.control.queue(
@@ -109,9 +119,14 @@ SCRIPT = textwrap.dedent(
         optimizer.zero_grad(set_to_none=True)
         tuner.step()
         iter_num += 1
+    if placement == "master only":  # rank 1 never reached a boundary: it learns of the abort
+        deadline = time.monotonic() + 10
+        while not tuner.control.state().disabled and time.monotonic() < deadline:
+            time.sleep(0.1)
     report = {
         "used": used,
         "applied": [[a.step, sorted(a.changes)] for a in tuner.control.applied],
+        "rejected": [r.reason for r in tuner.control.state().rejected],
         "disabled": tuner.control.state().disabled,
         "factor": tuner.control.state().lr.factor,
         "learning_rate": learning_rate,
@@ -135,13 +150,24 @@ def get_lr(it: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def run_job(tmp_path: Path, *config: str) -> dict[int, dict[str, Any]]:
-    """The job on two ranks under torchrun; each rank's report."""
+@dataclass
+class Job:
+    """A finished job: each rank's report, what the ranks printed, its wall time."""
+
+    ranks: dict[int, dict[str, Any]]
+    output: str
+    took_s: float
+
+
+def run_job(tmp_path: Path, *config: str) -> Job:
+    """The job on two ranks under torchrun, with the boundary's default wait (asserted exit 0)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     (tmp_path / "out").mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEMTUI_BOUNDARY_TIMEOUT="5")
+    env = {k: v for k, v in os.environ.items() if k != "MEMTUI_BOUNDARY_TIMEOUT"}
+    env["OMP_NUM_THREADS"] = "1"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    started = time.monotonic()
     result = subprocess.run(
         [*launcher, str(script), *config],
         capture_output=True,
@@ -150,15 +176,18 @@ def run_job(tmp_path: Path, *config: str) -> dict[int, dict[str, Any]]:
         cwd=tmp_path,
         env=env,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return {r: json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    ranks = {r: json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return Job(ranks, output, took)
 
 
 @pytest.mark.parametrize("always_save", ["True", "False"])
 def test_the_boundary_on_every_rank_applies_the_change_and_the_schedule_follows(
     tmp_path: Path, always_save: str
 ) -> None:
-    ranks = run_job(tmp_path, f"--always_save_checkpoint={always_save}")
+    ranks = run_job(tmp_path, f"--always_save_checkpoint={always_save}").ranks
     for rank, report in ranks.items():
         assert report["applied"] == [[10, ["batch_size"]]], (rank, report)
         assert not report["disabled"]
@@ -171,9 +200,31 @@ def test_the_boundary_on_every_rank_applies_the_change_and_the_schedule_follows(
         assert report["factor"] == 2.0 and report["learning_rate"] == pytest.approx(1.2e-3)
 
 
-def test_a_boundary_on_the_master_rank_only_aborts_changes_and_says_why(tmp_path: Path) -> None:
-    ranks = run_job(tmp_path, "--placement=master only")
-    for rank, report in ranks.items():
+def test_a_boundary_on_the_master_rank_only_names_the_rank_that_went_past_in_seconds(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 goes on into step 11 and waits in DDP's gradient all-reduce: its progress says so,
+    and rank 0 gives up at once instead of waiting half of gloo's 30 minutes."""
+    job = run_job(tmp_path, "--placement=master only")
+    assert job.took_s < 45, f"{job.took_s:.0f} s: the boundary waited\n{job.output}"
+    past = "rank 1 went past step 10 without calling tuner.checkpoint()"
+    assert f"changes are OFF for this run (rank 0, checkpoint #1 at step 10): {past}" in (
+        job.output
+    ), job.output
+    assert "outside any `if rank == 0:` block" in job.output
+    for rank, report in job.ranks.items():
         assert report["applied"] == [], rank
         assert [b for _, b in report["used"]] == [4] * 36, "nothing applied on one rank alone"
-    assert "rank" in ranks[0]["disabled"], ranks[0]["disabled"]
+        assert report["disabled"].startswith(past), (rank, report["disabled"])
+    rejected = job.ranks[0]["rejected"]
+    assert len(rejected) == 1 and rejected[0].startswith(f"changes are off for this run: {past}")
+
+
+def test_a_rank_slow_to_reach_the_boundary_is_waited_for(tmp_path: Path) -> None:
+    """Rank 1 takes 4 s longer to get to its boundary (a long save), at the step it closed."""
+    job = run_job(tmp_path, "--slow_rank_s=4")
+    for rank, report in job.ranks.items():
+        assert report["applied"] == [[10, ["batch_size"]]], (rank, report, job.output)
+        assert not report["disabled"], rank
+        assert [b for _, b in report["used"]] == [4] * 10 + [8] * 26, rank
+    assert "went past" not in job.output and job.took_s < 60, job.output
