@@ -322,6 +322,7 @@ class TunedLoader:
         """The base seed of the run a restart resumes (``load_state_dict``): what this rank
         proposes at the next agreement, instead of its own."""
         self._agreements = 0
+        self._said_unseeded = False
         self._rank_sampler: Any = None
         """What ``sampler`` gives under several ranks (made at first use)."""
         self.mode = "exact"
@@ -372,10 +373,11 @@ class TunedLoader:
         defaulted: dict[str, Any] = {}
         for name in sorted(self._requires - set(kwargs)):
             if name not in TORCH_DEFAULTS:
+                own = [*self._store.binding.names_like(name), "<its name in your config>"][0]
                 raise FactoryError(
                     f"memtui: the loader factory needs {name}, and your config holds none under "
-                    f"a name memtui knows: name it with hooks.install(..., knobs={{{name!r}: "
-                    f"'<its name in your config>'}}), or give the factory's {name} a default"
+                    f'a name memtui knows: name it with hooks.install(..., knobs={{"{name}": '
+                    f'"{own}"}}), or give the factory\'s {name} a default'
                 )
             kwargs[name] = TORCH_DEFAULTS[name]
             if wanted[name] is None:  # not a prefetch factor left out for want of workers
@@ -439,7 +441,6 @@ class TunedLoader:
         self._sampler = template.sampler
         self._loader = built.loader
         self._force_rebuild = False
-        self._refused = None
         return built.knobs
 
     def _as_is(self) -> _Built:
@@ -459,7 +460,7 @@ class TunedLoader:
         """A loader built for the current knobs, or None when the factory raised: the loader in
         use stays, the tuner is told, and these knobs are not tried again."""
         try:
-            return self._make()
+            built = self._make()
         except Exception as exc:
             self._refused = self._store.loader_generation
             self._force_rebuild = False
@@ -477,6 +478,8 @@ class TunedLoader:
                 except Exception as told:  # never into training
                     log.warning("memtui: could not report a failed loader rebuild (%s)", told)
             return None
+        self._refused = None
+        return built
 
     def _stale(self) -> bool:
         if self._force_rebuild:
@@ -508,7 +511,19 @@ class TunedLoader:
         if self._base_seed is None:
             mine = own_seed(sampler) if self._saved_seed is None else self._saved_seed
             self._base_seed = self._job_seed(mine)
-        return seeded_order(sampler, self._base_seed + epoch)
+        try:
+            return seeded_order(sampler, self._base_seed + epoch)
+        except AttributeError as exc:  # a sampler whose generator cannot be set
+            if not self._said_unseeded:
+                self._said_unseeded = True
+                log.warning(
+                    "memtui: cannot seed the order of %s (%s): each rank draws its own, and the "
+                    "ranks' slices of a global batch may repeat or miss samples; give its "
+                    "generator a settable attribute, or use a DistributedSampler",
+                    type(sampler).__name__,
+                    exc,
+                )
+            return iter(sampler)
 
     def _job_seed(self, mine: int) -> int:
         """The job's base seed, from this rank's (0 where the agreement itself failed: every rank
@@ -563,21 +578,11 @@ class TunedLoader:
         claim, self._claim = self._claim, None
         return claim
 
-    def rank_batches(
-        self, epoch: int, skip: int = 0, size: int | None = None, drop_last: bool | None = None
-    ) -> Iterator[tuple[list[int], list[int]]]:
-        """(global batch, this rank's slice) of ``epoch`` after its first ``skip`` samples."""
-        source = self.epoch_order(epoch)
-        if skip:
-            source = itertools.islice(source, skip, None)
+    def rank_batches(self, epoch: int) -> Iterator[tuple[list[int], list[int]]]:
+        """(global batch, this rank's slice) of each batch of ``epoch``, at the batch size now."""
         rank, world = self.shard
-        return shard_batches(
-            source,
-            int(size or self.knobs["batch_size"]),
-            rank,
-            world,
-            self.drop_last if drop_last is None else drop_last,
-        )
+        size = int(self.knobs["batch_size"])
+        return shard_batches(self.epoch_order(epoch), size, rank, world, self.drop_last)
 
     def batches_outside(self, size: int, drop_last: bool) -> Iterator[list[int]]:
         """The next epoch's batches of this rank for a loader that is not the owner's (a

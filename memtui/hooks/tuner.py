@@ -639,9 +639,9 @@ class Tuner:
         differs = {
             k for k in LOADER_KNOBS if store.value(k) is not None and store.value(k) != kept.get(k)
         }
-        kept_words = ", ".join(f"{k}={format_value(kept.get(k))}" for k in sorted(differs))
         if not differs:
             return
+        kept_words = ", ".join(f"{k}={format_value(kept.get(k))}" for k in sorted(differs))
         why = f"the loader factory raised {type(exc).__name__} ({one_line(exc)[:200]})"
         for applied in reversed(self.control.applied_changes()):
             if applied.rollback or not differs & set(applied.changes):

@@ -443,7 +443,7 @@ def test_factory_parameters_the_config_lacks_get_torchs_defaults_and_one_line(
             "parameters defaults"
         ]
         assert [len(b) for b in loader] == [4, 4]
-        with pytest.raises(TypeError, match=r"needs batch_size.*knobs=\{'batch_size'"):
+        with pytest.raises(TypeError, match=r'needs batch_size.*knobs=\{"batch_size": "bs"\}'):
             make_tuner(bs=4).loader(
                 lambda batch_size: DataLoader(Indices(8), batch_size=batch_size)
             )

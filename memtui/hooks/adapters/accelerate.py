@@ -22,8 +22,8 @@ An Accelerate script owns its loop, so the change lands inside it, at the step a
   batches itself, with ``continue``, gets the epoch from its first sample, said once);
   ``accelerator.skip_first_batches(loader, n)`` on a memtui loader returns that loader itself,
   its next epoch starting after n batches (memtui keeps timing it and can still rebuild it), or
-  at the place memtui restored, which wins (a disagreeing n is said in one line). All of this happens under ``MEMTUI_DISABLE=1`` too: the
-  training is the same with memtui switched off.
+  at the place memtui restored, which wins (a disagreeing n is said in one line). All of this
+  happens under ``MEMTUI_DISABLE=1`` too: the training is the same with memtui switched off.
 
 How long the loop runs is the script's. A change of batch size or accumulation changes the
 optimizer steps an epoch takes: a loop that runs a number of epochs then makes more or fewer
