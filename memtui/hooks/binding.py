@@ -16,6 +16,16 @@ from memtui.core.knobs import CONFIG_ALIASES, KNOBS, KnobError, canonical_name
 
 _MISSING = object()
 
+NAME_STEMS = {
+    "batch_size": ("batch", "bs"),
+    "grad_accum": ("accum",),
+    "num_workers": ("worker",),
+    "pin_memory": ("pin",),
+    "prefetch_factor": ("prefetch",),
+}
+"""Parts of a config's name for each knob under a name memtui does not look for (a suggestion
+only: memtui never binds a knob by a guess)."""
+
 
 class BindingError(ValueError):
     """The config or the mapping cannot be used (a mapped path is missing, a frozen object)."""
@@ -93,6 +103,28 @@ class ConfigBinding:
         for part in parents:
             obj = _get(obj, part)
         _set(obj, leaf, value)
+
+    def names_like(self, knob: str) -> list[str]:
+        """The config's own top-level names that look like ``knob`` by name and value (``workers``
+        for ``num_workers``), for a message that suggests a ``knobs=`` mapping."""
+        config = self.config
+        if config is None:
+            return []
+        if isinstance(config, Mapping):
+            names = [k for k in config if isinstance(k, str)]
+        else:
+            try:
+                names = list(vars(config))
+            except TypeError:
+                names = dir(config)
+        stems = NAME_STEMS.get(knob, ())
+        return [
+            name
+            for name in names
+            if not name.startswith("_")
+            and any(stem in name.lower() for stem in stems)
+            and _looks_like(knob, _get(config, name))
+        ]
 
     def describe(self) -> str:
         """A line naming where each knob was found."""

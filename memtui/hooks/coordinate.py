@@ -19,6 +19,10 @@ from the agent thread about once a second and at each boundary; the agent thread
 an abort posted at the boundary its rank has not reached (``learn_abort``), so that a rank that
 went past one and may never call it knows that changes are off too.
 
+A value every rank must share (the base seed of a loader's per-epoch order) is agreed the same
+way (``agree``): rank 0 posts it, the others read it; a rank that gives up waiting posts a fixed
+fallback with ``compare_set``, so whatever happens every rank takes the first value posted.
+
 At the k-th checkpoint boundary of every rank, before anything is applied:
 
 1. each rank posts its arrival (with its step);
@@ -234,6 +238,28 @@ class Coordinator:
         """Tell the other ranks at once that memtui failed here (best effort; never raises)."""
         self.broken = self.broken or reason
         post_failure(self.store, self.rank, reason)
+
+    def agree(self, key: str, proposal: str, fallback: str) -> tuple[str, str]:
+        """One value of ``key`` for every rank: rank 0's ``proposal``; a rank that gives up
+        waiting for it (a rank posted a failure, or rank 0 posted nothing within
+        ``JOIN_TIMEOUT_S``) posts ``fallback`` instead, and the first value posted is every
+        rank's. Returns (the value, why it is the fallback: "" when it is rank 0's)."""
+        store, key = self.store, f"agree/{key}"
+        why = self.failures()
+        if self.rank == 0:
+            value = _text(store.compare_set(key, "", fallback if why else proposal))
+            return value, why if value == fallback else ""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not why and not store.check([key]):
+            if time.monotonic() >= deadline:
+                why = f"rank 0 posted none within {JOIN_TIMEOUT_S:g} s"
+                break
+            time.sleep(self.poll_s)
+            why = self.failures()
+        if not why:
+            return _text(store.get(key)), ""
+        value = _text(store.compare_set(key, "", fallback))
+        return value, why if value == fallback else ""
 
     # ------------------------------------------------------------------ boundary
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import getpass
 import inspect
 import logging
@@ -116,6 +117,11 @@ class Tuner:
         self.sampler: Sampler | None = None
         self.agent: Agent | None = None
         self._loaders: list[weakref.ref[TunedLoader]] = []
+        self._loaders_made = 0
+        """Loaders made by ``loader()`` (every rank makes them in the same order)."""
+        self._positions: list[tuple[Mapping[str, Any], bool]] = []
+        """Data positions ``load_state_dict`` restored for loaders not made yet."""
+        self._said_seed = False
         self._hook_handle: Any = None
         self._pid = os.getpid()
         self._started = False
@@ -583,25 +589,105 @@ class Tuner:
     def loader(self, factory: Callable[..., Any]) -> TunedLoader:
         """Wrap a DataLoader factory: batches are timed and the loader follows batch/worker changes.
 
-        ``factory`` takes any of ``batch_size``, ``num_workers`` and ``pin_memory`` as keyword
-        arguments and returns a ``torch.utils.data.DataLoader``.
+        ``factory`` takes any of ``batch_size``, ``num_workers``, ``pin_memory`` and
+        ``prefetch_factor`` as keyword arguments and returns a ``torch.utils.data.DataLoader``;
+        one the config holds no value for gets torch's own default, said here in one line.
         """
+        self._loaders_made += 1
         wrapped = TunedLoader(
             self.ledger,
             self.store,
             factory,
             on_rebuilt=self._workers_changed,
+            seed=functools.partial(self._loader_seed, self._loaders_made),
+            on_failed=self._loader_failed,
             **self.loader_options,
         )
         self.store.adopt({k: wrapped.knobs.get(k) for k in LOADER_KNOBS})
         # a loader built again at every epoch (a framework's reload) leaves no dead references
         self._loaders = [ref for ref in self._loaders if ref() is not None]
         self._loaders.append(weakref.ref(wrapped))
+        if self._positions:  # restored before this loader was made
+            position, held = self._positions.pop(0)
+            wrapped.load_state_dict(position, held=held)
         try:
             self._say_loader_resumed(factory)
+            self._say_defaulted(wrapped.defaulted)
         except Exception as exc:  # never into training
             self.report(exc, "naming the loader's resumed knobs")
         return wrapped
+
+    def _say_defaulted(self, defaulted: Mapping[str, Any]) -> None:
+        """Say, in one line, which factory parameters took torch's defaults for want of a value in
+        the config, and how to give them the config's own."""
+        if not defaulted:
+            return
+        binding = self.store.binding
+        found = {k: names[0] for k in defaulted if (names := binding.names_like(k))}
+        mapping = found or {next(iter(defaulted)): "<its name in your config>"}
+        log.warning(
+            "memtui: the loader factory takes %s, which your config holds under no name memtui "
+            "knows: it gets torch's DataLoader defaults (%s); to take your config's own, name "
+            "them: hooks.install(..., knobs=%s), or give the factory's parameters defaults",
+            " and ".join(defaulted),
+            ", ".join(f"{k}={v}" for k, v in defaulted.items()),
+            "{" + ", ".join(f'"{k}": "{v}"' for k, v in mapping.items()) + "}",
+        )
+
+    def _loader_seed(self, ordinal: int, mine: int, nth: int) -> int:
+        """The base seed of the ``ordinal``-th loader's per-epoch order under several ranks (its
+        ``nth`` agreement): rank 0's, agreed through the job's store; 0 (said once) where the
+        ranks cannot agree."""
+        coordinator = self.placement.coordinator
+        why = self.placement.error or "torch.distributed is not initialised"
+        if coordinator is not None:
+            try:
+                value, why = coordinator.agree(f"loader{ordinal}/seed{nth}", str(mine), "0")
+            except Exception as exc:
+                self.report(exc, "agreeing the loader's seed")
+                value, why = "0", f"{type(exc).__name__}: {one_line(exc)}"
+            if not why:
+                return int(value)
+        if not self._said_seed:
+            self._said_seed = True
+            log.warning(
+                "memtui: the ranks could not agree on the training loader's shuffling seed (%s): "
+                "every rank shuffles each epoch with seed 0 + the epoch, as DistributedSampler "
+                "does by default",
+                why,
+            )
+        return 0
+
+    def _loader_failed(self, exc: BaseException, kept: Mapping[str, Any]) -> None:
+        """The loader factory raised at a rebuild: the loader keeps ``kept``, and the change that
+        asked for other values is rolled back (said, audited, the tuned config rewritten)."""
+        self.report(exc, "rebuilding the loader")
+        store, step = self.store, self.ledger.step
+        differs = {
+            k for k in LOADER_KNOBS if store.value(k) is not None and store.value(k) != kept.get(k)
+        }
+        if not differs:
+            return
+        kept_words = ", ".join(f"{k}={format_value(kept.get(k))}" for k in sorted(differs))
+        why = f"the loader factory raised {type(exc).__name__} ({one_line(exc)[:200]})"
+        for applied in reversed(self.control.applied_changes()):
+            if applied.rollback or not differs & set(applied.changes):
+                continue
+            rollback = self.boundary.revert(applied, step, f"rolled back: {why}")
+            if isinstance(rollback, str):
+                break
+            self.tracker.emit(rollback, step)
+            if self.rank == 0:
+                self.tuned.write(store.knobs, step)
+            log.warning(
+                "memtui: rolled back change #%s at step %d: %s; the loader keeps %s",
+                ",".join(map(str, applied.ids)),
+                step,
+                why,
+                kept_words,
+            )
+            return
+        log.warning("memtui: %s; the loader keeps %s", why, kept_words)
 
     def _say_loader_resumed(self, factory: Callable[..., Any]) -> None:
         """Name the factory's own values of the loader knobs a tuned config replaced (unknown
@@ -775,23 +861,27 @@ class Tuner:
             self.report(exc, "state_dict")
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, held: bool = False) -> None:
         """Continue from a saved ``state_dict()``: the step count, the loaders' data position and
         the tuned config (knobs written into your config, which the loaders follow from their
         next iteration; the LR factor, reconciled with the optimizer state: call it after your
         optimizer's and scheduler's ``load_state_dict``).
 
-        Where the tuned YAML is there too (``resume=True``, or a YAML in the state dir), the
-        checkpoint's tuned config wins: its weights were trained with it. The YAML wins where it
-        is newer knowledge of that same point: written at the checkpoint's step after its save (a
-        change applied at that boundary), or an out-of-memory error's safe config written after
-        it. One line says which was used when they differ. An entry saved before checkpoints kept
-        the tuned config restores the step and the loaders only.
+        A loader made later takes its position when ``loader()`` makes it; ``held``: each
+        loader's samples wait for the script's ``skip_first_batches``. Where the tuned YAML is
+        there too (``resume=True``, or a YAML in the state dir), the checkpoint's tuned config
+        wins: its weights were trained with it. The YAML wins where it is newer knowledge of that
+        same point: written at the checkpoint's step after its save (a change applied at that
+        boundary), or an out-of-memory error's safe config written after it. One line says which
+        was used when they differ. An entry saved before checkpoints kept the tuned config
+        restores the step and the loaders only.
         """
         try:
             self.ledger.resume_at(int(state.get("step", 0)))
-            for loader, saved in zip(self.loaders, state.get("loaders", []), strict=False):
-                loader.load_state_dict(saved)
+            loaders, positions = self.loaders, list(state.get("loaders", []))
+            for loader, saved in zip(loaders, positions, strict=False):
+                loader.load_state_dict(saved, held=held)
+            self._positions = [(p, held) for p in positions[len(loaders) :]]
         except Exception as exc:
             self.report(exc, "load_state_dict")
         try:

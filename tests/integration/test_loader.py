@@ -391,3 +391,130 @@ def test_a_placed_batch_is_handed_out_placed_and_its_placing_is_not_data_wait() 
     assert all(r.data_wait_s < 0.2 for r in records[1:]), records  # the 200 ms of placing each
     assert all(r.step_time_s >= 0.2 for r in records[1:]), records  # are the step's own
     tuner.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_frameworks_skip_first_batches_gives_the_rest_of_the_next_epoch(workers: int) -> None:
+    """Accelerate's ``skip_first_batches`` builds ``DataLoader(dataset,
+    batch_sampler=SkipBatchSampler(loader.batch_sampler, n), **the loader's attributes)``: from a
+    tuned loader that is the next epoch after its first n batches, and the tuned loader's own
+    iteration is the epoch after it."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    tuner = make_tuner(batch_size=4, num_workers=workers)
+    loader = tuner.loader(
+        lambda batch_size, num_workers: DataLoader(
+            Indices(40), batch_size=batch_size, num_workers=num_workers
+        )
+    )
+    try:
+        assert loader.prefetch_factor == (2 if workers else None)
+        assert loader.drop_last is False and len(loader) == 10
+        skipped = accelerate.skip_first_batches(loader, 3)
+        assert [flat(b) for b in skipped] == [list(range(i, i + 4)) for i in range(12, 40, 4)]
+        assert loader.state_dict() == {"epoch": 0, "samples_in_epoch": 40}
+        assert [len(b) for b in loader] == [4] * 10 and loader.epoch == 1
+    finally:
+        loader.close()
+        tuner.close()
+
+
+def test_factory_parameters_the_config_lacks_get_torchs_defaults_and_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The README's factory takes ``num_workers`` and ``pin_memory``; a config that names its
+    workers ``workers`` and has no ``pin_memory`` gets torch's defaults, and one line that names
+    the mapping that would take the config's own."""
+    tuner = make_tuner(batch_size=4, workers=2)
+    try:
+        loader = tuner.loader(
+            lambda batch_size, num_workers, pin_memory: DataLoader(
+                Indices(8), batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory
+            )
+        )
+        assert (loader.num_workers, loader.pin_memory) == (0, False)
+        lines = [
+            r.getMessage() for r in caplog.records if "torch's DataLoader defaults" in r.message
+        ]
+        assert lines == [
+            "memtui: the loader factory takes num_workers and pin_memory, which your config "
+            "holds under no name memtui knows: it gets torch's DataLoader defaults "
+            "(num_workers=0, pin_memory=False); to take your config's own, name them: "
+            'hooks.install(..., knobs={"num_workers": "workers"}), or give the factory\'s '
+            "parameters defaults"
+        ]
+        assert [len(b) for b in loader] == [4, 4]
+        with pytest.raises(TypeError, match=r'needs batch_size.*knobs=\{"batch_size": "bs"\}'):
+            make_tuner(bs=4).loader(
+                lambda batch_size: DataLoader(Indices(8), batch_size=batch_size)
+            )
+    finally:
+        tuner.close()
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch start"])
+def test_a_factory_that_raises_at_a_rebuild_keeps_its_loader_and_the_change_is_rolled_back(
+    where: str,
+) -> None:
+    tuner = make_tuner(batch_size=4, num_workers=0)
+
+    def factory(batch_size: int, num_workers: int) -> DataLoader[int]:
+        if batch_size == 6:
+            raise ValueError("no batch of 6 here")
+        return DataLoader(Indices(40), batch_size=batch_size, num_workers=num_workers)
+
+    loader = tuner.loader(factory)
+    try:
+        seen: list[int] = []
+        for i, batch in enumerate(loader):
+            seen += flat(batch)
+            if i == 2 and where == "mid-epoch":
+                queue(tuner, batch_size=6)
+                assert tuner.checkpoint() is not None
+        if where == "epoch start":
+            queue(tuner, batch_size=6)
+            assert tuner.checkpoint() is not None
+            seen = [i for batch in loader for i in flat(batch)]
+        assert seen == list(range(40)), "every sample once, at the batch size kept"
+        assert loader.batch_size == 4 and tuner.knobs().batch_size == 4
+        applied = tuner.control.applied_changes()
+        assert applied[-1].rollback and "the loader factory raised ValueError" in applied[-1].note
+        assert tuner.errors.count == 1 and "no batch of 6 here" in tuner.errors.last
+        queue(tuner, batch_size=6)  # asked again: tried again, and rolled back again
+        assert tuner.checkpoint() is not None
+        assert [len(b) for b in loader] == [4] * 10 and tuner.knobs().batch_size == 4
+        assert [c.rollback for c in tuner.control.applied_changes()] == [False, True] * 2
+    finally:
+        tuner.close()
+
+
+def test_a_held_position_waits_for_the_scripts_skip_and_wins_over_its_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checkpoint's place restored ``held`` (Accelerate's ``load_state``): the script's
+    ``skip_first_batches`` takes it, and a count that disagrees is said; a script that skips its
+    first batches itself gets the epoch from its first sample."""
+
+    def run(skip: int | None) -> tuple[list[int], Tuner]:
+        tuner = make_tuner(batch_size=4)
+        loader = tuner.loader(lambda batch_size: DataLoader(Indices(40), batch_size=batch_size))
+        tuner.load_state_dict(
+            {"step": 3, "loaders": [{"epoch": 2, "samples_in_epoch": 12}]}, held=True
+        )
+        assert loader.state_dict() == {"epoch": 2, "samples_in_epoch": 12}
+        if skip is not None:
+            assert loader.skip_batches(skip) == (
+                ""
+                if skip == 3
+                else "memtui: the script skips 5 batches (20 samples) of the epoch; the saved "
+                "position memtui restored is sample 12 of epoch 2: the loader resumes there"
+            )
+        seen = [i for batch in loader for i in flat(batch)]
+        assert loader.epoch == 2 and tuner.step_count == 3
+        tuner.close()
+        return seen, tuner
+
+    assert run(3)[0] == list(range(12, 40))
+    assert run(5)[0] == list(range(12, 40)), "memtui's place wins"
+    assert "without skip_first_batches" not in caplog.text
+    assert run(None)[0] == list(range(40)), "the script's own skip goes on from the first sample"
+    assert "the checkpoint's place is sample 12 of epoch 2, and the script resumes" in caplog.text

@@ -222,6 +222,50 @@ def test_the_short_loop_and_the_guard_take_a_change_and_roll_one_back(tmp_path: 
     assert "guard done 8" in output, output
 
 
+OTHER_NAMES = """
+import torch
+from types import SimpleNamespace
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+args = SimpleNamespace(batch_size=4, gradient_accumulation_steps=1, workers=2)  # no pin_memory
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+dataset = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
+
+
+def save_checkpoint():
+    torch.save(model.state_dict(), "ckpt.pt")
+
+"""
+
+
+def test_the_short_loop_on_a_config_with_other_names_trains_and_says_the_fix(
+    tmp_path: Path,
+) -> None:
+    """The README's four calls on a config that names its workers ``workers`` and has no
+    ``pin_memory``: the factory gets torch's defaults, memtui says so in one line with the
+    ``knobs=`` mapping that takes the config's own, and the training runs to its end."""
+    step = "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+    step += "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n"
+    loop = re.sub(r"^    \.\.\. .*\n", step, example("add-to-loop"), count=1, flags=re.M)
+    assert "loss.backward()" in loop
+    script = tmp_path / "train.py"
+    script.write_text(OTHER_NAMES + loop + 'print("trained", tuner.step_count, flush=True)\n')
+    log = tmp_path / "train.log"
+    proc = launch_script(script, [], dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
+    try:
+        assert proc.wait(120) == 0, log.read_text()
+    finally:
+        proc.kill()
+    output = log.read_text()
+    assert "trained 100" in output, output
+    said = [line for line in output.splitlines() if "torch's DataLoader defaults" in line]
+    assert len(said) == 1, output
+    assert 'knobs={"num_workers": "workers"}' in said[0], said
+    assert "Traceback" not in output, output
+
+
 LATER = {
     "applied",
     "pending",

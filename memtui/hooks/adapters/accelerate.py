@@ -13,7 +13,17 @@ An Accelerate script owns its loop, so the change lands inside it, at the step a
   data is counted in global samples, the same on every rank), and batches are moved to
   ``accelerator.device``;
 * optimizer steps are counted from the optimizer's post-step hook, which Accelerate only reaches
-  when gradients are synchronised (``tuner.step()`` by hand works too).
+  when gradients are synchronised (``tuner.step()`` by hand works too);
+* a restart: ``save_state`` also writes memtui's place (``tuner.state_dict()``: the step, each
+  loader's epoch and samples consumed) into the checkpoint, one small file per process
+  (``memtui_state_<process index>.json``, beside Accelerate's ``random_states_<i>.pkl``), and
+  ``load_state`` restores it when it is there: the step and each loader's epoch at once, the
+  samples consumed in it at the script's ``skip_first_batches`` (a script that skips its first
+  batches itself, with ``continue``, gets the epoch from its first sample, said once);
+  ``accelerator.skip_first_batches(loader, n)`` on a memtui loader returns that loader itself,
+  its next epoch starting after n batches (memtui keeps timing it and can still rebuild it), or
+  at the place memtui restored, which wins (a disagreeing n is said in one line). All of this
+  happens under ``MEMTUI_DISABLE=1`` too: the training is the same with memtui switched off.
 
 How long the loop runs is the script's. A change of batch size or accumulation changes the
 optimizer steps an epoch takes: a loop that runs a number of epochs then makes more or fewer
@@ -27,12 +37,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from memtui.hooks.loader import TunedLoader
 from memtui.hooks.tuner import Tuner
+from memtui.storage import ownfiles
 
 log = logging.getLogger("memtui")
+
+PLACE_FILE = "memtui_state_{}.json"
+"""memtui's place in a checkpoint ``save_state`` writes, one per process (its index)."""
 
 
 class AccelerateAdapter:
@@ -60,10 +80,15 @@ class AccelerateAdapter:
         self.tuner.loader_options = {
             "shard": (accelerator.process_index, accelerator.num_processes),
             "place": self._placer(),
+            # the examples count their epochs from their steps: a checkpoint at an epoch's end
+            # resumes at the next one's start
+            "ended_epoch_is_next": True,
         }
         if base is not None:
             self.tuner.watch_optimizer(base)
         self._wrap_save_state()
+        self._wrap_load_state()
+        self._wrap_skip_first_batches()
 
     def _placer(self) -> Any:
         """Move batches to the accelerator's device (None on CPU: nothing to do)."""
@@ -82,9 +107,101 @@ class AccelerateAdapter:
         def save_state_then_boundary(*args: Any, **kwargs: Any) -> Any:
             result = save_state(*args, **kwargs)
             self.boundary()
+            given = args[0] if args else kwargs.get("output_dir")
+            self.save_place(result if isinstance(result, (str, os.PathLike)) else given)
             return result
 
         self.accelerator.save_state = save_state_then_boundary
+
+    def _wrap_load_state(self) -> None:
+        """Make ``load_state`` restore memtui's place from the checkpoint too (when it has it)."""
+        load_state = self.accelerator.load_state
+
+        @functools.wraps(load_state)
+        def load_state_then_place(input_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+            result = load_state(input_dir, *args, **kwargs)
+            self.load_place(input_dir)
+            return result
+
+        self.accelerator.load_state = load_state_then_place
+
+    def _wrap_skip_first_batches(self) -> None:
+        """Make ``skip_first_batches`` of a memtui loader skip inside that loader."""
+        skip_first_batches = self.accelerator.skip_first_batches
+
+        @functools.wraps(skip_first_batches)
+        def skip_in_tuned_loader(dataloader: Any, num_batches: int = 0) -> Any:
+            if isinstance(dataloader, TunedLoader):
+                return self.skip(dataloader, num_batches)
+            return skip_first_batches(dataloader, num_batches)
+
+        self.accelerator.skip_first_batches = skip_in_tuned_loader
+
+    def skip(self, loader: TunedLoader, batches: int) -> TunedLoader:
+        """The loader itself, its next epoch starting after ``batches`` batches (a position memtui
+        restored wins: a disagreeing count is said)."""
+        try:
+            said = loader.skip_batches(batches)
+            if said:
+                log.warning("%s", said)
+        except Exception as exc:  # never into training
+            self.tuner.report(exc, "skip_first_batches")
+        return loader
+
+    def _place_path(self, directory: Any) -> Path:
+        return Path(directory) / PLACE_FILE.format(self.accelerator.process_index)
+
+    def save_place(self, directory: Any) -> None:
+        """Write memtui's place (``tuner.state_dict()``, kept whole) into the checkpoint directory
+        (this process's own file, the user's own 0600 file)."""
+        if directory is None:
+            return
+        try:
+            state = msgspec.json.encode(self.tuner.state_dict())
+            ownfiles.replace_file(self._place_path(directory), state)
+        except Exception as exc:  # the checkpoint is saved: the run goes on without it
+            self.tuner.report(exc, "saving memtui's place in the checkpoint")
+
+    def load_place(self, input_dir: Any) -> None:
+        """Restore memtui's place from the checkpoint ``load_state`` read (nothing, and nothing
+        said, when it has none)."""
+        try:
+            directory = input_dir if input_dir is not None else self._latest_checkpoint()
+            if directory is None:
+                return
+            path = self._place_path(os.path.expanduser(str(directory)))
+            if not path.exists():
+                return
+            fd = ownfiles.open_read(path)
+            with os.fdopen(fd, "rb") as handle:
+                state = msgspec.json.decode(handle.read())
+            if not isinstance(state, dict):
+                raise ValueError(f"{path} holds no memtui state")
+            # a loader's samples wait for the script's skip_first_batches: a script that resumes
+            # an epoch by skipping its first batches itself (``continue``) skips them once
+            self.tuner.load_state_dict(state, held=True)
+            places = [loader.state_dict() for loader in self.tuner.loaders]  # held included
+            log.info(
+                "memtui: resumed its place from %s: step %s%s",
+                path,
+                state.get("step"),
+                "".join(
+                    f", a loader at sample {p['samples_in_epoch']} of epoch {p['epoch']}"
+                    for p in places
+                ),
+            )
+        except Exception as exc:  # the script's own resume goes on
+            self.tuner.report(exc, "restoring memtui's place from the checkpoint")
+
+    def _latest_checkpoint(self) -> str | None:
+        """The checkpoint ``load_state()`` picks with automatic checkpoint naming (None: none)."""
+        accelerator = self.accelerator
+        if not accelerator.project_configuration.automatic_checkpoint_naming:
+            return None
+        base = os.path.join(accelerator.project_dir, "checkpoints")
+        folders = [os.path.join(base, name) for name in os.listdir(base)]
+        numbered = [(int(m[0]), f) for f in folders if (m := re.findall(r"([0-9]+)[^/]*$", f))]
+        return max(numbered)[1] if numbered else None
 
     def boundary(self) -> None:
         """Apply the pending changes; the accumulation goes to the accelerator now."""

@@ -348,7 +348,7 @@ class LightningAdapter:
         the batch size it iterates next (as its batch sampler counts them)."""
         size = int(self.tuner.store.value("batch_size") or loader.batch_size or 1)
         size *= loader.shard[1]  # one global batch, each rank its slice
-        left = max(len(loader.sampler) - consumed, 0)
+        left = max(loader.epoch_samples - consumed, 0)
         drop_last = bool(getattr(loader.dataloader.batch_sampler, "drop_last", False))
         return left // size if drop_last else math.ceil(left / size)
 
@@ -402,7 +402,7 @@ class LightningAdapter:
             return  # a whole epoch starts: Lightning counted the loader as it is
         trained = int(loop.epoch_loop.batch_progress.current.ready)
         epoch, consumed = int(resume[0]), int(resume[1])
-        if consumed >= len(loader.sampler):
+        if consumed >= loader.epoch_samples:
             # saved at its epoch's last batch: Lightning starts the next epoch (it tells the
             # end from the epoch's batches against its count), and so does the loader, instead
             # of the empty rest of the old one (where ``fit`` would stop); whole from its first
