@@ -234,8 +234,11 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 dataset = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
 
 
-def save_checkpoint():
-    torch.save(model.state_dict(), "ckpt.pt")
+checkpoint = None  # a fresh start
+
+
+def save_checkpoint(memtui=None):
+    torch.save({"model": model.state_dict(), "memtui": memtui}, "ckpt.pt")
 
 """
 
