@@ -111,6 +111,12 @@ class KnobStore:
         """Say why ``knob`` is not tunable in this run (for a knob the run has no value of)."""
         self.why_not[knob] = why
 
+    def withdraw(self, knob: str, why: str) -> None:
+        """Make ``knob`` not tunable from now on, and say why (a change of it is then refused at
+        the boundary with that reason)."""
+        self._knobs = knobs_with(self._knobs, {knob: None})
+        self.why_not[knob] = why
+
     def loader_knobs(self) -> tuple[Any, ...]:
         """The values a loader is built with, in ``LOADER_KNOBS`` order."""
         knobs = self._knobs

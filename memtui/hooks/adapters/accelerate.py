@@ -6,7 +6,10 @@ An Accelerate script owns its loop, so the change lands inside it, at the step a
   the save, on every rank, as ``save_state`` itself must be called on every rank);
 * ``grad_accum`` is ``accelerator.gradient_accumulation_steps`` (what ``accelerator.accumulate``
   reads at every micro-batch); memtui also resets ``accelerator.step`` so the next accumulation
-  group starts whole, and writes the value into ``config`` when the script keeps it there;
+  group starts whole, and writes the value into ``config`` when the script keeps it there. A
+  script that steps its optimizer on a count of its own (no ``accumulate()``, and no
+  ``gradient_accumulation_steps`` in the config it gave memtui) would not train the value memtui
+  wrote: there ``grad_accum`` is not tunable, and memtui says how to make it so;
 * ``batch_size``, ``num_workers`` and ``pin_memory`` belong to ``tuner.loader(factory)``: the
   loader memtui builds from your DataLoader factory instead of ``accelerator.prepare(loader)``.
   Under several processes each rank takes its slice of one global batch (the position in the
@@ -55,6 +58,15 @@ PLACE_FILE = "memtui_state_{}.json"
 """memtui's place in a checkpoint ``save_state`` writes, one per process (its index)."""
 
 
+OWN_COUNT = (
+    "the script steps its optimizer on a count memtui cannot see: it does not use "
+    "accelerator.accumulate() and the config given to hooks.install holds no "
+    "gradient_accumulation_steps; use `with accelerator.accumulate(model):` (memtui then sets "
+    "the accelerator's count), or keep the count in that config and read it from there"
+)
+"""Why ``grad_accum`` is not tunable in an Accelerate script that accumulates by itself."""
+
+
 class AccelerateAdapter:
     """memtui hooked into one ``accelerate.Accelerator``."""
 
@@ -67,6 +79,9 @@ class AccelerateAdapter:
         tuner_kwargs: dict[str, Any],
     ) -> None:
         self.accelerator = accelerator
+        self.accumulates = False
+        """Whether the script has entered ``accelerator.accumulate()``: where the config holds no
+        accumulation of its own, the only place memtui can change it."""
         self.staged: dict[str, Any] | None = None
         if config is None:
             self.staged = {"gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
@@ -86,6 +101,11 @@ class AccelerateAdapter:
         }
         if base is not None:
             self.tuner.watch_optimizer(base)
+        self._wrap_accumulate()
+        if self.tuner.store.value("grad_accum") is None:
+            self.tuner.store.refuse("grad_accum", OWN_COUNT)
+        elif self.staged is not None and base is not None:
+            self._check_accumulate_at_first_step(base)
         self._wrap_save_state()
         self._wrap_load_state()
         self._wrap_skip_first_batches()
@@ -98,6 +118,54 @@ class AccelerateAdapter:
         from accelerate.utils import send_to_device
 
         return functools.partial(send_to_device, device=device, non_blocking=True)
+
+    def _wrap_accumulate(self) -> None:
+        """Note the script's first ``accelerator.accumulate()`` (what the accumulation memtui
+        writes into the accelerator drives), then give the accelerator its own method back."""
+        accelerator = self.accelerator
+        accumulate = accelerator.accumulate
+        own = "accumulate" in vars(accelerator)  # else deleting ours finds the class's again
+
+        @functools.wraps(accumulate)
+        def noted_accumulate(*args: Any, **kwargs: Any) -> Any:
+            if own:
+                accelerator.accumulate = accumulate
+            else:
+                del accelerator.accumulate
+            try:
+                self.took_accumulate()
+            except Exception as exc:  # never into training
+                self.tuner.report(exc, "looking for accelerator.accumulate()")
+            return accumulate(*args, **kwargs)
+
+        accelerator.accumulate = noted_accumulate
+
+    def took_accumulate(self) -> None:
+        """The script accumulates through the accelerator: ``grad_accum`` is the accelerator's
+        count, tunable even where the config given to memtui holds none."""
+        self.accumulates = True
+        store = self.tuner.store
+        if store.value("grad_accum") is None and store.why_not.get("grad_accum") == OWN_COUNT:
+            del store.why_not["grad_accum"]
+            store.adopt({"grad_accum": int(self.accelerator.gradient_accumulation_steps)})
+
+    def _check_accumulate_at_first_step(self, optimizer: Any) -> None:
+        """At the first optimizer step, withdraw ``grad_accum`` if the script has not entered
+        ``accumulate()`` (its loop steps on a count memtui cannot see)."""
+        handle: Any = None
+
+        def first_step(*_args: Any) -> None:
+            try:
+                handle.remove()
+                if not self.accumulates:
+                    self.tuner.store.withdraw("grad_accum", OWN_COUNT)
+            except Exception as exc:  # never into training
+                self.tuner.report(exc, "looking for accelerator.accumulate()")
+
+        try:
+            handle = optimizer.register_step_post_hook(first_step)
+        except Exception as exc:
+            self.tuner.report(exc, "looking for accelerator.accumulate()")
 
     def _wrap_save_state(self) -> None:
         """Make ``save_state`` the boundary: the save first, then memtui, on every rank."""
