@@ -9,15 +9,21 @@ scheduler's ``base_lrs`` and the config fields the script's own schedule reads (
 by what takes the factor there; an out-of-memory rollback restores the factor before it.
 
 What memtui reports is what the optimizer uses: while the factor is not 1, a step pre-hook on
-each known optimizer reads the LR the step is about to use. An LR that moved between two steps
-with no LR scheduler memtui knows to move it (or not as that scheduler set it) is the script's
-own schedule: memtui withdraws its factor, says so, and refuses LR rules from then on (unless
-the script's schedule reads ``lr_fields``, which memtui scales).
+each known optimizer reads the LR the step is about to use and compares it with what the LR
+schedulers of that optimizer set (``get_last_lr()``), or with the LR of the step before where
+the optimizer has none. An LR no scheduler explains (memtui first looks for torch schedulers of
+that optimizer it was not given, and follows them) is the script's own schedule: memtui
+withdraws its factor, says so, and refuses LR rules from then on (unless the script's schedule
+reads ``lr_fields``, which memtui scales).
 
-The tuned config keeps the factor, its anchor and the optimizers' scaled start LRs. A resumed run
-reconciles each optimizer it is given, when it is given and again before its first step (after
-any state the script or a Trainer loaded from a checkpoint): an LR that already carries the
-factor (a checkpoint saved after the change) is left, one that lacks it is multiplied.
+The tuned config keeps the factor, its anchor, the optimizers' scaled start LRs and the factors
+the run's LR carried. While the run has a factor (a resumed one too), each optimizer is
+reconciled when memtui is given it, right after every ``load_state_dict`` of it (a script's,
+accelerate's ``load_state``, a Trainer's resume: before a step reads what was loaded) and again
+before its next step: start LRs that already carry the factor (a checkpoint saved after the
+change) are left, ones that carry an earlier factor of the run or none (a checkpoint saved at
+the change's own boundary, a fresh optimizer) are multiplied up to it, and every scheduler of
+that optimizer (a restored one, one memtui was not given) computes from those start LRs.
 """
 
 from __future__ import annotations
@@ -102,12 +108,17 @@ class LearningRate:
         """Told when the script sets the optimizer's LR itself: why, and the factor to undo."""
         self._history: list[tuple[float, tuple[int, float] | None, str]] = []
         self._starts: list[list[float]] | None = None
-        """Each optimizer's scaled start LRs as the tuned config kept them (resumed runs)."""
+        """Each optimizer's start LRs carrying the factor (the tuned config's, in a resumed run)."""
+        self._carried: list[float] = []
+        """The factors other than 1 the LR carried since the script's own, oldest first (a
+        checkpoint of the run carries one of them, or none)."""
         self._unchecked: set[int] = set()
         """Optimizers (by position) still to reconcile with the resumed factor at their step."""
         self._seen: dict[int, list[float]] = {}
         """Each optimizer's LRs at its last step (or as memtui last wrote them)."""
         self._hooks: dict[int, Any] = {}
+        self._load_hooks: list[Any] = []
+        """The handles of the known optimizers' ``load_state_dict`` post-hooks."""
 
     # ------------------------------------------------------------------ what memtui knows
 
@@ -118,7 +129,8 @@ class LearningRate:
             return
         self._optimizers.append(optimizer)
         index = len(self._optimizers) - 1
-        if self.factor != 1.0 and not self.fields:
+        self._follow_loads(index, optimizer)
+        if self._reconciles():
             self._reconcile(index)
             self._unchecked.add(index)  # a checkpoint may still be loaded into it
         self._arm()
@@ -129,7 +141,7 @@ class LearningRate:
             return
         self._schedulers.append(scheduler)
         self.watch_optimizer(getattr(_inner(scheduler), "optimizer", None))
-        if self.factor != 1.0 and not self.fields:  # its optimizer's starts carry the factor now
+        if self._reconciles():  # its optimizer's starts carry the factor now
             _rebase(scheduler)
 
     def known(self) -> bool:
@@ -227,15 +239,16 @@ class LearningRate:
             self.factor /= multiplier
         if multiplier is not None:
             self._multiply(1.0 / multiplier)
+        self._note(self.factor)
         self._arm()
 
     def _scale(self, multiplier: float) -> None:
         """Multiply every known LR by ``multiplier`` and count it in the factor."""
         for optimizer in list(self._optimizers):
-            for scheduler in _unknown_schedulers(optimizer, self._schedulers):
-                self.watch_scheduler(scheduler)
+            self._adopt(optimizer)
         self._multiply(multiplier)
         self.factor *= multiplier
+        self._note(self.factor)
         self._arm()
 
     def _multiply(self, multiplier: float) -> None:
@@ -246,6 +259,17 @@ class LearningRate:
             _scale_base(scheduler, multiplier)
         self._scale_fields(multiplier)
         self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
+        self._starts = [_starts(o) for o in self._optimizers]
+
+    def _note(self, factor: float) -> None:
+        """Count ``factor`` among those the run's LR carried (the latest last)."""
+        if factor != 1.0:
+            others = [f for f in self._carried if not _close(f, factor)]
+            self._carried = [*others[-HISTORY + 1 :], factor]
+
+    def _reconciles(self) -> bool:
+        """Whether LRs loaded or made now may lack the factor held (or carry another)."""
+        return not self.fields and not self.owner and (self.factor != 1.0 or bool(self._carried))
 
     def _scale_fields(self, multiplier: float) -> None:
         """Multiply the config fields the script's own schedule reads."""
@@ -257,20 +281,15 @@ class LearningRate:
     def replace(self, optimizer: Any, scheduler: Any, unsaved: float) -> None:
         """Follow an optimizer and scheduler loaded from a checkpoint instead of the ones known
         (a Trainer resuming in-process): ``unsaved`` is the factor applied since that checkpoint
-        was saved, which its state lacks."""
+        was saved, which its state lacks unless memtui reconciled it as it was loaded (an
+        optimizer memtui knew, loaded again)."""
         self._disarm()
+        self._forget_loads()
         self._optimizers, self._schedulers = [], []
         self._unchecked, self._seen = set(), {}
-        factor, self.factor = self.factor, 1.0  # the new objects are reconciled below, not here
+        self._note(self.factor / unsaved)  # what the checkpoint carries
         self.watch_optimizer(optimizer)
         self.watch_scheduler(scheduler)
-        self.factor = factor
-        if unsaved != 1.0:
-            for known in self._optimizers:
-                _scale_groups(known, unsaved)
-            for known in self._schedulers:
-                _scale_base(known, unsaved)
-        self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
         self._arm()
 
     # ------------------------------------------------------------------ the tuned config
@@ -287,6 +306,7 @@ class LearningRate:
             starts = [_starts(o) for o in self._optimizers]
             if starts and all(starts) and not self.fields:
                 section["starts"] = starts
+                section["carried"] = list(self._carried)
             if self.fields:
                 section["fields"] = list(self.fields)
         if self.owner:
@@ -317,12 +337,14 @@ class LearningRate:
             isinstance(s, list) and all(_number(v) for v in s) for s in starts
         ):
             self._starts = [[float(v) for v in s] for s in starts]
+        carried = section.get("carried")
+        if isinstance(carried, list):
+            self._carried = [float(f) for f in carried if _number(f) and 0 < f < 1e6][-HISTORY:]
+        self._note(self.factor)
         self._scale_fields(self.factor)  # the script's own values, from its config
         for index in range(len(self._optimizers)):
             self._reconcile(index)
             self._unchecked.add(index)
-        for scheduler in self._schedulers:
-            _rebase(scheduler)
         self._arm()
         return self.factor
 
@@ -345,36 +367,24 @@ class LearningRate:
                             _rebase(scheduler)
             self._scale_fields(1.0 / held)
         self.factor, self.anchor, self.last_rule = 1.0, None, ""
-        self._history, self._starts, self._unchecked = [], None, set()
+        self._history, self._carried, self._starts, self._unchecked = [], [], None, set()
         self._seen = {i: _lrs(o) for i, o in enumerate(self._optimizers)}
         factor = self.resume(section)
         self._arm()  # a section without a factor leaves the LR the script's own: nothing to read
         return factor
 
-    def _reconcile(self, index: int) -> None:
-        """Make optimizer ``index`` carry the factor once: left alone where its start LRs are the
-        tuned config's (a checkpoint saved after the change), multiplied where they lack it."""
+    def _reconcile(self, index: int, *, look: bool = True) -> None:
+        """Make optimizer ``index`` carry the factor once, and every LR scheduler of it (a
+        restored one, and where ``look`` one memtui was not given, too) compute from its start
+        LRs."""
         if self.fields:
             return  # the script's schedule sets its LR from the scaled fields
         optimizer = self._optimizers[index]
-        now = _starts(optimizer)
-        kept = self._starts[index] if self._starts and index < len(self._starts) else None
-        if not now:
-            return
-        if kept is not None and len(kept) == len(now):
-            if all(_close(a, b) for a, b in zip(now, kept, strict=True)):
-                return  # carries the factor already
-            owes = all(_close(a * self.factor, b) for a, b in zip(now, kept, strict=True))
-            if not owes:
-                self._report(
-                    ValueError(
-                        f"the optimizer's start LRs {now} are neither the tuned config's {kept} "
-                        f"nor those over x{round(self.factor, 4)}: the script's LR changed; "
-                        "memtui applies its factor to it"
-                    ),
-                    "resuming the LR factor",
-                )
-        _scale_groups(optimizer, self.factor)
+        multiplier = self._owed(index, optimizer)
+        if multiplier != 1.0:
+            _scale_groups(optimizer, multiplier)
+        if look:
+            self._adopt(optimizer)
         for scheduler in self._schedulers:
             if _optimizer_of(scheduler) is optimizer:
                 _rebase(scheduler)
@@ -384,6 +394,73 @@ class LearningRate:
             self._starts.append([])
         self._starts[index] = _starts(optimizer)
         self._seen[index] = _lrs(optimizer)
+
+    def _owed(self, index: int, optimizer: Any) -> float:
+        """What optimizer ``index``'s LRs lack of the factor: 1 where its start LRs are the ones
+        kept (a checkpoint saved after the change), the factor over the one they carry where
+        they are the kept ones at an earlier factor of the run or at none (a checkpoint saved
+        before a change, a fresh optimizer), else the whole factor (the script's LR changed)."""
+        now = _starts(optimizer)
+        kept = self._starts[index] if self._starts and index < len(self._starts) else None
+        if not now:
+            return 1.0
+        if not kept or len(kept) != len(now):
+            return self.factor
+        for carried in (self.factor, 1.0, *self._carried):
+            if all(_close(a * self.factor / carried, b) for a, b in zip(now, kept, strict=True)):
+                return self.factor / carried
+        if self.factor == 1.0:
+            return 1.0  # nothing of memtui's to apply
+        self._report(
+            ValueError(
+                f"the optimizer's start LRs {now} are neither the tuned config's {kept} nor those "
+                f"at a factor the run had: the script's LR changed; memtui applies its factor "
+                f"x{round(self.factor, 4)} to it"
+            ),
+            "resuming the LR factor",
+        )
+        return self.factor
+
+    def _adopt(self, optimizer: Any, *, beside: bool = False) -> list[Any]:
+        """Follow the torch LR schedulers of ``optimizer`` that memtui was not given, where it
+        knows none of it (``beside``: those beside the ones it knows too); return them (a search
+        of the heap: at a change, a restore, an LR no known scheduler set)."""
+        if not beside and any(_optimizer_of(s) is optimizer for s in self._schedulers):
+            return []
+        found = _unknown_schedulers(optimizer, self._schedulers)
+        for scheduler in found:
+            self.watch_scheduler(scheduler)
+        return found
+
+    def _follow_loads(self, index: int, optimizer: Any) -> None:
+        """Reconcile optimizer ``index`` right after each ``load_state_dict`` of it, before any
+        step uses what it loaded (and its schedulers, which may be loaded after it, at its next
+        step)."""
+        register = getattr(optimizer, "register_load_state_dict_post_hook", None)
+        if not callable(register):
+            return
+
+        def loaded(_optimizer: Any) -> None:
+            try:
+                if self._reconciles():  # the schedulers memtui was not given: at the step
+                    self._reconcile(index, look=False)
+                    self._unchecked.add(index)
+            except Exception as exc:  # never into training
+                self._report(exc, "reconciling a loaded optimizer with the LR factor")
+
+        try:
+            self._load_hooks.append(register(loaded))
+        except Exception as exc:
+            self._report(exc, "following the optimizer's loaded state")
+
+    def _forget_loads(self) -> None:
+        """Stop following the known optimizers' ``load_state_dict``."""
+        for handle in self._load_hooks:
+            try:
+                handle.remove()
+            except Exception as exc:
+                self._report(exc, "following the optimizer's loaded state")
+        self._load_hooks = []
 
     # ------------------------------------------------------------------ what the optimizer uses
 
@@ -427,31 +504,33 @@ class LearningRate:
         return check
 
     def _check(self, index: int, optimizer: Any) -> None:
-        """Compare the LR this step uses with what memtui and the schedulers it knows set (the
-        first param group's: a script that sets its LR sets every group's)."""
+        """Compare the LR this step uses with what the schedulers of its optimizer set, or with
+        the step before's where it has none (the first param group's: a script that sets its LR
+        sets every group's); a scheduler memtui was not given is looked for before the factor is
+        withdrawn."""
         if self.factor == 1.0 or self.owner or self.fields:
             return
         groups = optimizer.param_groups
         now = groups[0].get("lr") if groups else None
         if not _number(now):
             return
-        scheduler = self._scheduler_of(optimizer)
-        last = getattr(scheduler, "_last_lr", None) if scheduler is not None else None
-        if last:
-            expected = last[0]
-        else:
-            seen = self._seen.get(index)
-            expected = seen[0] if seen else None
+        seen = self._seen.get(index)
         self._seen[index] = [now]
-        if _number(expected) and not _close(expected, now):
-            self._lose(expected, now)
-
-    def _scheduler_of(self, optimizer: Any) -> Any:
-        """The torch scheduler memtui knows that steps ``optimizer`` (None: none known)."""
+        expected = None  # what the first of its schedulers set (each step: no list made)
         for scheduler in self._schedulers:
             if _optimizer_of(scheduler) is optimizer:
-                return _inner(scheduler)
-        return None
+                last = getattr(_inner(scheduler), "_last_lr", None)
+                if isinstance(last, list) and last and _number(last[0]):
+                    if _close(last[0], now):
+                        return
+                    expected = last[0] if expected is None else expected
+        if expected is None:  # no scheduler of it: the LR holds from step to step
+            if not seen or _close(seen[0], now):
+                return
+            expected = seen[0]
+        if any(_close(lr, now) for lr in _set_by(self._adopt(optimizer, beside=True))):
+            return  # a scheduler memtui was not given set it: memtui follows it from now on
+        self._lose(expected, now)
 
     def _lose(self, expected: float, used: float) -> None:
         """The script set the optimizer's LR itself: withdraw memtui's factor and say so."""
@@ -474,7 +553,7 @@ class LearningRate:
             base = getattr(target, "base_lrs", None)
             if isinstance(base, list):
                 target.base_lrs = [b / factor for b in base]
-        self._history = []
+        self._history, self._carried, self._starts = [], [], None
         self.factor, self.anchor, self.last_rule, self.owner = 1.0, None, "", why
         self._disarm()
         if self.on_lost is not None:
@@ -486,21 +565,30 @@ def _unknown_schedulers(optimizer: Any, known: list[Any]) -> list[Any]:
     optimizer whose step a scheduler wraps; the scheduler is found among its referrers)."""
     if not hasattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched"):
         return []
-    if any(_optimizer_of(s) is optimizer for s in known):
-        return []
     import gc
 
     from torch.optim import lr_scheduler
 
     kinds = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
+    given = [_inner(s) for s in known]
+    referrers = gc.get_referrers(optimizer)
+    holders = [r for r in referrers if not isinstance(r, dict)]
+    attributes = [r for r in referrers if isinstance(r, dict)]  # an object's ``__dict__``
+    if attributes:  # one more pass over the heap for all of them
+        holders += gc.get_referrers(*attributes)
     found: list[Any] = []
-    for referrer in gc.get_referrers(optimizer):
-        holders = gc.get_referrers(referrer) if isinstance(referrer, dict) else [referrer]
-        for holder in holders:
-            owned = _unwrapped(getattr(holder, "optimizer", None)) is optimizer
-            if isinstance(holder, kinds) and owned and all(h is not holder for h in found):
-                found.append(holder)
+    for holder in holders:
+        owned = _unwrapped(getattr(holder, "optimizer", None)) is optimizer
+        new = all(h is not holder for h in (*found, *given))
+        if isinstance(holder, kinds) and owned and new:
+            found.append(holder)
     return found
+
+
+def _set_by(schedulers: list[Any]) -> list[float]:
+    """The first param group's LR each scheduler set at its last step (``get_last_lr()``)."""
+    lrs = [getattr(s, "_last_lr", None) for s in schedulers]
+    return [float(last[0]) for last in lrs if isinstance(last, list) and last and _number(last[0])]
 
 
 def _lrs(optimizer: Any) -> list[float]:
