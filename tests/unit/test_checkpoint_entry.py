@@ -126,6 +126,7 @@ def test_the_entry_keeps_the_tuned_config_as_plain_values(tmp_path: Path) -> Non
             "anchor": {"batch": 8, "factor": 1.0},
             "rule": "linear",
             "starts": [[pytest.approx(2 * BASE_LR)]],
+            "carried": [2.0],
         },
         "ceiling": {"batch_size": 64, "step": 4, "note": "out of memory"},
     }
