@@ -20,10 +20,20 @@ class StepStats:
     data_wait_s: float
     """Mean data-loader wait per step."""
     samples_per_s: float
+    """This rank's samples over the steps' time: the samples of its own training batches (a
+    batch's rows, the first dimension of its first tensor), summed, over the steps' summed wall
+    time."""
     steps_per_s: float
     data_wait_measured: bool = True
     """Whether any of the steps drew a batch memtui timed (a DataLoader or a batch function it
     wraps); False: the loop's data wait and samples are not measured, and their 0 says nothing."""
+    micro_batches_per_step: float = 0.0
+    """Mean training micro-batches a step drew (what one optimizer step is made of)."""
+    samples_per_step: float = 0.0
+    """Mean samples a step trained on this rank."""
+    samples_counted: bool = True
+    """Whether any of the steps counted a sample (False: a batch memtui could find no tensor in,
+    or a loop whose batches it does not see: ``samples_per_s`` is not known, not 0)."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -44,6 +54,7 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     total = sum(r.step_time_s for r in recent)
     wait = sum(min(r.data_wait_s, r.step_time_s) for r in recent)
     samples = sum(r.samples for r in recent)
+    micro = sum(r.micro_batches for r in recent)
     n = len(recent)
     return StepStats(
         steps=n,
@@ -51,7 +62,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
         data_wait_s=wait / n,
         samples_per_s=samples / total if total > 0 else 0.0,
         steps_per_s=n / total if total > 0 else 0.0,
-        data_wait_measured=any(r.micro_batches > 0 for r in recent),
+        data_wait_measured=micro > 0,
+        micro_batches_per_step=micro / n,
+        samples_per_step=samples / n,
+        samples_counted=samples > 0,
     )
 
 
@@ -213,6 +227,17 @@ def format_bytes(value: float | None) -> str:
             return f"{size:.1f} {unit}" if abs(size) < 100_000 else f"{size:.2g} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
+
+
+def format_rate(value: float) -> str:
+    """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024`` (``-`` for infinity or NaN)."""
+    if not math.isfinite(value):
+        return "-"
+    if value < 1:
+        return f"{value:.2f}"
+    if value < 100:
+        return f"{value:.1f}"
+    return f"{value:,.0f}"
 
 
 def format_duration(seconds: float) -> str:

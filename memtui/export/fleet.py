@@ -33,6 +33,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -42,6 +43,7 @@ from memtui.core.stats import MemoryStats, StepStats
 from memtui.runs.events import Status
 from memtui.runs.receiver import Inbox, Receiver
 from memtui.runs.state import RankSeries, RunState
+from memtui.runs.throughput import Throughput
 from memtui.storage import registry
 from memtui.transport.client import client_name, send_request
 from memtui.transport.sources import LiveSource
@@ -110,6 +112,9 @@ class RunReading:
     pending: int
     """Changes queued and waiting for the next checkpoint."""
     ranks: tuple[RankReading, ...]
+    throughput: Throughput | None = None
+    """The job's samples/s (its reporting ranks' summed), as the viewer and ``memtui status``
+    give it."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,49 @@ def device_label(series: RankSeries) -> str:
         return ""
     sample = series.device[-1]
     return "cpu" if sample.kind == "cpu" else f"{sample.kind}:{sample.index}"
+
+
+def run_reading(
+    state: RunState,
+    applied: Callable[[RankSeries], int],
+    ooms: Callable[[RankSeries], int],
+) -> RunReading | None:
+    """A run's numbers from its state (None until it has answered); ``applied`` and ``ooms``
+    count a rank's changes and out-of-memory errors seen so far."""
+    if state.info is None:
+        return None
+    summary = state.refresh_summary()
+    hosts = {info.rank: info for info in state.ranks}
+    ranks = []
+    for rank in summary.ranks:
+        series = state.series[rank.rank]
+        listed = hosts.get(rank.rank)
+        ranks.append(
+            RankReading(
+                rank=rank.rank,
+                host=listed.host if listed is not None and listed.host else state.info.host,
+                device=device_label(series),
+                pid=listed.pid if listed is not None else 0,
+                reporting=rank.reported and not rank.silent,
+                last_step=rank.last_step,
+                steps=rank.steps,
+                memory=rank.memory,
+                host_sample=series.host,
+                applied=applied(series),
+                ooms=ooms(series),
+                hook_errors=series.counters.errors if series.counters else None,
+            )
+        )
+    control = state.control
+    return RunReading(
+        run=state.info.run,
+        host=state.info.host,
+        control_rank=state.info.rank,
+        verdict=summary.verdict.state,
+        pending=len(control.pending) if control is not None else 0,
+        ranks=tuple(ranks),
+        throughput=summary.throughput,
+    )
 
 
 class RunWatch:
@@ -252,40 +300,7 @@ class RunWatch:
     def read(self) -> RunReading | None:
         """The run's numbers now (None until it has answered)."""
         with self._lock:
-            state = self.state
-            if state.info is None:
-                return None
-            summary = state.refresh_summary()
-            hosts = {info.rank: info for info in state.ranks}
-            ranks = []
-            for rank in summary.ranks:
-                series = state.series[rank.rank]
-                listed = hosts.get(rank.rank)
-                ranks.append(
-                    RankReading(
-                        rank=rank.rank,
-                        host=listed.host if listed is not None and listed.host else state.info.host,
-                        device=device_label(series),
-                        pid=listed.pid if listed is not None else 0,
-                        reporting=rank.reported and not rank.silent,
-                        last_step=rank.last_step,
-                        steps=rank.steps,
-                        memory=rank.memory,
-                        host_sample=series.host,
-                        applied=self._count_applied(series),
-                        ooms=self._count_ooms(series),
-                        hook_errors=series.counters.errors if series.counters else None,
-                    )
-                )
-            control = state.control
-            return RunReading(
-                run=state.info.run,
-                host=state.info.host,
-                control_rank=state.info.rank,
-                verdict=summary.verdict.state,
-                pending=len(control.pending) if control is not None else 0,
-                ranks=tuple(ranks),
-            )
+            return run_reading(self.state, self._count_applied, self._count_ooms)
 
     def _count_applied(self, series: RankSeries) -> int:
         seen = self._applied_seen.setdefault(series.rank, set())

@@ -15,14 +15,17 @@ When ``torch`` is imported, two hooks watch the training:
   second optimizer, stepping in the same iteration, is not counted again); when it is garbage
   collected, the next optimizer that steps is counted;
 * ``DataLoader.__iter__`` is wrapped (once an epoch: where the training loader's epoch starts);
-  from the first iteration the DataLoader iterators' ``__next__`` is ``timed_batches`` over
-  torch's own: each batch's wait is the micro-batch's data wait, its first tensor dimension its
-  samples (every DataLoader of the process feeds the open step, an evaluation loader's
-  included).
+  from the first iteration the DataLoader iterators' ``__next__`` is timed over torch's own for
+  the iterators of the training DataLoader: each of its batches' wait is the micro-batch's data
+  wait, ``batch_samples`` its samples (the first dimension of its first tensor).
 
 The **training DataLoader** is the one whose iteration started last before the counted
 optimizer's first step (a loop that evaluates before it trains starts its training loader
-after). Its ``num_workers``, ``pin_memory`` and ``prefetch_factor`` become the run's knobs: a
+after). Only its batches are counted: an evaluation pass between steps (another DataLoader,
+told apart by identity) adds neither samples nor data wait to the step it runs in, though its
+time is in that step's time. Before the first step every DataLoader's batches count, and a
+DataLoader that starts then drops what the one before it counted (the last to start is the
+training loader). Its ``num_workers``, ``pin_memory`` and ``prefetch_factor`` become the run's knobs: a
 change queued for them is applied when the loop next starts iterating that loader (the next
 epoch, the same step on every rank): ``Tuner.epoch_boundary`` takes and agrees on the pending
 changes there, and the new values are set on the DataLoader before it makes the epoch's iterator
@@ -45,10 +48,12 @@ Steps that arrive with no DataLoader batch (a loop drawing its batches some othe
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -220,6 +225,11 @@ class _Watch:
         self.restore_loader: list[Callable[[], None]] = []
         self.timing = False
         """Whether the DataLoader iterators' ``__next__`` is timed (it is wrapped once)."""
+        self.found = False
+        """Whether the counted optimizer has made its first step (the training loader is known)."""
+        self.early: list[Callable[[], Any]] = []
+        """The iterators counted before that step (weak references): a DataLoader that starts
+        after them stops their count."""
         self.last_started: Callable[[], Any] = _nothing
         """The DataLoader whose iteration started last (a weak reference; None: none yet)."""
         self.train: Callable[[], Any] = _nothing
@@ -246,8 +256,10 @@ def _on_torch(_torch: ModuleType) -> None:
         own_iter = loader_class.__iter__
 
         def iterate(loader: Any) -> Any:
-            _loader_starts(loader)
-            return own_iter(loader)
+            counted = _loader_starts(loader)
+            iterator = own_iter(loader)
+            _mark(iterator, counted)
+            return iterator
 
         iterate.__wrapped__ = own_iter  # type: ignore[attr-defined]
         loader_class.__iter__ = iterate
@@ -304,24 +316,69 @@ def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
     return hook, disarm
 
 
-def _loader_starts(loader: Any) -> None:
-    """A DataLoader starts an iteration: time the batches from the first one on; at the training
-    loader's, apply the pending changes and its knobs (never raises into the loop)."""
+def _loader_starts(loader: Any) -> bool:
+    """A DataLoader starts an iteration: whether its batches are counted (the training loader's,
+    or any before the counted optimizer's first step); at the training loader's, apply the
+    pending changes and its knobs (never raises into the loop)."""
     if _watch.stood_down:
-        return
+        return False
     if not _watch.timing:
         _time_loaders()
     tuner = _watch.tuner
     if tuner is None:
-        return
+        return False
     try:
+        previous = _watch.last_started()
         _watch.last_started = _weak(loader)
-        if _is_training_loader(loader):
+        if not _watch.found:
+            _before_first_step(tuner, loader, previous)
+            return True
+        training = _is_training_loader(loader)
+    except Exception as exc:
+        tuner.report(exc, "the training DataLoader's epoch start")
+        return False
+    if training:
+        try:
             applied = tuner.epoch_boundary()
             if _set_knobs(loader, tuner.store.knobs) or applied is not None:
                 tuner.loader_changed()
-    except Exception as exc:
-        tuner.report(exc, "the training DataLoader's epoch start")
+        except Exception as exc:
+            tuner.report(exc, "the training DataLoader's epoch start")
+    return training
+
+
+def _before_first_step(tuner: Any, loader: Any, previous: Any) -> None:
+    """A DataLoader starts before the counted optimizer's first step: it may be the training
+    loader; what another loader counted before it was not training (the training loader is the
+    last to start), so that count is dropped and the first step's clock starts here."""
+    ledger = tuner.ledger
+    if previous is not loader:
+        for counted in _watch.early:
+            iterator = counted()
+            if iterator is not None:
+                setattr(iterator, COUNTED, False)
+        _watch.early.clear()
+        if ledger.open.micro:
+            ledger.reset_open_step()
+    ledger.start_clock()
+
+
+COUNTED = "_memtui_counted"
+"""The attribute of a DataLoader iterator that says whether its batches are counted (set on each
+iterator made while the watch times them; ``False`` on the iterator class for the others, kept
+after the watch stands down: a wrapper of someone else's may still call the timed ``__next__``)."""
+
+
+def _mark(iterator: Any, counted: bool) -> None:
+    """Say on a new DataLoader iterator whether its batches are counted (never raises)."""
+    if not _watch.timing:
+        return
+    try:
+        setattr(iterator, COUNTED, counted)
+        if counted and not _watch.found:
+            _watch.early.append(_weak(iterator))
+    except Exception as exc:  # an iterator that takes no attribute: its batches are not counted
+        log.debug("memtui: a DataLoader iterator not counted (%s)", exc)
 
 
 def _weak(value: Any) -> Callable[[], Any]:
@@ -365,6 +422,8 @@ def _first_counted_step(tuner: Any, optimizer: Any) -> None:
     """After the counted optimizer's first step: its LR is followed, the training loader found,
     and a Tuner made before the process group was up (a loader iterated before
     ``init_process_group``) joins the other ranks."""
+    _watch.found = True
+    _watch.early.clear()  # the training loader's iterator stays counted, the others were stopped
     try:
         tuner.lr.watch_optimizer(optimizer)
         _find_training_loader(tuner)
@@ -446,21 +505,47 @@ def _time_loaders() -> None:
             return
         from torch.utils.data import dataloader
 
-        from memtui.hooks.batches import timed_batches
-
         with _lock:
             if _watch.stood_down or _watch.timing:
                 return
             _watch.timing = True
             iterator_class = dataloader._BaseDataLoaderIter  # noqa: SLF001
             own_next = iterator_class.__next__
-            timed = timed_batches(own_next, tuner.ledger, tuner.report)
+            timed = _counted_next(own_next, tuner)
+            setattr(iterator_class, COUNTED, False)
             iterator_class.__next__ = timed
             _watch.restore_loader.append(
                 lambda: _put_back(iterator_class, "__next__", timed, own_next)
             )
     except Exception as exc:
         _give_up(exc)
+
+
+def _counted_next(own_next: Callable[[Any], Any], tuner: Any) -> Callable[[Any], Any]:
+    """A DataLoader iterator's ``__next__`` that times the batches of a counted iterator as
+    the open step's micro-batches: the wait for each and its samples (``batch_samples``)."""
+    from memtui.hooks.batches import batch_samples, missed_once
+
+    perf = time.perf_counter
+    on_batch = tuner.ledger.on_batch
+    missed = missed_once(tuner.report)
+
+    @functools.wraps(own_next)
+    def next_batch(iterator: Any) -> Any:
+        # the hot path, once per batch: one attribute read for a batch not counted; for one
+        # counted, two clock reads, the count and one ledger call
+        if not iterator._memtui_counted:  # noqa: SLF001  (``COUNTED``: set by the watch)
+            return own_next(iterator)
+        t0 = perf()
+        batch = own_next(iterator)
+        t1 = perf()
+        samples = batch_samples(batch)
+        if not samples:
+            missed(batch)
+        on_batch(t1 - t0, samples)
+        return batch
+
+    return next_batch
 
 
 def _watch_tuner() -> Any:

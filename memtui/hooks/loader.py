@@ -51,11 +51,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
+from memtui.hooks.batches import batch_samples, missed_once
+from memtui.hooks.errors import Report
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")
+
+
+def _said(exc: BaseException, where: str) -> None:
+    """A failure of a loader made without the tuner's report, logged."""
+    log.warning("memtui: %s: %s", where, exc)
+
 
 TORCH_DEFAULTS: dict[str, Any] = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None}
 """What torch's ``DataLoader`` takes for a loader knob it is not given (``batch_size`` is left
@@ -285,6 +293,7 @@ class TunedLoader:
         seed: Callable[[int, int], int] | None = None,
         on_failed: Callable[[BaseException, dict[str, Any]], None] | None = None,
         ended_epoch_is_next: bool = False,
+        report: Report | None = None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -299,6 +308,9 @@ class TunedLoader:
         """A position at the end of an epoch (``load_state_dict``, ``skip_batches``) resumes at
         the next epoch's start: a script that counts its own epochs from its steps (Accelerate's
         examples) starts the next one there, not the empty rest of the old one."""
+        self._missed = missed_once(report or _said)
+        """Reports the first batch counted as 0 samples that holds no tensor (a loader that
+        cannot follow its indices counts each batch's rows)."""
         self._factory = factory
         self.shard = shard
         """(rank, world size): with world > 1 each batch is this rank's slice of a global batch
@@ -666,10 +678,10 @@ class TunedLoader:
             world = self.shard[1]
             sharded = world > 1
             generation = store.loader_generation
+            missed = self._missed
             while True:  # one pass per underlying loader: a knob change switches loaders
                 stream = self._stream if self.mode == "exact" else None
                 inflight = stream.inflight if stream is not None else None
-                batch_size = self.knobs["batch_size"] or 1
                 switched = False
                 t0 = perf()
                 for batch in iterator:
@@ -681,9 +693,11 @@ class TunedLoader:
                         n = len(delivered)
                         stream.consumed += n  # type: ignore[union-attr]
                         tally.samples += -(-n // world) if sharded else n
-                    else:
-                        delivered = batch_size
-                        tally.samples += batch_size
+                    else:  # no indices to follow: the batch's own rows
+                        delivered = batch_samples(batch)
+                        if not delivered:
+                            missed(batch)
+                        tally.samples += delivered
                     keep((self, delivered))
                     yield batch
                     if generation != store.loader_generation:  # a boundary changed knobs?

@@ -601,6 +601,7 @@ class Tuner:
             on_rebuilt=self._workers_changed,
             seed=functools.partial(self._loader_seed, self._loaders_made),
             on_failed=self._loader_failed,
+            report=self.report,
             **self.loader_options,
         )
         self.store.adopt({k: wrapped.knobs.get(k) for k in LOADER_KNOBS})

@@ -30,7 +30,15 @@ from memtui.core.knobs import (
     format_diffs,
     format_value,
 )
-from memtui.core.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.core.stats import (
+    StepStats,
+    format_bytes,
+    format_duration,
+    format_rate,
+    summarize_device,
+    summarize_steps,
+)
+from memtui.runs.throughput import Throughput, job_throughput, samples_words, step_words
 from memtui.transport.security import exposure, tcp_endpoints
 from memtui.wire import (
     AppliedChange,
@@ -67,17 +75,45 @@ def unused_knobs(config: Mapping[str, object]) -> dict[str, str]:
 
 
 class Metrics(Struct):
-    """Step timing over the snapshot's window of steps."""
+    """Step timing over the snapshot's window of steps, of one rank."""
 
     window_steps: int
     step_time_s: float
     data_wait_s: float
     data_wait_fraction: float
     samples_per_s: float
+    """This rank's own samples/s: the rows of its training batches over its steps' time (the
+    job's is ``throughput.samples_per_s``)."""
     steps_per_s: float
     data_wait_measured: bool = True
     """False where no step drew a batch memtui timed (no DataLoader seen): the wait is unknown,
     and ``samples_per_s`` (0) was not counted."""
+    micro_batches_per_step: float = 0.0
+    """Mean training micro-batches a step drew on this rank (an optimizer step is made of them)."""
+    samples_per_step: float = 0.0
+    """Mean samples a step trained on this rank."""
+    samples_counted: bool = True
+    """False where no step counted a sample (a batch with no tensor memtui could find):
+    ``samples_per_s`` (0) is not known."""
+
+
+class JobThroughput(Struct):
+    """The job's samples/s: every answering rank's own summed (``memtui.runs.throughput``, the
+    figure the viewer's header and the exporter's ``memtui_job_samples_per_second`` give)."""
+
+    samples_per_s: float
+    """The ranks' samples/s summed (0 where none was counted)."""
+    ranks: int
+    """The ranks summed: those that answered with counted samples."""
+    world_size: int
+    micro_batches_per_step: float
+    """Micro-batches one optimizer step draws on a rank (the lowest rank summed)."""
+    samples_per_step: float
+    """The samples of one optimizer step over the ranks summed (the global batch)."""
+    summary: str
+    """``1,654 samples/s (2 ranks)``, or ``samples not counted``."""
+    step: str
+    """What memtui's step is, in words ("" before a batch was counted)."""
 
 
 class Memory(Struct):
@@ -289,6 +325,9 @@ class StatusReport(Struct):
     """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
     boundary: str = ""
     """Where queued changes apply, in words ("" the run's next checkpoint)."""
+    throughput: JobThroughput | None = None
+    """The job's samples/s (every answering rank's own summed) and what one step is (None: an
+    older report)."""
 
 
 def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
@@ -341,11 +380,11 @@ def _wait_words(metrics: Metrics) -> str:
     return f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})"
 
 
-def _samples_words(metrics: Metrics) -> str:
-    """``512 samples/s``, or that they were not counted (no batch memtui timed)."""
-    if not metrics.data_wait_measured:
-        return "samples not counted"
-    return f"{metrics.samples_per_s:.0f} samples/s"
+def _rank_samples_words(metrics: Metrics) -> str:
+    """A rank's own ``827``, or ``-`` where its samples were not counted."""
+    if not (metrics.data_wait_measured and metrics.samples_counted):
+        return "-"
+    return format_rate(metrics.samples_per_s)
 
 
 def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT:
@@ -355,9 +394,20 @@ def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT
     return schema(**{f: getattr(source, renamed.get(f, f)) for f in names})
 
 
-def _metrics(snapshot: Snapshot) -> Metrics | None:
-    steps = summarize_steps(snapshot.steps)
+def _metrics(steps: StepStats | None) -> Metrics | None:
     return None if steps is None else _fields_of(Metrics, steps, window_steps="steps")
+
+
+def _throughput(found: Throughput) -> JobThroughput:
+    return JobThroughput(
+        samples_per_s=found.samples_per_s,
+        ranks=found.ranks,
+        world_size=found.world_size,
+        micro_batches_per_step=found.micro_batches_per_step,
+        samples_per_step=found.samples_per_step,
+        summary=samples_words(found),
+        step=step_words(found),
+    )
 
 
 def _memory(snapshot: Snapshot) -> Memory | None:
@@ -371,7 +421,7 @@ def _counters(counters: HookCounters | None) -> Counters:
     return Counters(**msgspec.structs.asdict(counters))
 
 
-def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
+def _rank(rank: RankInfo, snapshot: Snapshot | None, steps: StepStats | None) -> RankReport:
     entry = RankReport(
         rank=rank.rank,
         local_rank=rank.local_rank,
@@ -383,7 +433,7 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
         entry.step = snapshot.step
         entry.config = _config(snapshot)
         entry.applied = [_applied(a) for a in snapshot.control.applied]
-        entry.metrics = _metrics(snapshot)
+        entry.metrics = _metrics(steps)
         entry.memory = _memory(snapshot)
         entry.host_memory = snapshot.host[-1] if snapshot.host else None
         entry.counters = _counters(snapshot.counters)
@@ -421,6 +471,14 @@ def build_status(
         eff = effective_batch(knobs.batch_size, knobs.grad_accum, control.world_size)
     rank_infos = snapshot.ranks or []
     per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
+    own_steps = summarize_steps(snapshot.steps)
+    answered = ranks if ranks is not None else [snapshot]
+    rank_steps = [
+        own_steps if s is snapshot else summarize_steps(s.steps) if s is not None else None
+        for s in answered
+    ]
+    # rank 0's own snapshot stands for every rank only where no other was read
+    per_rank_steps = rank_steps if ranks is not None else [own_steps] * len(per_rank)
     scored = accuracy(control.applied, control.ooms)
     speeds = speed_accuracy(control.applied)
     model = None
@@ -451,7 +509,8 @@ def build_status(
         applied=[_applied(a) for a in control.applied],
         rejected=list(control.rejected),
         cancelled=list(control.cancelled),
-        metrics=_metrics(snapshot),
+        metrics=_metrics(own_steps),
+        throughput=_throughput(job_throughput(rank_steps, info.world_size)),
         memory=_memory(snapshot),
         verdict=VerdictReport(
             state=STATE_NAMES[found.verdict.state],
@@ -485,7 +544,10 @@ def build_status(
         disabled=control.disabled,
         autopilot=control.autopilot,
         lr=control.lr,
-        ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
+        ranks=[
+            _rank(r, snap, steps)
+            for r, snap, steps in zip(rank_infos, per_rank, per_rank_steps, strict=False)
+        ],
         last_step=snapshot.steps[-1] if snapshot.steps else None,
         host_memory=snapshot.host[-1] if snapshot.host else None,
         checkpoints=[Checkpoint(c.step, c.time, c.save_s) for c in snapshot.checkpoints[-5:]],
@@ -576,11 +638,16 @@ def _run_lines(report: StatusReport, now: float | None) -> list[str]:
     lines.append(f"verdict: {verdict.state}: {verdict.headline}")
     metrics = report.metrics
     if metrics:
+        job = report.throughput
+        samples = job.summary if job is not None else f"{metrics.samples_per_s:.0f} samples/s"
+        if not metrics.data_wait_measured:
+            samples = "samples not counted"
         lines.append(
             f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "
-            f"{_wait_words(metrics)}  "
-            f"{_samples_words(metrics)}  {metrics.steps_per_s:.2f} steps/s"
+            f"{_wait_words(metrics)}  {samples}  {metrics.steps_per_s:.2f} steps/s"
         )
+        if job is not None and job.step:
+            lines.append(job.step)
     else:
         lines.append(f"step {report.step}  (no timed steps yet)")
     return lines
@@ -745,7 +812,7 @@ def _rank_lines(report: StatusReport) -> list[str]:
     """One row per rank of a job with several."""
     lines: list[str] = []
     if len(report.ranks) > 1:
-        lines.append("rank  host          step   step time  data wait  peak mem")
+        lines.append("rank  host          step   step time  data wait  samples/s  peak mem")
         for entry in report.ranks:
             if not entry.reachable:
                 lines.append(f"{entry.rank:>4}  {entry.host[:12]:<12}  (no answer)")
@@ -754,9 +821,11 @@ def _rank_lines(report: StatusReport) -> list[str]:
             mem = entry.memory if isinstance(entry.memory, Memory) else None
             step_time = format_duration(m.step_time_s) if m else "-"
             wait = f"{m.data_wait_fraction:.0%}" if m else "-"
+            samples = _rank_samples_words(m) if m else "-"
             peak = f"{mem.peak_fraction:.0%}" if mem else "-"
             lines.append(
-                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
+                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  "
+                f"{wait:>9}  {samples:>9}  {peak:>8}"
             )
     return lines
 

@@ -53,6 +53,7 @@ from memtui.core.stats import (
 )
 from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
 from memtui.runs.plausible import check_snapshot, check_telemetry, is_time, rank_limit
+from memtui.runs.throughput import Throughput, job_throughput
 from memtui.transport.client import client_name
 from memtui.wire import (
     AppliedChange,
@@ -385,6 +386,9 @@ class Summary:
     verdict_inputs: Inputs | None = None
     """What the verdict was decided from (``advice.assess.verdict_inputs``, as for ``memtui
     status``); ``verdict`` adds the tracker's hysteresis."""
+    throughput: Throughput | None = None
+    """The job's samples/s, the ranks it sums and what a step is (``runs.throughput``, as for
+    ``memtui status`` and the exporter); silent ranks are left out."""
 
 
 def rank_pressure(
@@ -838,6 +842,7 @@ class RunState:
         focus = focus_of(verdict, worst_first, waiting, fullest)
         focused = next((r for r in ranks if r.rank == focus), None)
         timed = [r.steps for r in ranks if r.steps is not None and not r.silent]
+        heard = any(not r.silent for r in ranks)
         serial = self._summary.serial + 1 if self._summary is not None else 1
         self._summary = Summary(
             ranks=tuple(ranks),
@@ -858,6 +863,12 @@ class RunState:
             serial=serial,
             advice=self._advice(verdict, host),
             verdict_inputs=inputs,
+            throughput=job_throughput(
+                # the ranks heard from; a run gone silent whole keeps its last figure (the
+                # header says it is silent)
+                (None if r.silent and heard else r.steps for r in ranks),
+                self.world_size,
+            ),
         )
         self._summary_version = version
         return self._summary

@@ -311,6 +311,26 @@ def test_unchanged_under_memtui_run_saves_the_state_it_saves_without_memtui(
     assert not differ, f"files that differ from the run without memtui: {differ}"
 
 
+def test_unchanged_under_memtui_run_counts_each_batch_by_its_rows_not_its_keys(
+    under_run: Pair,
+) -> None:
+    """The script's ``collate_fn`` returns the tokenizer's ``BatchEncoding`` (a ``UserDict`` of
+    4 keys): a step of one micro-batch of 16 rows trains 16 samples on each rank, and the job's
+    samples/s is the ranks' own summed, in the JSON and the text."""
+    status = under_run.status
+    assert status["last_step"]["samples"] == BATCH, status["last_step"]
+    assert status["last_step"]["micro_batches"] == 1
+    ranks = [entry["metrics"] for entry in status["ranks"]]
+    for metrics in ranks:
+        # Accelerate's loader fetches one batch ahead: the first step drew two, the others one
+        steps = metrics["window_steps"]
+        assert metrics["samples_per_step"] * steps == BATCH * (steps + 1), metrics
+    job = status["throughput"]
+    assert job["ranks"] == len(ranks)
+    assert job["samples_per_s"] == pytest.approx(sum(m["samples_per_s"] for m in ranks))
+    assert f"  {job['summary']}  " in under_run.status_text, under_run.status_text
+
+
 # ------------------------- (c) the documented lines, changes queued, a kill and a restart
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.harness import PYTHON, paused_run
+from tests.frameworks.harness import PYTHON, paused_run, recorded_steps
 from tests.support.cli import memtui_cli
 
 pytest.importorskip("transformers")
@@ -100,6 +100,22 @@ def test_change_lands_at_next_save_and_run_resumes_exactly(tmp_path: Path) -> No
     # two new ones)
     after = [workers[str(s)] for s in (*range(5, 10), 11, 12)]
     assert after == [2] * 7, "two worker processes after"
+
+
+def test_each_step_counts_the_rows_of_its_own_training_micro_batches(tmp_path: Path) -> None:
+    """62 samples in micro-batches of 4, two a step, evaluated at each save: the epoch's 8th step
+    trains a full micro-batch and its short last one (4 + 2 rows); no evaluation batch counts."""
+    record = tmp_path / "run.mtrec"
+    args = ("--samples", "62", "--best")
+    with paused_run(tmp_path, PYTHON, SCRIPT, *args, env={"MEMTUI_RECORD": str(record)}) as paused:
+        paused.go.touch()
+        paused.finish(180)
+    report = json.loads(paused.report.read_text())
+    assert report["global_step"] == 12 and len(report["seen"]) == 62 + 4 * 8
+    (steps,) = recorded_steps(record).values()
+    assert [s.step for s in steps] == list(range(1, 13))
+    assert [s.samples for s in steps] == [8] * 7 + [6] + [8] * 4
+    assert [s.micro_batches for s in steps] == [2] * 12
 
 
 def test_the_lr_follows_the_effective_batch_across_the_in_process_resume(tmp_path: Path) -> None:

@@ -36,6 +36,25 @@ class Slow:
         return torch.randn(4), torch.tensor(index % 2)
 
 
+class SlowToEvaluate(Slow):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        time.sleep(0.02)
+        return super().__getitem__(index)
+
+
+def as_mapping(samples):
+    # a tokenizer's kind of batch: a mapping that is not a dict (a BatchEncoding is a UserDict)
+    from collections import UserDict
+
+    from torch.utils.data import default_collate
+
+    x, y = default_collate(samples)
+    return UserDict({"x": x, "y": y})
+
+
 def main(held, mode):
     report = {"torch": "torch" in sys.modules}
 
@@ -75,7 +94,25 @@ def main(held, mode):
         from memtui import hooks
 
         step_now = hooks.install({}, name="own").step
-    if mode == "no-loader":
+    if mode == "evaluates":  # a sanity pass, then one after every second step
+        evaluation = DataLoader(SlowToEvaluate(), batch_size=4)
+
+        def evaluate():
+            model.eval()
+            with torch.no_grad():
+                for x, _y in evaluation:
+                    model(x)
+            model.train()
+
+        evaluate()
+        started = time.perf_counter()
+        for index, batch in enumerate(DataLoader(Slow(), batch_size=6, collate_fn=as_mapping)):
+            train_step(batch["x"], batch["y"])
+            steps += 1
+            samples += len(batch["x"])
+            if index % 2:
+                evaluate()
+    elif mode == "no-loader":
         for _ in range(8):
             time.sleep(0.01)
             train_step(torch.randn(6, 4), torch.zeros(6, dtype=torch.long))
@@ -200,6 +237,32 @@ def test_a_plain_loop_registers_with_its_steps_samples_and_data_wait(workdir: Pa
     finally:
         assert script.release() == 0
     assert json.loads(memtui_cli("ls", "--json").stdout) == []  # the run left the registry
+
+
+def test_an_evaluation_pass_adds_no_samples_and_no_wait_to_the_training_steps(
+    workdir: Path,
+) -> None:
+    """A loop that evaluates on a second DataLoader before training and after every second step
+    (``model.eval()``, ``torch.no_grad()``), its training batches a mapping that is not a dict:
+    each step counts its own 6 rows and the wait for its own batch, none of the evaluation's."""
+    script = Script(workdir, "evaluates")
+    try:
+        did = script.report()
+        run = _run_of(script.proc.pid)
+        wait_for(lambda: status_json(run["run"])["step"] == did["steps"], 10, 0.1, "every step")
+        assert did["steps"] == 8 and did["samples"] == 48
+        steps = _snapshot_steps(run["run"])
+        assert [s.samples for s in steps] == [6] * 8
+        assert [s.micro_batches for s in steps] == [1] * 8
+        # a training batch waits ~18 ms (6 x 3 ms), an evaluation pass ~160 ms (8 x 20 ms)
+        assert all(s.data_wait_s < 0.1 for s in steps), [s.data_wait_s for s in steps]
+        assert all(s.data_wait_s >= 6 * 0.003 for s in steps)
+        metrics = status_json(run["run"])["metrics"]
+        assert metrics["samples_per_step"] == 6 and metrics["micro_batches_per_step"] == 1
+        text = memtui_here("status", run["run"]).stdout
+        assert "step = one optimizer step of 1 micro-batch, 6 samples" in text, text
+    finally:
+        assert script.release() == 0
 
 
 def test_two_optimizers_stepping_each_iteration_count_one_step(workdir: Path) -> None:

@@ -357,6 +357,7 @@ def test_the_dashboard_queries_only_metrics_the_exporter_serves() -> None:
     dashboard = json.loads(result.output)
     served = {n for n, _h, _v in GAUGES} | {f"{n}_total" for n, _h, _v in COUNTERS}
     served |= {"memtui_verdict", "memtui_pending_changes", "memtui_hook_cpu_seconds_total"}
+    served |= {"memtui_job_samples_per_second", "memtui_job_samples_ranks"}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     annotations = dashboard["annotations"]["list"]
     exprs += [a["expr"] for a in annotations]

@@ -83,7 +83,7 @@ class HookHistories:
             self.first = self.first or message
             self.info.pop(rank, None)
             self._rank(rank, message)
-            self.steps[rank].extend(message.steps)
+            self.add_steps(rank, message.steps)
             self.device[rank].extend(message.device)
             self.host[rank].extend(message.host)
             self.checkpoints[rank].extend(message.checkpoints)
@@ -91,7 +91,7 @@ class HookHistories:
         elif isinstance(message, Telemetry) and self.first is not None:
             rank = message.rank
             self._rank(rank, self.info.get(rank, self.first))
-            self.steps[rank].extend(message.steps)
+            self.add_steps(rank, message.steps)
             self.device[rank].extend(message.device)
             if message.host is not None:
                 self.host[rank].append(message.host)
@@ -99,6 +99,16 @@ class HookHistories:
             if message.control is not None:
                 self.control[rank] = message.control
             self.step[rank] = message.step
+
+    def add_steps(self, rank: int, records: list[StepRecord]) -> None:
+        """The rank's new step records (a recording repeats a snapshot's steps in the telemetry
+        that follows it; the hook's history holds each step once)."""
+        held = self.steps[rank]
+        last = held[-1].step if held else 0
+        for record in records:
+            if record.step > last:
+                held.append(record)
+                last = record.step
 
     def hello(self, rank: int) -> Snapshot:
         """The snapshot this rank's hook would answer ``memtui status``'s hello with."""

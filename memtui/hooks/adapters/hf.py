@@ -2,7 +2,8 @@
 
 What it hooks: a ``TrainerCallback`` (step timing at ``on_step_end``, the checkpoint boundary at
 ``on_save``, right after the Trainer's own save, on every rank), the Trainer's
-``get_batch_samples`` (the data wait of each optimizer step), and ``train`` itself.
+``get_batch_samples`` (the data wait of each optimizer step and its samples, each micro-batch's
+rows counted by ``batch_samples``: evaluation batches are not drawn there), and ``train`` itself.
 
 The Trainer reads its batch size, accumulation and loader settings once, when ``train()``
 builds its loop (the loader, ``num_update_steps_per_epoch`` and the accumulation grouping), so
@@ -39,6 +40,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from memtui.hooks.batches import batch_samples, missed_once
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
@@ -231,13 +233,21 @@ class HFAdapter:
         perf = time.perf_counter
         adapter = self
 
+        missed = missed_once(tuner.report)
+
         def timed_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             t0 = perf()
             batches, items = get_batch_samples(epoch_iterator, num_batches, device)
             waited = perf() - t0
             count = len(batches)
             size = adapter.staged["per_device_train_batch_size"]
-            tuner.ledger.on_batch(waited, count * size, micro=count)
+            samples = 0
+            for batch in batches:  # each micro-batch's rows: an epoch's last one may be short
+                rows = batch_samples(batch)
+                if not rows:
+                    missed(batch)
+                samples += rows
+            tuner.ledger.on_batch(waited, samples, micro=count)
             adapter.consumed += count * size * adapter.world
             return batches, items
 

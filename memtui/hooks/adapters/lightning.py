@@ -21,8 +21,10 @@ The change lands inside the running ``fit``, right after the checkpoint:
   the data position is kept exactly either way. The position of a loader memtui took over is
   saved in the checkpoint under its own ``memtui`` key, not among Lightning's loader states, so
   the checkpoint restarts without memtui as well (from the epoch's start, as Lightning does);
-* steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
-  the loader (or, for a loader memtui does not own, the gap between batches).
+* steps are Lightning's optimizer steps (``trainer.global_step``); the data wait and the samples
+  are measured by the loader (or, for a loader memtui does not own, the gap between training
+  batches, a validation pass left out, and ``batch_samples`` of each training batch):
+  validation and sanity-check batches are never counted.
 
 Lightning counts an epoch's batches once, when it sets the loader up (``num_training_batches``,
 the data fetcher's length, ``val_check_batch``): after a batch-size change memtui sets them to
@@ -63,6 +65,7 @@ import time
 from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
+from memtui.hooks.batches import batch_samples, missed_once
 from memtui.hooks.knobstore import LOADER_KNOBS
 from memtui.hooks.loader import TunedLoader
 from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
@@ -92,6 +95,9 @@ class LightningAdapter:
         """Batches of the epoch before the last accumulation change (groups count from it)."""
         self.last_step = 0
         self.batch_end: float | None = None
+        """When the last training batch ended, or the epoch or a validation pass within it did:
+        the wait for the next batch of a loader memtui does not own runs from there."""
+        self.missed = missed_once(self.tuner.report)
         self.planned: float | None = None
         """The optimizer steps Lightning estimated at the start (``estimated_stepping_batches``)."""
         self.counting = False
@@ -537,8 +543,9 @@ class LightningAdapter:
             except Exception as exc:
                 self.tuner.report(exc, "lightning batch count")
 
-    def batch_start(self) -> None:
-        """For a loader memtui does not own: the wait is the gap since the last batch ended."""
+    def batch_start(self, batch: Any) -> None:
+        """For a loader memtui does not own: the wait is the gap since the last training batch
+        ended (or the epoch began, or a validation pass ended), the samples those of ``batch``."""
         self.in_epoch = True
         if self.recount:  # the epoch a restart began at the old one's count, now begun
             self.recount = False
@@ -547,7 +554,16 @@ class LightningAdapter:
             except Exception as exc:
                 self.tuner.report(exc, "lightning batch count")
         if self.batch_end is not None and not self.tuner.loaders:
-            self.tuner.ledger.on_batch(time.perf_counter() - self.batch_end, 0)
+            waited = time.perf_counter() - self.batch_end
+            samples = batch_samples(batch)
+            if not samples:
+                self.missed(batch)
+            self.tuner.ledger.on_batch(waited, samples)
+
+    def clock_from_now(self) -> None:
+        """The wait for the next training batch starts now: an epoch starts, or a validation
+        pass ended (its time is no wait for training data)."""
+        self.batch_end = time.perf_counter()
 
     def count_steps(self, trainer: Any) -> None:
         """One tuner step per optimizer step Lightning made since the last count."""
@@ -576,12 +592,18 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             adapter.offset = 0
+            adapter.clock_from_now()
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             adapter.epoch_end()
 
-        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-            adapter.batch_start()
+        def on_train_batch_start(
+            self, trainer: Any, pl_module: Any, batch: Any, *args: Any, **kwargs: Any
+        ) -> None:
+            adapter.batch_start(batch)
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            adapter.clock_from_now()
 
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             adapter.batch_end_event(trainer)
