@@ -201,7 +201,7 @@ FIELD_NOTES = {
     "StatusReport.pending": "Changes queued for the next checkpoint boundary, oldest first.",
     "StatusReport.applied": "Changes applied, rollbacks included, oldest first.",
     "StatusReport.rejected": "Changes refused, at queue time or at a boundary, with the reason.",
-    "StatusReport.metrics": "Step time, data wait and throughput over the recent steps (null before the first steps).",
+    "StatusReport.metrics": "Rank 0's step time, data wait and samples/s over its recent steps (null before the first steps); the job's samples/s is `throughput`.",
     "StatusReport.memory": "Device memory now and at peak (null before the first sample).",
     "StatusReport.verdict": "STARVED, UNDERUSED, BALANCED, OOM_RISK or HOST_PRESSURE, with the numbers behind it.",
     "StatusReport.static_memory": "Parameters, gradients, optimizer state and buffers, computed from the tensors (null without a model).",

@@ -376,6 +376,8 @@ def _mark(iterator: Any, counted: bool) -> None:
     try:
         setattr(iterator, COUNTED, counted)
         if counted and not _watch.found:
+            # the live ones only: a loop that makes an iterator a batch keeps this list short
+            _watch.early = [ref for ref in _watch.early if ref() is not None]
             _watch.early.append(_weak(iterator))
     except Exception as exc:  # an iterator that takes no attribute: its batches are not counted
         log.debug("memtui: a DataLoader iterator not counted (%s)", exc)

@@ -106,6 +106,7 @@ class JobThroughput(Struct):
     ranks: int
     """The ranks summed: those that answered with counted samples."""
     world_size: int
+    """The job's ranks."""
     micro_batches_per_step: float
     """Micro-batches one optimizer step draws on a rank (the lowest rank summed)."""
     samples_per_step: float
@@ -639,8 +640,11 @@ def _run_lines(report: StatusReport, now: float | None) -> list[str]:
     metrics = report.metrics
     if metrics:
         job = report.throughput
-        samples = job.summary if job is not None else f"{metrics.samples_per_s:.0f} samples/s"
-        if not metrics.data_wait_measured:
+        if job is not None:  # the job's figure, as the viewer and the exporter give it
+            samples = job.summary
+        elif metrics.data_wait_measured:
+            samples = f"{metrics.samples_per_s:.0f} samples/s"
+        else:
             samples = "samples not counted"
         lines.append(
             f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "

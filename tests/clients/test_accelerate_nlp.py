@@ -317,9 +317,11 @@ def test_unchanged_under_memtui_run_counts_each_batch_by_its_rows_not_its_keys(
     """The script's ``collate_fn`` returns the tokenizer's ``BatchEncoding`` (a ``UserDict`` of
     4 keys): a step of one micro-batch of 16 rows trains 16 samples on each rank, and the job's
     samples/s is the ranks' own summed, in the JSON and the text."""
+    from memtui.wire import StepRecord
+
     status = under_run.status
-    assert status["last_step"]["samples"] == BATCH, status["last_step"]
-    assert status["last_step"]["micro_batches"] == 1
+    last = StepRecord(*status["last_step"])  # a JSON array, in the record's order
+    assert (last.samples, last.micro_batches) == (BATCH, 1), last
     ranks = [entry["metrics"] for entry in status["ranks"]]
     for metrics in ranks:
         # Accelerate's loader fetches one batch ahead: the first step drew two, the others one

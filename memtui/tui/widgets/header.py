@@ -95,7 +95,8 @@ class RunHeader(StateView):
         if steps is not None:
             progress.append((f"{rate(steps.steps_per_s)} steps/s", ""))
             throughput = summary.throughput
-            if throughput is not None and steps.data_wait_measured:  # else no batch was seen
+            seen = steps.data_wait_measured  # else no batch was seen: the verdict says so
+            if throughput is not None and (throughput.counted or seen):
                 # the job's samples/s, as `memtui status` and the exporter give it; narrow, the
                 # ranks it sums only where some are missing (the run's chip names its ranks)
                 progress.append((samples_words(throughput, short=self.narrow), ""))
