@@ -748,3 +748,19 @@ def epochs_of(rows: dict[int, list[str]], per_rank: int) -> list[list[str]]:
 def joined(before: dict[int, list[str]], after: dict[int, list[str]]) -> dict[int, list[str]]:
     """Each rank's rows of a killed run (up to its checkpoint), then of its restart."""
     return {rank: before.get(rank, []) + after.get(rank, []) for rank in sorted({*before, *after})}
+
+
+def saved_without_run(path: Path) -> bytes:
+    """A checkpoint file saved again as it is but for memtui's entry's run id (``memtui`` at
+    its top, as ``tuner.state_dict()`` saved it): the one thing in it that differs between any
+    two runs of a script."""
+    import io
+
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(state, dict) and isinstance(state.get("memtui"), dict):
+        state["memtui"] = {k: v for k, v in state["memtui"].items() if k != "run"}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
