@@ -6,8 +6,10 @@ and which LR, as torch's global hooks see it.
 
 The script's own ``--max_train_samples`` keeps 48 blocks of 32 tokens per rank (its data set: the
 first ones of the text, tokenized and grouped as the script groups them), and
-``--eval_strategy epoch`` evaluates at each epoch's end, which is where the witness ends an
-epoch: every epoch is checked against the data set's own blocks, on the union of the ranks.
+``--eval_strategy epoch`` evaluates at the end of each of the Trainer's loops. memtui ends that
+loop too where it applies a change (and resumes it in-process), so each rank's blocks are cut in
+epochs of its 48: every epoch is checked against the data set's own blocks, on the union of the
+ranks.
 
 * No change queued: the checkpoints' files (``trainer_state.json`` but for its runtimes and
   rates) byte for byte, every step's LR and every trained block as with ``MEMTUI_DISABLE=1``,
