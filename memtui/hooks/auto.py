@@ -13,7 +13,9 @@ When ``torch`` is imported, two hooks watch the training:
 * a global optimizer step post hook (``register_optimizer_step_post_hook``) closes one step per
   step of the **counted optimizer**: the first optimizer that steps in this process (a GAN's
   second optimizer, stepping in the same iteration, is not counted again); when it is garbage
-  collected, the next optimizer that steps is counted;
+  collected, the next optimizer that steps is counted. Its parameters, gradients and state are
+  the run's exact memory parts (``Tuner.measure_optimizer``: read from the tensors as its first
+  step ends and at every boundary, never on the per-step path);
 * ``DataLoader.__iter__`` is wrapped (once an epoch: where the training loader's epoch starts);
   from the first iteration the DataLoader iterators' ``__next__`` is timed over torch's own for
   the iterators of the training DataLoader: each of its batches' wait is the micro-batch's data
@@ -305,6 +307,8 @@ def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
             except TypeError:  # an optimizer without weak references stays the counted one
                 counted_ref = None
             counted = id(optimizer)
+            # its tensors are the memory parts, read as its first step ends
+            tuner.measure_optimizer(optimizer)
             tuner.step()  # the first step (it measures the memory held between steps)
             close = tuner.step  # now the ledger's own ``close_step``
             _first_counted_step(tuner, optimizer)

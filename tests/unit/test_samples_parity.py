@@ -33,7 +33,9 @@ from tests.unit.test_verdict_parity import RECORDINGS, HookHistories
 EVERY = 8
 """Compare after every this many frames."""
 RUN_LINE = re.compile(r"^step \d+  .*?  (?:([\d,.]+) samples/s|samples not counted)", re.M)
-RANK_ROW = re.compile(r"^\s*(\d+)  \S+\s+\d+\s+.+?\s+(?:\d+%|-)\s+([\d,.]+|-)\s+(?:\d+%|-)$", re.M)
+RANK_ROW = re.compile(
+    r"^\s*(\d+)  \S+\s+\d+\s+.+?\s+(?:\d+%|-)\s+([\d,.]+|-)\s+(?:\d+%|-)(?:\s|$)", re.M
+)
 HEADER_SAMPLES = re.compile(r"([\d,.]+) samples/s")
 
 
