@@ -24,6 +24,11 @@ class StepStats:
     data_wait_measured: bool = True
     """Whether any of the steps drew a batch memtui timed (a DataLoader or a batch function it
     wraps); False: the loop's data wait and samples are not measured, and their 0 says nothing."""
+    micro_batch: int | None = None
+    """The samples of one micro-batch the steps drew, their median (None: no batch timed)."""
+    micro_batches: int | None = None
+    """The micro-batches one step drew, their median: the accumulation the loop ran (None: no
+    batch timed)."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -45,13 +50,18 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     wait = sum(min(r.data_wait_s, r.step_time_s) for r in recent)
     samples = sum(r.samples for r in recent)
     n = len(recent)
+    drawn = [r for r in recent if r.micro_batches > 0]
     return StepStats(
         steps=n,
         step_time_s=total / n,
         data_wait_s=wait / n,
         samples_per_s=samples / total if total > 0 else 0.0,
         steps_per_s=n / total if total > 0 else 0.0,
-        data_wait_measured=any(r.micro_batches > 0 for r in recent),
+        data_wait_measured=bool(drawn),
+        micro_batch=(round(median([r.samples / r.micro_batches for r in drawn])) or None)
+        if drawn
+        else None,
+        micro_batches=round(median([r.micro_batches for r in drawn])) if drawn else None,
     )
 
 

@@ -45,6 +45,13 @@ def of_steps(field: str) -> RankValue:
     return lambda r: getattr(r.steps, field) if r.steps else None
 
 
+def of_data(field: str) -> RankValue:
+    """A field of the rank's step summary that only a batch memtui timed measures (the data
+    wait, the samples): left out where none was timed, as ``memtui status`` says "not measured"
+    (its 0 says nothing)."""
+    return lambda r: getattr(r.steps, field) if r.steps and r.steps.data_wait_measured else None
+
+
 def of_memory(field: str) -> RankValue:
     """A field of the rank's device memory summary."""
     return lambda r: getattr(r.memory, field) if r.memory else None
@@ -62,11 +69,11 @@ GAUGES: tuple[tuple[str, str, RankValue], ...] = (
     ("memtui_step_time_seconds", "Mean wall time of a step over the rank's recent steps.",
      of_steps("step_time_s")),
     ("memtui_data_wait_seconds", "Mean time a step waited for the data loader.",
-     of_steps("data_wait_s")),
+     of_data("data_wait_s")),
     ("memtui_data_wait_ratio", "Share of step time spent waiting for data (STARVED from 0.30).",
-     of_steps("data_wait_fraction")),
+     of_data("data_wait_fraction")),
     ("memtui_samples_per_second", "Samples trained per second over the recent steps.",
-     of_steps("samples_per_s")),
+     of_data("samples_per_s")),
     ("memtui_device_capacity_bytes", "Device memory (CPU runs: the memory limit).",
      of_memory("capacity_bytes")),
     ("memtui_device_peak_used_bytes",
@@ -167,6 +174,17 @@ def families(
     pending = GaugeMetricFamily(
         "memtui_pending_changes", "Changes queued for the next checkpoint.", labels=RUN_LABELS
     )
+    knobs = GaugeMetricFamily(
+        "memtui_knob",
+        "The run's knob values as memtui status gives them (pin_memory 1 or 0; a value memtui "
+        "does not know is left out).",
+        labels=[*RUN_LABELS, "knob", "tunable"],
+    )
+    effective = GaugeMetricFamily(
+        "memtui_effective_batch",
+        "Samples per optimizer step across the job: micro-batch x accumulation x ranks.",
+        labels=RUN_LABELS,
+    )
     last_seen = GaugeMetricFamily(
         "memtui_last_seen_age_seconds",
         "Seconds since the run last answered the exporter (never answered: since it started).",
@@ -180,6 +198,12 @@ def families(
             [run.run, run.host], {name: run.verdict is state for state, name in STATE_NAMES.items()}
         )
         pending.add_metric([run.run, run.host], run.pending)
+        for knob, setting in run.config.items():
+            if setting is not None:
+                tunable = "true" if knob in run.tunable else "false"
+                knobs.add_metric([run.run, run.host, knob, tunable], float(setting))
+        if run.effective_batch is not None:
+            effective.add_metric([run.run, run.host], run.effective_batch)
         for rank in run.ranks:
             labels = [run.run, str(rank.rank), rank.host, rank.device]
             for family, (_name, _help, value) in zip(numbers, GAUGES + COUNTERS, strict=True):
@@ -222,7 +246,7 @@ def families(
             value=reading.registry_read_s,
         ),
     ]
-    return [runs, verdict, pending, last_seen, *numbers, hook_cpu, *fleet]
+    return [runs, verdict, pending, knobs, effective, last_seen, *numbers, hook_cpu, *fleet]
 
 
 def exporter_families(cache_age_s: float, http: HttpCounts | None) -> list[Metric]:

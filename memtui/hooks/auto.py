@@ -379,10 +379,15 @@ def _first_counted_step(tuner: Any, optimizer: Any) -> None:
 def _find_training_loader(tuner: Any) -> None:
     """At the counted optimizer's first step: the loader whose iteration started last feeds the
     steps; its worker knobs become the run's (the reasons said for the knobs it cannot take)."""
+    from memtui.hooks.knobstore import loader_values
+
     store = tuner.store
-    for knob in ("batch_size", "grad_accum"):
-        store.refuse(knob, BATCH_IN_CODE)
     loader = _watch.last_started()
+    # the loop's own micro-batch is the loader's (shown, not tunable); the accumulation is
+    # measured from the steps
+    held = loader_values(loader) if loader is not None else {}
+    store.refuse("batch_size", BATCH_IN_CODE, held.get("batch_size"))
+    store.refuse("grad_accum", BATCH_IN_CODE)
     if loader is None:
         for knob in ("num_workers", "pin_memory", "prefetch_factor"):
             store.refuse(knob, NO_LOADER)
@@ -399,7 +404,7 @@ def _find_training_loader(tuner: Any) -> None:
     }
     if isinstance(loader.dataset, IterableDataset):
         del found["num_workers"]
-        store.refuse("num_workers", ITERABLE)
+        store.refuse("num_workers", ITERABLE, held.get("num_workers"))
         if not loader.num_workers:
             del found["prefetch_factor"]  # no workers: nothing prefetches
             store.refuse("prefetch_factor", ITERABLE)

@@ -91,7 +91,11 @@ class HookHistories:
         elif isinstance(message, Telemetry) and self.first is not None:
             rank = message.rank
             self._rank(rank, self.info.get(rank, self.first))
-            self.steps[rank].extend(message.steps)
+            # the first batch after a snapshot sends again the steps the snapshot drained: the
+            # hook's history holds each step once
+            held = self.steps[rank]
+            last = held[-1].step if held else 0
+            held.extend(r for r in message.steps if r.step > last)
             self.device[rank].extend(message.device)
             if message.host is not None:
                 self.host[rank].append(message.host)
