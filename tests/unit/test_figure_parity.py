@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client.core import Metric
 from rich.text import Text
@@ -28,13 +29,13 @@ from memtui.export.fleet import FleetReading, run_reading
 from memtui.export.metrics import families
 from memtui.runs.events import ReceivedBatch
 from memtui.runs.report import StatusReport, build_status, render_status, status_json
-from memtui.runs.state import RunState, ViewOptions
+from memtui.runs.state import RankSummary, RunState, ViewOptions
 from memtui.storage.userconfig import load_thresholds
 from memtui.transport.recording import read_recording
 from memtui.tui.widgets.advice import advice_lines
 from memtui.tui.widgets.changelog import change_lines
 from memtui.tui.widgets.config import ConfigPanel
-from memtui.tui.widgets.ranks import rank_table
+from memtui.tui.widgets.ranks import aggregate_line, rank_row
 from memtui.wire import Decoder, Snapshot
 from tests.unit.test_verdict_parity import RECORDINGS, HookHistories
 
@@ -128,6 +129,17 @@ def _panel_words(state: RunState) -> dict[str, str]:
     return {row[0]: row[1] for row in rows if row and row[0] in KNOBS}
 
 
+def _status_waits(text: str) -> dict[int, str]:
+    """``memtui status``'s per-rank table as {rank: its data wait cell}."""
+    rows = re.findall(r"^ *(\d+)  .{12}  +\d+  .{9}  (.{9})  ", text, re.MULTILINE)
+    return {int(rank): wait.strip() for rank, wait in rows}
+
+
+def _viewer_wait(rank: RankSummary) -> str:
+    """The viewer's per-rank table: the rank's data wait cell."""
+    return rank_row(rank, -1).plain[23:27].strip()
+
+
 def _compare(path: Path, clock: float, snapshots: list[Snapshot]) -> list[str]:
     """The figures two surfaces disagree on at this point, in words ([] when none)."""
     where = f"{path.name} at {clock:.1f} s"
@@ -192,16 +204,10 @@ def _compare(path: Path, clock: float, snapshots: list[Snapshot]) -> list[str]:
                 f"{where}: status text {step_line!r}, the viewer's wait measured={measured}"
             )
     if several:  # the per-rank tables: the same wait cell ("-" where not measured)
-        table = rank_table(summary, 200).plain
-        for line in text.splitlines():
-            cells = line.split()
-            if len(cells) == 6 and cells[0].isdigit() and cells[3] != "answer)":
-                rank, wait = int(cells[0]), cells[4]
-                row = next(
-                    (r.split() for r in table.splitlines() if r.split()[:1] == [str(rank)]), None
-                )
-                if row is not None and row[3] != wait:
-                    wrong.append(f"{where}: rank {rank} wait: status {wait}, the viewer {row[3]}")
+        for rank, wait in _status_waits(text).items():
+            shown_wait = _viewer_wait(by_rank[rank]) if rank in by_rank else None
+            if shown_wait is not None and shown_wait != wait:
+                wrong.append(f"{where}: rank {rank} wait: status {wait}, the viewer {shown_wait}")
     # every knob, and the effective batch
     exported_knobs = _exported(metrics, "memtui_knob", by="knob", run=run)
     same(
@@ -270,3 +276,29 @@ def test_status_the_viewer_and_the_exporter_show_the_same_figures(
     assert len(points) >= 3, f"{path.name}: only {len(points)} points"
     wrong = [line for clock, snapshots in points for line in _compare(path, clock, snapshots)]
     assert not wrong, "\n".join(wrong[:10]) + f"\n({len(wrong)} in all)"
+
+
+def test_a_wait_not_measured_is_no_figure_anywhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Eight ranks whose steps drew no batch memtui timed (a loop without a DataLoader): the
+    data wait is "not measured" in the status headline, "-" in both per-rank tables, and no
+    sample of the exporter, never 0%."""
+    monkeypatch.setenv("MEMTUI_CONFIG", str(tmp_path / "none.yaml"))
+    path = next(p for p in RECORDINGS if p.stem == "ranks_8")
+    clock, snapshots = _points(path)[-1]
+    untimed = [
+        msgspec.structs.replace(
+            s,
+            steps=[msgspec.structs.replace(r, data_wait_s=0.0, micro_batches=0) for r in s.steps],
+        )
+        for s in snapshots
+    ]
+    assert _compare(path, clock, untimed) == []
+    report = build_status(untimed[0], untimed, load_thresholds())
+    text = render_status(report, now=report.started + 60)
+    assert "data wait not measured" in text
+    assert set(_status_waits(text).values()) == {"-"} and len(_status_waits(text)) == 8, text
+    summary = _viewer(untimed, clock).refresh_summary()
+    assert {_viewer_wait(rank) for rank in summary.ranks} == {"-"}
+    assert "wait" not in aggregate_line(summary, 200).plain, "no median of waits not measured"
