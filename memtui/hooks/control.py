@@ -198,6 +198,8 @@ class Control:
         """Counts the changes of the queue's own state (the knob store counts its own)."""
         self.unapplied: list[PendingChange] = []
         """Changes still pending when the run ended (``close``): never applied."""
+        self.ended = False
+        """The run has ended (``close``): no boundary is left, a change is refused."""
         self.refused = 0
         """Requests refused out of bounds (``check_request``): counted, not stored."""
         self._audit_rejections = PeerRates(AUDIT_REJECTIONS_PER_S, AUDIT_REJECTIONS_BURST, 1)
@@ -308,6 +310,8 @@ class Control:
             )
             rule = self._lr.resolve(request.lr_scale)
             with self._lock:
+                if self.ended:  # under the lock: ``close`` takes what is pending under it
+                    raise KnobError("the run has ended: no boundary is left to apply a change")
                 if len(self.pending) >= MAX_PENDING and not request.dry_run:
                     raise KnobError(f"{MAX_PENDING} changes already pending: cancel some first")
                 resolved = resolve(
@@ -456,6 +460,7 @@ class Control:
         returned, to be said."""
         step = self._step()
         with self._lock:
+            self.ended = True
             left, self.pending = self.pending, []
             if left:
                 self.unapplied = left

@@ -176,6 +176,8 @@ def test_a_change_pending_when_the_run_ends_is_recorded_and_audited(tmp_path: Pa
     assert last["event"] == "unapplied" and last["reason"] == "pending at exit"
     assert (last["ids"], last["changes"], last["step"]) == ([1], {"num_workers": 2}, 42)
     assert control.close() == [], "said once"
+    late = control.queue(SetRequest(changes={"num_workers": 3}))
+    assert not late.ok and "the run has ended" in late.reason
 
 
 def test_the_memory_models_window_restarts_when_the_workers_change() -> None:
