@@ -51,6 +51,9 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     samples = sum(r.samples for r in recent)
     n = len(recent)
     drawn = [r for r in recent if r.micro_batches > 0]
+    # the micro-batch and the accumulation are medians: a step that also drew an evaluation
+    # loader's batches, or an epoch's last short batch, moves neither
+    middle = len(drawn) // 2
     return StepStats(
         steps=n,
         step_time_s=total / n,
@@ -58,10 +61,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
         samples_per_s=samples / total if total > 0 else 0.0,
         steps_per_s=n / total if total > 0 else 0.0,
         data_wait_measured=bool(drawn),
-        micro_batch=(round(median([r.samples / r.micro_batches for r in drawn])) or None)
+        micro_batch=sorted([r.samples // r.micro_batches for r in drawn])[middle] or None
         if drawn
         else None,
-        micro_batches=round(median([r.micro_batches for r in drawn])) if drawn else None,
+        micro_batches=sorted([r.micro_batches for r in drawn])[middle] if drawn else None,
     )
 
 
