@@ -21,6 +21,7 @@ from memtui.core.knobs import KnownConfig, known_config, merge
 from memtui.core.stats import (
     MemoryStats,
     StepStats,
+    process_tree,
     ram_fraction,
     summarize_device,
     summarize_steps,
@@ -67,10 +68,11 @@ def capacity_is_limit(memory: MemoryStats | None, host: HostSample | None) -> bo
 
 
 def loader_memory(host: HostSample | None) -> int | None:
-    """What the loader workers hold: USS where measured (shared pages counted once), else RSS."""
+    """What the loader workers hold: USS where measured (shared pages counted once), else RSS
+    (``core.stats.process_tree``, as the viewer and ``memtui status`` count them)."""
     if host is None or not host.workers:
         return None
-    return host.workers_uss_bytes or host.workers_rss_bytes
+    return process_tree(host).workers_bytes
 
 
 def known_of(control: ControlState, steps: StepStats | None) -> KnownConfig:
@@ -96,7 +98,9 @@ def advise(
     the run says of itself (``run``: the CPUs it may use, its CUDA allocator settings)."""
     limits = thresholds or THRESHOLDS
     model = control.model
-    split = breakdown(memory, control.static, model) if memory is not None else None
+    split = None
+    if memory is not None:
+        split = breakdown(memory, control.static, model, loader_memory(host))
     known = known_of(control, steps)
     offered, held = options(
         RecommendInputs(

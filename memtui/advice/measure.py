@@ -16,7 +16,7 @@ from memtui.advice.effect import SETTLE_STEPS, measure
 from memtui.advice.predict import Observation, predict_peak
 from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
 from memtui.core.knobs import knobs_with, new_values
-from memtui.core.stats import summarize_steps
+from memtui.core.stats import process_tree, summarize_steps
 from memtui.wire import (
     AppliedChange,
     DeviceSample,
@@ -158,8 +158,7 @@ def per_worker_bytes(host: HostSample | None) -> int:
     """One loader worker's own memory (USS, else RSS) from a host sample (0: no workers)."""
     if host is None or not host.workers:
         return 0
-    own = host.workers_uss_bytes if host.workers_uss_bytes else host.workers_rss_bytes
-    return int(own / host.workers)
+    return int(process_tree(host).workers_bytes / host.workers)
 
 
 def model_moved(old: MemoryModel | None, new: MemoryModel, batch_size: int) -> bool:

@@ -128,6 +128,47 @@ def summarize_device(samples: Sequence[DeviceSample], window: int = 25) -> Memor
     )
 
 
+@dataclass(frozen=True)
+class ProcessTree:
+    """What one rank's process tree holds in host memory: the main process's RSS and its loader
+    workers' own memory (USS where the hook read it, else their RSS, which counts the pages
+    they share with the main process once more for each worker)."""
+
+    main_rss_bytes: int
+    workers: int
+    """The rank's loader workers (its descendants, the job's other ranks left out)."""
+    workers_bytes: int
+    """The workers' memory as ``measure`` counts it (0 without workers)."""
+    measure: str
+    """``USS`` or ``RSS``: how the workers were counted ("" without workers)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """The main process's RSS plus the workers' memory."""
+        return self.main_rss_bytes + self.workers_bytes
+
+    def workers_words(self) -> str:
+        """``2 loader workers (18 MiB USS)``, ``2 loader workers (590 MiB RSS, USS not measured
+        yet)`` or ``no loader workers``."""
+        if not self.workers:
+            return "no loader workers"
+        plural = "s" if self.workers > 1 else ""
+        amount = f"{format_bytes(self.workers_bytes)} {self.measure}"
+        unread = ", USS not measured yet" if self.measure == "RSS" else ""
+        return f"{self.workers} loader worker{plural} ({amount}{unread})"
+
+
+def process_tree(host: HostSample) -> ProcessTree:
+    """One rank's process tree from its host sample, its workers counted by their own memory
+    (USS) where it was read, else by their RSS: the one count of the viewer's per-rank table,
+    ``memtui status`` and the advice."""
+    if not host.workers:
+        return ProcessTree(host.main_rss_bytes, 0, 0, "")
+    if host.workers_uss_bytes:
+        return ProcessTree(host.main_rss_bytes, host.workers, host.workers_uss_bytes, "USS")
+    return ProcessTree(host.main_rss_bytes, host.workers, host.workers_rss_bytes, "RSS")
+
+
 def ram_fraction(sample: HostSample) -> float:
     """Used host RAM over total RAM (0..1)."""
     return sample.ram_used_bytes / sample.ram_total_bytes if sample.ram_total_bytes else 0.0

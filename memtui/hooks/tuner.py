@@ -96,6 +96,10 @@ class Tuner:
         """Every option of this Tuner, resolved once (``install`` resolves them first)."""
         self.model = model
         self.optimizer = optimizer
+        self._measured: Callable[[], Any] = _nothing
+        """The optimizer whose tensors are the memory parts where none was given (the one the
+        no-code watch counts, or the one ``watch_optimizer`` was given): a weak reference, so
+        that the script's optimizer is collected as without memtui."""
         self.config = config
         self.adapter: Any = None
         """The framework adapter that drives this tuner (``hooks.install(trainer)``), if any."""
@@ -253,6 +257,7 @@ class Tuner:
                 self.report,
                 model=lambda: self.model,
                 watched=lambda: self.agent is not None and self.agent.watched,
+                ranks=self._ranks_here,
                 memory_limit=options.memory_limit,
                 stand_in_heap=options.stand_in_heap,
                 reset_peaks=options.reset_peaks,
@@ -376,6 +381,12 @@ class Tuner:
     def run_id(self) -> str:
         """The run this process publishes under (rank 0's in a job of several)."""
         return self.placement.run_id
+
+    def _ranks_here(self) -> list[int]:
+        """The pids of the job's ranks on this host, as they registered (the sampler counts none
+        of them as a loader worker of this rank, when a launcher made one a child of another)."""
+        host = self.info.host if self.info is not None else socket.gethostname()
+        return [r.pid for r in self.placement.ranks if r.host == host and r.pid > 0]
 
     @property
     def coordinator(self) -> Any:
@@ -583,9 +594,28 @@ class Tuner:
     def _refresh_static(self, between_steps: bool = False) -> None:
         """Publish parameters, gradients and optimizer state computed from the tensors (and,
         ``between_steps``, at a step's end or a boundary, the gradients held there)."""
-        static = self.device.static(self.model, self.optimizer, between_steps)
+        optimizer = self.optimizer if self.optimizer is not None else self._measured()
+        static = self.device.static(self.model, optimizer, between_steps)
         if static is not None:
             self.control.set_static(static)
+
+    def measure_optimizer(self, optimizer: Any) -> None:
+        """Take the memory parts from ``optimizer``'s parameters, gradients and state where the
+        Tuner was given no optimizer (the no-code watch's counted optimizer, at its first step
+        and before that step ends): read at the first step's end and at every boundary, never
+        on the per-step path. An optimizer found after the first step is read at once (its
+        step's end)."""
+        if self.optimizer is not None or optimizer is None:
+            return
+        try:
+            self._measured = weakref.ref(optimizer)
+        except TypeError:  # an optimizer without weak references is kept as it is
+            self._measured = lambda: optimizer
+        if self._static_learned:
+            try:
+                self._refresh_static(between_steps=True)
+            except Exception as exc:  # never into training
+                self.report(exc, "the optimizer's memory")
 
     def _has_loader(self) -> bool:
         """Whether a loader follows the loader knobs: memtui's loaders rebuild themselves, the HF
@@ -776,8 +806,10 @@ class Tuner:
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """Call ``step()`` automatically after every ``optimizer.step()`` (a post-step hook); its
-        LR follows a change of the effective batch."""
+        LR follows a change of the effective batch; its tensors are the memory parts where the
+        Tuner was given no optimizer."""
         self.lr.watch_optimizer(optimizer)
+        self.measure_optimizer(optimizer)
         try:
             self._hook_handle = optimizer.register_step_post_hook(lambda *_args: self.step())
         except Exception as exc:
@@ -971,6 +1003,10 @@ class Tuner:
             ", ".join(words) or "the script's own",
             other,
         )
+
+
+def _nothing() -> None:
+    return None
 
 
 def _after_fork_in_child() -> None:

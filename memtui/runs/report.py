@@ -30,7 +30,13 @@ from memtui.core.knobs import (
     format_diffs,
     format_value,
 )
-from memtui.core.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.core.stats import (
+    format_bytes,
+    format_duration,
+    process_tree,
+    summarize_device,
+    summarize_steps,
+)
 from memtui.transport.security import exposure, tcp_endpoints
 from memtui.wire import (
     AppliedChange,
@@ -197,6 +203,34 @@ class Counters(HookCounters, omit_defaults=False):
     """The hook's counters, every one shown (zero included: what peers were refused above all)."""
 
 
+class ProcessTreeMemory(Struct):
+    """A rank's process tree in host memory: its main process's RSS and its loader workers (its
+    descendants, the job's other ranks left out) by their own memory (USS) where the hook read
+    it, else by their RSS; the viewer's per-rank table counts it the same way."""
+
+    main_rss_bytes: int
+    workers: int
+    workers_bytes: int
+    workers_measure: str
+    """``USS`` or ``RSS`` ("" without workers)."""
+    total_bytes: int
+    """``main_rss_bytes + workers_bytes``."""
+
+
+def process_tree_memory(host: HostSample | None) -> ProcessTreeMemory | None:
+    """The report's form of ``core.stats.process_tree`` (None without a host sample)."""
+    if host is None:
+        return None
+    tree = process_tree(host)
+    return ProcessTreeMemory(
+        main_rss_bytes=tree.main_rss_bytes,
+        workers=tree.workers,
+        workers_bytes=tree.workers_bytes,
+        workers_measure=tree.measure,
+        total_bytes=tree.total_bytes,
+    )
+
+
 class RankReport(Struct):
     """One rank: where it runs and, when it answered, its own numbers."""
 
@@ -212,6 +246,8 @@ class RankReport(Struct):
     memory: Memory | UnsetType | None = UNSET
     host_memory: HostSample | UnsetType | None = UNSET
     counters: Counters | UnsetType = UNSET
+    process_tree: ProcessTreeMemory | UnsetType | None = UNSET
+    """The rank's process tree in host memory (its own loader workers, never another rank)."""
 
 
 class StatusReport(Struct):
@@ -235,7 +271,13 @@ class StatusReport(Struct):
     memory: Memory | None
     verdict: VerdictReport
     breakdown: dict[str, int] | None
-    """Bytes by part of the peak, with the capacity they share."""
+    """Bytes by part of the peak, with the capacity they share: ``parameters``, ``gradients``
+    and ``optimizer`` from the tensors of the optimizer the hook knows; on CUDA ``other
+    steady``, ``activations`` (the allocator's step peak over what stays allocated between
+    steps), ``fragmentation`` and ``beyond torch``; on CPU ``in-step`` (the peak RSS over what
+    was resident between steps), ``runtime and workers`` and ``malloc free``; ``not known yet``
+    for what cannot be split before the optimizer is known and the memory between steps is
+    read; ``free``."""
     static_memory: StaticMemory | None
     recommendations: list[Option]
     max_safe_batch_size: int | None
@@ -287,6 +329,8 @@ class StatusReport(Struct):
     cannot read them."""
     unapplied: list[PendingChange] = []
     """Changes still pending when the run ended: never applied."""
+    process_tree: ProcessTreeMemory | None = None
+    """The control rank's process tree in host memory (None: no host sample)."""
 
 
 def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
@@ -389,6 +433,7 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
         entry.metrics = _metrics(snapshot)
         entry.memory = _memory(snapshot)
         entry.host_memory = snapshot.host[-1] if snapshot.host else None
+        entry.process_tree = process_tree_memory(entry.host_memory)
         entry.counters = _counters(snapshot.counters)
     return entry
 
@@ -490,6 +535,7 @@ def build_status(
         ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
         last_step=snapshot.steps[-1] if snapshot.steps else None,
         host_memory=snapshot.host[-1] if snapshot.host else None,
+        process_tree=process_tree_memory(snapshot.host[-1] if snapshot.host else None),
         checkpoints=[Checkpoint(c.step, c.time, c.save_s) for c in snapshot.checkpoints[-5:]],
         counters=counters,
         state_dir=info.state_dir,
@@ -760,18 +806,22 @@ def _rank_lines(report: StatusReport) -> list[str]:
     """One row per rank of a job with several."""
     lines: list[str] = []
     if len(report.ranks) > 1:
-        lines.append("rank  host          step   step time  data wait  peak mem")
+        lines.append("rank  host          step   step time  data wait  peak mem  host mem")
         for entry in report.ranks:
             if not entry.reachable:
                 lines.append(f"{entry.rank:>4}  {entry.host[:12]:<12}  (no answer)")
                 continue
             m = entry.metrics if isinstance(entry.metrics, Metrics) else None
             mem = entry.memory if isinstance(entry.memory, Memory) else None
+            tree = entry.process_tree if isinstance(entry.process_tree, ProcessTreeMemory) else None
             step_time = format_duration(m.step_time_s) if m else "-"
             wait = f"{m.data_wait_fraction:.0%}" if m and m.data_wait_measured else "-"
             peak = f"{mem.peak_fraction:.0%}" if mem else "-"
+            host = format_bytes(tree.total_bytes) if tree else "-"
+            if tree is not None and tree.workers:
+                host += f" (main RSS + {tree.workers} workers {tree.workers_measure})"
             lines.append(
-                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
+                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}  {host:>8}"
             )
     return lines
 
@@ -806,11 +856,4 @@ def _hook_lines(report: StatusReport) -> list[str]:
 def workers_memory(host: HostSample) -> str:
     """The loader workers and their memory, labelled: USS (their own pages, as the device total
     counts them) once measured, else RSS (which counts pages shared with the main process)."""
-    if not host.workers:
-        return "no loader workers"
-    if host.workers_uss_bytes:
-        return f"{host.workers} loader workers ({format_bytes(host.workers_uss_bytes)} USS)"
-    return (
-        f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS, "
-        "USS not measured yet)"
-    )
+    return process_tree(host).workers_words()

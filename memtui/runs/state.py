@@ -46,9 +46,11 @@ from memtui.core.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
     MemoryStats,
+    ProcessTree,
     RankSpread,
     StepStats,
     median,
+    process_tree,
     summarize_device,
     summarize_steps,
 )
@@ -336,8 +338,9 @@ class RankSummary:
     steps: StepStats | None
     memory: MemoryStats | None
     last_step: int = 0
-    host_rss_bytes: int | None = None
-    """The rank's process tree in host RAM: main process plus loader workers."""
+    tree: ProcessTree | None = None
+    """The rank's process tree in host RAM: the main process's RSS plus its loader workers' own
+    memory (USS, else RSS), counted as ``memtui status`` counts it (None: no host sample)."""
     age_s: float = 0.0
     """Seconds since the rank last reported (or, if it has not yet, since it was listed)."""
     reported: bool = True
@@ -810,7 +813,7 @@ class RunState:
                     steps=steps,
                     memory=memory,
                     last_step=series.newest_step,
-                    host_rss_bytes=host.main_rss_bytes + host.workers_rss_bytes if host else None,
+                    tree=process_tree(host) if host else None,
                     age_s=age,
                     reported=series.reported,
                     silent=age >= SILENT_AFTER_S,

@@ -39,16 +39,20 @@ from tests.clients.harness import (
     ClientRun,
     EpochCoverage,
     Pair,
-    Step,
     client_home,
     client_script,
     continued,
     coverage,
+    finished,
+    forwards_by_rank,
+    job_run_id,
+    lr_factors,
     lr_mismatches,
-    records_by_rank,
+    lrs_by_rank,
     run_pair,
     start,
-    steps_of,
+    status_json,
+    steps_by_rank,
     trained_epochs,
     unchanged_client_script,
     union_of_ranks,
@@ -103,16 +107,6 @@ def dataset_digests(workdir: Path) -> list[str]:
     return [row_digest(ids) for ids in encoded["input_ids"]]
 
 
-def finished(run: ClientRun, timeout: float = 240.0) -> ClientRun:
-    """``run`` once it ended well (the test fails otherwise)."""
-    try:
-        run.finish(timeout)
-    finally:
-        if run.proc.poll() is None:
-            run.kill_job()
-    return run
-
-
 def coverage_of(run: ClientRun, dataset: list[str]) -> list[EpochCoverage]:
     """Each epoch's coverage of the data set on the union of the run's ranks."""
     return coverage(dataset, union_of_ranks(trained_epochs(run)))
@@ -124,31 +118,6 @@ def save_state_files(out: Path) -> dict[str, bytes]:
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.glob("step_*/**/*"))
         if p.is_file()
-    }
-
-
-def lrs_by_rank(run: ClientRun) -> dict[int, list[tuple[int, list[float]]]]:
-    """Each rank's optimizer steps: (the optimizer's own step number, the LR of each group)."""
-    return {
-        rank: [(r["opt_step"], r["lrs"]) for r in steps]
-        for rank, steps in records_by_rank(run, "step").items()
-    }
-
-
-def steps_by_rank(run: ClientRun) -> dict[int, list[Step]]:
-    """Each rank's optimizer steps with the micro-batches that fed them (``steps_of`` by rank)."""
-    found: dict[int, list[Step]] = {}
-    for step in steps_of(run):
-        found.setdefault(step.rank, []).append(step)
-    return found
-
-
-def forwards_by_rank(run: ClientRun) -> dict[int, list[tuple[Any, ...]]]:
-    """Each rank's forwards as the witness saw them: the step each fed, training or evaluating,
-    the input's shape and its rows' digests (training forwards)."""
-    return {
-        rank: [(r["step"], r["training"], r["shape"], r.get("rows")) for r in forwards]
-        for rank, forwards in records_by_rank(run, "forward").items()
     }
 
 
@@ -345,29 +314,6 @@ class Restarted:
     audit: list[dict[str, Any]] = field(default_factory=list)
 
 
-def job_run_id(run: ClientRun, ranks: int) -> str:
-    """The run memtui lists with every process the witness saw start."""
-    pids = sorted(r["pid"] for r in run.records("start"))
-
-    def listed() -> str | None:
-        result = run.memtui("ls", "--json")
-        for entry in json.loads(result.stdout or "[]"):
-            if sorted(e["pid"] for e in entry.get("endpoints", [])) == pids:
-                return str(entry["run"])
-        return None
-
-    from tests.support.processes import wait_for
-
-    return str(wait_for(listed, 60, what=f"the {ranks} ranks listed as one run"))
-
-
-def status_json(run: ClientRun, run_id: str) -> dict[str, Any]:
-    """``memtui status RUN --json``."""
-    result = run.memtui("status", run_id, "--json")
-    assert result.returncode == 0, result.stderr + result.stdout
-    return dict(json.loads(result.stdout))
-
-
 @pytest.fixture(scope="module")
 def restarted() -> Iterator[Restarted]:
     with client_home() as (base, env):
@@ -403,15 +349,6 @@ def restarted() -> Iterator[Restarted]:
             restart.kill_job()
             raise
         yield scenario
-
-
-def lr_factors(restarted: Restarted) -> list[tuple[int, float]]:
-    """(the step after which it applied, its LR factor) for each change memtui applied, as
-    ``memtui status --json`` reports them (1.0 where it reports none)."""
-    return [
-        (int(change["step"]), float(change.get("lr_factor") or 1.0))
-        for change in restarted.status_before_kill.get("applied", [])
-    ]
 
 
 def test_the_loader_changes_are_taken_and_the_accumulation_refused_with_its_reason(
@@ -493,7 +430,7 @@ def test_every_step_trains_at_the_scripts_lr_times_the_factor_memtui_reports(
     """The LR at every optimizer step of both runs, on each rank: the script's linear schedule
     with warmup (the prepared scheduler stepping twice a step) times the product of the factors
     of the changes memtui reports applied before that step."""
-    factors = lr_factors(restarted)
+    factors = lr_factors(restarted.status_before_kill)
     assert factors, "memtui reported no applied change"
 
     def expected(step: int) -> float:

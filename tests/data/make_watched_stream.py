@@ -33,7 +33,7 @@ from memtui.transport.sources import record
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-EPOCHS = 10
+EPOCHS = 16
 
 SCRIPT = """
 import sys, time

@@ -197,6 +197,15 @@ def test_a_plain_loop_registers_with_its_steps_samples_and_data_wait(workdir: Pa
         assert metrics["data_wait_fraction"] > 0.5
         own_rate = did["samples"] / did["seconds"]
         assert metrics["samples_per_s"] == pytest.approx(own_rate, rel=0.1)
+        # the memory parts: the counted optimizer's Linear(4, 2), the rest of the process as
+        # its runtime (read between steps at the first step's end), never as activations
+        static = status["static_memory"]
+        assert (static["parameters_bytes"], static["gradients_bytes"]) == (40, 40)
+        assert static["between_steps_bytes"] > 100 << 20, "Python and torch stay between steps"
+        parts = status["breakdown"]
+        assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == (40, 40, 0)
+        assert parts["runtime and workers"] > 100 << 20
+        assert "activations" not in parts and "not known yet" not in parts
     finally:
         assert script.release() == 0
     assert json.loads(memtui_cli("ls", "--json").stdout) == []  # the run left the registry

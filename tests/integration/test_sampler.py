@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -361,3 +363,72 @@ def test_the_peak_between_samples_reaches_peak_rss_while_the_sampler_resets_ever
         stop.set()
         thread.join()
         sampler.close()
+
+
+SLEEPER = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+sys.stdin.read()
+os.kill(pid, 9)
+"""
+"""A process and its own forked child (its loader worker), until its stdin closes."""
+
+
+@pytest.fixture
+def trees() -> Iterator[Any]:
+    """Start child processes with the environment given, each with a child of its own: the
+    ``(process, its child's pid)`` of each; all ended after the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(**env: str) -> tuple[subprocess.Popen[str], int]:
+        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLEEPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**base, **env},
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        return proc, int(proc.stdout.readline())
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("proc_children", [True, False], ids=["proc", "psutil"])
+def test_a_child_that_is_another_rank_is_no_worker_nor_are_its_own_workers(
+    trees: Any, monkeypatch: pytest.MonkeyPatch, proc_children: bool
+) -> None:
+    """A descendant with another rank's variables (Lightning's launcher starts rank 1 from rank 0
+    with ``LOCAL_RANK=1``), or one that registered as a rank of the job (a rank of
+    ``torch.multiprocessing.spawn`` sets its variables only once it runs), is left out of this
+    rank's workers with its own children; a child with this rank's own variables (a spawned
+    loader worker) is a worker."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("RANK", raising=False)
+    by_environment, its_worker = trees(LOCAL_RANK="1")
+    registered, its_own = trees()
+    worker, workers_child = trees(LOCAL_RANK="0")
+    ranks: list[int] = []
+    host = HostProbe(os.getpid(), proc_children=proc_children, ranks=lambda: ranks)
+    host.tree_rss(0.0)
+    found = set(host.workers())
+    assert {worker.pid, workers_child, registered.pid, its_own} <= found
+    assert not found & {by_environment.pid, its_worker}, "the rank by its environment"
+    ranks.append(registered.pid)  # it registered with the job: listed again at once
+    _main, workers, workers_rss = host.tree_rss(1.0)
+    found = set(host.workers())
+    assert {worker.pid, workers_child} <= found and workers == len(found)
+    assert not found & {by_environment.pid, its_worker, registered.pid, its_own}
+    # the memory of the workers is theirs alone: no rank's counted in it
+    theirs = sum(psutil.Process(pid).memory_info().rss for pid in found)
+    assert abs(workers_rss - theirs) < 4 << 20

@@ -212,7 +212,12 @@ def test_breakdown_adds_up_to_capacity() -> None:
         alloc_retries=0,
     )
     static = StaticMemory(
-        kind="cuda", parameters_bytes=2 * GIB, gradients_bytes=2 * GIB, optimizer_bytes=4 * GIB
+        kind="cuda",
+        parameters_bytes=2 * GIB,
+        gradients_bytes=2 * GIB,
+        optimizer_bytes=4 * GIB,
+        gradients_held_bytes=2 * GIB,
+        between_steps_bytes=8 * GIB,
     )
     split = breakdown(memory, static)
     parts = split.as_dict()
