@@ -13,7 +13,9 @@ When ``torch`` is imported, two hooks watch the training:
 * a global optimizer step post hook (``register_optimizer_step_post_hook``) closes one step per
   step of the **counted optimizer**: the first optimizer that steps in this process (a GAN's
   second optimizer, stepping in the same iteration, is not counted again); when it is garbage
-  collected, the next optimizer that steps is counted;
+  collected, the next optimizer that steps is counted. Its parameters, gradients and state are
+  the run's exact memory parts (``Tuner.measure_optimizer``: read from the tensors as its first
+  step ends and at every boundary, never on the per-step path);
 * ``DataLoader.__iter__`` is wrapped (once an epoch: where the training loader's epoch starts);
   from the first iteration the DataLoader iterators' ``__next__`` is ``timed_batches`` over
   torch's own: each batch's wait is the micro-batch's data wait, its first tensor dimension its
@@ -293,6 +295,8 @@ def _step_hook() -> tuple[Callable[[Any, Any, Any], None], Callable[[], None]]:
             except TypeError:  # an optimizer without weak references stays the counted one
                 counted_ref = None
             counted = id(optimizer)
+            # its tensors are the memory parts, read as its first step ends
+            tuner.measure_optimizer(optimizer)
             tuner.step()  # the first step (it measures the memory held between steps)
             close = tuner.step  # now the ledger's own ``close_step``
             _first_counted_step(tuner, optimizer)
@@ -318,10 +322,20 @@ def _loader_starts(loader: Any) -> None:
         _watch.last_started = _weak(loader)
         if _is_training_loader(loader):
             applied = tuner.epoch_boundary()
-            if _set_knobs(loader, tuner.store.knobs) or applied is not None:
+            changed = _set_knobs(loader, tuner.store.knobs) or applied is not None
+            if changed or _starts_workers(loader):  # the host sample lists them anew
                 tuner.loader_changed()
     except Exception as exc:
         tuner.report(exc, "the training DataLoader's epoch start")
+
+
+def _starts_workers(loader: Any) -> bool:
+    """Whether ``loader``'s iteration starts worker processes of its own (workers that are not
+    persistent end with each epoch, and the next one starts new ones)."""
+    if not getattr(loader, "num_workers", 0):
+        return False
+    persistent = getattr(loader, "persistent_workers", False)
+    return not (persistent and getattr(loader, "_iterator", None) is not None)
 
 
 def _weak(value: Any) -> Callable[[], Any]:
