@@ -132,6 +132,7 @@ def test_a_change_pending_when_the_run_ended_is_said_never_applied() -> None:
     assert "never applied #2: pin_memory=true (queued at step " in text
     assert "pending at exit: the run ended before its next boundary" in text
     assert "config: batch_size=4 grad_accum=2 (measured) num_workers=2 " in text
+    assert "2 loader workers (" in text, "the workers each epoch starts anew are listed"
     assert (data["config_measured"], data["effective_batch"]) == (["grad_accum"], 8)
 
 
