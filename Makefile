@@ -89,6 +89,9 @@ $(LITGPT_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(LITGPT_VENV)
 	$(LITGPT_VENV)/bin/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(LITGPT_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)" litgpt==$(LITGPT_VERSION) litdata==$(LITDATA_VERSION) "lightning>=2.6.1" tokenizers psutil pytest -e .
+	# litdata pulls PyPI's torchvision, whose operators were built for another torch build: it
+	# breaks every import of torchmetrics (Lightning's); litgpt's text pretraining never uses it
+	$(LITGPT_VENV)/bin/python -m pip uninstall --quiet --yes torchvision
 	touch $(LITGPT_STAMP)
 
 litgpt-venv: $(LITGPT_STAMP)

@@ -723,7 +723,8 @@ def _continue_epoch(tuner: Any, loader: Any) -> None:
         return
     if getattr(loader, "_iterator", None) is iterator:
         _keep_seed(loader, iterator)
-        loader._iterator = None  # persistent: the continuation shuts it down once delivered
+        # persistent: the continuation shuts it down once delivered (torch has no public reset)
+        loader._iterator = None  # noqa: SLF001
     if not _set_knobs(loader, knobs) or _watch.own_next is None:
         return
     counted = getattr(iterator, COUNTED, False)

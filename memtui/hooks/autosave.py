@@ -31,6 +31,9 @@ from typing import Any
 
 log = logging.getLogger("memtui")
 
+MARK = "_memtui_save"
+"""Set on a wrapper of memtui's: a function wrapped once is not wrapped again."""
+
 TORCH_SAVE = "torch.save"
 SAVE_STATE = "accelerator.save_state"
 FABRIC_SAVE = "fabric.save"
@@ -100,7 +103,7 @@ def wrap_torch_save(torch: Any) -> None:
     after it returned."""
     serialization = torch.serialization
     own = serialization.save
-    if getattr(own, "_memtui_save", False):
+    if getattr(own, MARK, False):
         return
 
     @functools.wraps(own)
@@ -124,18 +127,23 @@ def wrap_torch_save(torch: Any) -> None:
             log.debug("memtui: a save not looked at (%s)", error)
         return result
 
-    save._memtui_save = True  # type: ignore[attr-defined]
+    setattr(save, MARK, True)
     holders = [m for m in (torch, serialization) if getattr(m, "save", None) is own]
     for holder in holders:
         holder.save = save
-    saves.restore.append(lambda: [_put_back(m, "save", save, own) for m in holders] and None)
+
+    def restore() -> None:
+        for holder in holders:
+            _put_back(holder, "save", save, own)
+
+    saves.restore.append(restore)
 
 
 def wrap_framework_save(cls: Any, method: str, kind: str) -> None:
     """Wrap a framework's save of every rank (``cls.method``): reported after it returned; the
     ``torch.save`` calls it makes inside are its own."""
     own = cls.__dict__.get(method)
-    if own is None or getattr(own, "_memtui_save", False):
+    if own is None or getattr(own, MARK, False):
         return
 
     @functools.wraps(own)
@@ -159,7 +167,7 @@ def wrap_framework_save(cls: Any, method: str, kind: str) -> None:
             saves.saved(kind, time.perf_counter() - start)
         return result
 
-    framework_save._memtui_save = True  # type: ignore[attr-defined]
+    setattr(framework_save, MARK, True)
     setattr(cls, method, framework_save)
     saves.restore.append(lambda: _put_back(cls, method, framework_save, own))
 
@@ -175,7 +183,9 @@ def register(on_import: Callable[[str, Callable[[Any], None]], None]) -> None:
     """Wrap the frameworks' saves of every rank once their modules have imported."""
     for module_name, (class_name, method, kind) in FRAMEWORK_SAVES.items():
 
-        def wrap(module: Any, class_name: str = class_name, method: str = method, kind: str = kind) -> None:
+        def wrap(
+            module: Any, class_name: str = class_name, method: str = method, kind: str = kind
+        ) -> None:
             wrap_framework_save(getattr(module, class_name), method, kind)
 
         on_import(module_name, wrap)
@@ -193,10 +203,14 @@ def holds_training_state(obj: dict[Any, Any], optimizer: Any) -> bool:
         if not isinstance(value, dict):
             continue
         packed = value.get("state")
-        if first_state is not None and isinstance(packed, dict) and "param_groups" in value:
-            # the optimizer's state_dict() packs the optimizer's own per-parameter dicts
-            if any(entry is first_state for entry in packed.values()):
-                return True
+        # the optimizer's state_dict() packs the optimizer's own per-parameter dicts
+        if (
+            first_state is not None
+            and isinstance(packed, dict)
+            and "param_groups" in value
+            and any(entry is first_state for entry in packed.values())
+        ):
+            return True
         if pointers is None:
             pointers = _parameter_storages(optimizer)
         if pointers and _shares_storage(value, pointers):

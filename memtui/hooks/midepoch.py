@@ -32,6 +32,9 @@ from typing import Any
 
 log = logging.getLogger("memtui")
 
+SAMPLER_ITER = "_sampler_iter"
+"""The attribute of torch's DataLoader iterator that holds the epoch's index-batch iterator."""
+
 Counter = Callable[[float, Any], None]
 """``count(wait_s, batch)``: a training batch delivered after ``wait_s`` seconds."""
 
@@ -71,7 +74,8 @@ def _remaining(loader: Any, iterator: Any) -> int:
     """The epoch's index batches the iterator has not dispatched yet (0 when unknown)."""
     try:
         sent = getattr(iterator, "_send_idx", None)
-        return max(0, len(loader.batch_sampler) - int(iterator._num_yielded if sent is None else sent))
+        done = getattr(iterator, "_num_yielded", 0) if sent is None else sent
+        return max(0, len(loader.batch_sampler) - int(done))
     except Exception:
         return 0
 
@@ -81,7 +85,7 @@ def exhausted(loader: Any, iterator: Any) -> bool:
     if getattr(iterator, "_shutdown", False) or getattr(iterator, "_sampler_iter", None) is None:
         return True
     try:
-        return int(iterator._num_yielded) >= len(loader.batch_sampler)
+        return int(getattr(iterator, "_num_yielded", 0)) >= len(loader.batch_sampler)
     except Exception:
         return False
 
@@ -139,8 +143,10 @@ class Continuation:
         last = self.current if self.current is not None else self.draining[-1]
         if self.current is not None:
             self.draining.append(self.current)
-        rest = last._sampler_iter
-        last._sampler_iter = iter(())  # it dispatches nothing more: the new loader goes on
+        # torch's iterator draws its next index batch from ``_sampler_iter`` (no public way):
+        # it dispatches nothing more, and the new loader goes on from where it stopped
+        rest = getattr(last, SAMPLER_ITER)
+        setattr(last, SAMPLER_ITER, iter(()))
         remaining = _remaining(self.loader, last)
         self.rest = rest
         fresh = _loader_with(self.loader, _Rest(rest, remaining), self.seed)
@@ -151,7 +157,7 @@ class Continuation:
 
     def __call__(self) -> Any:
         """The next batch of the epoch (StopIteration at its end)."""
-        own_next, draining = self.own_next, self.draining
+        draining = self.draining
         while draining:
             try:
                 return self._deliver(draining[0])
