@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,8 @@ class _Saves:
         self.optimizer: Callable[[], Any] = _nothing
         """The counted optimizer (a weak reference), whose state recognises a training save."""
         self.restore: list[Callable[[], None]] = []
+        self.off = False
+        """The watch stood down: a framework imported later is left as it is."""
 
 
 def _ignore(_kind: str, _seconds: float) -> None:
@@ -83,7 +86,7 @@ def arm(optimizer: Callable[[], Any], saved: SaveCallback) -> None:
 
 def disarm() -> None:
     """Report nothing more and put the wrapped functions back."""
-    saves.armed = False
+    saves.armed, saves.off = False, True
     saves.saved, saves.optimizer = _ignore, _nothing
     for restore in saves.restore:
         restore()
@@ -103,7 +106,7 @@ def wrap_torch_save(torch: Any) -> None:
     after it returned."""
     serialization = torch.serialization
     own = serialization.save
-    if getattr(own, MARK, False):
+    if saves.off or getattr(own, MARK, False):
         return
 
     @functools.wraps(own)
@@ -143,7 +146,7 @@ def wrap_framework_save(cls: Any, method: str, kind: str) -> None:
     """Wrap a framework's save of every rank (``cls.method``): reported after it returned; the
     ``torch.save`` calls it makes inside are its own."""
     own = cls.__dict__.get(method)
-    if own is None or getattr(own, MARK, False):
+    if own is None or saves.off or getattr(own, MARK, False):
         return
 
     @functools.wraps(own)
@@ -244,3 +247,12 @@ def _shares_storage(mapping: dict[Any, Any], pointers: set[int]) -> bool:
         except Exception:
             continue
     return False
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a loader worker) saves nothing of the loop's: its saves are no boundary."""
+    saves.armed = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
