@@ -824,19 +824,21 @@ class Tuner:
         except Exception as exc:
             self.report(exc, "watch_scheduler")
 
-    def checkpoint(self) -> Applied | None:
+    def checkpoint(self, *, apply: bool = True) -> Applied | None:
         """The checkpoint boundary: call it on every rank right after the checkpoint is saved.
 
         Applies the pending changes (the same set, at this step, on every rank) and returns what
-        changed, or None when nothing did.
+        changed, or None when nothing did. ``apply=False`` records the checkpoint alone (a save
+        where the run's loader cannot take its knobs: the changes wait for their own boundary).
         """
         ledger = self.ledger
         save_s = ledger.since_last()
         applied: Applied | None = None
         try:
             self.device.refresh(self.model)
-            applied = self._apply_pending()
-            taken = self.control.taken_time if self.rank == 0 else time.time()
+            if apply:
+                applied = self._apply_pending()
+            taken = self.control.taken_time if self.rank == 0 and apply else time.time()
             ledger.close_checkpoint(taken, save_s)
         except Exception as exc:
             self.report(exc, "checkpoint")

@@ -191,7 +191,7 @@ def test_a_workers_change_lands_when_the_training_loader_starts_its_next_epoch(
         assert first["num_workers"] == (1 if "persistent" in mode else 0)
         queued = memtui_here("set", run, "num_workers=2", "prefetch_factor=3")
         assert queued.exit_code == 0, queued.output
-        assert "applies at the training DataLoader's next epoch" in queued.output
+        assert f"applies at {auto.WHEN_SAVED}" in queued.output
         assert training.finish() == 0
         later = training.epochs(3)[1:]
     finally:
@@ -212,13 +212,13 @@ def test_a_watched_loop_says_which_knobs_it_takes_where_and_why_not(tmp_path: Pa
         run = training.run_id()
         status = status_json(run)
         assert status["tunable"] == ["num_workers", "pin_memory", "prefetch_factor"]
-        assert status["boundary"] == "the training DataLoader's next epoch"
+        assert status["boundary"] == auto.WHEN_SAVED
         why = status["untunable"]["batch_size"]
         assert why == status["untunable"]["grad_accum"]
         assert "the loop's own code sets them" in why
         text = memtui_here("status", run).stdout
         assert f"not tunable: batch_size, grad_accum: {why}" in text
-        assert "changes apply at the training DataLoader's next epoch" in text
+        assert f"changes apply at {auto.WHEN_SAVED}" in text
         refused = memtui_here("set", run, "batch_size=8")
         assert refused.exit_code == 2
         assert f"batch_size is not tunable in this run ({why})" in refused.output
