@@ -50,7 +50,6 @@ Steps that arrive with no DataLoader batch (a loop drawing its batches some othe
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import logging
@@ -752,33 +751,6 @@ def _continue_epoch(tuner: Any, loader: Any) -> None:
     tuner.loader_changed()
 
 
-def _say_pending(tuner: Any) -> None:
-    """As the process ends: the changes still queued were never applied; rank 0 says so in one
-    line and audits them (never raises)."""
-    try:
-        if tuner is not _watch.tuner or tuner.rank != 0:
-            return
-        pending = list(tuner.control.pending)
-        if not pending:
-            return
-        from memtui.core.knobs import format_changes
-
-        words = "; ".join(f"#{c.id} {format_changes(c.changes)}" for c in pending)
-        step = tuner.ledger.step
-        log.warning(
-            "memtui: the run ended at step %d with change(s) never applied: %s (queued for %s, "
-            "which did not come)",
-            step,
-            words,
-            tuner.control.boundary or "the next checkpoint",
-        )
-        tuner.control.audit_event(
-            "unapplied", {"ids": [c.id for c in pending], "step": step, "why": "the run ended"}
-        )
-    except Exception as exc:
-        log.debug("memtui: the pending changes at the end not said (%s)", exc)
-
-
 def _watch_tuner() -> Any:
     """The watch's Tuner, created on first use (None: stood down, or a loader worker)."""
     if _watch.tuner is not None or _watch.stood_down:
@@ -806,7 +778,6 @@ def _watch_tuner() -> Any:
             tuner.close()
             return None
         _watch.tuner = tuner
-        atexit.register(_say_pending, tuner)  # before the Tuner's own close (last in, first out)
         return tuner
 
 

@@ -335,10 +335,12 @@ class Tuner:
             return
         words = ", ".join(f"#{c.id} {format_changes(c.changes)}" for c in left)
         log.warning(
-            "memtui: run %s ended with changes queued and never applied (%s): no boundary came "
-            "after they were queued",
+            "memtui: run %s ended at step %d with changes queued and never applied (%s): no "
+            "boundary came after they were queued (they apply at %s)",
             self.run_id,
+            self.ledger.step,
             words,
+            self.control.boundary or "the next checkpoint",
         )
 
     def _close_at_exit(self) -> None:

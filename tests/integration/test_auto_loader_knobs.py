@@ -245,7 +245,7 @@ def test_a_change_pending_when_the_run_ends_is_recorded_and_said(tmp_path: Path)
         last.unlink(missing_ok=True)
         training.finish()
     said = training.log.read_text()
-    assert "ended with changes queued and never applied (#1 num_workers=2)" in said, said
+    assert "with changes queued and never applied (#1 num_workers=2)" in said, said
     (unapplied,) = [e for e in _audit(tmp_path) if e["event"] == "unapplied"]
     assert unapplied["reason"] == "pending at exit"
     assert (unapplied["ids"], unapplied["changes"]) == ([1], {"num_workers": 2})

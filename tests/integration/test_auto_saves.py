@@ -243,10 +243,10 @@ def test_a_change_pending_when_the_run_ends_is_said_and_audited(tmp_path: Path) 
         script.release(held_at=22)
     finally:
         script.stop()
-    said = "memtui: the run ended at step 24 with change(s) never applied: #1 pin_memory=true"
+    said = "ended at step 24 with changes queued and never applied (#1 pin_memory=true)"
     assert said in script.log.read_text()
     (unapplied,) = [e for e in script.audit() if e["event"] == "unapplied"]
-    assert unapplied["ids"] == [1] and unapplied["step"] == 24
+    assert unapplied["ids"] == [1] and unapplied["reason"] == "pending at exit"
 
 
 @pytest.mark.slow
