@@ -35,6 +35,11 @@ class StepStats:
     samples_counted: bool = True
     """Whether any of the steps counted a sample (False: a batch memtui could find no tensor in,
     or a loop whose batches it does not see: ``samples_per_s`` is not known, not 0)."""
+    micro_batch: int | None = None
+    """The samples of one micro-batch the steps drew, their median (None: no batch timed)."""
+    micro_batches: int | None = None
+    """The micro-batches one step drew, their median: the accumulation the loop ran (None: no
+    batch timed)."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -57,6 +62,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     samples = sum(r.samples for r in recent)
     micro = sum(r.micro_batches for r in recent)
     n = len(recent)
+    drawn = [r for r in recent if r.micro_batches > 0]
+    # the micro-batch and the accumulation are medians: a step that also drew an evaluation
+    # loader's batches, or an epoch's last short batch, moves neither
+    middle = len(drawn) // 2
     return StepStats(
         steps=n,
         step_time_s=total / n,
@@ -67,6 +76,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
         micro_batches_per_step=micro / n,
         samples_per_step=samples / n,
         samples_counted=samples > 0,
+        micro_batch=sorted([r.samples // r.micro_batches for r in drawn])[middle] or None
+        if drawn
+        else None,
+        micro_batches=sorted([r.micro_batches for r in drawn])[middle] if drawn else None,
     )
 
 

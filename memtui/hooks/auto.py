@@ -344,7 +344,8 @@ def _loader_starts(loader: Any) -> bool:
     if training:
         try:
             applied = tuner.epoch_boundary()
-            if _set_knobs(loader, tuner.store.knobs) or applied is not None:
+            changed = _set_knobs(loader, tuner.store.knobs) or applied is not None
+            if changed or _starts_workers(loader):  # the host sample lists them anew
                 tuner.loader_changed()
         except Exception as exc:
             tuner.report(exc, "the training DataLoader's epoch start")
@@ -385,6 +386,15 @@ def _mark(iterator: Any, counted: bool) -> None:
             _watch.early.append(_weak(iterator))
     except Exception as exc:  # an iterator that takes no attribute: its batches are not counted
         log.debug("memtui: a DataLoader iterator not counted (%s)", exc)
+
+
+def _starts_workers(loader: Any) -> bool:
+    """Whether ``loader``'s iteration starts worker processes of its own (workers that are not
+    persistent end with each epoch, and the next one starts new ones)."""
+    if not getattr(loader, "num_workers", 0):
+        return False
+    persistent = getattr(loader, "persistent_workers", False)
+    return not (persistent and getattr(loader, "_iterator", None) is not None)
 
 
 def _weak(value: Any) -> Callable[[], Any]:
@@ -444,10 +454,15 @@ def _first_counted_step(tuner: Any, optimizer: Any) -> None:
 def _find_training_loader(tuner: Any) -> None:
     """At the counted optimizer's first step: the loader whose iteration started last feeds the
     steps; its worker knobs become the run's (the reasons said for the knobs it cannot take)."""
+    from memtui.hooks.knobstore import loader_values
+
     store = tuner.store
-    for knob in ("batch_size", "grad_accum"):
-        store.refuse(knob, BATCH_IN_CODE)
     loader = _watch.last_started()
+    # the loop's own micro-batch is the loader's (shown, not tunable); the accumulation is
+    # measured from the steps
+    held = loader_values(loader) if loader is not None else {}
+    store.refuse("batch_size", BATCH_IN_CODE, held.get("batch_size"))
+    store.refuse("grad_accum", BATCH_IN_CODE)
     if loader is None:
         for knob in ("num_workers", "pin_memory", "prefetch_factor"):
             store.refuse(knob, NO_LOADER)
@@ -464,7 +479,7 @@ def _find_training_loader(tuner: Any) -> None:
     }
     if isinstance(loader.dataset, IterableDataset):
         del found["num_workers"]
-        store.refuse("num_workers", ITERABLE)
+        store.refuse("num_workers", ITERABLE, held.get("num_workers"))
         if not loader.num_workers:
             del found["prefetch_factor"]  # no workers: nothing prefetches
             store.refuse("prefetch_factor", ITERABLE)

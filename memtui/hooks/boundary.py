@@ -60,6 +60,16 @@ def lr_rule_of(pending: list[PendingChange]) -> str:
     return "none"
 
 
+def _predicted_peak(pending: list[PendingChange], control: Control, store: KnobStore) -> int | None:
+    """The peak predicted for the config a boundary's changes make: the one the last of them
+    was queued with (the gate's, for the whole config they make together, workers and pinning
+    included: the figure shown while it was pending), else the memory model's now."""
+    queued = pending[-1].predicted_peak_bytes if pending else None
+    if queued is not None:
+        return queued
+    return Prediction.of_config(control.model, store.knobs).peak_bytes
+
+
 class Boundary:
     """Decides, agrees on, validates and applies the pending changes at a checkpoint."""
 
@@ -158,8 +168,7 @@ class Boundary:
             time=time.time(),
             changes=diffs,
             note=note,
-            # the gate's prediction for the whole new config (workers and pinning included)
-            predicted_peak_bytes=Prediction.of_config(control.model, store.knobs).peak_bytes,
+            predicted_peak_bytes=_predicted_peak(pending, control, store),
             origin=origins.pop() if len(origins := {c.origin for c in pending}) == 1 else "",
             lr_factor=factor,
             lr_note=lr_note,

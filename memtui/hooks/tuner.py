@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import memtui
-from memtui.core.knobs import format_diffs, format_value
+from memtui.core.knobs import format_changes, format_diffs, format_value
 from memtui.core.stats import one_line, printable
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.batches import Args, BatchT, timed_batches
@@ -317,6 +317,10 @@ class Tuner:
             return
         self._closed = True
         try:
+            self._say_pending_at_exit()
+        except Exception as exc:
+            self.report(exc, "the changes pending at exit")
+        try:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
             if self.sampler is not None:
@@ -331,6 +335,20 @@ class Tuner:
             )
         finally:
             atexit.unregister(self._close_at_exit)
+
+    def _say_pending_at_exit(self) -> None:
+        """The run ends with changes queued and never applied: recorded (the audit log, the last
+        batch a viewer gets) and said."""
+        left = self.control.close()
+        if not left:
+            return
+        words = ", ".join(f"#{c.id} {format_changes(c.changes)}" for c in left)
+        log.warning(
+            "memtui: run %s ended with changes queued and never applied (%s): no boundary came "
+            "after they were queued",
+            self.run_id,
+            words,
+        )
 
     def _close_at_exit(self) -> None:
         """``close`` as the interpreter exits: an interrupt while it waits for the last telemetry

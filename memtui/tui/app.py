@@ -354,7 +354,7 @@ class MemtuiApp(App[int]):
 
     def action_apply_recommendation(self) -> None:
         """Queue the top recommendation that memtui can apply."""
-        top = top_applicable(self._recommendations(), self.state)
+        top = top_applicable(self._recommendations())
         if top is None:
             self.say(
                 "no recommendation memtui can apply now (or it is pending)", severity="warning"

@@ -226,6 +226,32 @@ def test_a_watched_loop_says_which_knobs_it_takes_where_and_why_not(tmp_path: Pa
         assert training.finish() == 0
 
 
+def test_a_change_pending_when_the_run_ends_is_recorded_and_said(tmp_path: Path) -> None:
+    """Queued after the last epoch began: no boundary comes, and the run's end says so (its last
+    log line, the audit log), rather than the change vanishing."""
+    training = Training(tmp_path, "plain")
+    last = tmp_path / "hold-2"
+    last.touch()  # the script waits after its last epoch
+    try:
+        training.epochs(1)
+        run = training.run_id()
+        training.hold.unlink()
+        training.epochs(3)
+        queued = memtui_here("set", run, "num_workers=2")
+        assert queued.exit_code == 0, queued.output
+        last.unlink()
+        assert training.finish() == 0
+    finally:
+        last.unlink(missing_ok=True)
+        training.finish()
+    said = training.log.read_text()
+    assert "ended with changes queued and never applied (#1 num_workers=2)" in said, said
+    (unapplied,) = [e for e in _audit(tmp_path) if e["event"] == "unapplied"]
+    assert unapplied["reason"] == "pending at exit"
+    assert (unapplied["ids"], unapplied["changes"]) == ([1], {"num_workers": 2})
+    assert not [e for e in _audit(tmp_path) if e["event"] == "applied"]
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "mp-spawn"])
 def test_every_rank_takes_the_workers_change_at_the_same_step(
     tmp_path: Path, launcher: str

@@ -37,6 +37,10 @@ AUTOPILOT = DATA / "demo_autopilot.mtrec"
 num_workers 0 -> 1 kept, then trials reverted, converged with its budget spent."""
 RANKS_8 = DATA / "ranks_8.mtrec"
 """Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
+WATCHED = DATA / "watched_stream.mtrec"
+"""A plain loop under ``memtui run`` over a stream's loader with 2 workers, batch 4 and an
+accumulation of 2 in the loop (make_watched_stream.py): prefetch_factor=4 applied,
+pin_memory=true still pending when the run ended."""
 
 
 def one_rank(path: Path) -> Recording:

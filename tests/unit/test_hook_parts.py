@@ -4,6 +4,7 @@ the one Prediction, each through its public methods (no threads, no sockets, no 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -22,16 +23,19 @@ from memtui.advice.predict import fit
 from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds
 from memtui.core.knobs import KnobError, diff, format_diffs, knobs_with, merge
+from memtui.hooks.control import Control
 from memtui.hooks.device import allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
+from memtui.hooks.persist import AuditLog
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,
     DeviceSample,
     KnobDiff,
     Knobs,
+    SetRequest,
     StaticMemory,
 )
 
@@ -124,6 +128,56 @@ def test_store_reads_applies_all_or_none_and_bumps_loaders() -> None:
         store.check({"num_workers": 2})
     store.adopt({"num_workers": 0, "pin_memory": False, "batch_size": 99})
     assert store.knobs == Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
+
+
+def test_a_knob_found_after_a_viewer_attached_moves_the_control_seq() -> None:
+    """Under ``memtui run`` the loader's knobs are found at the first step, after the run
+    registered (and a viewer may have attached): every change of the store (a knob adopted, a
+    reason, a value read, a change applied) and of where changes apply moves ``seq``, so the
+    next batch carries the control state; the state says the values read of the knobs memtui
+    cannot change."""
+    store = KnobStore(SimpleNamespace(), None, ErrorLog().report)
+    control = Control(
+        store.current,
+        why_not=store.untunable_reasons,
+        read_values=store.untunable_values,
+        version=lambda: store.version,
+    )
+    seen = [control.seq]
+    store.refuse("batch_size", "the loop's own code sets it", 4)
+    seen.append(control.seq)
+    store.refuse("grad_accum", "the loop's own code sets it")
+    seen.append(control.seq)
+    store.adopt({"num_workers": 0, "pin_memory": False, "prefetch_factor": 2})
+    seen.append(control.seq)
+    control.boundary = "the training DataLoader's next epoch"
+    seen.append(control.seq)
+    store.apply({"num_workers": 2}, step=10)
+    seen.append(control.seq)
+    assert seen == sorted(set(seen)), f"every change moves it, up: {seen}"
+    state = control.state()
+    assert state.tunable == ["num_workers", "pin_memory", "prefetch_factor"]
+    assert state.untunable_values == {"batch_size": 4}
+    assert set(state.untunable) == {"batch_size", "grad_accum"}
+    assert state.boundary == "the training DataLoader's next epoch"
+
+
+def test_a_change_pending_when_the_run_ends_is_recorded_and_audited(tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.jsonl", "run")
+    control = Control(lambda: Knobs(batch_size=8, num_workers=0), audit=audit, step=lambda: 42)
+    assert control.queue(SetRequest(changes={"num_workers": 2})).ok
+    before = control.seq
+    left = control.close()
+    assert [c.changes for c in left] == [{"num_workers": 2}]
+    state = control.state()
+    assert state.pending == [] and [c.id for c in state.unapplied] == [1]
+    assert control.seq > before, "the last batch carries it"
+    last = audit.read()[-1]
+    assert last["event"] == "unapplied" and last["reason"] == "pending at exit"
+    assert (last["ids"], last["changes"], last["step"]) == ([1], {"num_workers": 2}, 42)
+    assert control.close() == [], "said once"
+    late = control.queue(SetRequest(changes={"num_workers": 3}))
+    assert not late.ok and "the run has ended" in late.reason
 
 
 def test_the_memory_models_window_restarts_when_the_workers_change() -> None:

@@ -66,7 +66,7 @@ from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.batches import batch_samples, missed_once
-from memtui.hooks.knobstore import LOADER_KNOBS
+from memtui.hooks.knobstore import LOADER_KNOBS, loader_values
 from memtui.hooks.loader import TunedLoader
 from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
@@ -194,7 +194,7 @@ class LightningAdapter:
         own = loaders[0]
         why = why_not_rebuilt(own)
         if why:
-            self._refuse_loader_knobs(why)
+            self._refuse_loader_knobs(why, own)
             return
         try:
             self._follow_own_values(own)
@@ -247,14 +247,16 @@ class LightningAdapter:
         )
         return limit
 
-    def _refuse_loader_knobs(self, why: str) -> None:
-        """Say why the loader knobs are not tunable; name those that have a value (resumed from the
-        tuned config, or taken before Lightning reloaded the loader) that nothing applies."""
+    def _refuse_loader_knobs(self, why: str, own: Any = None) -> None:
+        """Say why the loader knobs are not tunable, with the values of the script's loader
+        ``own`` where it is known; name those that have a value (resumed from the tuned config,
+        or taken before Lightning reloaded the loader) that nothing applies."""
         store = self.tuner.store
         held = [knob for knob in LOADER_KNOBS if store.value(knob) is not None]
+        values = loader_values(own) if own is not None else {}
         for knob in LOADER_KNOBS:
             if knob not in held:
-                store.refuse(knob, why)
+                store.refuse(knob, why, values.get(knob))
         if held:
             log.warning(
                 "memtui: the training loader keeps its own %s (memtui's are not applied): %s",

@@ -23,6 +23,7 @@ from memtui.tui.screens.help import HelpScreen
 from tests.support.viewer import (
     OOM,
     STARVING,
+    WATCHED,
     pending_offset,
     replay_app,
     run,
@@ -88,6 +89,30 @@ def test_the_viewer_says_no_change_was_applied_when_it_closes() -> None:
                               f"{app.state.info.tuned_path})")  # fmt: skip
 
     run(replay_app(STARVING, until_s=pending_offset()), check, WIDE)
+
+
+def test_a_watched_loop_shows_every_knob_and_the_change_the_run_ended_with() -> None:
+    """The knobs memtui cannot change show the values the run has (the loader's micro-batch and
+    workers, the accumulation measured), prefetch_factor took its change with a worker count
+    memtui does not set, and the change still pending at the end says it was never applied."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        rows = {
+            line.split()[0]: line.split()[1:]
+            for line in text_of(pilot, "#config").splitlines()
+            if line.split()[:1] and line.split()[0] in ("batch_size", "grad_accum", "num_workers")
+        }
+        assert rows == {
+            "batch_size": ["4"], "grad_accum": ["2", "measured"], "num_workers": ["2"],
+        }  # fmt: skip
+        assert "effective batch 8 = 4 x 2 x 1 ranks" in text_of(pilot, "#config")
+        changes = text_of(pilot, "#changes")
+        assert "unapplied #2 pin_memory=true" in changes
+        assert "pending at exit: the run ended before its next boundary" in changes
+        assert "applied  step 120  prefetch_factor 2 → 4" in changes
+
+    run(replay_app(WATCHED), check, WIDE)
 
 
 def test_oom_risk_shows_where_the_memory_goes() -> None:

@@ -23,6 +23,7 @@ from tests.support.viewer import (
     OOM,
     RANKS_8,
     STARVING,
+    WATCHED,
     autopilot_offset,
     forced_pending_offset,
     one_rank,
@@ -82,6 +83,12 @@ def autopilot() -> MemtuiApp:
     return replay_app(AUTOPILOT, until_s=autopilot_offset())
 
 
+def watched() -> MemtuiApp:
+    """A plain loop under ``memtui run`` at its end: the knobs it cannot change with their values
+    (read from its loader, the accumulation measured), a change never applied."""
+    return replay_app(WATCHED)
+
+
 def disconnected() -> MemtuiApp:
     """The demo starving, then silent for 10 s: the run is gone without a word."""
     return replay_app(STARVING, until_s=20.0, at_end="disconnect")
@@ -100,6 +107,7 @@ def disconnected() -> MemtuiApp:
         advice_pending,
         advice_rollback,
         autopilot,
+        watched,
     ],
     ids=lambda f: f.__name__,
 )
