@@ -22,6 +22,9 @@ from tests.support.processes import (
     stop_all,
 )
 
+pytest_plugins = ["tests.support.accounts"]
+"""The two real accounts (``accounts``, ``home``, ``shared``): one pair for the whole session."""
+
 # the suite's trainings run torch on one thread (a session-wide default; a test may still ask for
 # more): on 2 busy cores torch's intra-op pool spins against the other workers, and the documented
 # plain loop's small MLP took 15 ms of CPU a step on two threads, 1.2 ms on one (torchrun sets the same)

@@ -90,6 +90,7 @@ def demo_command(
     from memtui.demo.launcher import (
         DemoFailed,
         demo_command_line,
+        demo_environment,
         quiet_numpy_warning,
         run_forwarding_signals,
         run_with_viewer,
@@ -102,11 +103,12 @@ def demo_command(
     if ranks < 1:
         fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
-    tcp_env = _tcp_env(tcp, insecure, insecure_control)
+    # the training's processes keep the working directory off their module search path
+    env = {**_tcp_env(tcp, insecure, insecure_control), **demo_environment()}
     if dry_run:  # says what would run, and changes nothing (this process's environment included)
-        click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
+        click.echo(shlex.join([*(f"{k}={v}" for k, v in env.items()), *command]))
         return
-    os.environ.update(tcp_env)  # the training (in this process or a child) reads them
+    os.environ.update(env)  # the training (in this process or a child) reads them
     busy = out_in_use(args.out or default_out())
     if busy:
         fail(busy, 2)

@@ -128,10 +128,14 @@ def default_out() -> Path:
 def out_in_use(out: Path) -> str:
     """Why ``out`` cannot take another demo ("": no live run keeps its state there): two runs in
     one directory would overwrite each other's checkpoint, tuned config and audit log."""
-    from memtui.storage.registry import list_runs
+    from memtui.storage.registry import RegistryError, list_runs
 
     wanted = out.resolve()
-    for run in list_runs(clean=False):
+    try:
+        runs = list_runs(clean=False)
+    except RegistryError:  # the runtime directory is refused: the training says so itself
+        return ""
+    for run in runs:
         if run.state_dir and (Path(run.cwd) / run.state_dir).resolve() == wanted:
             return (
                 f"{out} is the state directory of the live run {run.run} (pid {run.pid}); give "

@@ -2,7 +2,9 @@
 rank validates and applies the same change at the same step.
 
 The one place a knob changes during a run (``apply``) and is undone after an out-of-memory error
-(``revert``); each writes the tuned config from the knob store's value it produced.
+(``revert``); each writes the tuned config from the knob store's value it produced. An applied
+change is recorded in two phases that a crash cannot split unseen: the audit log's ``applying``
+line and the tuned config, each flushed to the disk before the next, then the ``applied`` line.
 """
 
 from __future__ import annotations
@@ -171,9 +173,15 @@ class Boundary:
             lr_factor=factor,
             lr_note=lr_note,
         )
-        control.record_applied(applied)
         if self._placement.rank == 0:
+            # two phases, each on the disk before the next: the audit log's ``applying`` line,
+            # then the tuned config; the ``applied`` line after them. A restart after a crash
+            # anywhere between finds which the tuned config holds and says so
+            # (``restart.unfinished``): an ``applied`` line a power cut takes back only makes it
+            # say that the tuned config, which holds the change, is trusted
+            control.audit_event("applying", applied, durable=True)
             self._tuned.write(store.knobs, step)
+        control.record_applied(applied)
         if any(shrank(k, d) for k, d in diffs.items()):
             try:  # else the allocators keep what the smaller config frees
                 release_caches()

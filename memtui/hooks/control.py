@@ -30,6 +30,7 @@ from memtui.core.knobs import (
     parse_changes,
     resolve,
 )
+from memtui.core.stats import printable
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.lr import LearningRate
 from memtui.hooks.persist import AuditLog
@@ -605,11 +606,12 @@ class Control:
             self._unaudited = 0
         self.audit_event("rejected", payload)
 
-    def audit_event(self, event: str, payload: object) -> None:
-        """Append an event to the audit log (rank 0); a failure is reported, never raised."""
+    def audit_event(self, event: str, payload: object, *, durable: bool = False) -> None:
+        """Append an event to the audit log (rank 0; ``durable``: on the disk before this
+        returns); a failure is reported, never raised."""
         if self.audit is not None:
             try:
-                self.audit.append(event, payload)
+                self.audit.append(event, payload, durable=durable)
             except OSError as exc:  # the in-memory record still holds; say the log is short
                 if self._report is not None:
                     self._report(exc, "audit log")
@@ -654,8 +656,8 @@ def _thresholds_in_force() -> Thresholds:
     read them (``$MEMTUI_CONFIG``, else ``~/.config/memtui/config.yaml``); what the file got wrong
     is logged, and the defaults stand in for it."""
     config = load_thresholds()
-    for problem in config.problems:
-        log.warning("memtui: %s", problem)
+    for problem in config.problems:  # a file's text: its control characters made visible
+        log.warning("memtui: %s", printable(problem))
     return config.thresholds
 
 

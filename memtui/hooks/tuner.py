@@ -40,7 +40,7 @@ from typing import Any
 
 import memtui
 from memtui.core.knobs import format_changes, format_diffs, format_value
-from memtui.core.stats import one_line
+from memtui.core.stats import one_line, printable
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.batches import Args, BatchT, timed_batches
 from memtui.hooks.boundary import Applied
@@ -51,7 +51,15 @@ from memtui.hooks.lr import LR_SECTION
 from memtui.hooks.oom import Guard
 from memtui.hooks.parts import TunerCalls, build_parts
 from memtui.hooks.persist import AuditLog, read_audit, unapplied
-from memtui.hooks.restart import CHECKPOINT, TunedState, differ, from_entry, from_yaml, yaml_wins
+from memtui.hooks.restart import (
+    CHECKPOINT,
+    TunedState,
+    differ,
+    from_entry,
+    from_yaml,
+    unfinished,
+    yaml_wins,
+)
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.settings import HookSettings, Options
 from memtui.hooks.tracker import EventCallback
@@ -194,6 +202,7 @@ class Tuner:
         if placement.rank == 0:
             audit = AuditLog(self.files.audit_path, self.run_id)
             self.control.audit = self.tuned.audit = audit
+            self.tuned.clear_temps()
         self.info = self._make_info()
         if self._resume_from and placement.rank == 0:
             self._say_unapplied()
@@ -530,7 +539,9 @@ class Tuner:
             if found.ceiling is not None:
                 self.control.restore_ceiling(found.ceiling)
                 log.warning(
-                    "memtui: kept the out-of-memory ceiling from %s: %s", path, found.ceiling.note
+                    "memtui: kept the out-of-memory ceiling from %s: %s",
+                    path,
+                    printable(found.ceiling.note),  # a file's text: never an escape sequence
                 )
             self._found, self._found_resumed = found, True
         except UnsafeFile as exc:  # another account would choose this run's memory
@@ -565,12 +576,18 @@ class Tuner:
             )
 
     def _say_unapplied(self) -> None:
-        """Name the changes the resumed run queued but never applied, and how to queue them."""
+        """Reconcile the audit log with the tuned config an earlier run stopped between, then
+        name the changes it queued but never applied, and how to queue them."""
         try:
-            run, changes = unapplied(read_audit(self.files.audit_path), self.run_id)
+            events = read_audit(self.files.audit_path)
         except Exception as exc:
             self.report(exc, "reading the audit log")
             return
+        try:
+            self._reconcile(events)
+        except Exception as exc:
+            self.report(exc, "reconciling the audit log")
+        run, changes = unapplied(events, self.run_id)
         if not changes or self.info is None:
             return
         words = " ".join(f"{k}={format_value(v)}" for k, v in changes.items())
@@ -578,9 +595,53 @@ class Tuner:
         log.warning(
             "memtui: run %s stopped with changes queued and never applied (%s); to queue them "
             "again: %s",
-            run,
-            words,
+            printable(run),
+            printable(words),
             self.info.requeue,
+        )
+
+    def _reconcile(self, events: list[dict[str, Any]]) -> None:
+        """Say which of the audit log and the tuned config this run trusts where an earlier run
+        stopped between them (or its tuned config was not written), and audit the outcome."""
+        found = self._found if self._found_resumed else None
+        left = unfinished(events, self.run_id, found)
+        if left is None:
+            return
+        run, words = printable(left.run), printable(left.words)
+        if left.saved:
+            log.warning(
+                "memtui: run %s stopped while applying %s, after its tuned config was written "
+                "and before the audit log said so: this run trusts the tuned config, which "
+                "holds it",
+                run,
+                words,
+            )
+        else:
+            start = f"{found.where} ({found.summary()})" if found is not None else None
+            requeue = printable(left.requeue(self.run_id))
+            if requeue and self.info is not None:
+                self.info.requeue = requeue
+            log.warning(
+                "memtui: run %s %s %s, but its tuned config does not hold it (%s): this run "
+                "starts from %s%s",
+                run,
+                "stopped while applying" if left.interrupted else "applied",
+                words,
+                "the run stopped before it was written"
+                if left.interrupted
+                else "it could not be written before the run stopped",
+                start or "the script's config",
+                f"; to apply it again: {requeue}" if requeue else "",
+            )
+        self.control.audit_event(
+            "reconciled",
+            {
+                "of_run": left.run,
+                "ids": left.ids,
+                "step": left.step,
+                "saved": left.saved,
+                "trusted": "the tuned config" if left.saved else "the tuned config, without it",
+            },
         )
 
     # ------------------------------------------------------------------ knobs and memory

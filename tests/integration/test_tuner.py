@@ -130,9 +130,10 @@ def test_audit_log_and_tuned_yaml(tmp_path: Path) -> None:
     events = [
         json.loads(line) for line in (tmp_path / "memtui-audit.jsonl").read_text().splitlines()
     ]
-    assert [e["event"] for e in events] == ["queued", "rejected", "applied"]
+    assert [e["event"] for e in events] == ["queued", "rejected", "applying", "applied"]
     assert events[0]["id"] == change and events[0]["client"] == "test"
-    assert events[2]["step"] == 5 and events[2]["changes"]["batch_size"] == [16, 24]
+    for phase in events[2:]:  # the same change, before and after the tuned config's write
+        assert phase["step"] == 5 and phase["changes"]["batch_size"] == [16, 24]
     for path in (tmp_path / "memtui-tuned.yaml", extra):
         body = yaml.safe_load(path.read_text())
         assert body["config"] == {
