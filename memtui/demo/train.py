@@ -24,7 +24,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from memtui.demo.options import default_out, out_in_use, parse_args
+from memtui.demo.options import claim_out, default_out, parse_args
 
 with warnings.catch_warnings():
     # torch warns at import where NumPy is not installed; neither the demo nor memtui uses it,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     out = args.out or default_out()
-    if rank == 0 and (busy := out_in_use(out)):  # the job's other ranks share rank 0's directory
+    if rank == 0 and (busy := claim_out(out)):  # the job's other ranks share rank 0's directory
         print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
         return 2
     out.mkdir(parents=True, exist_ok=True)

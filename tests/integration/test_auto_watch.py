@@ -18,6 +18,7 @@ import pytest
 from memtui.storage import registry
 from memtui.transport.client import ControlClient
 from tests.support.cli import memtui_cli, memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, logged_subprocess, wait_for
 
 SCRIPT = """
@@ -178,10 +179,10 @@ class Script:
         """Let the script end; its exit status."""
         self.held.unlink(missing_ok=True)
         try:
-            return self.proc.wait(30)
+            return self.proc.wait(patience(30))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            return self.proc.wait(patience(10))
 
 
 @pytest.fixture

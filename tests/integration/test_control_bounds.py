@@ -41,6 +41,7 @@ from memtui.wire import (
 )
 from tests.integration import test_faults
 from tests.integration.test_faults import Victim, before, survived
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 
 pytestmark = pytest.mark.heavy
@@ -236,7 +237,7 @@ def test_big_and_foreign_subscriptions(victim: Victim) -> None:
         [sys.executable, "-c", BIG_SUBSCRIBER, victim.pub],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert big.stdout.split() == ["dropped"], big.stdout + big.stderr
     time.sleep(1.5)  # the agent wakes at least once a second

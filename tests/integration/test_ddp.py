@@ -29,6 +29,7 @@ from memtui.transport.client import ControlClient, hello_many
 from memtui.wire import Decoder, Snapshot, Telemetry
 from tests.integration.test_export import agrees, exporter, rank_labels, scraped_with
 from tests.support.cli import memtui_cli, memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.forkserver import ForkedJob
 from tests.support.processes import (
     LIGHT,
@@ -242,7 +243,7 @@ def test_a_dead_rank_does_not_hang_the_viewer(
     if isinstance(demo.proc, ForkedJob):  # no launcher ends the job: rank 0 may wait for rank 1
         demo.stop()
     else:
-        assert demo.proc.wait(60) != 0, "torchrun ends the job when a rank dies"
+        assert demo.proc.wait(patience(60)) != 0, "torchrun ends the job when a rank dies"
 
 
 MISMATCH = textwrap.dedent(
@@ -344,8 +345,8 @@ def test_stopping_memtui_demo_stops_every_rank(tmp_path: Path) -> None:
         family += psutil.Process(proc.pid).children(recursive=True)
         assert len(family) >= 3, family  # torchrun and its two ranks
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        _gone, alive = psutil.wait_procs(family, timeout=60)
+        proc.wait(patience(60))
+        _gone, alive = psutil.wait_procs(family, timeout=patience(60))
         assert not alive, f"still running after SIGTERM: {alive}\n{log.read_text()}"
     finally:
         if proc.poll() is None:

@@ -41,6 +41,7 @@ from memtui.transport.client import ControlClient
 from memtui.transport.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.forkserver import ForkedDemo
 from tests.support.processes import LIGHT, PLUMBING, ROOT, demo_run_id, launch_demo, wait_for
 
@@ -108,7 +109,7 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(15)
+                proc.wait(patience(15))
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(base, ignore_errors=True)
@@ -463,7 +464,7 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
         [sys.executable, "-c", "import sys; from memtui.tui.app import run_replay; "
          "from memtui.transport.sources import ReplaySource; "
          "print(len(ReplaySource(sys.argv[1], speed=None).recording.frames))", str(record)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True, text=True, timeout=patience(60), cwd=ROOT,
     )  # fmt: skip
     assert replay.returncode == 0 and int(replay.stdout) == len(recording.frames), replay.stderr
 

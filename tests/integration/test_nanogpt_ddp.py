@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.clock import patience
+
 pytestmark = pytest.mark.heavy
 
 SCRIPT = textwrap.dedent(
@@ -172,7 +174,7 @@ def run_job(tmp_path: Path, *config: str) -> Job:
         [*launcher, str(script), *config],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patience(180),
         cwd=tmp_path,
         env=env,
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clock import patience
 from tests.support.processes import ROOT, run_ranks
 
 pytestmark = pytest.mark.heavy
@@ -136,7 +137,7 @@ def run_job(
         [*launcher, str(script)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patience(180),
         cwd=tmp_path,
         env=env,
     )

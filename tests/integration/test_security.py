@@ -26,6 +26,7 @@ from memtui.transport.security import keygen, load_keys
 from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import (
     LIGHT,
     ROOT,
@@ -234,7 +235,7 @@ def telemetry_from(source: LiveSource, want: set[str], timeout: float = 20.0) ->
     """Poll ``source`` until telemetry from every one of ``want`` (``run/rank``) has arrived."""
     decoder = Decoder()
     seen: set[str] = set()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline and not want <= seen:
         for _rank, frame in source.poll(0.2):
             message = decoder.decode(frame)
@@ -293,7 +294,9 @@ for step in range(1, 1000000):
 
 def namespaces_permitted() -> bool:
     try:
-        probe = subprocess.run(["unshare", "-r", "--uts", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run(
+            ["unshare", "-r", "--uts", "true"], capture_output=True, timeout=patience(10)
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
@@ -355,10 +358,10 @@ def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_pat
             proc.terminate()
         for proc in procs:
             try:
-                proc.wait(30)
+                proc.wait(patience(30))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(10)
+                proc.wait(patience(10))
 
 
 def test_demo_refuses_tcp_without_keys_and_insecure_off_loopback(
@@ -437,7 +440,7 @@ def test_demo_insecure_on_loopback_publishes_plain_tcp(
         subprocess.run([*tmux, "kill-server"], capture_output=True)
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(patience(30))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(10)
+            proc.wait(patience(10))

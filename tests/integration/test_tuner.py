@@ -89,7 +89,10 @@ def test_rejections_have_reasons(tmp_path: Path) -> None:
     reply = tuner.control.queue(SetRequest(changes={"batch_size": "lots"}))
     assert not reply.ok and "must be an integer" in reply.reason
     assert [r.reason for r in tuner.control.state().rejected] == [
-        "grad_accum is not tunable in this run (the hook did not find it)",
+        "grad_accum is not tunable in this run (the config given to hooks.install holds no "
+        "grad_accum under the names memtui looks for (gradient_accumulation_steps, grad_accum, "
+        "accumulation_steps); to make it tunable, name yours: hooks.install(..., "
+        'knobs={"grad_accum": "<its name in your config>"}))',
         "batch_size must be an integer, got 'lots'",
     ]
 
