@@ -200,6 +200,9 @@ def claim_out(out: Path) -> str:
     except BlockingIOError:  # taken between the look and the lock
         os.close(fd)
         return out_in_use(out) or f"{out} is the state directory of another live demo"
+    except OSError:  # a file system without locks: the registry's look above is all there is
+        os.close(fd)
+        return ""
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _held.append(fd)
