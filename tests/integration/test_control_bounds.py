@@ -232,7 +232,7 @@ def test_big_and_foreign_subscriptions(victim: Victim) -> None:
     viewer.setsockopt(zmq.LINGER, 0)
     viewer.setsockopt(zmq.SUBSCRIBE, b"")
     viewer.connect(victim.pub)
-    assert viewer.poll(5000), "a viewer gets telemetry"
+    assert viewer.poll(int(patience(5) * 1000)), "a viewer gets telemetry"
     big = subprocess.run(
         [sys.executable, "-c", BIG_SUBSCRIBER, victim.pub],
         capture_output=True,
@@ -348,10 +348,10 @@ def test_failed_authentications_are_counted(
                 sock.curve_secretkey = stranger.client_secret
             sock.connect(rank.control_tcp)
             socks.append(sock)
-        snapshot = ControlClient(rank.control_tcp, timeout_s=5).hello(history=0)
+        snapshot = ControlClient(rank.control_tcp, timeout_s=patience(5)).hello(history=0)
 
         def failures() -> int:
-            answer = ControlClient(rank.control_tcp, timeout_s=5).hello(history=0)
+            answer = ControlClient(rank.control_tcp, timeout_s=patience(5)).hello(history=0)
             return answer.counters.auth_failures if answer.counters else 0
 
         wait_for(lambda: failures() >= 3, 20, 0.2, "three failed authentications counted")

@@ -542,10 +542,10 @@ def test_runs_that_do_not_answer_never_hold_a_scrape() -> None:
         age = value(samples, "memtui_last_seen_age_seconds", run=silent[-1])
         assert age is not None and 0 <= age < 120
         fresh = value(samples, "memtui_last_seen_age_seconds", run=answering.runs[0])
-        assert fresh is not None and fresh < 5, "an answering run was heard a moment ago"
+        assert fresh is not None and fresh < patience(5), "an answering run was heard a moment ago"
         cache_age = value(samples, "memtui_exporter_cache_age_seconds")
-        assert cache_age is not None and cache_age < 5
-    assert max(scraped.seconds) < 1.0, sorted(scraped.seconds)[-5:]
+        assert cache_age is not None and cache_age < patience(5)
+    assert max(scraped.seconds) < patience(1.0), sorted(scraped.seconds)[-5:]
     # the loop, the HTTP server, libzmq's two and one receiver per answering run, give or take
     assert max(scraped.threads) <= 16, scraped.threads
 

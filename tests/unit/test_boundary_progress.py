@@ -175,7 +175,7 @@ def test_rank_0_gives_up_at_once_on_a_rank_that_went_past() -> None:
     post(store, 1, Progress(10, micro=2, backward_s=IN_BACKWARD))
     started = time.monotonic()
     agreed, abort = coordinator(store, 0).boundary(10, CHANGE, micro=0)
-    assert time.monotonic() - started < 5, "not the 1800 s bound"
+    assert time.monotonic() - started < patience(5), "not the 1800 s bound"
     assert agreed is None
     assert abort.startswith("rank 1 went past step 10 without calling tuner.checkpoint()")
     assert store.get("b1/decision").decode() == f"abort: {abort}", "posted for every rank"
