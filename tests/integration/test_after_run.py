@@ -1,0 +1,231 @@
+"""After the run: every run leaves a summary beside its tuned config (a normal end, an
+out-of-memory error it died of, ``kill -9``), ``memtui report`` says the script's own numbers,
+``memtui compare`` judges two runs from their steps, and ``memtui check`` passes a run like its
+reference and fails a slower, hungrier one, one line per bound. Real trainings of a plain loop
+that logs its own step times and memory (``tests/support/logged_train.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.cli import memtui_cli, memtui_here
+from tests.support.processes import ROOT, DemoRun, launch_script, stop_all, wait_for
+
+pytestmark = pytest.mark.heavy
+
+SCRIPT = ROOT / "tests" / "support" / "logged_train.py"
+SUMMARY = "memtui-summary.json"
+
+
+@dataclass
+class Trained:
+    """One training of the logged loop, finished: its state dir and what it logged itself."""
+
+    state: Path
+    log: Path
+    output: Path
+    code: int
+
+    def own_steps(self) -> list[float]:
+        """The step times the script logged (its first steps left out, as the summary's)."""
+        rows = [json.loads(line) for line in self.log.read_text().splitlines()]
+        return [r["time_s"] for r in rows if "time_s" in r][3:]
+
+    def own_totals(self) -> dict[str, Any]:
+        """The script's last line: its steps and the most resident memory it read."""
+        return dict(json.loads(self.log.read_text().splitlines()[-1]))
+
+
+def train(base: Path, name: str, *args: str, wait: bool = True) -> tuple[Trained, DemoRun]:
+    """Start the logged loop with ``args`` (to its end unless not ``wait``)."""
+    work = base / name
+    work.mkdir()
+    trained = Trained(work / "state", work / "own.jsonl", work / "stdout.log", -1)
+    argv = ["--state-dir", str(trained.state), "--log", str(trained.log), *args]
+    proc = launch_script(SCRIPT, argv, dict(os.environ, PYTHONUNBUFFERED="1"), work, trained.output)
+    run = DemoRun(proc, work, trained.output)
+    if wait:
+        trained.code = run.wait_exit(120)
+    return trained, run
+
+
+def report(target: Path | str) -> dict[str, Any]:
+    """``memtui report TARGET --json``, in this process."""
+    result = memtui_here("report", str(target), "--json")
+    assert result.exit_code == 0, result.output
+    return dict(json.loads(result.stdout))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Trained]]:
+    """A reference run, the same run again, and one slower (a sleep in every step) and hungrier
+    (300 MiB more held): each about 150 steps, a sleep in each step so the time is the loop's."""
+    base = tmp_path_factory.mktemp("after")
+    found: dict[str, Trained] = {}
+    started: list[DemoRun] = []
+    try:
+        for name, extra in (
+            ("reference", ["--sleep-ms", "10"]),
+            ("again", ["--sleep-ms", "10"]),
+            ("worse", ["--sleep-ms", "25", "--extra-mib", "300"]),
+        ):
+            trained, run = train(base, name, *extra)
+            started.append(run)
+            assert trained.code == 0, trained.output.read_text()
+            found[name] = trained
+        yield found
+    finally:
+        stop_all(started)
+
+
+def test_the_report_says_the_scripts_own_steps_step_time_and_peak(
+    runs: dict[str, Trained],
+) -> None:
+    run = runs["reference"]
+    assert (run.state / SUMMARY).is_file()
+    assert (run.state / SUMMARY).stat().st_mode & 0o777 == 0o600
+    got = report(run.state)
+    own = run.own_totals()
+    assert got["ended"] == "ended"
+    assert got["time"]["steps"] == own["steps"] == 150
+    assert got["time"]["last_step"] == 150
+    own_median = statistics.median(run.own_steps())
+    # the same steps timed by two clocks a few calls apart: within a millisecond, or 10%
+    assert abs(got["time"]["step_time"]["median_s"] - own_median) <= max(1e-3, 0.1 * own_median)
+    # the hook's peak is the process's high-water mark, the script's the most it read at a step
+    assert own["peak_rss_bytes"] * 0.97 <= got["memory"]["device_peak_bytes"]
+    assert got["memory"]["device_peak_bytes"] <= own["peak_rss_bytes"] * 1.15
+    assert got["next"]["config"]["batch_size"] == 32
+    assert got["verdict"]["state"] in ("BALANCED", "UNDERUSED")
+
+
+def test_the_report_text_fits_a_screen_and_names_what_to_start_with(
+    runs: dict[str, Trained],
+) -> None:
+    result = memtui_cli("report", str(runs["reference"].state / SUMMARY))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 40, result.stdout
+    assert lines[0].startswith("run ") and " ended " in lines[0]
+    assert any(line.startswith("verdict over the run: ") for line in lines)
+    assert any(line.startswith("start the next run with: batch_size=32") for line in lines)
+
+
+def test_the_page_is_one_file_with_its_charts_inline(
+    runs: dict[str, Trained], tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    page = tmp_path / "report.html"
+    result = memtui_here("report", str(runs["reference"].state), "--html", str(page))
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert text.count("<svg") == 3  # step time, data wait, memory
+    assert not re.search(r"(src|href)=\"(https?:)?//", text)  # nothing fetched to show it
+    assert "<script" not in text
+
+
+def test_compare_calls_the_same_run_within_the_noise_and_the_worse_one_slower(
+    runs: dict[str, Trained],
+) -> None:
+    result = memtui_here(
+        "compare", str(runs["reference"].state), str(runs["worse"].state), "--json"
+    )
+    assert result.exit_code == 0, result.output
+    figures = {f["key"]: f for f in json.loads(result.stdout)["figures"]}
+    assert figures["step_time_s"]["verdict"] == "slower"
+    assert figures["step_time_s"]["p_value"] < 1e-6
+    assert figures["step_time_s"]["change"] > 0.5
+    assert figures["device_peak_bytes"]["verdict"] == "more"
+    text = memtui_here("compare", str(runs["reference"].state), str(runs["again"].state)).stdout
+    assert "step time" in text and "[" in text  # each side with its spread
+
+
+def test_check_passes_a_run_like_its_reference(runs: dict[str, Trained]) -> None:
+    result = memtui_cli(
+        "check",
+        str(runs["again"].state),
+        "--against",
+        str(runs["reference"].state / SUMMARY),
+        "--max-step-time-regression",
+        "50",
+        "--max-peak-memory-regression",
+        "20",
+        "--max-data-wait",
+        "50",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+
+
+def test_check_fails_a_slower_hungrier_run_with_one_line_per_bound(
+    runs: dict[str, Trained],
+) -> None:
+    result = memtui_cli(
+        "check",
+        str(runs["worse"].state),
+        "--against",
+        str(runs["reference"].state),
+        "--max-step-time-regression",
+        "50",
+        "--max-peak-memory-regression",
+        "20",
+        "--max-data-wait",
+        "50",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert len(failed) == 2, result.stdout
+    assert failed[0].startswith("FAIL step time: ") and "over the +50% allowed" in failed[0]
+    assert failed[1].startswith("FAIL peak memory: ") and "over the +20% allowed" in failed[1]
+    assert any(line.startswith("ok data wait: ") for line in result.stdout.splitlines())
+
+
+def test_a_run_that_dies_out_of_memory_says_so_and_starts_the_next_from_its_safe_config(
+    tmp_path: Path,
+) -> None:
+    trained, _run = train(tmp_path, "oom", "--oom-at", "40")
+    assert trained.code != 0
+    got = report(trained.state)
+    assert got["ended"] == "out of memory"
+    assert got["ooms"] and not got["ooms"][-1].get("rolled_back", False)
+    assert got["time"]["last_step"] == 39
+    assert "safe config" in got["next"]["source"]
+
+
+def test_a_run_killed_hard_keeps_its_last_periodic_summary(tmp_path: Path) -> None:
+    trained, run = train(tmp_path, "killed", "--steps", "100000", wait=False)
+    summary = trained.state / SUMMARY
+    try:
+        wait_for(summary.is_file, 60, 0.2, "the first periodic summary")
+        live = report(run.run_id or _run_id(trained))
+        assert live["live"] and live["ended"] == "" and live["time"]["steps"] > 0
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.wait_exit(30)
+    finally:
+        stop_all([run])
+    got = report(trained.state)
+    assert got["ended"] == ""
+    assert "stopped without its last summary" in got["note"]
+    assert got["time"]["steps"] > 0
+
+
+def _run_id(trained: Trained) -> str:
+    """The run id the logged loop printed."""
+
+    def found() -> str | None:
+        for line in trained.output.read_text().splitlines():
+            if line.startswith("run "):
+                return line.split()[1]
+        return None
+
+    return str(wait_for(found, 60, 0.1, "the run id"))
