@@ -245,7 +245,9 @@ def check(summary: RunSummary, bounds: Bounds, reference: RunSummary | None) -> 
 def _step_time(figure: Figure | None, allowed: float) -> Checked:
     name = "step time"
     if figure is None or figure.change is None or not figure.judged:
-        why = figure.note or figure.verdict if figure is not None else "no reference"
+        why = "no reference"
+        if figure is not None:
+            why = f"{figure.verdict}: {figure.note}" if figure.note else figure.verdict
         return Checked(name, False, f"step time: not compared ({why})")
     assert figure.first is not None and figure.second is not None
     words = (

@@ -254,7 +254,8 @@ class SummaryBuilder:
             return
         found = assess(snapshot, None, thresholds)
         state = STATE_NAMES[found.verdict.state]
-        since = self._last_look if self._last_look is not None else (self.origin or now)
+        since = self._last_look if self._last_look is not None else self.origin
+        since = now if since is None else since
         self._last_look = now
         self.verdict_seconds[state] = self.verdict_seconds.get(state, 0.0) + max(0.0, now - since)
         step = snapshot.steps[-1].step

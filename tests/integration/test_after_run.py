@@ -46,13 +46,16 @@ class Trained:
         return dict(json.loads(self.log.read_text().splitlines()[-1]))
 
 
-def train(base: Path, name: str, *args: str, wait: bool = True) -> tuple[Trained, DemoRun]:
+def train(
+    base: Path, name: str, *args: str, wait: bool = True, env: dict[str, str] | None = None
+) -> tuple[Trained, DemoRun]:
     """Start the logged loop with ``args`` (to its end unless not ``wait``)."""
     work = base / name
     work.mkdir()
     trained = Trained(work / "state", work / "own.jsonl", work / "stdout.log", -1)
     argv = ["--state-dir", str(trained.state), "--log", str(trained.log), *args]
-    proc = launch_script(SCRIPT, argv, dict(os.environ, PYTHONUNBUFFERED="1"), work, trained.output)
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = launch_script(SCRIPT, argv, environ, work, trained.output)
     run = DemoRun(proc, work, trained.output)
     if wait:
         trained.code = run.wait_exit(120)
@@ -79,7 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Trained
             ("again", ["--sleep-ms", "10"]),
             ("worse", ["--sleep-ms", "25", "--extra-mib", "300"]),
         ):
-            trained, run = train(base, name, *extra)
+            record = {"MEMTUI_RECORD": str(base / "reference.mtrec")} if name == "reference" else {}
+            trained, run = train(base, name, *extra, env=record)
             started.append(run)
             assert trained.code == 0, trained.output.read_text()
             found[name] = trained
@@ -107,6 +111,19 @@ def test_the_report_says_the_scripts_own_steps_step_time_and_peak(
     assert got["memory"]["device_peak_bytes"] <= own["peak_rss_bytes"] * 1.15
     assert got["next"]["config"]["batch_size"] == 32
     assert got["verdict"]["state"] in ("BALANCED", "UNDERUSED")
+
+
+def test_a_recording_of_the_run_says_what_its_summary_says(runs: dict[str, Trained]) -> None:
+    """The summary the hook wrote and the one ``memtui report`` builds from the run's recording
+    come from one builder over the same steps and samples."""
+    written = report(runs["reference"].state)
+    replayed = report(runs["reference"].state.parent.parent / "reference.mtrec")
+    for key in ("steps", "first_step", "last_step"):
+        assert replayed["time"][key] == written["time"][key]
+    assert replayed["time"]["training_s"] == pytest.approx(written["time"]["training_s"])
+    assert replayed["time"]["step_time"] == written["time"]["step_time"]
+    assert replayed["memory"]["device_peak_bytes"] == written["memory"]["device_peak_bytes"]
+    assert replayed["next"]["config"] == written["next"]["config"]
 
 
 def test_the_report_text_fits_a_screen_and_names_what_to_start_with(
