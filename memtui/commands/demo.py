@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import click
 
 from memtui.commands.common import fail
 
-if TYPE_CHECKING:
-    pass
-
-
 DEMO_USAGE = "memtui demo [--no-tui] [--ranks N] [--dry-run] [TRAINING OPTIONS] (see --help)"
+TRAINING_OPTIONS = "Training options (passed to python -m memtui.demo)"
+"""The heading of the training's options in ``--help`` (and in the command line reference)."""
 
 
 class _DemoCommand(click.Command):
@@ -23,19 +20,10 @@ class _DemoCommand(click.Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_options(ctx, formatter)
-        from memtui.demo.options import build_parser
+        from memtui.demo.options import option_rows
 
-        rows = []
-        # argparse lists a parser's actions only through _actions (no public accessor)
-        for action in build_parser()._actions:  # noqa: SLF001
-            if not action.option_strings or action.dest == "help":
-                continue
-            names = "/".join(action.option_strings)
-            if action.nargs != 0:
-                names += f" {action.metavar or action.dest.upper()}"
-            rows.append((names, action.help or ""))
-        with formatter.section("Training options (passed to python -m memtui.demo)"):
-            formatter.write_dl(rows)
+        with formatter.section(TRAINING_OPTIONS):
+            formatter.write_dl(option_rows())
 
 
 @click.command(

@@ -301,7 +301,10 @@ def resolve(
     the note); a change that changes nothing is refused."""
     for knob in changes:
         if knob not in tunable:
-            why = (why_not or {}).get(knob) or "the hook did not find it"
+            why = (why_not or {}).get(knob) or (
+                "the run found no value of it; to make it tunable, keep it in the config given "
+                "to hooks.install, or name it there with knobs="
+            )
             raise KnobError(f"{knob} is not tunable in this run ({why})")
     resolved = dict(changes)
     note = ""

@@ -27,7 +27,7 @@ from typing import Any
 
 from memtui.core.stats import one_line
 from memtui.demo.launcher import out_dir
-from memtui.demo.options import default_out, out_in_use, parse_args
+from memtui.demo.options import claim_out, default_out, parse_args
 from memtui.storage import ownfiles
 
 with warnings.catch_warnings():
@@ -156,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     out = args.out or default_out()
-    if rank == 0 and (busy := out_in_use(out)):  # the job's other ranks share rank 0's directory
-        print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
-        return 2
     try:
         out_dir(out)
     except OSError as exc:
         print(f"memtui demo: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0 and (busy := claim_out(out)):  # the job's other ranks share rank 0's directory
+        print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
         return 2
     ckpt_path = out / "checkpoint.pt"
     if rank == 0:

@@ -452,15 +452,19 @@ def _is_training_loader(loader: Any) -> bool:
 
 BATCH_IN_CODE = (
     "memtui run cannot change a plain loop's batch size or accumulation: the loop's own code sets "
-    "them; the plain-loop guide's lines make them tunable"
+    "them; to make them tunable, add the plain-loop guide's lines"
 )
 NO_LOADER = (
     "memtui run saw no DataLoader feeding this loop's optimizer steps (the loop draws its batches "
-    "itself)"
+    "itself); to make them tunable, feed the loop from a torch DataLoader, or add the "
+    "plain-loop guide's lines (tuner.loader(factory), or tuner.timed_batches for a get_batch "
+    "loop)"
 )
 ITERABLE = (
     "the training DataLoader reads an IterableDataset, which splits its data between workers "
-    "itself (or repeats it in each): memtui cannot tell which, so it keeps the script's workers"
+    "itself (or repeats it in each): memtui cannot tell which, so it keeps the script's workers; "
+    "to make them tunable, build that loader with tuner.loader(factory) (the plain-loop guide's "
+    "lines): your dataset then splits its data as it does for any number of workers"
 )
 WHEN = "the training DataLoader's next epoch"
 WHEN_SAVED = (

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.core.knobs import (
+    CONFIG_ALIASES,
     KNOBS,
     KnobError,
     as_dict,
@@ -65,6 +66,19 @@ def _parsed(knob: str, value: Any) -> tuple[KnobValue | None, str]:
         return None, str(exc)
 
 
+def not_found(knob: str, like: list[str]) -> str:
+    """Why ``knob`` is not tunable where the config given to ``hooks.install`` does not hold it,
+    and how to make it tunable (``like``: the config's names that look like it)."""
+    looked = ", ".join(CONFIG_ALIASES[knob])
+    name = like[0] if like else "<its name in your config>"
+    loader = "build the training loader with tuner.loader(factory), or " * (knob in LOADER_KNOBS)
+    return (
+        f"the config given to hooks.install holds no {knob} under the names memtui looks for "
+        f"({looked}); to make it tunable, {loader}name yours: hooks.install(..., "
+        f'knobs={{"{knob}": "{name}"}})'
+    )
+
+
 class KnobStore:
     """The current knob values, the tunable set, and the config object they are written into."""
 
@@ -81,12 +95,18 @@ class KnobStore:
         """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
         code as they are (torch says what is wrong with them), and not tunable."""
         self.why_not: dict[str, str] = {
-            knob: f"{knob}={shown(value)} in your config is not a value memtui can use"
+            knob: f"{knob}={shown(value)} in your config is not a value memtui can use "
+            f"({parsed[knob][1]}); to make it tunable, give it one"
             for knob, value in self.untunable.items()
         }
-        """Why each knob this run cannot change is not tunable, in the user's words, by knob:
-        written by whoever knows (the store, an adapter, the no-code watch), shown by the
-        viewer and ``memtui status`` and said when a change of it is refused."""
+        """Why each knob this run cannot change is not tunable, and how to make it tunable, in
+        the user's words, by knob: written by whoever knows (the store, an adapter, the no-code
+        watch), shown by the viewer and ``memtui status`` and said when a change of it is
+        refused. A knob the config does not hold starts with ``not_found``'s reason; it is shown
+        only while the knob has no value (a loader built by ``tuner.loader`` gives it one)."""
+        for knob in KNOBS:
+            if not self.binding.has(knob):
+                self.why_not[knob] = not_found(knob, self.binding.names_like(knob))
         for knob, value in self.untunable.items():
             log.warning(
                 "memtui: %s=%s in your config is not a value memtui can use (%s); it is passed to "

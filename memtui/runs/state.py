@@ -593,8 +593,12 @@ class RunState:
 
     def add_notice(self, notice: Notice) -> None:
         """Keep a line for the operator (shown in the change log), timed by the clock now if it
-        has no time of its own."""
+        has no time of its own; a change this viewer queued is remembered as its own."""
         self.notices.append(notice if notice.time else dataclasses.replace(notice, time=self.clock))
+        if notice.queued:
+            self.queued_by[notice.queued] = own_client()
+            while len(self.queued_by) > QUEUED_BY:
+                del self.queued_by[next(iter(self.queued_by))]
         self.control_version += 1
 
     def set_connection(self, event: ConnectionEvent) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from memtui.hooks import auto
 from tests.support.cli import memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, logged_subprocess, wait_for
 
 SCRIPT = """
@@ -169,10 +170,10 @@ class Training:
         """Release the script; its exit status."""
         self.hold.unlink(missing_ok=True)
         try:
-            return self.proc.wait(60)
+            return self.proc.wait(patience(60))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            return self.proc.wait(patience(10))
 
 
 def _audit(base: Path) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 
 from memtui.launch.run import BOOT_DIR, command_environment, unwatched_python
+from tests.support.clock import patience
 
 WARNING = "memtui: not watching this process ("
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ class Launch:
             cwd=self.dir,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=patience(120),
         )
 
     def activations(self) -> list[str]:
@@ -158,7 +159,7 @@ def test_a_signal_to_memtui_run_reaches_the_script(
         assert process.stdout is not None
         assert int(process.stdout.readline()) == process.pid, "the command replaced memtui run"
         process.send_signal(sent)
-        rest, _ = process.communicate(timeout=30)
+        rest, _ = process.communicate(timeout=patience(30))
     assert rest == f"{handled}\n"
     assert process.returncode == (7 if sent == signal.SIGTERM else 8)
 
@@ -169,7 +170,10 @@ def test_a_missing_command_is_one_line_and_exit_127(launch: Launch) -> None:
     assert missing.returncode == 127
     assert missing.stderr == "memtui: no-such-command-here: command not found\n"
     none = subprocess.run(
-        [sys.executable, "-m", "memtui", "run"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "memtui", "run"],
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
     )
     assert none.returncode == 2 and "memtui run -- python train.py" in none.stderr
 
@@ -200,7 +204,7 @@ def test_options_before_the_command_are_memtuis_and_after_it_the_commands(
         env=launch.environment(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert result.stdout == "exp ['--name', 'other']\n", result.stderr
 

@@ -3,9 +3,11 @@ the one Prediction, each through its public methods (no threads, no sockets, no 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -178,6 +180,104 @@ def test_a_change_pending_when_the_run_ends_is_recorded_and_audited(tmp_path: Pa
     assert control.close() == [], "said once"
     late = control.queue(SetRequest(changes={"num_workers": 3}))
     assert not late.ok and "the run has ended" in late.reason
+
+
+HOW = re.compile(r"; to make (it|them) tunable, \S")
+"""How a reason that a knob is not tunable says what makes it tunable."""
+
+
+def test_a_knob_the_config_does_not_hold_says_how_to_make_it_tunable() -> None:
+    """A config without ``grad_accum`` (under a name memtui does not look for): the refusal says
+    to name it with ``knobs=``, with the config's own name for it; a loader knob also names
+    ``tuner.loader(factory)``; a value memtui cannot use says to give it one."""
+    config = SimpleNamespace(batch_size=8, accum_steps=4, num_workers=-1)
+    store = KnobStore(config, None, ErrorLog().report)
+    with pytest.raises(KnobError) as refused:
+        store.check({"grad_accum": 2})
+    assert str(refused.value) == (
+        "grad_accum is not tunable in this run: the config given to hooks.install holds no "
+        "grad_accum under the names memtui looks for (gradient_accumulation_steps, grad_accum, "
+        "accumulation_steps); to make it tunable, name yours: hooks.install(..., "
+        'knobs={"grad_accum": "accum_steps"})'
+    )
+    reasons = store.untunable_reasons()
+    assert set(reasons) == {"grad_accum", "num_workers", "pin_memory", "prefetch_factor"}
+    assert all(HOW.search(why) for why in reasons.values()), reasons
+    assert "tuner.loader(factory)" in reasons["pin_memory"]
+    assert reasons["num_workers"] == (
+        "num_workers=-1 in your config is not a value memtui can use (num_workers must be 0 or "
+        "more, got -1); to make it tunable, give it one"
+    )
+
+
+def test_every_reason_a_knob_is_not_tunable_says_how_to_make_it_tunable() -> None:
+    """Each reason the hook gives (the no-code watch's, Accelerate's, a loader Lightning cannot
+    have rebuilt, the queue's last resort) says what makes the knob tunable; every call that
+    records a reason in the hook passes one that says it, or one of those."""
+    import ast
+    import inspect
+
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, Sampler, TensorDataset
+
+    from memtui.core.knobs import resolve
+    from memtui.hooks import auto, rebuild
+    from memtui.hooks.adapters import accelerate, lightning
+
+    data = TensorDataset(torch.arange(10))
+
+    class Mine(DataLoader):  # type: ignore[type-arg]
+        """A loader class of the script's own."""
+
+    class Endless(Sampler):  # type: ignore[type-arg]
+        """A sampler with no length."""
+
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+    class Pairs(BatchSampler):
+        """A batch sampler of the script's own."""
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        """A dataset read as a stream."""
+
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+    unrebuilt = [
+        [torch.zeros(2)],
+        Mine(data, batch_size=2),
+        DataLoader(Stream(), batch_size=2),
+        DataLoader(data, batch_size=None),
+        DataLoader(data, batch_sampler=Pairs(range(10), 2, False)),
+        DataLoader(data, batch_size=2, sampler=Endless()),
+    ]
+    reasons = [rebuild.why_not_rebuilt(loader) for loader in unrebuilt]
+    reasons += [auto.BATCH_IN_CODE, auto.NO_LOADER, auto.ITERABLE, accelerate.OWN_COUNT]
+    with pytest.raises(KnobError) as refused:
+        resolve({"grad_accum": 2}, Knobs(batch_size=8), ["batch_size"])
+    reasons.append(str(refused.value))
+    wrong = [why for why in reasons if not HOW.search(why)]
+    assert not wrong, wrong
+
+    # every reason recorded in the hook: a literal says it, a name is one of those above
+    said = {"BATCH_IN_CODE", "NO_LOADER", "ITERABLE", "OWN_COUNT", "why"}
+    recorders = {"refuse": 1, "withdraw": 1, "_refuse_loader_knobs": 0}
+    found = 0
+    for module in (auto, accelerate, lightning, rebuild):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            where = recorders.get(node.func.attr)
+            if where is None or len(node.args) <= where:
+                continue  # Control.withdraw(origin): the autopilot's changes, not a knob
+            reason = node.args[where]
+            found += 1
+            if isinstance(reason, ast.Name):
+                assert reason.id in said, ast.unparse(node)
+            else:
+                assert HOW.search(ast.unparse(reason)), ast.unparse(node)
+    assert found >= 8, found
 
 
 def test_the_memory_models_window_restarts_when_the_workers_change() -> None:

@@ -68,7 +68,7 @@ from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.batches import batch_samples, missed_once
 from memtui.hooks.knobstore import LOADER_KNOBS, loader_values
 from memtui.hooks.loader import TunedLoader
-from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
+from memtui.hooks.rebuild import OWN_LOADER, rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
@@ -160,7 +160,8 @@ class LightningAdapter:
         load_states = getattr(loop, "_load_combined_loader_states", None)  # Lightning's
         if load_states is None:
             self._refuse_loader_knobs(
-                "this Lightning version sets its training loader up where memtui cannot reach it"
+                "this Lightning version sets its training loader up where memtui cannot reach it; "
+                f"to make them tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
             )
             return
 
@@ -188,7 +189,8 @@ class LightningAdapter:
             previous.close()
         if len(loaders) != 1:
             self._refuse_loader_knobs(
-                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single one"
+                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single "
+                "one; to make them tunable, train on one loader"
             )
             return
         own = loaders[0]
@@ -201,7 +203,10 @@ class LightningAdapter:
             loader = self.tuner.loader(rebuild_factory(own))
         except Exception as exc:  # torch refused the loader's own arguments: it stays the script's
             self.tuner.report(exc, "lightning training loader")
-            self._refuse_loader_knobs(f"memtui could not rebuild the training DataLoader ({exc})")
+            self._refuse_loader_knobs(
+                f"memtui could not rebuild the training DataLoader ({exc}); to make them "
+                f"tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
+            )
             return
         loader.shard = (0, 1)  # Lightning's sampler (distributed under DDP) gives each rank its own
         limits = combined.limits

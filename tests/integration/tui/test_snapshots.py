@@ -17,6 +17,7 @@ import pytest
 from textual.pilot import Pilot
 
 from memtui.tui.app import MemtuiApp
+from tests.support.processes import ROOT
 from tests.support.viewer import (
     ADVICE,
     AUTOPILOT,
@@ -160,3 +161,18 @@ def test_the_autopilot_snapshot_shows_its_line_and_its_own_change() -> None:
         text = "\n".join(svg_lines(stored.read_text(encoding="utf-8")))
         assert "autopilot on: measuring num_workers=2" in text, text
         assert "num_workers 1 → 2  #2  by the autopilot" in text, text
+
+
+def test_the_viewer_guide_says_which_lines_wrap_and_which_are_cut() -> None:
+    """The stored snapshots: at 120 columns a recommendation longer than its panel is cut with
+    ``…``; in the side pane the top recommendation wraps between its parts, never cut. The
+    viewer guide says both."""
+    cut = []
+    for size in SIZES:
+        for svg in sorted(SNAPSHOTS.glob(f"test_snapshot[[]*-{size}].svg")):
+            lines = svg_lines(svg.read_text(encoding="utf-8"))
+            cut += [(size, line) for line in lines if re.search(r"│ 1\. .*…\s*│$", line)]
+    assert cut and all(size == "wide" for size, _ in cut), cut
+    guide = " ".join((ROOT / "docs" / "guides" / "viewer.md").read_text().split())
+    assert "a line longer than its panel is cut with `…`" in guide
+    assert "the top recommendation wrap between their parts" in guide
