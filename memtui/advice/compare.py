@@ -70,7 +70,9 @@ class Figure:
     p_value: float | None
     """The rank test's two-sided p-value (None for a peak)."""
     verdict: str
-    """``faster``, ``slower``, ``more``, ``less``, ``within the noise``, or why it is not judged."""
+    """``faster``, ``slower`` (step time, samples/s), ``less``, ``more`` (data wait, peaks),
+    ``within the noise``, ``no clear change`` (the steps' spread differs, their median does not),
+    or why it is not judged."""
     note: str = ""
 
     @property
@@ -79,6 +81,9 @@ class Figure:
         return self.change is not None and self.verdict not in NOT_JUDGED
 
 
+SPREAD_ONLY = "no clear change"
+"""The rank test tells the two runs' steps apart, but the medians' 95% interval holds no change:
+neither is called faster or slower."""
 NOT_MEASURED = "not measured"
 TOO_FEW = "too few steps"
 NOT_JUDGED = (NOT_MEASURED, TOO_FEW)
@@ -91,8 +96,10 @@ def _per_step(
     second: RunSummary,
     value: Callable[[KeptStep], float | None],
     higher_is_faster: bool = False,
+    words: tuple[str, str] = ("faster", "slower"),
 ) -> Figure:
-    """A figure judged from the kept steps' values (None: a step without it)."""
+    """A figure judged from the kept steps' values (None: a step without it); ``words``: the
+    verdict for the second run better, then worse."""
     a = [v for v in map(value, first.kept) if v is not None]
     b = [v for v in map(value, second.kept) if v is not None]
     one, two = spread_of(a), spread_of(b)
@@ -106,16 +113,21 @@ def _per_step(
     change = _ratio(two.median, one.median)
     low = _ratio(two.low, one.high)
     high = _ratio(two.high, one.low)
+    note = ""
     if test.p_value >= SIGNIFICANCE:
         verdict = "within the noise"
     else:
         larger = test.superiority > 0.5
-        verdict = (
-            ("faster" if larger else "slower")
-            if higher_is_faster
-            else ("slower" if larger else "faster")
-        )
-    return Figure(key, name, unit, one, two, change, low, high, test.p_value, verdict)
+        bound = low if larger else high
+        if bound is not None and (bound <= 0 if larger else bound >= 0):
+            # the steps differ in shape (a run that changed speed halfway, one spread wider)
+            # while the medians' interval holds no change: neither run is the faster
+            verdict = SPREAD_ONLY
+            note = f"the steps' spread differs, p={test.p_value:.2g}; their median does not"
+        else:
+            better, worse = words
+            verdict = better if larger == higher_is_faster else worse
+    return Figure(key, name, unit, one, two, change, low, high, test.p_value, verdict, note)
 
 
 def _ratio(new: float, old: float) -> float | None:
@@ -171,6 +183,7 @@ def compare(first: RunSummary, second: RunSummary) -> list[Figure]:
             first,
             second,
             lambda k: k.data_wait_s if waits else None,
+            words=("less", "more"),
         ),
         _per_step(
             "samples_per_s",

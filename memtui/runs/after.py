@@ -645,10 +645,12 @@ def render_compare(report: CompareReport) -> str:
             if f.change_low is not None and f.change_high is not None:
                 change += f" ({f.change_low:+.0%}..{f.change_high:+.0%})"
         verdict = f.verdict
-        if f.p_value is not None and f.verdict not in ("within the noise",):
-            verdict += f" (p={f.p_value:.2g})"
-        elif f.note and f.verdict != "within the noise":
+        if f.verdict == "within the noise":
+            pass
+        elif f.note:
             verdict += f" ({f.note})"
+        elif f.p_value is not None:
+            verdict += f" (p={f.p_value:.2g})"
         rows.append((f.name, _side(f.unit, f.first), _side(f.unit, f.second), change, verdict))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:

@@ -181,6 +181,31 @@ def test_two_means_apart_but_one_outlier_are_not_called_slower() -> None:
     assert {f.key: f for f in compare(a, b)}["step_time_s"].verdict == "within the noise"
 
 
+def test_steps_that_differ_in_spread_but_not_in_median_are_no_clear_change() -> None:
+    """A run that sped up halfway (60% of its steps at 100 ms, then 40% at 30 ms) against one
+    whose steps spread around 95 ms: the rank test tells them apart, but neither median is
+    the slower, so neither run is called slower or faster."""
+    rng = random.Random(7)
+    halves = [0.1 * (1 + rng.uniform(-0.05, 0.05)) for _ in range(600)]
+    halves += [0.03 * (1 + rng.uniform(-0.05, 0.05)) for _ in range(400)]
+    wide = [0.097 * (1 + rng.uniform(-0.4, 0.4)) for _ in range(1000)]
+
+    def summary(times: list[float]) -> RunSummary:
+        end, raw = 1000.0, []
+        for number, took in enumerate(times, 1):
+            end += took
+            raw.append((number, end, took, 0.001, 16, 1, 0))
+        return summary_of(raw)
+
+    figure = {f.key: f for f in compare(summary(halves), summary(wide))}["step_time_s"]
+    assert figure.p_value is not None and figure.p_value < 0.05
+    assert figure.verdict == "no clear change", figure
+    assert figure.change_low is not None and figure.change_low < 0
+    assert figure.change_high is not None and figure.change_high > 0
+    assert "spread differs" in figure.note
+    assert check(summary(wide), Bounds(step_time_regression=0.0), summary(halves))[0].passed
+
+
 def test_peaks_are_judged_against_their_own_noise() -> None:
     base = summary_of(steps(600), peak=1 << 30)
     close = summary_of(steps(600, seed=2), peak=(1 << 30) + (1 << 20))
