@@ -6,12 +6,6 @@ import click
 
 from memtui.commands.common import TIMEOUT_HELP, fail
 
-TARGET_HELP = (
-    "RUN: a live run (id, prefix, pid), a finished run's id or prefix in the state home, its "
-    "state directory, its summary file (memtui-summary.json) or a recording (.mtrec); without "
-    "it, the newest live run, else the newest summary."
-)
-
 
 @click.command("report")
 @click.argument("run", required=False)

@@ -9,16 +9,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import statistics
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from tests.support import clock
 from tests.support.cli import memtui_cli, memtui_here
+from tests.support.clock import patience
 from tests.support.processes import ROOT, DemoRun, launch_script, stop_all, wait_for
 
 pytestmark = pytest.mark.heavy
@@ -72,7 +79,8 @@ def report(target: Path | str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Trained]]:
     """A reference run, the same run again, and one slower (a sleep in every step) and hungrier
-    (300 MiB more held): each about 150 steps, a sleep in each step so the time is the loop's."""
+    (300 MiB more held): each about 150 steps, a sleep in each step so the time is the loop's,
+    the three at once so that the machine's load weighs on each alike."""
     base = tmp_path_factory.mktemp("after")
     found: dict[str, Trained] = {}
     started: list[DemoRun] = []
@@ -83,10 +91,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Trained
             ("worse", ["--sleep-ms", "25", "--extra-mib", "300"]),
         ):
             record = {"MEMTUI_RECORD": str(base / "reference.mtrec")} if name == "reference" else {}
-            trained, run = train(base, name, *extra, env=record)
+            trained, run = train(base, name, *extra, wait=False, env=record)
             started.append(run)
-            assert trained.code == 0, trained.output.read_text()
             found[name] = trained
+        for trained, run in zip(found.values(), started, strict=True):
+            trained.code = run.wait_exit(120)
+            assert trained.code == 0, trained.output.read_text()
         yield found
     finally:
         stop_all(started)
@@ -246,3 +256,86 @@ def _run_id(trained: Trained) -> str:
         return None
 
     return str(wait_for(found, 60, 0.1, "the run id"))
+
+
+# ---------------------------------------------------------------------------- the CI step
+
+GUIDE = "docs/guides/after-the-run.md"
+CI_TRAIN = ROOT / "tests" / "support" / "ci_train.py"
+
+
+def documented_ci_step() -> list[str]:
+    """The command lines of the guide's GitHub Actions step that gates on ``memtui check``
+    (a line continued with a backslash joined to the next)."""
+    from tests.integration.test_docs import blocks
+
+    for block in blocks():
+        if block.page != GUIDE or block.lang != "yaml":
+            continue
+        for step in yaml.safe_load(block.body):
+            script = step.get("run", "")
+            if "memtui check" in script:
+                return [line.strip() for line in script.replace("\\\n", " ").splitlines()]
+    pytest.fail(f"{GUIDE} has no GitHub Actions step that runs memtui check")
+
+
+def option(line: str, name: str) -> str:
+    """The value of option ``name`` on a command line."""
+    words = shlex.split(line)
+    return words[words.index(name) + 1]
+
+
+def test_the_documented_ci_step_passes_a_run_like_its_reference_and_fails_a_slower_one(
+    tmp_path: Path,
+) -> None:
+    """The guide's step, as written, on a short plain loop with no line of memtui's: its
+    ``memtui run`` line in three checkouts at once (the reference, the same code, and code whose
+    steps sleep twice as long and which holds 300 MiB more), the reference's summary kept where
+    the step reads it, then its ``memtui check`` line: exit 0 for the same code, 1 for the worse,
+    one ``FAIL`` line for each bound it broke."""
+    train_line, gate_line = documented_ci_step()
+    assert train_line.startswith("memtui run ") and gate_line.startswith("memtui check ")
+    state, reference = option(train_line, "--state-dir"), option(gate_line, "--against")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    worse = {"CI_TRAIN_SLEEP_MS": "40", "CI_TRAIN_EXTRA_MIB": "300"}
+    checkouts: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, extra in (("reference", {}), ("same", {}), ("worse", worse)):
+            (tmp_path / name).mkdir()
+            shutil.copyfile(CI_TRAIN, tmp_path / name / "train.py")
+            checkouts[name] = subprocess.Popen(
+                ["bash", "-e", "-c", train_line],
+                cwd=tmp_path / name,
+                env={**env, **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        for name, proc in checkouts.items():
+            out, _ = proc.communicate(timeout=patience(120))
+            assert proc.returncode == 0, f"{name}: {out}"
+    finally:
+        for proc in checkouts.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    kept = tmp_path / "reference" / state / SUMMARY
+    gates = {}
+    for name in ("same", "worse"):
+        (tmp_path / name / reference).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(kept, tmp_path / name / reference)
+        gates[name] = clock.run(
+            ["bash", "-e", "-c", gate_line],
+            cwd=tmp_path / name,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    same, slower = gates["same"], gates["worse"]
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "FAIL" not in same.stdout
+    assert slower.returncode == 1, slower.stdout + slower.stderr
+    failed = [line for line in slower.stdout.splitlines() if line.startswith("FAIL ")]
+    assert [line.split(":")[0] for line in failed] == ["FAIL step time", "FAIL peak memory"]
+    assert any(line.startswith("ok data wait: ") for line in slower.stdout.splitlines())
