@@ -13,6 +13,7 @@ import io
 import time
 from typing import TYPE_CHECKING, Any
 
+from memtui.core.knobs import format_value
 from memtui.core.stats import format_bytes
 from memtui.runs.after import AfterReport, render_after
 from memtui.wire import RunSummary
@@ -61,7 +62,9 @@ def _mark_changes(axes: Any, summary: RunSummary) -> None:
         x = _minutes(summary, change.time)
         colour = "#d62728" if change.rollback else "#2ca02c"
         axes.axvline(x, color=colour, linestyle="--", linewidth=1)
-        words = ", ".join(f"{k} {d.old}->{d.new}" for k, d in change.changes.items())
+        words = ", ".join(
+            f"{k} {format_value(d.old)}->{format_value(d.new)}" for k, d in change.changes.items()
+        )
         axes.annotate(
             words or "rollback",
             (x, 1.0),

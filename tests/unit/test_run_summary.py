@@ -344,3 +344,35 @@ def test_the_starving_demo_went_from_starved_to_balanced_and_keeps_its_workers()
     assert report.next.tuned_path.endswith("memtui-tuned.yaml")
     assert "--workers" in report.next.command and "4" in report.next.command
     assert "num_workers: 4" in report.next.yaml
+
+
+def test_the_page_marks_each_change_and_rollback_on_its_charts() -> None:
+    """The advice demo's page: its three charts inline, the operator's two changes and the
+    rollback after the out-of-memory error marked on them, the memory chart's limit line."""
+    pytest.importorskip("matplotlib")
+    from memtui.runs.page import render_page
+
+    found = read_recording_summary(DATA / "demo_advice.mtrec")
+    page = render_page(build_after(found), found.summary)
+    assert page.count("<svg") == 3
+    # each chart's labels, as matplotlib names its drawn text (escaped) in the SVG
+    assert page.count("<!-- batch_size 22-&gt;8 -->") == 3  # the rollback
+    assert page.count("<!-- batch_size 4-&gt;8 -->") == 3
+    assert "limit 900 MiB" in page
+
+
+def test_the_page_without_matplotlib_is_one_line_that_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sys
+
+    from tests.support.cli import memtui_here
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # an import of it fails
+    page = tmp_path / "report.html"
+    result = memtui_here("report", str(DATA / "demo_starving.mtrec"), "--html", str(page))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "memtui: --html draws its charts with matplotlib: pip install 'memtui[report]'"
+    ]
+    assert not page.exists()
