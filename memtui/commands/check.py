@@ -29,8 +29,8 @@ PERCENT = click.FloatRange(min=0.0)
     "--max-peak-memory",
     type=PERCENT,
     metavar="PCT",
-    help="Fail if the device peak takes more than PCT percent of the device's memory (on the "
-    "CPU: of the memory limit).",
+    help="Fail if the device peak takes more than PCT percent of the device's memory (a CPU "
+    "run: of its memory limit, else of the RAM).",
 )
 @click.option(
     "--max-peak-memory-regression",
