@@ -14,7 +14,8 @@ from memtui.commands.common import TIMEOUT_HELP, fail
 @click.option("--timeout", default=3.0, show_default=True, help=TIMEOUT_HELP)
 def compare_command(first: str, second: str, as_json: bool, timeout: float) -> None:
     """Compare run SECOND against run FIRST: step time, data wait, samples/s and peaks side by
-    side with their spread, each judged faster, slower or within the noise from the runs' steps.
+    side with their spread, each judged from the runs' steps: faster or slower (less or more),
+    within the noise, or no clear change.
 
     FIRST and SECOND: each a live run, a finished run's id, its state directory, its summary
     file or a recording, as `memtui report` takes them.
