@@ -514,11 +514,36 @@ def _next_lines(report: AfterReport) -> list[str]:
     return lines
 
 
+MAX_RANK_LINES = 8
+"""Ranks the text lists at most (rank 0, the slowest, the hungriest): ``--json`` has every one."""
+
+
+def shown_ranks(ranks: Sequence[RankFigures]) -> list[RankFigures]:
+    """The ranks the text lists, in rank order: every one up to ``MAX_RANK_LINES``, else rank 0,
+    then the slowest steps and the highest peaks, in turn."""
+    if len(ranks) <= MAX_RANK_LINES:
+        return list(ranks)
+    slowest = sorted(ranks, key=lambda r: -r.step_time_s)
+    hungriest = sorted(ranks, key=lambda r: -r.device_peak_bytes)
+    chosen = {ranks[0].rank: ranks[0]}
+    for pair in zip(slowest, hungriest, strict=True):
+        for rank in pair:
+            if len(chosen) < MAX_RANK_LINES:
+                chosen.setdefault(rank.rank, rank)
+    return [chosen[r] for r in sorted(chosen)]
+
+
 def _rank_lines(report: AfterReport) -> list[str]:
     if len(report.ranks) < 2:
         return []
+    shown = shown_ranks(report.ranks)
     lines = ["rank  steps  step time  data wait  samples/s  peak mem"]
-    for r in report.ranks:
+    if len(shown) < len(report.ranks):
+        lines[0] += (
+            f"  ({len(shown)} of {len(report.ranks)} ranks: rank 0, the slowest and the "
+            "hungriest; --json lists every one)"
+        )
+    for r in shown:
         wait = f"{r.data_wait_fraction:.0%}" if r.data_wait_measured else "-"
         lines.append(
             f"{r.rank:>4}  {r.steps:>5}  {format_duration(r.step_time_s):>9}  {wait:>9}  "

@@ -376,3 +376,19 @@ def test_the_page_without_matplotlib_is_one_line_that_says_how_to_install_it(
         "memtui: --html draws its charts with matplotlib: pip install 'memtui[report]'"
     ]
     assert not page.exists()
+
+
+def test_the_text_of_a_large_job_lists_rank_0_its_slowest_and_its_hungriest_ranks() -> None:
+    from memtui.runs.after import MAX_RANK_LINES, shown_ranks
+    from memtui.wire import RankFigures
+
+    ranks = [
+        RankFigures(rank=r, host="h", time=1.0, steps=100, step_time_s=0.1 + (0.5 if r == 41 else 0),
+                    data_wait_fraction=0.0, data_wait_measured=True, samples_per_s=10.0,
+                    device_peak_bytes=(9 << 30) if r == 17 else (1 << 30), capacity_bytes=16 << 30,
+                    host_peak_bytes=0, ooms=0)
+        for r in range(64)
+    ]  # fmt: skip
+    shown = [r.rank for r in shown_ranks(ranks)]
+    assert len(shown) == MAX_RANK_LINES and shown == sorted(shown)
+    assert {0, 17, 41} <= set(shown)
