@@ -447,7 +447,10 @@ def _memory_lines(report: AfterReport) -> list[str]:
     if memory.kind == "cuda" and memory.host_peak_bytes:
         host = f"  host: process tree peak {format_bytes(memory.host_peak_bytes)}"
         if memory.host_limit_bytes:
-            host += f" of {format_bytes(memory.host_limit_bytes)}"
+            host += (
+                f" of {format_bytes(memory.host_limit_bytes)}: "
+                f"{format_bytes(memory.host_headroom_bytes)} left"
+            )
         lines.append(host)
     if memory.swap_peak_bytes:
         lines.append(f"  swap in use at peak: {format_bytes(memory.swap_peak_bytes)}")
