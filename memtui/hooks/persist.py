@@ -351,6 +351,12 @@ class Persisted(Protocol):
     def persisted(self) -> dict[str, Any]: ...
 
 
+class ScriptDir(str):
+    """A state directory memtui took from the script (a Trainer's ``output_dir``, Lightning's
+    ``default_root_dir``) rather than one it was given: memtui writes there only once it changed
+    the run, so the script's directory holds what it would hold without memtui."""
+
+
 class StateFiles:
     """Where one run keeps its audit log and tuned config: the state directory given (else the
     run's own under the state home), and a second tuned config path if one was given."""
@@ -365,6 +371,7 @@ class StateFiles:
         """The run the files belong to now (rank 0's once the job coordinates)."""
         self._state_dir = Path(state_dir) if state_dir else None
         self._tuned_path = Path(tuned_path) if tuned_path else None
+        self._borrowed = isinstance(state_dir, ScriptDir)
 
     @property
     def state_dir(self) -> Path:
@@ -378,8 +385,11 @@ class StateFiles:
 
     @property
     def summary_path(self) -> Path:
-        """The run's summary, beside its tuned config."""
-        return self.state_dir / SUMMARY_FILE
+        """The run's summary: beside its tuned config, or in the run's own directory under the
+        state home when the state directory is the script's (``ScriptDir``), which the summary
+        written from the start would change where memtui changed nothing."""
+        home = paths.state_home() / self.run_id() if self._borrowed else self.state_dir
+        return home / SUMMARY_FILE
 
     def tuned_paths(self) -> list[Path]:
         """Every file the tuned config is written to."""

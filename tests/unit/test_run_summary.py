@@ -392,3 +392,22 @@ def test_the_text_of_a_large_job_lists_rank_0_its_slowest_and_its_hungriest_rank
     shown = [r.rank for r in shown_ranks(ranks)]
     assert len(shown) == MAX_RANK_LINES and shown == sorted(shown)
     assert {0, 17, 41} <= set(shown)
+
+
+def test_a_directory_taken_from_the_script_gets_no_summary_where_memtui_changed_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Trainer's output_dir, taken as the state directory because none was given, keeps
+    what the script writes there: the summary goes to the run's own directory under the state
+    home (where ``memtui report RUN`` finds a finished run), a state_dir the user gave holds it."""
+    from memtui.hooks.persist import ScriptDir, StateFiles
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    taken = StateFiles(lambda: "run-1", ScriptDir(tmp_path / "out"))
+    assert taken.state_dir == tmp_path / "out"
+    assert taken.summary_path == tmp_path / "state" / "memtui" / "runs" / "run-1" / SUMMARY
+    given = StateFiles(lambda: "run-1", tmp_path / "out")
+    assert given.summary_path == tmp_path / "out" / SUMMARY
+
+
+SUMMARY = "memtui-summary.json"
