@@ -34,7 +34,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from memtui.advice.effect import SETTLE_STEPS, measurable, speed_words, speedup
+from memtui.advice.effect import lowest_gain, measurable, speed_words, speedup
 from memtui.advice.measure import EFFECT_STEPS, LONG_STEPS, per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
@@ -353,10 +353,10 @@ class Timing:
     """The relative standard deviation of their samples/s, step to step."""
 
 
-def timing_of(records: Sequence[StepRecord], since_step: int) -> Timing:
-    """The timing of the steps after ``since_step`` (the current config's last change) once it
-    settled, over the latest ``LONG_STEPS`` of them."""
-    timed = [r for r in records if r.step > since_step + SETTLE_STEPS and r.step_time_s > 0]
+def timing_of(records: Sequence[StepRecord], settled: int) -> Timing:
+    """The timing of the steps after ``settled`` (the last step the current config's warm-up
+    left out), over the latest ``LONG_STEPS`` of them."""
+    timed = [r for r in records if r.step > settled and r.step_time_s > 0]
     rates = [r.samples / r.step_time_s for r in timed[-LONG_STEPS:]]
     mean = statistics.fmean(rates) if rates else 0.0
     spread = statistics.stdev(rates) / mean if len(rates) > 1 and mean > 0 else 0.0
@@ -536,7 +536,7 @@ def _worth_its_memory(situation: Situation, trial: Trial, safer: Mapping[str, Kn
     estimate = _estimate(situation, safer)
     delta = estimate.delta if estimate is not None else None
     cost = SHRINK_COST_GUESS if delta is None else max(0.0, -delta)
-    return speedup(effect) - (effect.speedup_margin or 0.0) > cost
+    return lowest_gain(effect) > cost
 
 
 def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:

@@ -356,7 +356,8 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                 inputs, f"less prefetch: prefetch_factor {prefetch} -> {default}", less, why, 3.1
             )
         )
-    if inputs.host_pressure and config.pin_memory:
+    if inputs.host_pressure and config.pin_memory and inputs.device_kind == "cuda":
+        # without an accelerator torch pins nothing: turning it off would free nothing
         why = "page-locked host memory cannot be swapped out; under host pressure it hurts"
         out.append(_host_relief(inputs, "pin_memory off", {"pin_memory": False}, why, 3.2))
     return out

@@ -423,11 +423,14 @@ def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:
             workers_uss_bytes=8 * GIB,
         ),
         host_pressure=True,
+        device_kind="cuda",
     )
     options = recommend(inputs)
     assert options[0].changes == {"num_workers": 4}
     assert options[0].host_delta_bytes == -4 * GIB
     assert any(o.changes == {"pin_memory": False} for o in options)
+    on_cpu = recommend(dataclasses.replace(inputs, device_kind="cpu"))
+    assert not any("pin_memory" in o.changes for o in on_cpu), "torch pins nothing on a CPU run"
     assert not any("prefetch_factor" in o.changes for o in options), "not tunable here"
 
     ahead = dataclasses.replace(

@@ -583,16 +583,17 @@ def test_the_trial_timed_longer_is_measured_over_every_step_on_each_side() -> No
     steps since the trial settled, up to ``LONG_STEPS`` a side."""
     steps = [StepRecord(n, n, 0.1 if n <= 300 else 0.08, 0.0, 8, 1) for n in range(1, 700)]
     steps[350] = StepRecord(351, 351, 0.0, 0.0, 8, 1)  # untimed: the after side counts past it
+    earlier = change(100, timed(70, 80, 0.1, 20), num_workers=(0, 1))
     trial = change(300, timed(80, 100, 0.2, 20), num_workers=(1, 2))
     trial.observed_peak_bytes = 5 * MIB
-    measured = timed_longer(trial, 100, steps)
-    assert measured is not None
+    measured = timed_longer([earlier, trial], steps)
+    assert measured is not None and measured.effect is not None
     got = measured.effect
     assert (got.steps_before, got.steps_after) == (198, LONG_STEPS)
     assert round(got.samples_per_s_before) == 80 and round(got.samples_per_s_after) == 100
     assert measured.peak_after == 5 * MIB
-    assert timed_longer(change(300, None, num_workers=(1, 2)), 100, steps) is None
-    timing = timing_of(steps[:340], 300)
+    assert timed_longer([earlier, change(300, None, num_workers=(1, 2))], steps) is None
+    timing = timing_of(steps[:340], 302)
     assert (timing.steps, round(timing.spread, 3)) == (38, 0.0)  # steps 303-340
 
 
@@ -616,7 +617,8 @@ def test_the_loop_times_a_trial_inside_the_noise_over_more_steps_and_records_it(
     state = pilot.state()
     assert state.phase == "timing" and "over 20 of 124 steps a side" in state.why, state.why
     assert control.seq > seq and trial.effect is not None
-    assert (trial.effect.steps_before, trial.effect.steps_after) == (99, 198)
+    # before: steps 3-100 (the run's first two are its loader's start), after: 103-300
+    assert (trial.effect.steps_before, trial.effect.steps_after) == (98, 198)
     assert not control.pending
     pilot.tick(steps, HOST, info)
     assert history([trial]).trials[0].outcome == KEPT
