@@ -377,6 +377,22 @@ def measurable(effect: Effect) -> bool:
     return bounds is None or bounds[0] > 0 or bounds[1] < 0
 
 
+def steps_margin(effect: Effect) -> float | None:
+    """The relative half-width of the change's interval from the spread of its steps alone,
+    the run's drift at an unchanged config left out (None: no interval)."""
+    bounds = interval(effect)
+    if bounds is None:
+        return None
+    if effect.speed_drift is None or effect.speedup_high is None:
+        return effect.speedup_margin
+    change = speedup(effect)
+    if change <= -1 or bounds[1] <= -1:
+        return effect.speedup_margin
+    total = math.log1p(bounds[1]) - math.log1p(change)
+    drift = math.log1p(effect.speed_drift)
+    return math.expm1(math.sqrt(max(0.0, total**2 - drift**2)))
+
+
 def lowest_gain(effect: Effect) -> float:
     """The low end of the change of samples/s (the change itself where there is no interval)."""
     bounds = interval(effect)

@@ -279,6 +279,12 @@ def test_a_change_measured_slower_is_followed_by_its_revert_not_more_of_the_same
     assert options[0].changes == {"num_workers": 0} and options[0].title.startswith("revert #1")
     assert "52% slower" in options[0].why and options[0].speed_delta == pytest.approx(266 / 128 - 1)
     assert not [o for o in options if (o.changes.get("num_workers") or 0) > 2], options
+    # the revert quotes the measured interval, and what undoing the change is expected to give
+    ranged = msgspec.structs.replace(slower, speedup_low=-0.7, speedup_high=-0.2)
+    undone = dataclasses.replace(inputs, applied=(msgspec.structs.replace(change, effect=ranged),))
+    revert = recommend(undone)[0]
+    assert "52% slower (-70% to -20%)" in revert.why, revert.why
+    assert revert.speed_note.endswith("(+25% to +233%)"), revert.speed_note
     faster = dataclasses.replace(inputs, applied=(msgspec.structs.replace(
         change, effect=msgspec.structs.replace(slower, samples_per_s_after=255)),))  # fmt: skip
     assert not any(o.title.startswith("revert") for o in recommend(faster)), "-4%: not worth it"
