@@ -168,18 +168,26 @@ def drift_of(
     segments: Iterable[Sequence[StepRecord]],
     window: int,
     horizon: int = DRIFT_HORIZON,
+    *,
+    opening: bool = False,
 ) -> Drift | None:
     """The run's drift from ``segments`` (each the settled steps of one config, oldest first):
     every two windows of ``window`` steps in one segment from ``DRIFT_NEAREST`` to ``horizon``
     steps apart (all up to ``horizon`` where none are that far apart; None: fewer than
-    ``DRIFT_WINDOWS`` windows, or no two in one segment)."""
+    ``DRIFT_WINDOWS`` windows, or no two in one segment). ``opening``: the first segment is
+    the run's start, whose windows slower than its median one before it are left out (a run
+    gets faster for its first hundred steps or so: caches, the allocator, a framework's first
+    passes; the benchmark's transformer went 20 -> 121 samples/s over its first 160)."""
     near: list[float] = []
     far: list[float] = []
     windows = groups = 0
-    for segment in segments:
+    for index, segment in enumerate(segments):
         timed = [r for r in segment if r.step_time_s > 0]
         found = (_side(timed[i : i + window]) for i in range(0, len(timed) - window + 1, window))
         sides = [s for s in found if s is not None and math.isfinite(s.variance)]
+        if opening and index == 0 and sides:
+            middle = sorted(s.log_rate for s in sides)[len(sides) // 2]
+            sides = sides[next(i for i, s in enumerate(sides) if s.log_rate >= middle) :]
         if len(sides) < 2:
             continue
         windows += len(sides)

@@ -323,6 +323,11 @@ class Periods:
             warmups.append(warmup(change.step, after, workers, prefetch, final=done))
         return cls(records, started, warmups)
 
+    @property
+    def opening(self) -> bool:
+        """Whether the steps kept begin at the run's start (the first segment is its start)."""
+        return bool(self.records) and self.records[0].step <= 1
+
     def settled(self, applied: Sequence[AppliedChange], index: int) -> int:
         """The last step left out after the change at ``index`` (-1: the run's start)."""
         if index < 0:
@@ -396,7 +401,7 @@ def effects_due(
         before = periods.between(first, change.step)
         earlier = applied[index - 1].step if index > 0 else -1
         peak_before = peak_between(samples, earlier + SETTLE_STEPS, change.step - 1)
-        drift = drift_of(periods.segments(applied, index), EFFECT_STEPS)
+        drift = drift_of(periods.segments(applied, index), EFFECT_STEPS, opening=periods.opening)
         peak_after = peak_of(at_new)
         effect = measure(before, after, peak_before, peak_after, drift=drift, warm=warm)
         if effect is not None:
@@ -519,6 +524,6 @@ def timed_longer(
     before = [r for r in timed if settled < r.step <= change.step]
     after = [r for r in timed if r.step > warm.last]
     peaks = change.effect.peak_bytes_before, change.effect.peak_bytes_after
-    drift = drift_of(periods.segments(applied, index), EFFECT_STEPS)
+    drift = drift_of(periods.segments(applied, index), EFFECT_STEPS, opening=periods.opening)
     effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks, drift=drift, warm=warm)
     return Measured(change, effect, change.observed_peak_bytes) if effect is not None else None
