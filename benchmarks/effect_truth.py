@@ -249,6 +249,8 @@ class Session:
     raw: dict[str, Any] = field(default_factory=dict)
     """Every step and applied change of each script's run."""
     load_before: list[float] = field(default_factory=benchlib.loadavg)
+    commit: str = field(default_factory=benchlib.commit)
+    """The code measured (read at the start: the scripts import it as they start)."""
 
     script_ends: float = 0.0
     """When the script running now must stop starting changes (its share of the budget)."""
@@ -275,7 +277,7 @@ class Session:
             "after": self.after,
             "window": self.window,
             "cpu": benchlib.cpu_model(),
-            "commit": benchlib.commit(),
+            "commit": self.commit,
             "seconds": round(time.monotonic() - self.started),
             "rows": [asdict(r) for r in self.rows],
             "loadavg_before": self.load_before,
@@ -490,7 +492,7 @@ def main() -> int:
     print(f"load average (1 min) {session.load_before[0]:.1f} before, {seen} at the changes, "
           f"{benchlib.loadavg()[0]:.1f} after; {args.hogs} CPU hogs; "
           f"{time.monotonic() - session.started:.0f} s on {benchlib.cpu_model()}, "
-          f"{os.cpu_count()} CPUs; commit {benchlib.commit() or '-'}")  # fmt: skip
+          f"{os.cpu_count()} CPUs; commit {session.commit or '-'}")  # fmt: skip
     session.save()
     return 0
 
