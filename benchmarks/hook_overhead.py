@@ -13,6 +13,11 @@ Three measurements, printed as one JSON line:
    ran within 1.2x of its fastest (``fast_rounds_cost`` says why).
    ``timed_batches_us_per_step`` (and ``_best``): the same for a loop without a DataLoader, a
    batch function bare (A) and through ``tuner.timed_batches`` with ``tuner.step()`` (B).
+   ``batch_samples_ns_<kind>``: what counting one batch's samples costs (``batch_samples``, run
+   wherever memtui has a batch in hand: a timed batch function, a DataLoader under ``memtui
+   run``, the Trainer's micro-batches), ns a call, median of rounds interleaved over the kinds:
+   a tensor, a tuple and a list of two, a dict, a dict led by ``input_ids`` and a ``UserDict``
+   (a tokenizer's ``BatchEncoding``).
 2. ``background_cpu_pct``: CPU time of the hook's two Python threads (agent and sampler) while
    a real training loop runs for ``--background-s`` seconds under one hook, in percent of one
    core (per thread, from /proc's schedstat), with nobody watching (the threads wake once a
@@ -171,6 +176,34 @@ def batch_function_path(
     return bare, hooked
 
 
+def count_path(rounds: int, calls: int = 20_000) -> dict[str, float]:
+    """ns a ``batch_samples`` call for each kind of batch, the median of ``rounds`` rounds that
+    each time every kind in turn (the order reversed every other round)."""
+    import collections
+
+    from memtui.hooks.batches import batch_samples
+
+    rows = torch.zeros(16, 32, dtype=torch.long)
+    kinds: dict[str, Any] = {
+        "tensor": rows,
+        "tuple": (rows, rows),
+        "list": [rows, rows],
+        "dict": {"x": rows, "y": rows},
+        "dict_input_ids": {"input_ids": rows, "attention_mask": rows},
+        "userdict": collections.UserDict({"input_ids": rows, "attention_mask": rows}),
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    order = list(kinds)
+    for index in range(rounds):
+        for kind in order if index % 2 == 0 else reversed(order):
+            batch = kinds[kind]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                batch_samples(batch)
+            times[kind].append((time.perf_counter() - t0) / calls * 1e9)
+    return {kind: statistics.median(found) for kind, found in times.items()}
+
+
 def _thread_cpu_s(native_ids: set[int]) -> float:
     """CPU seconds used so far by the threads with these native ids.
 
@@ -308,6 +341,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     fast_us, fast_rounds = fast_rounds_cost(bare, hooked)
     bare_fn, timed_fn = batch_function_path(rounds * 10, hot_steps)
     timed_us = statistics.median(h - b for h, b in zip(timed_fn, bare_fn, strict=True))
+    counts = count_path(rounds * 2)
 
     loop = Loop.calibrated(1.0)
     loop.run(50, False)
@@ -339,6 +373,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "timed_batches_us_per_step": round(timed_us, 3),
         "timed_batches_us_per_step_best": round(min(timed_fn) - min(bare_fn), 3),
+        **{f"batch_samples_ns_{kind}": round(ns, 1) for kind, ns in counts.items()},
         "background_cpu_pct": round(background_pct, 3),
         "background_cpu_pct_watched": round(watched_pct, 3),
         "background_cpu_pct_all": round(background_all, 3),

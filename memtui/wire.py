@@ -105,7 +105,8 @@ class HostSample(Struct, frozen=True, omit_defaults=True):
     """The memory limit that applies to the run: its cgroup's limit if set, else total RAM."""
     main_rss_bytes: int = 0
     workers: int = 0
-    """Live child processes of the training process (the data-loader workers)."""
+    """Live descendants of the training process (its data-loader workers); the job's other
+    ranks among them, and their own descendants, are left out."""
     workers_rss_bytes: int = 0
     """RSS summed over the workers (counts pages shared with the main process again)."""
     workers_uss_bytes: int | None = None
@@ -315,6 +316,10 @@ class StaticMemory(Struct, omit_defaults=True):
     process's resident memory less what malloc holds free; CUDA: torch's allocated memory; None:
     not read): what stays allocated across steps, measured where the step cycle is known rather
     than sampled at a moment of it."""
+    between_steps_resident_bytes: int | None = None
+    """On CPU, the main process's resident memory at the reading of ``between_steps_bytes``:
+    that memory in use plus what glibc's malloc holds free (None: CUDA, not read, or an older
+    hook)."""
     step_temporaries_bytes: int = 0
     """What the optimizer's step allocates and frees within itself, by the optimizer's own
     arithmetic (torch's per-tensor Adam: two of its largest parameter's size; a foreach step:
@@ -463,6 +468,12 @@ class ControlState(Struct, omit_defaults=True):
     """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
     boundary: str = ""
     """Where queued changes apply, in words ("" the run's next checkpoint)."""
+    untunable_values: dict[str, KnobValue] = {}
+    """The values of knobs this run has but memtui cannot change, as the hook read them (the
+    training loader's own workers, its batch size); a knob in neither this nor ``config`` has a
+    value memtui does not know."""
+    unapplied: list[PendingChange] = []
+    """Changes still pending when the run ended: never applied (the run's last word)."""
 
 
 class HookCounters(Struct, omit_defaults=True):

@@ -25,7 +25,7 @@ from memtui.advice.effect import (
 from memtui.advice.predict import Observation, predict_peak
 from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
 from memtui.core.knobs import knobs_with, new_values
-from memtui.core.stats import summarize_steps
+from memtui.core.stats import process_tree, summarize_steps
 from memtui.wire import (
     AppliedChange,
     DeviceSample,
@@ -84,8 +84,10 @@ def observe(
     if last.kind != "cuda":
         # CPU: the samples fall all over the step cycle, and the lowest ones between steps. The
         # loader workers' own memory is taken out (the model adds it back per worker): points
-        # taken at other worker counts then stay on one line
-        in_workers = per_worker * (workers or 0) if host is not None and host.workers else 0
+        # taken at other worker counts then stay on one line. A worker count the run has no
+        # knob for is not known: their memory stays in the points, as the model adds none back
+        counted = workers is not None and host is not None and host.workers
+        in_workers = per_worker * workers if counted and workers is not None else 0
         peak_allocated = max(0, peak_allocated - in_workers)
         peak_reserved = max(0, peak_reserved - in_workers)
     between = between_steps(static, max(0, floor - in_workers), last.kind)
@@ -165,8 +167,7 @@ def per_worker_bytes(host: HostSample | None) -> int:
     """One loader worker's own memory (USS, else RSS) from a host sample (0: no workers)."""
     if host is None or not host.workers:
         return 0
-    own = host.workers_uss_bytes if host.workers_uss_bytes else host.workers_rss_bytes
-    return int(own / host.workers)
+    return int(process_tree(host).workers_bytes / host.workers)
 
 
 def model_moved(old: MemoryModel | None, new: MemoryModel, batch_size: int) -> bool:

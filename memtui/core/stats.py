@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,10 +21,25 @@ class StepStats:
     data_wait_s: float
     """Mean data-loader wait per step."""
     samples_per_s: float
+    """This rank's samples over the steps' time: the samples of its own training batches (a
+    batch's rows, the first dimension of its first tensor), summed, over the steps' summed wall
+    time."""
     steps_per_s: float
     data_wait_measured: bool = True
     """Whether any of the steps drew a batch memtui timed (a DataLoader or a batch function it
     wraps); False: the loop's data wait and samples are not measured, and their 0 says nothing."""
+    micro_batches_per_step: float = 0.0
+    """Mean training micro-batches a step drew (what one optimizer step is made of)."""
+    samples_per_step: float = 0.0
+    """Mean samples a step trained on this rank."""
+    samples_counted: bool = True
+    """Whether any of the steps counted a sample (False: a batch memtui could find no tensor in,
+    or a loop whose batches it does not see: ``samples_per_s`` is not known, not 0)."""
+    micro_batch: int | None = None
+    """The samples of one micro-batch the steps drew, their median (None: no batch timed)."""
+    micro_batches: int | None = None
+    """The micro-batches one step drew, their median: the accumulation the loop ran (None: no
+    batch timed)."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -44,14 +60,26 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     total = sum(r.step_time_s for r in recent)
     wait = sum(min(r.data_wait_s, r.step_time_s) for r in recent)
     samples = sum(r.samples for r in recent)
+    micro = sum(r.micro_batches for r in recent)
     n = len(recent)
+    drawn = [r for r in recent if r.micro_batches > 0]
+    # the micro-batch and the accumulation are medians: a step that also drew an evaluation
+    # loader's batches, or an epoch's last short batch, moves neither
+    middle = len(drawn) // 2
     return StepStats(
         steps=n,
         step_time_s=total / n,
         data_wait_s=wait / n,
         samples_per_s=samples / total if total > 0 else 0.0,
         steps_per_s=n / total if total > 0 else 0.0,
-        data_wait_measured=any(r.micro_batches > 0 for r in recent),
+        data_wait_measured=micro > 0,
+        micro_batches_per_step=micro / n,
+        samples_per_step=samples / n,
+        samples_counted=samples > 0,
+        micro_batch=sorted([r.samples // r.micro_batches for r in drawn])[middle] or None
+        if drawn
+        else None,
+        micro_batches=sorted([r.micro_batches for r in drawn])[middle] if drawn else None,
     )
 
 
@@ -113,6 +141,47 @@ def summarize_device(samples: Sequence[DeviceSample], window: int = 25) -> Memor
         ooms=last.ooms,
         alloc_retries=last.alloc_retries,
     )
+
+
+@dataclass(frozen=True)
+class ProcessTree:
+    """What one rank's process tree holds in host memory: the main process's RSS and its loader
+    workers' own memory (USS where the hook read it, else their RSS, which counts the pages
+    they share with the main process once more for each worker)."""
+
+    main_rss_bytes: int
+    workers: int
+    """The rank's loader workers (its descendants, the job's other ranks left out)."""
+    workers_bytes: int
+    """The workers' memory as ``measure`` counts it (0 without workers)."""
+    measure: str
+    """``USS`` or ``RSS``: how the workers were counted ("" without workers)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """The main process's RSS plus the workers' memory."""
+        return self.main_rss_bytes + self.workers_bytes
+
+    def workers_words(self) -> str:
+        """``2 loader workers (18 MiB USS)``, ``2 loader workers (590 MiB RSS, USS not measured
+        yet)`` or ``no loader workers``."""
+        if not self.workers:
+            return "no loader workers"
+        plural = "s" if self.workers > 1 else ""
+        amount = f"{format_bytes(self.workers_bytes)} {self.measure}"
+        unread = ", USS not measured yet" if self.measure == "RSS" else ""
+        return f"{self.workers} loader worker{plural} ({amount}{unread})"
+
+
+def process_tree(host: HostSample) -> ProcessTree:
+    """One rank's process tree from its host sample, its workers counted by their own memory
+    (USS) where it was read, else by their RSS: the one count of the viewer's per-rank table,
+    ``memtui status`` and the advice."""
+    if not host.workers:
+        return ProcessTree(host.main_rss_bytes, 0, 0, "")
+    if host.workers_uss_bytes:
+        return ProcessTree(host.main_rss_bytes, host.workers, host.workers_uss_bytes, "USS")
+    return ProcessTree(host.main_rss_bytes, host.workers, host.workers_rss_bytes, "RSS")
 
 
 def ram_fraction(sample: HostSample) -> float:
@@ -215,6 +284,17 @@ def format_bytes(value: float | None) -> str:
     return f"{size:.1f} TiB"
 
 
+def format_rate(value: float) -> str:
+    """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024`` (``-`` for infinity or NaN)."""
+    if not math.isfinite(value):
+        return "-"
+    if value < 1:
+        return f"{value:.2f}"
+    if value < 100:
+        return f"{value:.1f}"
+    return f"{value:,.0f}"
+
+
 def format_duration(seconds: float) -> str:
     """A short duration: ``45.1 ms``, ``3.2 s``, ``4m05s``, ``2h13m``, ``9d04h`` (``-`` for
     infinity or NaN)."""
@@ -255,9 +335,28 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+_PICTURES = {code: 0x2400 + code for code in range(0x20) if code != 0x0A}
+"""C0 control characters but the newline: their Unicode control pictures (``␛``, ``␀``)."""
+_PICTURES[0x7F] = 0x2421  # DEL: ␡
+_REPLACED = [*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+"""C1 control characters (0x9B is a terminal's CSI) and the bidirectional overrides, embeddings
+and isolates (they reorder what follows them on the line): the replacement character."""
+CONTROL_TABLE = {**_PICTURES, **dict.fromkeys(_REPLACED, 0xFFFD)}
+"""Every character a terminal would obey rather than show, to the one character shown instead."""
+CONTROL = re.compile("[" + "".join(re.escape(chr(code)) for code in sorted(CONTROL_TABLE)) + "]")
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character a visible symbol, one for one: text from a file, a
+    run or a peer never reaches a terminal as an escape sequence."""
+    value = text if isinstance(text, str) else str(text)
+    return value.translate(CONTROL_TABLE) if CONTROL.search(value) else value
+
+
 def one_line(text: object, limit: int = 300) -> str:
-    """``text`` on one line (whitespace runs made one space), cut to ``limit`` characters."""
-    flat = " ".join(str(text).split())
+    """``text`` on one line (whitespace runs made one space, control characters visible
+    symbols), cut to ``limit`` characters."""
+    flat = printable(" ".join(str(text).split()))
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

@@ -71,9 +71,9 @@ class DeviceTracker:
         """Whether torch sees an accelerator (None: not asked yet)."""
         self._malloc_free: Callable[[], int] | None = None
         """Reads the bytes malloc holds free (None: not looked up yet)."""
-        self._between_low: int | None = None
-        """The lowest memory in use read between steps since the config last changed (None:
-        none read yet)."""
+        self._between_low: tuple[int, int | None] | None = None
+        """The lowest memory in use read between steps since the config last changed, with the
+        main process's resident memory at that reading on CPU (None: none read yet)."""
 
     def has_accelerator(self) -> bool:
         """Whether torch sees an accelerator, as its DataLoader asks before pinning memory."""
@@ -143,25 +143,33 @@ class DeviceTracker:
         """Memory in use now: torch's allocated bytes on CUDA (a host-side counter, no device
         synchronisation), on CPU the main process's resident memory less what malloc holds free
         (as the CPU sampler counts it); None where it cannot be read."""
+        reading = self.memory_now()
+        return reading[0] if reading is not None else None
+
+    def memory_now(self) -> tuple[int, int | None] | None:
+        """Memory in use now (``in_use``) and, on CPU, the main process's resident memory it was
+        taken from (in use plus what malloc holds free); None where it cannot be read."""
         try:
             torch = sys.modules.get("torch")
             if self.cuda_index is not None and torch is not None:
-                return int(torch.cuda.memory_allocated(self.cuda_index))
+                return int(torch.cuda.memory_allocated(self.cuda_index)), None
             if self._malloc_free is None:
                 self._malloc_free = _malloc_free_reader()
-            return max(0, int(psutil.Process().memory_info().rss) - self._malloc_free())
+            resident = int(psutil.Process().memory_info().rss)
+            return max(0, resident - self._malloc_free()), resident
         except Exception as exc:
             self._report(exc, "memory in use")
             return None
 
-    def _between_steps(self) -> int | None:
-        """The lowest memory in use read between steps since the config last changed: a
-        boundary whose script still holds something of its own there (a copy made for its
-        checkpoint) does not raise what stays across steps."""
-        reading = self.in_use()
+    def _between_steps(self) -> tuple[int, int | None] | None:
+        """The lowest memory in use read between steps since the config last changed (with the
+        resident memory of that reading on CPU): a boundary whose script still holds something
+        of its own there (a copy made for its checkpoint) does not raise what stays across
+        steps."""
+        reading = self.memory_now()
         if reading is not None:
             low = self._between_low
-            self._between_low = reading if low is None else min(low, reading)
+            self._between_low = reading if low is None or reading[0] < low[0] else low
         return self._between_low
 
     def static(
@@ -172,13 +180,15 @@ class DeviceTracker:
         if model is None and optimizer is None:
             return None
         try:
+            between = self._between_steps() if between_steps else None
             return static_memory(
                 model,
                 optimizer,
                 self.kind,
                 self.baseline_bytes,
                 between_steps=between_steps,
-                in_use_bytes=self._between_steps() if between_steps else None,
+                in_use_bytes=between[0] if between is not None else None,
+                resident_bytes=between[1] if between is not None else None,
             )
         except Exception as exc:
             self._report(exc, "static memory")

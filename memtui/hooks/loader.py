@@ -39,6 +39,7 @@ this rank, and the wrapper's epoch and position follow it.
 
 from __future__ import annotations
 
+import base64
 import functools
 import inspect
 import itertools
@@ -51,11 +52,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
+from memtui.hooks.batches import batch_samples, missed_once
+from memtui.hooks.errors import Report
 from memtui.hooks.knobstore import LOADER_KNOBS, KnobStore
 from memtui.hooks.ledger import StepLedger
 from memtui.wire import STEP_LOADER_REBUILT
 
 log = logging.getLogger("memtui")
+
+
+def _said(exc: BaseException, where: str) -> None:
+    """A failure of a loader made without the tuner's report, logged."""
+    log.warning("memtui: %s: %s", where, exc)
+
 
 TORCH_DEFAULTS: dict[str, Any] = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None}
 """What torch's ``DataLoader`` takes for a loader knob it is not given (``batch_size`` is left
@@ -110,6 +119,20 @@ def shard_batches(
         padded = batch + list(itertools.islice(itertools.cycle(batch), short))
         share = len(padded) // world
         yield batch, padded[rank * share : (rank + 1) * share]
+
+
+def generator_states(generators: list[Any]) -> list[str]:
+    """Each torch generator's state, as text a checkpoint keeps (JSON and ``weights_only``)."""
+    return [base64.b64encode(bytes(g.get_state().tolist())).decode("ascii") for g in generators]
+
+
+def set_generator_states(generators: list[Any], states: list[str]) -> None:
+    """Put back the states ``generator_states`` gave (as many as there are generators)."""
+    import torch
+
+    for generator, state in zip(generators, states, strict=True):
+        raw = base64.b64decode(state.encode("ascii"), validate=True)
+        generator.set_state(torch.tensor(list(raw), dtype=torch.uint8))
 
 
 class _EpochStream:
@@ -285,6 +308,7 @@ class TunedLoader:
         seed: Callable[[int, int], int] | None = None,
         on_failed: Callable[[BaseException, dict[str, Any]], None] | None = None,
         ended_epoch_is_next: bool = False,
+        report: Report | None = None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -299,6 +323,9 @@ class TunedLoader:
         """A position at the end of an epoch (``load_state_dict``, ``skip_batches``) resumes at
         the next epoch's start: a script that counts its own epochs from its steps (Accelerate's
         examples) starts the next one there, not the empty rest of the old one."""
+        self._missed = missed_once(report or _said)
+        """Reports the first batch counted as 0 samples that holds no tensor (a loader that
+        cannot follow its indices counts each batch's rows)."""
         self._factory = factory
         self.shard = shard
         """(rank, world size): with world > 1 each batch is this rank's slice of a global batch
@@ -323,6 +350,11 @@ class TunedLoader:
         proposes at the next agreement, instead of its own."""
         self._agreements = 0
         self._said_unseeded = False
+        self._epoch_rng: list[str] | None = None
+        """A single process's: the states of the generators its order draws from (the sampler's,
+        the loader's) at the start of the epoch under way, what a resumed epoch starts from."""
+        self._resume_rng: list[str] | None = None
+        """Those states as the checkpoint a restart resumes kept them (``load_state_dict``)."""
         self._rank_sampler: Any = None
         """What ``sampler`` gives under several ranks (made at first use)."""
         self.mode = "exact"
@@ -525,6 +557,39 @@ class TunedLoader:
                 )
             return iter(sampler)
 
+    def _generators(self) -> list[Any]:
+        """The torch generators a single process's epoch order draws from, each once: the
+        sampler's (the order) and the loader's (its workers' base seed, drawn at each epoch's
+        start); none under several ranks, whose order is seeded by the epoch."""
+        import torch
+
+        if self.shard[1] > 1 or self.mode != "exact":
+            return []
+        found: list[Any] = []
+        for owner in (self._sampler, self._template):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and all(g is not generator for g in found):
+                found.append(generator)
+        return found
+
+    def _start_generators(self) -> None:
+        """At an epoch's start: put back the generators' states a resumed epoch started from,
+        then keep them (what the epoch's order and base seed are drawn from)."""
+        restore, self._resume_rng = self._resume_rng, None
+        try:
+            generators = self._generators()
+            if restore is not None and len(restore) == len(generators):
+                set_generator_states(generators, restore)
+            self._epoch_rng = generator_states(generators) if generators else None
+        except Exception as exc:  # the epoch goes on in the order the generators give
+            self._epoch_rng = None
+            log.warning(
+                "memtui: could not keep the loader's generator state (%s: %s); a restart "
+                "resumes this epoch in the order its own generator then gives",
+                type(exc).__name__,
+                exc,
+            )
+
     def _job_seed(self, mine: int) -> int:
         """The job's base seed, from this rank's (0 where the agreement itself failed: every rank
         that fails takes the same)."""
@@ -651,6 +716,7 @@ class TunedLoader:
             )
         self._iterating = True
         try:
+            self._start_generators()
             iterator = iter(self._loader)
             if rebuilt:
                 self._on_rebuilt()
@@ -666,10 +732,10 @@ class TunedLoader:
             world = self.shard[1]
             sharded = world > 1
             generation = store.loader_generation
+            missed = self._missed
             while True:  # one pass per underlying loader: a knob change switches loaders
                 stream = self._stream if self.mode == "exact" else None
                 inflight = stream.inflight if stream is not None else None
-                batch_size = self.knobs["batch_size"] or 1
                 switched = False
                 t0 = perf()
                 for batch in iterator:
@@ -681,9 +747,11 @@ class TunedLoader:
                         n = len(delivered)
                         stream.consumed += n  # type: ignore[union-attr]
                         tally.samples += -(-n // world) if sharded else n
-                    else:
-                        delivered = batch_size
-                        tally.samples += batch_size
+                    else:  # no indices to follow: the batch's own rows
+                        delivered = batch_samples(batch)
+                        if not delivered:
+                            missed(batch)
+                        tally.samples += delivered
                     keep((self, delivered))
                     yield batch
                     if generation != store.loader_generation:  # a boundary changed knobs?
@@ -849,19 +917,35 @@ class TunedLoader:
         (None: the next iteration starts an epoch of its own)."""
         return self._resume
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the loop is in the data: the epoch and the samples consumed in it (and, under
-        several ranks, the base seed of the per-epoch order)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop is in the data: the epoch and the samples consumed in it, and what its
+        order is drawn from (under several ranks the base seed of the per-epoch order; in a
+        single process the states of the generators at the epoch's start)."""
+        rng: list[str] | None
         if self._resume is not None and not self._iterating:  # restored, not iterated yet
             consumed = self._resume[1] if self._held is None else self._held
-            state = {"epoch": self._resume[0], "samples_in_epoch": consumed}
+            state: dict[str, Any] = {"epoch": self._resume[0], "samples_in_epoch": consumed}
+            rng = self._resume_rng
         else:
             consumed = self._stream.consumed if self._stream is not None else 0
             state = {"epoch": max(self.epoch, 0), "samples_in_epoch": consumed}
+            rng = self._epoch_rng
+            if self._position(state["epoch"], consumed)[0] != state["epoch"] or self.epoch < 0:
+                rng = self._generator_states_now()  # the next epoch starts from them as they are
         seed = self._base_seed if self._base_seed is not None else self._saved_seed
         if seed is not None:
             state["seed"] = seed
+        if rng:
+            state["generators"] = list(rng)
         return state
+
+    def _generator_states_now(self) -> list[str] | None:
+        """The generators' states now (None: none, or they cannot be read)."""
+        try:
+            generators = self._generators()
+            return generator_states(generators) if generators else None
+        except Exception:
+            return None
 
     def load_state_dict(self, state: Mapping[str, Any], *, held: bool = False) -> None:
         """Make the next iteration resume ``state``'s epoch after the samples already consumed.
@@ -878,6 +962,10 @@ class TunedLoader:
         self._next_epoch = None
         if state.get("seed") is not None:  # the order of the run it resumes, agreed again
             self._saved_seed, self._base_seed = int(state["seed"]), None
+        kept = state.get("generators")
+        self._resume_rng = None  # else the resumed epoch's own order, as the generators gave it
+        if isinstance(kept, list) and all(isinstance(g, str) for g in kept):
+            self._resume_rng = [str(g) for g in kept]
         if self._sampler is not None and hasattr(self._sampler, "set_epoch"):
             self._sampler.set_epoch(self._resume[0])
 

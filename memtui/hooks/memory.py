@@ -91,6 +91,7 @@ def static_memory(
     baseline_bytes: int = 0,
     between_steps: bool = False,
     in_use_bytes: int | None = None,
+    resident_bytes: int | None = None,
 ) -> StaticMemory:
     """Parameters, buffers, gradients (as during backward) and optimizer state on ``kind``.
 
@@ -98,7 +99,8 @@ def static_memory(
     live tensors; the optimizer state is measured from ``optimizer.state`` once it exists, and
     the same arithmetic's expectation before the first step. ``between_steps`` (a step's end or
     a checkpoint boundary) also counts the gradients that exist there, and keeps ``in_use_bytes``
-    (the memory in use read there) as what stays allocated between steps.
+    (the memory in use read there) as what stays allocated between steps, with
+    ``resident_bytes`` (on CPU, the main process's resident memory at that reading).
     """
     seen: set[int] = set()
     params: list[Any] = []
@@ -153,5 +155,6 @@ def static_memory(
         baseline_bytes=baseline_bytes,
         gradients_held_bytes=held,
         between_steps_bytes=in_use_bytes if between_steps else None,
+        between_steps_resident_bytes=resident_bytes if between_steps else None,
         step_temporaries_bytes=step_temporaries(optimizer, kind) if optimizer is not None else 0,
     )

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -270,11 +270,13 @@ def _read_whole(path: str) -> bytes:
         os.close(fd)
 
 
-def proc_descendants(pid: int, limit: int = 4096) -> list[int]:
+def proc_descendants(
+    pid: int, limit: int = 4096, skip: Callable[[int], bool] | None = None
+) -> list[int]:
     """The ids of ``pid``'s descendant processes, children first, from the kernel's list of each
     thread's children (``/proc/PID/task/TID/children``, one small read per thread): a few reads
     where psutil reads the status of every process on the machine. A process that ends
-    meanwhile is left out."""
+    meanwhile is left out, and so is one ``skip`` names, with its own descendants."""
     found: list[int] = []
     seen = {pid}
     parents = [pid]
@@ -292,9 +294,118 @@ def proc_descendants(pid: int, limit: int = 4096) -> list[int]:
             for child in map(int, listed):
                 if child not in seen:
                     seen.add(child)
+                    if skip is not None and skip(child):
+                        continue
                     found.append(child)
                     parents.append(child)
     return found[:limit]
+
+
+def psutil_descendants(pid: int, skip: Callable[[int], bool] | None = None) -> list[psutil.Process]:
+    """``pid``'s descendants as psutil lists them (where /proc lists no children), leaving out
+    one ``skip`` names, with its own descendants."""
+    found: list[psutil.Process] = []
+    parents = [pid]
+    while parents:
+        try:
+            children = psutil.Process(parents.pop(0)).children()
+        except psutil.Error:
+            continue  # it ended
+        for child in children:
+            if skip is None or not skip(child.pid):
+                found.append(child)
+                parents.append(child.pid)
+    return found
+
+
+RANK_VARIABLES = (b"RANK", b"LOCAL_RANK")
+"""The variables every torch launcher gives a rank (torchrun, Lightning's own launcher,
+``mpirun`` through the frameworks that read them): a descendant that has them with values other
+than this process's is another rank of the job."""
+
+
+def rank_environment(environ: bytes) -> dict[bytes, bytes]:
+    """The rank variables of a NUL-separated environment (``/proc/PID/environ``)."""
+    found: dict[bytes, bytes] = {}
+    for entry in environ.split(b"\0"):
+        name, equals, value = entry.partition(b"=")
+        if equals and name in RANK_VARIABLES:
+            found[name] = value
+    return found
+
+
+def _read_environ(pid: int) -> bytes:
+    """A process's environment as the kernel keeps it (the one it started with), read whole."""
+    fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class OtherRanks:
+    """Tells the job's other ranks among this process's descendants, so that they and their own
+    loader workers are never counted as this rank's workers.
+
+    A descendant is a rank when it registered as one of the job (``registered``: the pids of the
+    ranks on this host, from the job's store) or when its environment (``/proc/PID/environ``,
+    readable for the same user) gives it a ``RANK`` or ``LOCAL_RANK`` other than this process's:
+    Lightning's launcher starts rank 1 as a child of rank 0 with ``LOCAL_RANK=1``, and a rank of
+    ``torch.multiprocessing.spawn`` that sets its variables itself is known once it registered.
+    A loader worker has its rank's environment (forked: the one the rank started with; spawned:
+    the one it has now), so it never reads as another rank. What the environment says is kept
+    per process for as long as it is listed.
+    """
+
+    def __init__(self, registered: Callable[[], Collection[int]] = tuple) -> None:
+        self._registered = registered
+        self.registered: frozenset[int] = frozenset()
+        """The registered ranks' pids at the last listing."""
+        self._by_environment: dict[int, bool] = {}
+        self._asked: set[int] = set()
+
+    def registered_now(self) -> frozenset[int]:
+        """The pids of the ranks on this host that registered with the job, now."""
+        try:
+            return frozenset(self._registered()) - {os.getpid()}
+        except Exception:  # the job's endpoints being replaced: the last set stands
+            return self.registered
+
+    def start_listing(self) -> None:
+        """Take the registered ranks as they are now, for the listing that follows."""
+        self.registered = self.registered_now()
+        self._asked = set()
+
+    def end_listing(self) -> None:
+        """Forget what the environment said of processes the listing did not meet (ended: their
+        pid may be given to another process)."""
+        for pid in set(self._by_environment) - self._asked:
+            del self._by_environment[pid]
+
+    def __call__(self, pid: int) -> bool:
+        """Whether ``pid`` is another rank of the job."""
+        self._asked.add(pid)
+        if pid in self.registered:
+            return True
+        known = self._by_environment.get(pid)
+        if known is None:
+            known = self._by_environment[pid] = self._differs(pid)
+        return known
+
+    @staticmethod
+    def _differs(pid: int) -> bool:
+        try:
+            theirs = rank_environment(_read_environ(pid))
+        except OSError:  # another user's, or it ended: counted as it always was
+            return False
+        for name, value in theirs.items():
+            mine = os.environ.get(name.decode())
+            if mine is None or mine.encode() != value:
+                return True
+        return False
 
 
 class ProcWorker:
@@ -381,9 +492,11 @@ class PsutilWorker:
 class HostProbe:
     """Host memory and the RSS of the training's process tree, each process's /proc files kept open.
 
-    Its loader workers are the training's descendants, listed again every ``CHILD_REFRESH_S``
-    and when asked (a loader rebuilt). Where the kernel keeps no list of a thread's children
-    (``proc_children`` false) psutil lists them and reads every process, as it used to.
+    Its loader workers are the training's descendants, listed again every ``CHILD_REFRESH_S``,
+    when asked (a loader rebuilt) and when another rank registered; the job's other ranks among
+    them (``OtherRanks``) are left out with their own descendants. Where the kernel keeps no
+    list of a thread's children (``proc_children`` false) psutil lists them and reads every
+    process, as it used to.
     """
 
     CHILD_REFRESH_S = 5.0
@@ -398,8 +511,11 @@ class HostProbe:
         pid: int | None = None,
         limit_bytes: int | None = None,
         proc_children: bool | None = None,
+        ranks: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self.pid = pid or os.getpid()
+        self.other_ranks = OtherRanks(ranks)
+        """The job's other ranks among the descendants: never this rank's workers."""
         self.limit_bytes = limit_bytes or cgroup_memory_limit() or psutil.virtual_memory().total
         """The CPU device's capacity: the budget given, else the cgroup's limit, else total RAM."""
         if proc_children is None:
@@ -422,21 +538,24 @@ class HostProbe:
         self.refresh_requested = True
 
     def _refresh_children(self, now: float) -> None:
+        ranks = self.other_ranks
+        if ranks.registered_now() != ranks.registered:  # a rank registered: it is no worker
+            self.refresh_requested = True
         if self.refresh_requested or now - self._children_at > self.CHILD_REFRESH_S:
             self.refresh_requested = False
             self._children_at = now
             before = set(self._workers)
             for old in self._workers.values():
                 old.close()
+            ranks.start_listing()
             found: dict[int, ProcWorker | PsutilWorker]
             if self.proc_children:
-                found = {pid: ProcWorker(pid) for pid in proc_descendants(self.pid)}
+                listed = proc_descendants(self.pid, skip=ranks)
+                found = {pid: ProcWorker(pid) for pid in listed}
             else:
-                try:
-                    children = psutil.Process(self.pid).children(recursive=True)
-                except psutil.Error:
-                    children = []
+                children = psutil_descendants(self.pid, skip=ranks)
                 found = {child.pid: PsutilWorker(child.pid, child) for child in children}
+            ranks.end_listing()
             self._workers = found
             if set(found) != before:
                 self._uss_next = 0.0  # measure the new workers' own memory at once
@@ -730,6 +849,7 @@ class Sampler(threading.Thread):
         *,
         model: Callable[[], Any] = lambda: None,
         watched: Callable[[], bool] = lambda: False,
+        ranks: Callable[[], Collection[int]] = tuple,
         memory_limit: int | None = None,
         stand_in_heap: bool = True,
         reset_peaks: bool = False,
@@ -744,6 +864,8 @@ class Sampler(threading.Thread):
         self._model = model
         self._watched = watched
         """Whether a viewer is subscribed or a recording written (the agent says)."""
+        self._ranks = ranks
+        """The pids of the job's ranks on this host, as they registered (none of them a worker)."""
         self._memory_limit = memory_limit
         self._stand_in = memory_limit is not None and stand_in_heap
         """Whether a CPU probe is a device's stand-in (a memory limit given) fixing glibc's mmap
@@ -792,7 +914,7 @@ class Sampler(threading.Thread):
             now = time.monotonic()
             try:
                 if self.host is None:
-                    self.host = HostProbe(limit_bytes=self._memory_limit)
+                    self.host = HostProbe(limit_bytes=self._memory_limit, ranks=self._ranks)
                 if self._workers_changed:
                     self._workers_changed = False
                     self.host.refresh_requested = True

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from memtui.advice.assess import STATE_NAMES, assess
+from memtui.advice.assess import STATE_NAMES, assess, known_of
 from memtui.advice.autopilot import describe_state as describe_autopilot
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, error_words, prediction_error
@@ -24,13 +24,22 @@ from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.core.knobs import (
     KNOBS,
     KnobValue,
+    KnownConfig,
     OldNew,
-    effective_batch,
     format_changes,
     format_diffs,
     format_value,
 )
-from memtui.core.stats import format_bytes, format_duration, summarize_device, summarize_steps
+from memtui.core.stats import (
+    StepStats,
+    format_bytes,
+    format_duration,
+    format_rate,
+    process_tree,
+    summarize_device,
+    summarize_steps,
+)
+from memtui.runs.throughput import Throughput, job_throughput, samples_words, step_words
 from memtui.transport.security import exposure, tcp_endpoints
 from memtui.wire import (
     AppliedChange,
@@ -54,30 +63,51 @@ from memtui.wire import (
 StructT = TypeVar("StructT", bound=Struct)
 
 Config = dict[str, KnobValue | None]
-"""Every knob by name, ``None`` where the run does not expose it."""
-
-
-def unused_knobs(config: Mapping[str, object]) -> dict[str, str]:
-    """The knobs whose value the run's loader does not use now, with why in a few words:
-    ``prefetch_factor`` without loader workers (torch uses it only with ``num_workers > 0``; the
-    value kept is the one workers would use)."""
-    if config.get("num_workers") == 0 and config.get("prefetch_factor") is not None:
-        return {"prefetch_factor": "no loader workers"}
-    return {}
+"""Every knob by name with its value, tunable or not (``tunable`` says which memtui can change,
+``config_unused`` which the loader does not use now); ``None`` where memtui does not know it."""
 
 
 class Metrics(Struct):
-    """Step timing over the snapshot's window of steps."""
+    """Step timing over the snapshot's window of steps, of one rank."""
 
     window_steps: int
     step_time_s: float
     data_wait_s: float
     data_wait_fraction: float
     samples_per_s: float
+    """This rank's own samples/s: the rows of its training batches over its steps' time (the
+    job's is ``throughput.samples_per_s``)."""
     steps_per_s: float
     data_wait_measured: bool = True
     """False where no step drew a batch memtui timed (no DataLoader seen): the wait is unknown,
     and ``samples_per_s`` (0) was not counted."""
+    micro_batches_per_step: float = 0.0
+    """Mean training micro-batches a step drew on this rank (an optimizer step is made of them)."""
+    samples_per_step: float = 0.0
+    """Mean samples a step trained on this rank."""
+    samples_counted: bool = True
+    """False where no step counted a sample (a batch with no tensor memtui could find):
+    ``samples_per_s`` (0) is not known."""
+
+
+class JobThroughput(Struct):
+    """The job's samples/s: every answering rank's own summed (``memtui.runs.throughput``, the
+    figure the viewer's header and the exporter's ``memtui_job_samples_per_second`` give)."""
+
+    samples_per_s: float
+    """The ranks' samples/s summed (0 where none was counted)."""
+    ranks: int
+    """The ranks summed: those that answered with counted samples."""
+    world_size: int
+    """The job's ranks."""
+    micro_batches_per_step: float
+    """Micro-batches one optimizer step draws on a rank (the lowest rank summed)."""
+    samples_per_step: float
+    """The samples of one optimizer step over the ranks summed (the global batch)."""
+    summary: str
+    """``1,654 samples/s (2 ranks)``, or ``samples not counted``."""
+    step: str
+    """What memtui's step is, in words ("" before a batch was counted)."""
 
 
 class Memory(Struct):
@@ -208,6 +238,34 @@ class Counters(HookCounters, omit_defaults=False):
     """The hook's counters, every one shown (zero included: what peers were refused above all)."""
 
 
+class ProcessTreeMemory(Struct):
+    """A rank's process tree in host memory: its main process's RSS and its loader workers (its
+    descendants, the job's other ranks left out) by their own memory (USS) where the hook read
+    it, else by their RSS; the viewer's per-rank table counts it the same way."""
+
+    main_rss_bytes: int
+    workers: int
+    workers_bytes: int
+    workers_measure: str
+    """``USS`` or ``RSS`` ("" without workers)."""
+    total_bytes: int
+    """``main_rss_bytes + workers_bytes``."""
+
+
+def process_tree_memory(host: HostSample | None) -> ProcessTreeMemory | None:
+    """The report's form of ``core.stats.process_tree`` (None without a host sample)."""
+    if host is None:
+        return None
+    tree = process_tree(host)
+    return ProcessTreeMemory(
+        main_rss_bytes=tree.main_rss_bytes,
+        workers=tree.workers,
+        workers_bytes=tree.workers_bytes,
+        workers_measure=tree.measure,
+        total_bytes=tree.total_bytes,
+    )
+
+
 class RankReport(Struct):
     """One rank: where it runs and, when it answered, its own numbers."""
 
@@ -223,6 +281,8 @@ class RankReport(Struct):
     memory: Memory | UnsetType | None = UNSET
     host_memory: HostSample | UnsetType | None = UNSET
     counters: Counters | UnsetType = UNSET
+    process_tree: ProcessTreeMemory | UnsetType | None = UNSET
+    """The rank's process tree in host memory (its own loader workers, never another rank)."""
 
 
 class StatusReport(Struct):
@@ -246,7 +306,13 @@ class StatusReport(Struct):
     memory: Memory | None
     verdict: VerdictReport
     breakdown: dict[str, int] | None
-    """Bytes by part of the peak, with the capacity they share."""
+    """Bytes by part of the peak, with the capacity they share: ``parameters``, ``gradients``
+    and ``optimizer`` from the tensors of the optimizer the hook knows; on CUDA ``other
+    steady``, ``activations`` (the allocator's step peak over what stays allocated between
+    steps), ``fragmentation`` and ``beyond torch``; on CPU ``in-step`` (the peak RSS over what
+    was resident between steps), ``runtime and workers`` and ``malloc free``; ``not known yet``
+    for what cannot be split before the optimizer is known and the memory between steps is
+    read; ``free``."""
     static_memory: StaticMemory | None
     recommendations: list[Option]
     max_safe_batch_size: int | None
@@ -292,6 +358,17 @@ class StatusReport(Struct):
     """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
     boundary: str = ""
     """Where queued changes apply, in words ("" the run's next checkpoint)."""
+    config_measured: list[str] = []
+    """The knobs of ``config`` whose value was measured from the steps (the samples of a
+    micro-batch, the micro-batches of a step), not read: the run holds them where memtui
+    cannot read them."""
+    unapplied: list[PendingChange] = []
+    """Changes still pending when the run ended: never applied."""
+    process_tree: ProcessTreeMemory | None = None
+    """The control rank's process tree in host memory (None: no host sample)."""
+    throughput: JobThroughput | None = None
+    """The job's samples/s (every answering rank's own summed) and what one step is (None: an
+    older report)."""
 
 
 def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
@@ -306,8 +383,13 @@ def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
 # ---------------------------------------------------------------------------- building
 
 
-def _config(snapshot: Snapshot) -> Config:
-    return {k: getattr(snapshot.control.config, k) for k in KNOBS}
+def _known(snapshot: Snapshot) -> KnownConfig:
+    """The knobs of the run (of the rank that sent ``snapshot``) as far as memtui knows them."""
+    return known_of(snapshot.control, summarize_steps(snapshot.steps))
+
+
+def _config(known: KnownConfig) -> Config:
+    return dict(known.values)
 
 
 def _applied(applied: AppliedChange) -> Applied:
@@ -345,11 +427,11 @@ def _wait_words(metrics: Metrics) -> str:
     return f"data wait {format_duration(metrics.data_wait_s)} ({metrics.data_wait_fraction:.0%})"
 
 
-def _samples_words(metrics: Metrics) -> str:
-    """``512 samples/s``, or that they were not counted (no batch memtui timed)."""
-    if not metrics.data_wait_measured:
-        return "samples not counted"
-    return f"{metrics.samples_per_s:.0f} samples/s"
+def _rank_samples_words(metrics: Metrics) -> str:
+    """A rank's own ``827``, or ``-`` where its samples were not counted."""
+    if not (metrics.data_wait_measured and metrics.samples_counted):
+        return "-"
+    return format_rate(metrics.samples_per_s)
 
 
 def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT:
@@ -359,9 +441,20 @@ def _fields_of(schema: type[StructT], source: object, **renamed: str) -> StructT
     return schema(**{f: getattr(source, renamed.get(f, f)) for f in names})
 
 
-def _metrics(snapshot: Snapshot) -> Metrics | None:
-    steps = summarize_steps(snapshot.steps)
+def _metrics(steps: StepStats | None) -> Metrics | None:
     return None if steps is None else _fields_of(Metrics, steps, window_steps="steps")
+
+
+def _throughput(found: Throughput) -> JobThroughput:
+    return JobThroughput(
+        samples_per_s=found.samples_per_s,
+        ranks=found.ranks,
+        world_size=found.world_size,
+        micro_batches_per_step=found.micro_batches_per_step,
+        samples_per_step=found.samples_per_step,
+        summary=samples_words(found),
+        step=step_words(found),
+    )
 
 
 def _memory(snapshot: Snapshot) -> Memory | None:
@@ -375,7 +468,7 @@ def _counters(counters: HookCounters | None) -> Counters:
     return Counters(**msgspec.structs.asdict(counters))
 
 
-def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
+def _rank(rank: RankInfo, snapshot: Snapshot | None, steps: StepStats | None) -> RankReport:
     entry = RankReport(
         rank=rank.rank,
         local_rank=rank.local_rank,
@@ -385,11 +478,12 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None) -> RankReport:
     )
     if snapshot is not None:
         entry.step = snapshot.step
-        entry.config = _config(snapshot)
+        entry.config = _config(_known(snapshot))
         entry.applied = [_applied(a) for a in snapshot.control.applied]
-        entry.metrics = _metrics(snapshot)
+        entry.metrics = _metrics(steps)
         entry.memory = _memory(snapshot)
         entry.host_memory = snapshot.host[-1] if snapshot.host else None
+        entry.process_tree = process_tree_memory(entry.host_memory)
         entry.counters = _counters(snapshot.counters)
     return entry
 
@@ -419,12 +513,17 @@ def build_status(
     config = thresholds or ThresholdConfig(Thresholds(), "built-in defaults")
     found = assess(snapshot, ranks, config.thresholds)
     info, control = snapshot.info, snapshot.control
-    knobs = control.config
-    eff = None
-    if knobs.batch_size is not None and knobs.grad_accum is not None:
-        eff = effective_batch(knobs.batch_size, knobs.grad_accum, control.world_size)
+    known = _known(snapshot)
     rank_infos = snapshot.ranks or []
     per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
+    own_steps = summarize_steps(snapshot.steps)
+    answered = ranks if ranks is not None else [snapshot]
+    rank_steps = [
+        own_steps if s is snapshot else summarize_steps(s.steps) if s is not None else None
+        for s in answered
+    ]
+    # rank 0's own snapshot stands for every rank only where no other was read
+    per_rank_steps = rank_steps if ranks is not None else [own_steps] * len(per_rank)
     scored = accuracy(control.applied, control.ooms)
     speeds = speed_accuracy(control.applied)
     model = None
@@ -445,17 +544,20 @@ def build_status(
         world_size=info.world_size,
         device=info.device,
         step=snapshot.step,
-        config=_config(snapshot),
-        config_unused=unused_knobs(_config(snapshot)),
+        config=_config(known),
+        config_unused=known.unused,
+        config_measured=list(known.measured),
         untunable=dict(control.untunable),
         boundary=control.boundary,
         tunable=control.tunable,
-        effective_batch=eff,
+        effective_batch=known.effective_batch(),
         pending=list(control.pending),
+        unapplied=list(control.unapplied),
         applied=[_applied(a) for a in control.applied],
         rejected=list(control.rejected),
         cancelled=list(control.cancelled),
-        metrics=_metrics(snapshot),
+        metrics=_metrics(own_steps),
+        throughput=_throughput(job_throughput(rank_steps, info.world_size)),
         memory=_memory(snapshot),
         verdict=VerdictReport(
             state=STATE_NAMES[found.verdict.state],
@@ -489,9 +591,13 @@ def build_status(
         disabled=control.disabled,
         autopilot=control.autopilot,
         lr=control.lr,
-        ranks=[_rank(r, snap) for r, snap in zip(rank_infos, per_rank, strict=False)],
+        ranks=[
+            _rank(r, snap, steps)
+            for r, snap, steps in zip(rank_infos, per_rank, per_rank_steps, strict=False)
+        ],
         last_step=snapshot.steps[-1] if snapshot.steps else None,
         host_memory=snapshot.host[-1] if snapshot.host else None,
+        process_tree=process_tree_memory(snapshot.host[-1] if snapshot.host else None),
         checkpoints=[Checkpoint(c.step, c.time, c.save_s) for c in snapshot.checkpoints[-5:]],
         counters=counters,
         state_dir=info.state_dir,
@@ -580,11 +686,19 @@ def _run_lines(report: StatusReport, now: float | None) -> list[str]:
     lines.append(f"verdict: {verdict.state}: {verdict.headline}")
     metrics = report.metrics
     if metrics:
+        job = report.throughput
+        if job is not None:  # the job's figure, as the viewer and the exporter give it
+            samples = job.summary
+        elif metrics.data_wait_measured:
+            samples = f"{metrics.samples_per_s:.0f} samples/s"
+        else:
+            samples = "samples not counted"
         lines.append(
             f"step {report.step}  {format_duration(metrics.step_time_s)}/step  "
-            f"{_wait_words(metrics)}  "
-            f"{_samples_words(metrics)}  {metrics.steps_per_s:.2f} steps/s"
+            f"{_wait_words(metrics)}  {samples}  {metrics.steps_per_s:.2f} steps/s"
         )
+        if job is not None and job.step:
+            lines.append(job.step)
     else:
         lines.append(f"step {report.step}  (no timed steps yet)")
     return lines
@@ -644,15 +758,23 @@ def _memory_lines(report: StatusReport) -> list[str]:
     return lines
 
 
+def config_word(report: StatusReport, knob: str) -> str:
+    """``batch_size=16``; ``prefetch_factor=2 (unused: no loader workers)`` for a value the
+    loader does not use now; ``grad_accum=2 (measured)`` for one the steps measured; ``?`` where
+    memtui does not know it."""
+    value = report.config.get(knob)
+    if value is None:
+        return f"{knob}=?"
+    if knob in report.config_unused:
+        return f"{knob}={format_value(value)} (unused: {report.config_unused[knob]})"
+    measured = " (measured)" if knob in report.config_measured else ""
+    return f"{knob}={format_value(value)}{measured}"
+
+
 def _config_lines(report: StatusReport) -> list[str]:
     """The knobs, which cannot change and why, where changes apply, the LR factor."""
     lines: list[str] = []
-    config = " ".join(
-        f"{k}=- ({report.config_unused[k]})"
-        if k in report.config_unused
-        else f"{k}={format_value(v)}"
-        for k, v in report.config.items()
-    )
+    config = " ".join(config_word(report, knob) for knob in report.config)
     eff = report.effective_batch
     lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
     lines += untunable_lines(report.untunable)
@@ -673,6 +795,11 @@ def _change_lines(report: StatusReport) -> list[str]:
             predicted = f", predicted peak {format_bytes(change.predicted_peak_bytes)}"
         lines.append(
             f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
+        )
+    for change in report.unapplied:
+        lines.append(
+            f"never applied #{change.id}: {format_changes(change.changes)} (queued at step "
+            f"{change.queued_step}; pending at exit: the run ended before its next boundary)"
         )
     for applied in report.applied[-5:]:
         diffs = diff_words(applied.changes)
@@ -755,18 +882,26 @@ def _rank_lines(report: StatusReport) -> list[str]:
     """One row per rank of a job with several."""
     lines: list[str] = []
     if len(report.ranks) > 1:
-        lines.append("rank  host          step   step time  data wait  peak mem")
+        lines.append(
+            "rank  host          step   step time  data wait  samples/s  peak mem  host mem"
+        )
         for entry in report.ranks:
             if not entry.reachable:
                 lines.append(f"{entry.rank:>4}  {entry.host[:12]:<12}  (no answer)")
                 continue
             m = entry.metrics if isinstance(entry.metrics, Metrics) else None
             mem = entry.memory if isinstance(entry.memory, Memory) else None
+            tree = entry.process_tree if isinstance(entry.process_tree, ProcessTreeMemory) else None
             step_time = format_duration(m.step_time_s) if m else "-"
-            wait = f"{m.data_wait_fraction:.0%}" if m else "-"
+            wait = f"{m.data_wait_fraction:.0%}" if m and m.data_wait_measured else "-"
+            samples = _rank_samples_words(m) if m else "-"
             peak = f"{mem.peak_fraction:.0%}" if mem else "-"
+            host = format_bytes(tree.total_bytes) if tree else "-"
+            if tree is not None and tree.workers:
+                host += f" (main RSS + {tree.workers} workers {tree.workers_measure})"
             lines.append(
-                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  {wait:>9}  {peak:>8}"
+                f"{entry.rank:>4}  {entry.host[:12]:<12}  {entry.step:>5}  {step_time:>9}  "
+                f"{wait:>9}  {samples:>9}  {peak:>8}  {host:>8}"
             )
     return lines
 
@@ -801,11 +936,4 @@ def _hook_lines(report: StatusReport) -> list[str]:
 def workers_memory(host: HostSample) -> str:
     """The loader workers and their memory, labelled: USS (their own pages, as the device total
     counts them) once measured, else RSS (which counts pages shared with the main process)."""
-    if not host.workers:
-        return "no loader workers"
-    if host.workers_uss_bytes:
-        return f"{host.workers} loader workers ({format_bytes(host.workers_uss_bytes)} USS)"
-    return (
-        f"{host.workers} loader workers ({format_bytes(host.workers_rss_bytes)} RSS, "
-        "USS not measured yet)"
-    )
+    return process_tree(host).workers_words()

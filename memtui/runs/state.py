@@ -26,6 +26,7 @@ from typing import Generic, Protocol, TypeVar
 from memtui.advice.assess import (
     Advice,
     advise,
+    known_of,
     swap_growth,
     verdict_host,
     verdict_inputs,
@@ -40,19 +41,22 @@ from memtui.advice.verdict import (
     Verdict,
     VerdictTracker,
 )
-from memtui.core.knobs import KNOBS, effective_batch, merge
+from memtui.core.knobs import KNOBS, KnownConfig, merge
 from memtui.core.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
     MemoryStats,
+    ProcessTree,
     RankSpread,
     StepStats,
     median,
+    process_tree,
     summarize_device,
     summarize_steps,
 )
 from memtui.runs.events import ConnectionEvent, Notice, ReceivedBatch, RunOffer, Status
 from memtui.runs.plausible import check_snapshot, check_telemetry, is_time, rank_limit
+from memtui.runs.throughput import Throughput, job_throughput
 from memtui.transport.client import client_name
 from memtui.wire import (
     AppliedChange,
@@ -335,8 +339,9 @@ class RankSummary:
     steps: StepStats | None
     memory: MemoryStats | None
     last_step: int = 0
-    host_rss_bytes: int | None = None
-    """The rank's process tree in host RAM: main process plus loader workers."""
+    tree: ProcessTree | None = None
+    """The rank's process tree in host RAM: the main process's RSS plus its loader workers' own
+    memory (USS, else RSS), counted as ``memtui status`` counts it (None: no host sample)."""
     age_s: float = 0.0
     """Seconds since the rank last reported (or, if it has not yet, since it was listed)."""
     reported: bool = True
@@ -385,6 +390,9 @@ class Summary:
     verdict_inputs: Inputs | None = None
     """What the verdict was decided from (``advice.assess.verdict_inputs``, as for ``memtui
     status``); ``verdict`` adds the tracker's hysteresis."""
+    throughput: Throughput | None = None
+    """The job's samples/s, the ranks it sums and what a step is (``runs.throughput``, as for
+    ``memtui status`` and the exporter); silent ranks are left out."""
 
 
 def rank_pressure(
@@ -440,6 +448,11 @@ def compare_ranks(
             )
         )
     return out, spread
+
+
+def measured_waits(steps: Iterable[StepStats]) -> list[float]:
+    """The data wait shares of the steps whose wait was measured (a 0 not measured is not one)."""
+    return [s.data_wait_fraction for s in steps if s.data_wait_measured]
 
 
 def focus_of(
@@ -580,8 +593,12 @@ class RunState:
 
     def add_notice(self, notice: Notice) -> None:
         """Keep a line for the operator (shown in the change log), timed by the clock now if it
-        has no time of its own."""
+        has no time of its own; a change this viewer queued is remembered as its own."""
         self.notices.append(notice if notice.time else dataclasses.replace(notice, time=self.clock))
+        if notice.queued:
+            self.queued_by[notice.queued] = own_client()
+            while len(self.queued_by) > QUEUED_BY:
+                del self.queued_by[next(iter(self.queued_by))]
         self.control_version += 1
 
     def set_connection(self, event: ConnectionEvent) -> None:
@@ -804,7 +821,7 @@ class RunState:
                     steps=steps,
                     memory=memory,
                     last_step=series.newest_step,
-                    host_rss_bytes=host.main_rss_bytes + host.workers_rss_bytes if host else None,
+                    tree=process_tree(host) if host else None,
                     age_s=age,
                     reported=series.reported,
                     silent=age >= SILENT_AFTER_S,
@@ -838,6 +855,7 @@ class RunState:
         focus = focus_of(verdict, worst_first, waiting, fullest)
         focused = next((r for r in ranks if r.rank == focus), None)
         timed = [r.steps for r in ranks if r.steps is not None and not r.silent]
+        heard = any(not r.silent for r in ranks)
         serial = self._summary.serial + 1 if self._summary is not None else 1
         self._summary = Summary(
             ranks=tuple(ranks),
@@ -851,13 +869,19 @@ class RunState:
             median_step_s=spread.step_time_s
             if spread
             else (timed[0].step_time_s if timed else None),
-            median_wait_fraction=median([s.data_wait_fraction for s in timed]) if timed else None,
+            median_wait_fraction=median(waits) if (waits := measured_waits(timed)) else None,
             nearest_oom=next((r.rank for r in ranks if r.nearest_oom), None),
             stragglers=tuple(r.rank for r in ranks if r.straggler),
             silent=tuple(r.rank for r in ranks if r.silent),
             serial=serial,
             advice=self._advice(verdict, host),
             verdict_inputs=inputs,
+            throughput=job_throughput(
+                # the ranks heard from; a run gone silent whole keeps its last figure (the
+                # header says it is silent)
+                (None if r.silent and heard else r.steps for r in ranks),
+                self.world_size,
+            ),
         )
         self._summary_version = version
         return self._summary
@@ -915,21 +939,29 @@ class RunState:
         """What the pending changes will set, merged in queue order."""
         return merge(c.changes for c in self.control.pending) if self.control is not None else {}
 
-    def knob_value(self, knob: str) -> KnobValue | None:
-        """A knob's current value (None: unknown or not exposed)."""
-        if self.control is None or knob not in KNOBS:
+    def known_config(self) -> KnownConfig | None:
+        """The run's knobs as far as memtui knows them (those it can change, those the run holds
+        that it cannot, what the control rank's steps measured), as ``memtui status`` shows them
+        (None: no config yet)."""
+        if self.control is None:
             return None
-        value: KnobValue | None = getattr(self.control.config, knob)
-        return value
+        rank = self.info.rank if self.info is not None else 0
+        series = self.series.get(rank)
+        steps = series.stats()[0] if series is not None else None
+        return known_of(self.control, steps)
+
+    def knob_value(self, knob: str) -> KnobValue | None:
+        """A knob's current value, tunable or not (None: not known)."""
+        known = self.known_config()
+        return known.value(knob) if known is not None and knob in KNOBS else None
 
     def effective_batch(self, pending: bool = False) -> int | None:
-        """Micro-batch x accumulation x ranks, now or once the pending changes land."""
-        values = self.pending_values() if pending else {}
-        batch = values.get("batch_size", self.knob_value("batch_size"))
-        accum = values.get("grad_accum", self.knob_value("grad_accum"))
-        if batch is None or accum is None or isinstance(batch, bool) or isinstance(accum, bool):
+        """Micro-batch x accumulation x ranks, now or once the pending changes land (None:
+        either is not known)."""
+        known = self.known_config()
+        if known is None:
             return None
-        return effective_batch(batch, accum, self.world_size)
+        return known.effective_batch(self.pending_values() if pending else None)
 
 
 def who_is(client: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ from rich.style import Style
 from rich.text import Text
 
 from memtui.advice.verdict import State
+from memtui.core.stats import format_rate
 from memtui.runs.events import Status
 
 STATUS_STYLES: dict[Status, str] = {
@@ -139,10 +139,4 @@ def counted(count: int, noun: str) -> str:
 
 def rate(value: float) -> str:
     """A rate with sensible precision: ``0.42``, ``9.4``, ``1,024`` (``-`` for infinity or NaN)."""
-    if not math.isfinite(value):
-        return "-"
-    if value < 1:
-        return f"{value:.2f}"
-    if value < 100:
-        return f"{value:.1f}"
-    return f"{value:,.0f}"
+    return format_rate(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -23,7 +24,8 @@ import pytest
 
 from tests.clients.upstream import CLIENTS, Manifest, apply_patch, cached, materialise, missing
 from tests.support.cli import memtui_cli
-from tests.support.processes import wait_for
+from tests.support.forkserver import ForkedDemo, ForkedJob
+from tests.support.processes import launch_ranks, launch_script, wait_for
 
 WITNESS = Path(__file__).with_name("witness.py")
 INTEGRATION_PATCH = "integration.patch"
@@ -31,14 +33,22 @@ INTEGRATION_PATCH = "integration.patch"
 compatibility: what the script needs to run here at all)."""
 
 
-def client_script(name: str, workdir: Path) -> Path:
-    """The client's upstream files, patched, in ``workdir``; the test is skipped (with the
-    command that fills the cache) when they are not in the cache."""
+def client_script(name: str, workdir: Path, compat: Sequence[str] = ()) -> Path:
+    """The client's upstream files, patched, in ``workdir``, then ``compat`` (more patches in the
+    client's directory, written against the upstream files, for a way of running the script that
+    it cannot run here without them); the test is skipped (with the command that fills the
+    cache) when they are not in the cache."""
     manifest = Manifest.load(name)
     reason = missing(manifest)
     if reason:
         pytest.skip(f"the upstream files of client {name} are not cached: {reason}")
-    return materialise(manifest, workdir)
+    script = materialise(manifest, workdir)
+    applied = [(CLIENTS / name / patch).read_text() for patch in manifest.patches]
+    for patch in compat:
+        diff = (CLIENTS / name / patch).read_text()
+        apply_patch(diff, workdir, after=applied)
+        applied.append(diff)
+    return script
 
 
 def unchanged_client_script(name: str, workdir: Path, compat: Sequence[str] = ()) -> Path:
@@ -90,7 +100,7 @@ def client_home() -> Iterator[tuple[Path, dict[str, str]]]:
 class ClientRun:
     """One process of a client script under the witness."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedDemo | ForkedJob
     workdir: Path
     log: Path
     witness: Path
@@ -190,11 +200,15 @@ def start(
     interpreter: Sequence[str] = (),
     stderr_apart: bool = False,
     pause_at_forward: Sequence[int] = (),
+    forked: int = 0,
 ) -> ClientRun:
     """``python SCRIPT ARGS`` under the witness, in the script's directory; ``launcher`` before
     it (``memtui run --``), ``interpreter`` instead of ``python`` (``torchrun ...``), stderr in
     ``LABEL.err`` when ``stderr_apart``; paused before the optimizer steps ``pause_at`` and the
-    training forwards ``pause_at_forward``."""
+    training forwards ``pause_at_forward``; ``forked``: that many ranks forked from the test
+    worker's fork server, which imported torch once, with the environment torchrun gives its
+    ranks where there are several (``launch_ranks``; ``MEMTUI_TEST_FORK=0``: python or torchrun
+    itself)."""
     workdir = script.parent
     for stale in workdir.glob("go-*"):
         stale.unlink()
@@ -207,6 +221,13 @@ def start(
         MEMTUI_WITNESS_GO_DIR=str(workdir),
     )
     errors = workdir / f"{label}.err" if stderr_apart else None
+    if forked:
+        argv = [str(script), *args]
+        if forked == 1:
+            job: Any = launch_script(WITNESS, argv, run_env, workdir, log)
+        else:
+            job = launch_ranks(argv, run_env, workdir, log, forked, script=str(WITNESS))
+        return ClientRun(job, workdir, log, witness, env, errors)
     command = [*launcher, *(interpreter or [sys.executable]), str(WITNESS), str(script), *args]
     with open(log, "w") as handle, open(errors or os.devnull, "w") as error_handle:
         proc = subprocess.Popen(
@@ -237,6 +258,9 @@ class Plan:
     kill_at: int = 0
     """The step before which memtui's status is read, and the first run killed when it restarts
     (after its third checkpoint)."""
+    last_change: list[str] = field(default_factory=list)
+    """Queued before ``kill_at`` too, before the status is read (a change memtui refuses: its
+    reply is ``Scenario.last_reply``)."""
 
 
 @dataclass
@@ -250,6 +274,8 @@ class Scenario:
     status_before_kill: dict[str, Any] = field(default_factory=dict)
     status_after_restart: dict[str, Any] = field(default_factory=dict)
     restart_paused: dict[str, Any] = field(default_factory=dict)
+    last_reply: subprocess.CompletedProcess[str] | None = None
+    """``memtui set``'s reply to the plan's ``last_change``."""
 
 
 def play(script: Path, env: dict[str, str], plan: Plan, launcher: Sequence[str] = ()) -> Scenario:
@@ -270,6 +296,8 @@ def play(script: Path, env: dict[str, str], plan: Plan, launcher: Sequence[str] 
         scenario.replies.append(first.memtui("set", run, *plan.second_change))
         first.go(2 * every)
         first.wait_paused(plan.kill_at)
+        if plan.last_change:
+            scenario.last_reply = first.memtui("set", run, *plan.last_change)
         scenario.status_before_kill = first.status()
         if plan.restart_args is None:
             first.go(plan.kill_at)
@@ -425,22 +453,33 @@ def records_by_rank(run: ClientRun, kind: str) -> dict[int, list[dict[str, Any]]
     return dict(sorted(ranks.items()))
 
 
-def trained_epochs(run: ClientRun, limit: int | None = None) -> dict[int, list[list[str]]]:
+def trained_epochs(
+    run: ClientRun,
+    limit: int | None = None,
+    until_step: int | None = None,
+    sanity_check: bool = False,
+) -> dict[int, list[list[str]]]:
     """The digests of the rows each rank trained on, epoch by epoch, for a loop that evaluates
     after each epoch: an epoch ends at the first evaluation forward (not in training mode) after
     its training forwards; ``limit``: only each rank's first ``limit`` training forwards (the
-    loop's steps up to a checkpoint it named by them)."""
+    loop's steps up to a checkpoint it named by them); ``until_step``: only the training
+    forwards that fed the process's optimizer steps up to that one (a checkpoint saved after it);
+    ``sanity_check``: the evaluation before the first training forward is the framework's check
+    of its validation loop (Lightning's), not the end of an epoch."""
     epochs: dict[int, list[list[str]]] = {}
     for rank, forwards in records_by_rank(run, "forward").items():
         mine: list[list[str]] = [[]]
         taken, evaluating = 0, False
         for record in forwards:
             if not record["training"]:
-                if not evaluating:  # the epoch ends, even one that trained on nothing
+                checking = sanity_check and not taken and len(mine) == 1
+                if not evaluating and not checking:  # the epoch ends, even one empty
                     mine.append([])
                 evaluating = True
                 continue
             if limit is not None and taken == limit:
+                break
+            if until_step is not None and record["step"] > until_step:
                 break
             taken, evaluating = taken + 1, False
             mine[-1].extend(record.get("rows") or [])
@@ -508,3 +547,220 @@ def coverage(dataset: Collection[str], epochs: Sequence[Sequence[str]]) -> list[
             )
         )
     return found
+
+
+def torchrun(ranks: int) -> list[str]:
+    """``torchrun --standalone --nproc_per_node RANKS``: the launcher of a job of ``ranks``
+    processes on this machine (the script picks gloo on the CPU)."""
+    launcher = str(Path(sys.executable).with_name("torchrun"))
+    return [launcher, "--standalone", "--nproc_per_node", str(ranks)]
+
+
+def python_or_torchrun(ranks: int) -> list[str]:
+    """How a script of ``ranks`` processes is started: ``python``, or ``torchrun`` for several."""
+    return [sys.executable] if ranks == 1 else torchrun(ranks)
+
+
+def finished(run: ClientRun, timeout: float = 240.0) -> ClientRun:
+    """``run`` once it ended well (the test fails otherwise; every rank is killed then)."""
+    try:
+        run.finish(timeout)
+    finally:
+        if run.proc.poll() is None:
+            run.kill_job()
+    return run
+
+
+def job_run_id(run: ClientRun, ranks: int) -> str:
+    """The run memtui lists with every process the witness saw start."""
+
+    def listed() -> str | None:
+        pids = sorted(r["pid"] for r in run.records("start"))
+        if len(pids) < ranks:
+            return None
+        result = run.memtui("ls", "--json")
+        for entry in json.loads(result.stdout or "[]"):
+            if sorted(e["pid"] for e in entry.get("endpoints", [])) == pids:
+                return str(entry["run"])
+        return None
+
+    return str(wait_for(listed, 60, what=f"the {ranks} ranks listed as one run"))
+
+
+def status_json(run: ClientRun, run_id: str) -> dict[str, Any]:
+    """``memtui status RUN --json``."""
+    result = run.memtui("status", run_id, "--json")
+    assert result.returncode == 0, result.stderr + result.stdout
+    return dict(json.loads(result.stdout))
+
+
+def lrs_by_rank(run: ClientRun) -> dict[int, list[tuple[int, list[float]]]]:
+    """Each rank's optimizer steps: (the optimizer's own step number, the LR of each group)."""
+    return {
+        rank: [(r["opt_step"] or r["call"], r["lrs"]) for r in steps]
+        for rank, steps in records_by_rank(run, "step").items()
+    }
+
+
+def steps_by_rank(run: ClientRun) -> dict[int, list[Step]]:
+    """Each rank's optimizer steps with the micro-batches that fed them (``steps_of`` by rank)."""
+    found: dict[int, list[Step]] = {}
+    for step in steps_of(run):
+        found.setdefault(step.rank, []).append(step)
+    return found
+
+
+def forwards_by_rank(run: ClientRun) -> dict[int, list[tuple[Any, ...]]]:
+    """Each rank's forwards as the witness saw them: the step each fed, training or evaluating,
+    the input's shape and its rows' digests (training forwards)."""
+    return {
+        rank: [(r["step"], r["training"], r["shape"], r.get("rows")) for r in forwards]
+        for rank, forwards in records_by_rank(run, "forward").items()
+    }
+
+
+def lr_factors(status: dict[str, Any]) -> list[tuple[int, float]]:
+    """(the step after which it applied, its LR factor) for each change ``memtui status --json``
+    reports applied (1.0 where it reports none)."""
+    return [
+        (int(change["step"]), float(change.get("lr_factor") or 1.0))
+        for change in status.get("applied", [])
+    ]
+
+
+def factor_at(factors: Sequence[tuple[int, float]], step: int) -> float:
+    """The product of the LR factors of the changes applied before optimizer step ``step``."""
+    product = 1.0
+    for at, factor in factors:
+        if step > at:
+            product *= factor
+    return product
+
+
+@dataclass
+class Job:
+    """A script's run through changes queued with ``memtui set`` (every rank held before the
+    step each is queued at), killed in the middle of an epoch and restarted from its own
+    checkpoint (or let run to its end), as the witness and memtui's command line saw it."""
+
+    first: ClientRun
+    restart: ClientRun | None
+    run_id: str = ""
+    replies: dict[int, subprocess.CompletedProcess[str]] = field(default_factory=dict)
+    """Each ``memtui set``'s reply, by the step before which it was queued."""
+    status_before_kill: dict[str, Any] = field(default_factory=dict)
+    """``memtui status --json`` read before the step ``kill_at``."""
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    """The audit log's events, read after the first run ended."""
+
+    def runs(self) -> list[ClientRun]:
+        """The first run and its restart."""
+        return [self.first] if self.restart is None else [self.first, self.restart]
+
+
+def play_job(
+    script: Path,
+    args: Sequence[str],
+    env: dict[str, str],
+    changes: dict[int, list[str]],
+    kill_at: int,
+    restart_args: Sequence[str] | None,
+    ranks: int,
+    interpreter: Sequence[str] = (),
+    launcher: Sequence[str] = (),
+    audit: Path | None = None,
+    timeout: float = 240.0,
+    forked: int = 0,
+) -> Job:
+    """Run ``script`` on ``ranks`` processes (``interpreter``: ``torchrun ...``) under the
+    witness; before each step of ``changes`` (every rank waiting there) queue its change with the
+    real ``memtui set``; before step ``kill_at`` read ``memtui status --json``, then kill every
+    rank and restart the script with ``restart_args`` (None: let it run to its end); ``audit``:
+    the audit log to read after the first run; ``forked``: the ranks forked (``start``)."""
+    pauses = [*changes, kill_at]
+    first = start(script, args, env, pauses, "first", launcher, interpreter, forked=forked)
+    job = Job(first, None)
+    try:
+        for at, change in changes.items():
+            first.wait_paused(at, timeout, ranks=ranks)
+            job.run_id = job.run_id or job_run_id(first, ranks)
+            job.replies[at] = first.memtui("set", job.run_id, *change)
+            first.go(at)
+        first.wait_paused(kill_at, timeout, ranks=ranks)
+        job.run_id = job.run_id or job_run_id(first, ranks)
+        job.status_before_kill = status_json(first, job.run_id)
+        if restart_args is None:
+            first.go(kill_at)
+            finished(first, timeout)
+        else:
+            first.kill_job()
+    finally:
+        if first.proc.poll() is None:
+            first.kill_job()
+    if audit is not None and audit.exists():
+        job.audit = [json.loads(line) for line in audit.read_text().splitlines() if line]
+    if restart_args is not None:
+        job.restart = start(
+            script, restart_args, env, [], "restart", launcher, interpreter, forked=forked
+        )
+        finished(job.restart, timeout)
+    return job
+
+
+def coverage_over(
+    dataset: Collection[str], before: ClientRun, until_step: int | None, after: ClientRun | None
+) -> list[EpochCoverage]:
+    """Each epoch's coverage of ``dataset`` on the union of the ranks: the rows ``before``
+    trained on up to its checkpoint after step ``until_step`` (None: all of them), continued by
+    the rows of ``after``, its restart from that checkpoint (None: no restart)."""
+    epochs = union_of_ranks(trained_epochs(before, until_step=until_step))
+    if after is not None:
+        epochs = continued(epochs, union_of_ranks(trained_epochs(after)))
+    return coverage(dataset, epochs)
+
+
+def rows_by_rank(run: ClientRun, until_step: int | None = None) -> dict[int, list[str]]:
+    """The digests of the rows each rank trained on, in order (``until_step``: only those of the
+    training forwards that fed the process's optimizer steps up to that one)."""
+    found: dict[int, list[str]] = {}
+    for rank, forwards in records_by_rank(run, "forward").items():
+        mine = found.setdefault(rank, [])
+        for record in forwards:
+            if not record["training"]:
+                continue
+            if until_step is not None and record["step"] > until_step:
+                break
+            mine.extend(record.get("rows") or [])
+    return found
+
+
+def epochs_of(rows: dict[int, list[str]], per_rank: int) -> list[list[str]]:
+    """The rows of every rank cut in epochs of ``per_rank`` rows each (a sharded loader gives
+    each rank its share of every epoch), each epoch's on all ranks together: for a loop whose
+    evaluations do not mark its epochs."""
+    count = max((math.ceil(len(mine) / per_rank) for mine in rows.values()), default=0)
+    return [
+        [row for mine in rows.values() for row in mine[i * per_rank : (i + 1) * per_rank]]
+        for i in range(count)
+    ]
+
+
+def joined(before: dict[int, list[str]], after: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Each rank's rows of a killed run (up to its checkpoint), then of its restart."""
+    return {rank: before.get(rank, []) + after.get(rank, []) for rank in sorted({*before, *after})}
+
+
+def saved_without_run(path: Path) -> bytes:
+    """A checkpoint file saved again as it is but for memtui's entry's run id (``memtui`` at
+    its top, as ``tuner.state_dict()`` saved it): the one thing in it that differs between any
+    two runs of a script."""
+    import io
+
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(state, dict) and isinstance(state.get("memtui"), dict):
+        state["memtui"] = {k: v for k, v in state["memtui"].items() if k != "run"}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()

@@ -13,6 +13,9 @@ epoch against the data set's own rows.
   the same script with ``MEMTUI_DISABLE=1`` (memtui there, publishing nothing).
 * Unchanged under ``memtui run``: every step, LR and trained row, every file it saves and its
   exit status are those of the script run without memtui.
+* Unchanged under ``memtui run``, on one process and on two: a workers change queued with
+  ``memtui set`` lands at the next ``save_state``, in the middle of the first epoch, on every
+  rank, and every epoch still trains on each sample exactly once.
 * With the documented lines on two ranks: a batch change (LR scaled linearly), an accumulation
   change and a workers change queued with ``memtui set`` while the witness holds both ranks
   before a training forward land at the next ``save_state``; the run is killed in the middle of
@@ -39,16 +42,21 @@ from tests.clients.harness import (
     ClientRun,
     EpochCoverage,
     Pair,
-    Step,
     client_home,
     client_script,
     continued,
     coverage,
+    finished,
+    forwards_by_rank,
+    job_run_id,
+    lr_factors,
     lr_mismatches,
-    records_by_rank,
+    lrs_by_rank,
+    memtui_run,
     run_pair,
     start,
-    steps_of,
+    status_json,
+    steps_by_rank,
     trained_epochs,
     unchanged_client_script,
     union_of_ranks,
@@ -103,16 +111,6 @@ def dataset_digests(workdir: Path) -> list[str]:
     return [row_digest(ids) for ids in encoded["input_ids"]]
 
 
-def finished(run: ClientRun, timeout: float = 240.0) -> ClientRun:
-    """``run`` once it ended well (the test fails otherwise)."""
-    try:
-        run.finish(timeout)
-    finally:
-        if run.proc.poll() is None:
-            run.kill_job()
-    return run
-
-
 def coverage_of(run: ClientRun, dataset: list[str]) -> list[EpochCoverage]:
     """Each epoch's coverage of the data set on the union of the run's ranks."""
     return coverage(dataset, union_of_ranks(trained_epochs(run)))
@@ -124,31 +122,6 @@ def save_state_files(out: Path) -> dict[str, bytes]:
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.glob("step_*/**/*"))
         if p.is_file()
-    }
-
-
-def lrs_by_rank(run: ClientRun) -> dict[int, list[tuple[int, list[float]]]]:
-    """Each rank's optimizer steps: (the optimizer's own step number, the LR of each group)."""
-    return {
-        rank: [(r["opt_step"], r["lrs"]) for r in steps]
-        for rank, steps in records_by_rank(run, "step").items()
-    }
-
-
-def steps_by_rank(run: ClientRun) -> dict[int, list[Step]]:
-    """Each rank's optimizer steps with the micro-batches that fed them (``steps_of`` by rank)."""
-    found: dict[int, list[Step]] = {}
-    for step in steps_of(run):
-        found.setdefault(step.rank, []).append(step)
-    return found
-
-
-def forwards_by_rank(run: ClientRun) -> dict[int, list[tuple[Any, ...]]]:
-    """Each rank's forwards as the witness saw them: the step each fed, training or evaluating,
-    the input's shape and its rows' digests (training forwards)."""
-    return {
-        rank: [(r["step"], r["training"], r["shape"], r.get("rows")) for r in forwards]
-        for rank, forwards in records_by_rank(run, "forward").items()
     }
 
 
@@ -311,6 +284,28 @@ def test_unchanged_under_memtui_run_saves_the_state_it_saves_without_memtui(
     assert not differ, f"files that differ from the run without memtui: {differ}"
 
 
+def test_unchanged_under_memtui_run_counts_each_batch_by_its_rows_not_its_keys(
+    under_run: Pair,
+) -> None:
+    """The script's ``collate_fn`` returns the tokenizer's ``BatchEncoding`` (a ``UserDict`` of
+    4 keys): a step of one micro-batch of 16 rows trains 16 samples on each rank, and the job's
+    samples/s is the ranks' own summed, in the JSON and the text."""
+    from memtui.wire import StepRecord
+
+    status = under_run.status
+    last = StepRecord(*status["last_step"])  # a JSON array, in the record's order
+    assert (last.samples, last.micro_batches) == (BATCH, 1), last
+    ranks = [entry["metrics"] for entry in status["ranks"]]
+    for metrics in ranks:
+        # Accelerate's loader fetches one batch ahead: the first step drew two, the others one
+        steps = metrics["window_steps"]
+        assert metrics["samples_per_step"] * steps == BATCH * (steps + 1), metrics
+    job = status["throughput"]
+    assert job["ranks"] == len(ranks)
+    assert job["samples_per_s"] == pytest.approx(sum(m["samples_per_s"] for m in ranks))
+    assert f"  {job['summary']}  " in under_run.status_text, under_run.status_text
+
+
 # ------------------------- (c) the documented lines, changes queued, a kill and a restart
 
 
@@ -343,29 +338,6 @@ class Restarted:
     status_before_kill: dict[str, Any] = field(default_factory=dict)
     status_after_restart: dict[str, Any] = field(default_factory=dict)
     audit: list[dict[str, Any]] = field(default_factory=list)
-
-
-def job_run_id(run: ClientRun, ranks: int) -> str:
-    """The run memtui lists with every process the witness saw start."""
-    pids = sorted(r["pid"] for r in run.records("start"))
-
-    def listed() -> str | None:
-        result = run.memtui("ls", "--json")
-        for entry in json.loads(result.stdout or "[]"):
-            if sorted(e["pid"] for e in entry.get("endpoints", [])) == pids:
-                return str(entry["run"])
-        return None
-
-    from tests.support.processes import wait_for
-
-    return str(wait_for(listed, 60, what=f"the {ranks} ranks listed as one run"))
-
-
-def status_json(run: ClientRun, run_id: str) -> dict[str, Any]:
-    """``memtui status RUN --json``."""
-    result = run.memtui("status", run_id, "--json")
-    assert result.returncode == 0, result.stderr + result.stdout
-    return dict(json.loads(result.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -403,15 +375,6 @@ def restarted() -> Iterator[Restarted]:
             restart.kill_job()
             raise
         yield scenario
-
-
-def lr_factors(restarted: Restarted) -> list[tuple[int, float]]:
-    """(the step after which it applied, its LR factor) for each change memtui applied, as
-    ``memtui status --json`` reports them (1.0 where it reports none)."""
-    return [
-        (int(change["step"]), float(change.get("lr_factor") or 1.0))
-        for change in restarted.status_before_kill.get("applied", [])
-    ]
 
 
 def test_the_loader_changes_are_taken_and_the_accumulation_refused_with_its_reason(
@@ -493,7 +456,7 @@ def test_every_step_trains_at_the_scripts_lr_times_the_factor_memtui_reports(
     """The LR at every optimizer step of both runs, on each rank: the script's linear schedule
     with warmup (the prepared scheduler stepping twice a step) times the product of the factors
     of the changes memtui reports applied before that step."""
-    factors = lr_factors(restarted)
+    factors = lr_factors(restarted.status_before_kill)
     assert factors, "memtui reported no applied change"
 
     def expected(step: int) -> float:
@@ -510,3 +473,86 @@ def test_every_step_trains_at_the_scripts_lr_times_the_factor_memtui_reports(
         if e.get("event") == "applied"
     ]
     assert not audit_factors or audit_factors == factors, (audit_factors, factors)
+
+
+# ------------------------- (d) unchanged under ``memtui run``, a workers change at the next save
+
+
+SAVE_EVERY = 10
+"""``--checkpointing_steps`` under ``memtui run``: ``save_state`` after every 10th micro-batch."""
+QUEUED_AT, READ_AT = 4, 15
+"""The training forwards before which every rank waits: ``num_workers=2`` queued before the 4th,
+``memtui status`` read before the 15th (after the save at micro-batch 10)."""
+
+
+@dataclass
+class WorkersUnderRun:
+    """The script without memtui's lines under ``memtui run``, a workers change queued."""
+
+    ranks: int
+    run: ClientRun
+    reply: Any
+    status: dict[str, Any]
+    dataset: list[str]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-ranks"])
+def workers_under_run(request: pytest.FixtureRequest) -> Iterator[WorkersUnderRun]:
+    ranks = int(request.param)
+    with client_home() as (base, env):
+        script = unchanged_client_script("accelerate_nlp", base / "run")
+        local_data.mrpc_inputs(script.parent, TRAIN_ROWS, VALIDATION_ROWS)
+        args = ["--checkpointing_steps", str(SAVE_EVERY), "--output_dir", "out"]
+        run = start(
+            script,
+            args,
+            {**env, **ACCELERATE_CPU},
+            [],
+            "workers",
+            memtui_run("nlpw"),
+            launcher(ranks),
+            pause_at_forward=[QUEUED_AT, READ_AT],
+        )
+        try:
+            run.wait_paused(QUEUED_AT, timeout=240, ranks=ranks, forward=True)
+            run_id = job_run_id(run, ranks)
+            reply = run.memtui("set", run_id, "num_workers=2")
+            run.go(QUEUED_AT, forward=True)
+            run.wait_paused(READ_AT, timeout=240, ranks=ranks, forward=True)
+            status = status_json(run, run_id)
+            run.go(READ_AT, forward=True)
+        finally:
+            run.go(QUEUED_AT, forward=True)
+            run.go(READ_AT, forward=True)
+        finished(run)
+        yield WorkersUnderRun(ranks, run, reply, status, dataset_digests(script.parent))
+
+
+def test_a_workers_change_lands_at_the_next_save_state_under_memtui_run(
+    workers_under_run: WorkersUnderRun,
+) -> None:
+    """Queued before micro-batch 4, ``num_workers=2`` is applied at the save after micro-batch
+    10 on every rank (listed as a checkpoint there): from the step after it two loader workers
+    feed each rank, in the middle of the first epoch (40 micro-batches on one rank, 20 on two),
+    and in every epoch after it."""
+    reply, status = workers_under_run.reply, workers_under_run.status
+    assert reply.returncode == 0, reply.stderr + reply.stdout
+    assert [(a["step"], a["changes"]["num_workers"]) for a in status["applied"]] == [
+        (SAVE_EVERY, {"old": 0, "new": 2})
+    ]
+    assert [c["step"] for c in status["checkpoints"]] == [SAVE_EVERY]
+    per_epoch = TRAIN_ROWS // (BATCH * workers_under_run.ranks)
+    for rank, steps in steps_by_rank(workers_under_run.run).items():
+        workers = [s.workers for s in steps]
+        assert len(workers) == EPOCHS * per_epoch
+        assert workers[:SAVE_EVERY] == [0] * SAVE_EVERY, (rank, workers)
+        # an epoch's last step: the prepared loader, a batch ahead, has ended its workers
+        within = [w for n, w in enumerate(workers) if n >= SAVE_EVERY and (n + 1) % per_epoch]
+        assert set(within) == {2}, (rank, str(workers))
+
+
+def test_every_sample_once_per_epoch_through_a_workers_change_under_memtui_run(
+    workers_under_run: WorkersUnderRun,
+) -> None:
+    found = coverage_of(workers_under_run.run, workers_under_run.dataset)
+    assert len(found) == EPOCHS and all(c.exact for c in found), found

@@ -33,7 +33,9 @@ from tests.clients.harness import (
     Scenario,
     applied_changes,
     client_home,
+    forwards_by_rank,
     lr_mismatches,
+    lrs_by_rank,
     memtui_run,
     play,
     run_pair,
@@ -190,14 +192,15 @@ def test_nanogpt_unchanged_registers_and_says_its_data_wait_is_not_measured(
 
 
 def test_nanogpt_unchanged_prints_trains_and_saves_as_without_memtui(nanogpt: Pair) -> None:
-    """stdout byte for byte but for ``time``/``mfu``, stderr byte for byte, the same batches and
-    LRs at every step, the same ``ckpt.pt`` (both runs exit 0)."""
+    """stdout byte for byte but for ``time``/``mfu``, stderr byte for byte, the same batches,
+    LRs and rows at every step, the same ``ckpt.pt`` (both runs exit 0)."""
     plain, watched = nanogpt.plain, nanogpt.watched
     assert nanogpt_masked(watched.output()) == nanogpt_masked(plain.output())
     assert "iter 10: loss" in watched.output()
     assert watched.errors and plain.errors
     assert watched.errors.read_bytes() == plain.errors.read_bytes()
     assert trained(steps_of(watched)) == trained(steps_of(plain))
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every forward's rows"
     ckpt = watched.workdir / "out" / "ckpt.pt"
     assert ckpt.read_bytes() == nanogpt.aside[ckpt.parent].joinpath("ckpt.pt").read_bytes()
 
@@ -263,7 +266,7 @@ def test_nanogpt_under_torchrun_prints_trains_and_saves_as_without_memtui(
     nanogpt_torchrun: Pair,
 ) -> None:
     """Each rank's stdout (``time``/``mfu`` masked) and stderr, torchrun's own output, the
-    batches and LRs of every step of both ranks, rank 0's ``ckpt.pt``: as without memtui."""
+    batches, LRs and rows of every step of both ranks, rank 0's ``ckpt.pt``: as without memtui."""
     plain, watched = nanogpt_torchrun.plain, nanogpt_torchrun.watched
     logs = watched.workdir / "logs"
     plain_logs = nanogpt_torchrun.aside[logs]
@@ -274,6 +277,8 @@ def test_nanogpt_under_torchrun_prints_trains_and_saves_as_without_memtui(
     assert watched.output() == plain.output()
     steps = trained(steps_of(watched))
     assert steps == trained(steps_of(plain)) and len(steps) == 2 * 11
+    assert sorted(forwards_by_rank(watched)) == [0, 1]
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every rank's forwards and rows"
     ckpt = watched.workdir / "out" / "ckpt.pt"
     assert ckpt.read_bytes() == nanogpt_torchrun.aside[ckpt.parent].joinpath("ckpt.pt").read_bytes()
     assert_no_memtui_line(nanogpt_torchrun)
@@ -338,9 +343,53 @@ def test_run_clm_unchanged_prints_trains_and_saves_as_without_memtui(hf_pair: Pa
     assert hf_masked(watched.output()) == hf_masked(plain.output())
     assert "***** eval metrics *****" in watched.output()
     assert trained(steps_of(watched)) == trained(steps_of(plain))
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every forward's rows"
     out = watched.workdir / "out"
     assert not same_files(hf_pair.aside[out], out, hf_json)
     assert_no_memtui_line(hf_pair)
+
+
+def test_run_clm_unchanged_trains_every_block_once_per_epoch_over_the_kill_and_restart(
+    hf_tuned: Scenario,
+) -> None:
+    """With no line: the killed run's blocks up to ``checkpoint-12`` (2 steps into epoch 1),
+    then its restart's, each epoch every block exactly once."""
+    from tests.clients.test_hf_run_clm import (
+        LAST_EPOCH_ROWS,
+        assert_each_block_once_per_epoch,
+        coverage_over_restart,
+        dataset_digests,
+    )
+
+    dataset = dataset_digests(hf_tuned.first.workdir, 1)
+    found = coverage_over_restart(dataset, hf_tuned.first, hf_tuned.restart, 1)
+    assert_each_block_once_per_epoch(found, LAST_EPOCH_ROWS, hf_tuned.restart)
+
+
+@pytest.fixture(scope="module")
+def hf_torchrun() -> Iterator[Pair]:
+    pytest.importorskip("transformers")
+    with client_home() as (base, env):
+        script = unchanged_client_script("hf_run_clm", base / "run")
+        local_data.causal_lm_inputs(script.parent)
+        local_data.accuracy_metric(script.parent)
+        outputs = [script.parent / "out", script.parent / "logs", base / "hf"]
+        yield run_pair(script, hf_args(8), env, outputs, "clmddp", PAUSE_AT, TORCHRUN, ranks=2)
+
+
+def test_run_clm_under_torchrun_trains_and_saves_as_without_memtui(hf_torchrun: Pair) -> None:
+    """``memtui run -- torchrun --nproc_per_node 2 run_clm.py``: both ranks in one run; every
+    rank's steps, LRs, forwards and rows, every file of ``out`` (JSON files but for their
+    runtimes and rates) and the exit status as without memtui."""
+    assert_registered(hf_torchrun, "run_clm.py", ranks=2)
+    plain, watched = hf_torchrun.plain, hf_torchrun.watched
+    assert watched.proc.returncode == plain.proc.returncode == 0
+    assert sorted(forwards_by_rank(watched)) == [0, 1]
+    assert lrs_by_rank(watched) == lrs_by_rank(plain)
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every rank's forwards and rows"
+    out = watched.workdir / "out"
+    assert (out / "checkpoint-8" / "rng_state_1.pth").exists()
+    assert not same_files(hf_torchrun.aside[out], out, hf_json)
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +411,7 @@ def test_run_clm_unchanged_takes_batch_size_and_workers_at_its_next_save(
     4; 2 x 2 with two loader worker processes after it; 4 x 2 after the save at step 8; the
     LR x2 from then on."""
     from tests.clients.test_hf_run_clm import PLAN as plan
-    from tests.clients.test_hf_run_clm import expected_lr
+    from tests.clients.test_hf_run_clm import expected_lr, workers_while_loading
 
     for reply in hf_tuned.replies:
         assert reply.returncode == 0, reply.stderr + reply.stdout
@@ -370,8 +419,9 @@ def test_run_clm_unchanged_takes_batch_size_and_workers_at_its_next_save(
     assert [steps[n].batches for n in range(1, 5)] == [[4]] * 4
     assert [steps[n].batches for n in range(5, 9)] == [[2, 2]] * 4
     assert [steps[n].batches for n in range(9, plan.kill_at)] == [[4, 4]] * (plan.kill_at - 9)
-    assert [steps[n].workers for n in range(1, 5)] == [0] * 4
-    assert [steps[n].workers for n in range(5, plan.kill_at)] == [2] * (plan.kill_at - 5)
+    (workers,) = workers_while_loading(hf_tuned.first).values()
+    assert {workers[n] for n in workers if n <= 4} == {0}
+    assert {workers[n] for n in workers if n > 4} == {2}
     (first, second) = applied_changes(hf_tuned.status_before_kill)[-2:]
     assert first["lr_factor"] in (None, 1.0), first
     assert second["lr_factor"] == pytest.approx(2.0), second
@@ -383,13 +433,14 @@ def test_run_clm_unchanged_resumes_the_tuned_knobs_from_its_checkpoint(hf_tuned:
     """Killed after checkpoint-12 and restarted with ``--resume_from_checkpoint`` (under
     ``memtui run`` again): 4 x 2 with two workers from its first step (13), memtui counting the
     Trainer's steps."""
-    from tests.clients.test_hf_run_clm import MAX_STEPS, expected_lr
+    from tests.clients.test_hf_run_clm import MAX_STEPS, expected_lr, workers_while_loading
 
     assert hf_tuned.restart is not None
     steps = steps_of(hf_tuned.restart)
     assert [s.number for s in steps] == list(range(13, MAX_STEPS + 1))
     assert all(s.batches == [4, 4] for s in steps), [s.batches for s in steps]
-    assert all(s.workers == 2 for s in steps), [s.workers for s in steps]
+    (workers,) = workers_while_loading(hf_tuned.restart).values()
+    assert set(workers.values()) == {2}, [s.workers for s in steps]
     wrong = lr_mismatches(steps, expected_lr)
     assert not wrong, f"(step, LR used, LR expected): {wrong}"
     config = hf_tuned.status_after_restart["config"]
@@ -442,8 +493,18 @@ def test_lightning_example_unchanged_prints_trains_and_saves_as_without_memtui(
     assert lightning_masked(watched.output()) == lightning_masked(plain.output())
     assert "test_loss" in watched.output()
     assert trained(steps_of(watched)) == trained(steps_of(plain))
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every forward's rows"
+    assert_same_lightning_logs(lightning_pair)
+    assert_no_memtui_line(lightning_pair)
+
+
+def assert_same_lightning_logs(pair: Pair) -> None:
+    """``hparams.yaml`` byte for byte, ModelCheckpoint's file entry for entry (tensors by
+    value) but for memtui's own entry, as many TensorBoard event files (they hold wall-clock
+    times)."""
+    watched = pair.watched
     logs = watched.workdir / "lightning_logs"
-    plain_logs = lightning_pair.aside[logs]
+    plain_logs = pair.aside[logs]
 
     def same_but_events_and_checkpoint(a: Path, b: Path) -> bool:
         return a.name.startswith("events.out.tfevents.") or a.suffix == ".ckpt" or identical(a, b)
@@ -461,7 +522,37 @@ def test_lightning_example_unchanged_prints_trains_and_saves_as_without_memtui(
     assert set(saved) - set(expected) <= {"memtui"}
     saved.pop("memtui", None)
     assert not differences(expected, saved)
-    assert_no_memtui_line(lightning_pair)
+
+
+@pytest.fixture(scope="module")
+def lightning_torchrun() -> Iterator[Pair]:
+    pytest.importorskip("lightning")
+    pytest.importorskip("requests")  # WikiText2 requires it, even for a file already there
+    from tests.clients.test_lightning_transformer import short_trainer
+
+    with client_home() as (base, env):
+        script = unchanged_client_script("lightning_transformer", base / "run")
+        local_data.wikitext2(script.parent, train_samples=2 * 80)
+        outputs = [script.parent / "lightning_logs", script.parent / "logs"]
+        # Lightning's own default for two devices: its DDP over gloo on the two CPU processes
+        env = dict(short_trainer(env, max_steps=8, bar=False), PL_TRAINER_DEVICES="2")
+        yield run_pair(script, [], env, outputs, "ltddp", PAUSE_AT, TORCHRUN, ranks=2)
+
+
+def test_lightning_example_under_torchrun_trains_and_saves_as_without_memtui(
+    lightning_torchrun: Pair,
+) -> None:
+    """``memtui run -- torchrun --nproc_per_node 2 transformer.py`` with Lightning's DDP: both
+    ranks in one run; every rank's steps, LRs, forwards and rows, the checkpoint, the hparams
+    and the exit status as without memtui."""
+    assert_registered(lightning_torchrun, "transformer.py", ranks=2)
+    plain, watched = lightning_torchrun.plain, lightning_torchrun.watched
+    assert watched.proc.returncode == plain.proc.returncode == 0
+    assert sorted(forwards_by_rank(watched)) == [0, 1]
+    assert lrs_by_rank(watched) == lrs_by_rank(plain)
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every rank's forwards and rows"
+    assert any(r["rows"] for r in watched.records("forward") if r["training"])
+    assert_same_lightning_logs(lightning_torchrun)
 
 
 # ---------------------------------------------------------------------- Accelerate's GPT loop
@@ -499,6 +590,19 @@ def test_lightning_example_unchanged_takes_batch_size_and_workers_at_its_next_ch
     assert [steps[n].workers for n in range(5, MAX_STEPS + 1)] == [2] * (MAX_STEPS - 4)
     wrong = lr_mismatches(steps_of(lightning_tuned.first), expected_lr)
     assert not wrong, f"(step, LR used, LR expected): {wrong}"
+
+
+def test_lightning_example_unchanged_trains_every_sample_once_per_epoch_through_the_changes(
+    lightning_tuned: Scenario,
+) -> None:
+    """With no line, through the batch, accumulation and workers changes: each of the 5 epochs
+    trains each of the 80 samples exactly once."""
+    from tests.clients.test_lightning_transformer import epochs_covered
+
+    found = epochs_covered(lightning_tuned.first)
+    assert len(found) == 5, found
+    wrong = [c for c in found if not c.exact]
+    assert not wrong, f"epochs not trained on each sample exactly once: {found}"
 
 
 def accelerate_args(steps: int) -> list[str]:
@@ -541,6 +645,7 @@ def test_accelerate_loop_unchanged_logs_trains_and_saves_as_without_memtui(
     assert records == accelerate_log_records(plain.errors.read_text())
     assert any("Saving current state to out/step_8" in r for r in records)
     assert trained(steps_of(watched)) == trained(steps_of(plain))
+    assert forwards_by_rank(watched) == forwards_by_rank(plain), "every forward's rows"
     out = watched.workdir / "out"
     plain_out = accelerate_pair.aside[out]
     differ = same_files(plain_out, out, identical)

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,16 +127,35 @@ def materialise(manifest: Manifest, into: Path) -> Path:
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
-def apply_patch(diff: str, root: Path) -> None:
+def line_shifts(diff: str) -> dict[str, list[tuple[int, int]]]:
+    """For each file a unified diff changes: (the line its hunk starts at in the file before it,
+    the lines that hunk adds less those it removes), hunk by hunk."""
+    shifts: dict[str, list[tuple[int, int]]] = {}
+    name = ""
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            name = line[4:].strip().split("\t")[0].removeprefix("b/")
+        match = HUNK.match(line)
+        if match is not None:
+            old, new = int(match.group(2) or 1), int(match.group(4) or 1)
+            shifts.setdefault(name, []).append((int(match.group(1)), new - old))
+    return shifts
+
+
+def apply_patch(diff: str, root: Path, after: Sequence[str] = ()) -> None:
     """Apply a unified diff (``--- a/FILE`` / ``+++ b/FILE`` headers) to the files under ``root``,
-    exactly: every context and removed line must be where the hunk says (no fuzz, no offset)."""
+    exactly: every context and removed line must be where the hunk says (no fuzz, no offset),
+    ``after`` the diffs already applied to the same upstream files (a hunk of this one moves by
+    the lines theirs added or removed above it)."""
+    applied = [line_shifts(earlier) for earlier in after]
     lines = diff.splitlines(keepends=True)
     index = 0
     while index < len(lines):
         if not lines[index].startswith("--- "):
             index += 1
             continue
-        target = root / lines[index + 1][4:].strip().split("\t")[0].removeprefix("b/")
+        name = lines[index + 1][4:].strip().split("\t")[0].removeprefix("b/")
+        target = root / name
         index += 2
         original = target.read_text().splitlines(keepends=True)
         result: list[str] = []
@@ -145,6 +165,12 @@ def apply_patch(diff: str, root: Path) -> None:
             if match is None:
                 raise ValueError(f"bad hunk header: {lines[index]!r}")
             start = int(match.group(1)) - 1 if match.group(2) != "0" else int(match.group(1))
+            start += sum(
+                delta
+                for shifts in applied
+                for at, delta in shifts.get(name, [])
+                if at <= int(match.group(1))
+            )
             result += original[consumed:start]
             consumed = start
             index += 1

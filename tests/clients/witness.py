@@ -8,7 +8,8 @@ torch's global hooks record, as JSON lines in ``$MEMTUI_WITNESS_OUT``:
   optimizer), the LR of every param group (what the step uses) and the live child processes
   (the loader's workers);
 * ``forward``: every call of a top-level module (none other running): the shape of its first
-  tensor input, whether in training mode, and the step (``call``) it feeds: the one running, for
+  tensor input (or of the first inside a batch handed whole), whether in training mode (for a
+  ``DistributedDataParallel`` wrapper: the module it wraps), and the step (``call``) it feeds: the one running, for
   a forward inside ``optimizer.step(closure)`` as Lightning calls it, else the next one; in
   training mode also ``rows``, a short digest of each row of that input (``row_digest``), its
   padding left out where the call has an ``attention_mask`` (only the positions whose mask is 1
@@ -101,7 +102,7 @@ class Witness:
         told to."""
         depth = getattr(self.local, "depth", 0)
         self.local.depth = depth + 1
-        if depth or not module.training:
+        if depth or not training(module):
             return
         self.training_forwards += 1
         if self.training_forwards in self.pause_at_forward:
@@ -120,13 +121,24 @@ class Witness:
         record: dict[str, Any] = {
             "kind": "forward",
             "module": type(module).__name__,
-            "training": bool(module.training),
+            "training": training(module),
             "step": self.calls if self.stepping else self.calls + 1,
             "shape": list(first.shape) if first is not None else None,
         }
-        if module.training and first is not None:
+        # a model on the meta device (litgpt measures its FLOPs so) has no values to digest
+        if record["training"] and first is not None and not first.is_meta:
             record["rows"] = row_digests(first, kwargs.get("attention_mask"))
         self.write(**record)
+
+
+def training(module: Any) -> bool:
+    """Whether a top-level module call trains: the mode of the module a wrapper wraps (a
+    ``DistributedDataParallel``'s ``module``: Lightning switches its LightningModule between
+    training and evaluation, never the wrapper around it), else the module's own."""
+    import torch
+
+    inner = getattr(module, "module", None)
+    return bool((inner if isinstance(inner, torch.nn.Module) else module).training)
 
 
 def optimizer_step(optimizer: Any) -> int | None:
@@ -141,13 +153,21 @@ def optimizer_step(optimizer: Any) -> int | None:
 
 
 def first_tensor(args: Any, kwargs: dict[str, Any]) -> Any:
-    """The first tensor among a call's inputs (``input_ids`` first; None: no tensor)."""
+    """The first tensor among a call's inputs (``input_ids`` first), else the first inside a
+    list, tuple or dict among them (a batch handed whole to a wrapper, as Lightning's DDP
+    wrapper is called with ``(batch, batch_idx)``); None: no tensor."""
     import torch
 
     candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
     for value in candidates:
         if isinstance(value, torch.Tensor):
             return value
+    for value in candidates:
+        inside = value.values() if isinstance(value, dict) else value
+        if isinstance(inside, (list, tuple, type({}.values()))):
+            for item in inside:
+                if isinstance(item, torch.Tensor):
+                    return item
     return None
 
 

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtui.transport.recording import read_recording
+from memtui.wire import Decoder, StepRecord, Telemetry
 from tests.support.cli import memtui_cli
 from tests.support.processes import ROOT, wait_for
 
@@ -125,3 +127,17 @@ def paused_run(
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
+
+
+def recorded_steps(path: Path) -> dict[int, list[StepRecord]]:
+    """Every step record a run published, by rank, from its recording (``MEMTUI_RECORD=path``:
+    ``path`` itself for one process, ``path.rank<r>`` for each of several)."""
+    files = sorted(path.parent.glob(path.name + ".rank*")) or [path]
+    decoder = Decoder()
+    steps: dict[int, list[StepRecord]] = {}
+    for file in files:
+        for frame in read_recording(file).frames:
+            message = decoder.decode(frame.frame)
+            if isinstance(message, Telemetry):
+                steps.setdefault(message.rank, []).extend(message.steps)
+    return steps

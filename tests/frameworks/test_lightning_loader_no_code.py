@@ -10,6 +10,7 @@ rank changes at the same step, and a loader memtui cannot rebuild keeps its own 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.harness import PYTHON, paused_run
+from tests.frameworks.harness import PYTHON, paused_run, recorded_steps
 from tests.support.cli import memtui_cli
 from tests.support.processes import ROOT, wait_for
 
@@ -47,6 +48,7 @@ SCRIPT = textwrap.dedent(
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--schedule", action="store_true", help="an LR schedule of the estimate")
     parser.add_argument("--find-batch-size", action="store_true", help="Lightning's BatchSizeFinder")
+    parser.add_argument("--validate", action="store_true", help="a slow validation every 4 batches")
     cli = parser.parse_args()
 
 
@@ -63,6 +65,17 @@ SCRIPT = textwrap.dedent(
 
         def __getitem__(self, index):
             return index, self.x[index], self.y[index], os.getpid()
+
+
+    class SlowToValidate(Dataset):
+        """A validation set of 16 rows that each take 10 ms to load."""
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            time.sleep(0.01)
+            return index, torch.zeros(8), torch.zeros(1), os.getpid()
 
 
     class Stream(IterableDataset):
@@ -114,6 +127,13 @@ SCRIPT = textwrap.dedent(
             self.accum_per_step.append(self.micro)
             self.micro = 0
 
+        def validation_step(self, batch, batch_idx):
+            _index, x, y, _pids = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def val_dataloader(self):
+            return DataLoader(SlowToValidate(), batch_size=4)
+
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
             if not cli.schedule:
@@ -132,6 +152,8 @@ SCRIPT = textwrap.dedent(
 
     if cli.loader == "module":
         Tiny.train_dataloader = lambda self: make_loader(self.batch_size)
+    if not cli.validate:
+        del Tiny.validation_step, Tiny.val_dataloader
 
 
     class WaitForGo(pl.Callback):
@@ -162,6 +184,7 @@ SCRIPT = textwrap.dedent(
         strategy="ddp" if cli.devices > 1 else "auto",
         default_root_dir=cli.out,
         log_every_n_steps=1,
+        val_check_interval=4 if cli.validate else None,
         callbacks=[
             pl.callbacks.ModelCheckpoint(dirpath=cli.out, every_n_train_steps=4, save_top_k=-1),
             WaitForGo(),
@@ -364,6 +387,31 @@ def test_a_loader_memtui_cannot_rebuild_keeps_its_knobs_and_says_why(
     assert set(sizes(report)) == {4}, "its own loader"
     assert all(b["pids"] == [report["pid"]] for b in report["batches"])
     assert report["accum_per_step"][:7] == [2] * 4 + [3] * 3, "the accumulation still changes"
+
+
+def test_a_loader_memtui_does_not_own_counts_its_training_batches_and_no_validation(
+    tmp_path: Path,
+) -> None:
+    """Under ``memtui run``, a loader memtui cannot rebuild (its own batch sampler) and a
+    validation pass every 4 batches (16 rows of 10 ms each): every step counts its two training
+    micro-batches of 4 rows, and its data wait leaves the validation pass out."""
+    pytest.importorskip("lightning.pytorch")
+    script = write_script(tmp_path)
+    record = tmp_path / "run.mtrec"
+    args = ("--loader", "batch-sampler", "--validate")
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    command = [*MEMTUI_RUN, str(script), "--out", str(out), "--report", str(report), *args]
+    env = {**os.environ, "MEMTUI_RECORD": str(record)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(report.read_text())["accum_per_step"] == [2] * 12
+    (steps,) = recorded_steps(record).values()
+    assert [s.step for s in steps] == list(range(1, 13))
+    assert [s.samples for s in steps] == [8] * 12, "its own batches' rows, none of validation's"
+    assert [s.micro_batches for s in steps] == [2] * 12
+    # a validation pass takes ~160 ms (16 rows of 10 ms); a training batch is in memory
+    waits = [s.data_wait_s for s in steps]
+    assert max(waits) < 0.05, waits
 
 
 def test_every_ddp_rank_takes_the_change_at_the_same_step_on_its_own_samples(

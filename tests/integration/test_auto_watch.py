@@ -18,6 +18,7 @@ import pytest
 from memtui.storage import registry
 from memtui.transport.client import ControlClient
 from tests.support.cli import memtui_cli, memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, logged_subprocess, wait_for
 
 SCRIPT = """
@@ -34,6 +35,25 @@ class Slow:
 
         time.sleep(0.003)
         return torch.randn(4), torch.tensor(index % 2)
+
+
+class SlowToEvaluate(Slow):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        time.sleep(0.02)
+        return super().__getitem__(index)
+
+
+def as_mapping(samples):
+    # a tokenizer's kind of batch: a mapping that is not a dict (a BatchEncoding is a UserDict)
+    from collections import UserDict
+
+    from torch.utils.data import default_collate
+
+    x, y = default_collate(samples)
+    return UserDict({"x": x, "y": y})
 
 
 def main(held, mode):
@@ -75,7 +95,25 @@ def main(held, mode):
         from memtui import hooks
 
         step_now = hooks.install({}, name="own").step
-    if mode == "no-loader":
+    if mode == "evaluates":  # a sanity pass, then one after every second step
+        evaluation = DataLoader(SlowToEvaluate(), batch_size=4)
+
+        def evaluate():
+            model.eval()
+            with torch.no_grad():
+                for x, _y in evaluation:
+                    model(x)
+            model.train()
+
+        evaluate()
+        started = time.perf_counter()
+        for index, batch in enumerate(DataLoader(Slow(), batch_size=6, collate_fn=as_mapping)):
+            train_step(batch["x"], batch["y"])
+            steps += 1
+            samples += len(batch["x"])
+            if index % 2:
+                evaluate()
+    elif mode == "no-loader":
         for _ in range(8):
             time.sleep(0.01)
             train_step(torch.randn(6, 4), torch.zeros(6, dtype=torch.long))
@@ -141,10 +179,10 @@ class Script:
         """Let the script end; its exit status."""
         self.held.unlink(missing_ok=True)
         try:
-            return self.proc.wait(30)
+            return self.proc.wait(patience(30))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            return self.proc.wait(patience(10))
 
 
 @pytest.fixture
@@ -166,7 +204,7 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 
 def _snapshot_steps(run: str) -> list[Any]:
     record = next(r for r in registry.list_runs() if r.run == run)
-    snapshot = ControlClient(registry.rank_control(record.ranks[0]), timeout_s=10).hello()
+    snapshot = ControlClient(registry.rank_control(record.ranks[0]), timeout_s=patience(10)).hello()
     return list(snapshot.steps)
 
 
@@ -197,9 +235,45 @@ def test_a_plain_loop_registers_with_its_steps_samples_and_data_wait(workdir: Pa
         assert metrics["data_wait_fraction"] > 0.5
         own_rate = did["samples"] / did["seconds"]
         assert metrics["samples_per_s"] == pytest.approx(own_rate, rel=0.1)
+        # the memory parts: the counted optimizer's Linear(4, 2), the rest of the process as
+        # its runtime (read between steps at the first step's end), never as activations
+        static = status["static_memory"]
+        assert (static["parameters_bytes"], static["gradients_bytes"]) == (40, 40)
+        assert static["between_steps_bytes"] > 100 << 20, "Python and torch stay between steps"
+        parts = status["breakdown"]
+        assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == (40, 40, 0)
+        assert parts["runtime and workers"] > 100 << 20
+        assert "activations" not in parts and "not known yet" not in parts
     finally:
         assert script.release() == 0
     assert json.loads(memtui_cli("ls", "--json").stdout) == []  # the run left the registry
+
+
+def test_an_evaluation_pass_adds_no_samples_and_no_wait_to_the_training_steps(
+    workdir: Path,
+) -> None:
+    """A loop that evaluates on a second DataLoader before training and after every second step
+    (``model.eval()``, ``torch.no_grad()``), its training batches a mapping that is not a dict:
+    each step counts its own 6 rows and the wait for its own batch, none of the evaluation's."""
+    script = Script(workdir, "evaluates")
+    try:
+        did = script.report()
+        run = _run_of(script.proc.pid)
+        wait_for(lambda: status_json(run["run"])["step"] == did["steps"], 10, 0.1, "every step")
+        assert did["steps"] == 8 and did["samples"] == 48
+        steps = _snapshot_steps(run["run"])
+        assert [s.samples for s in steps] == [6] * 8
+        assert [s.micro_batches for s in steps] == [1] * 8
+        # a training batch waits ~18 ms (6 x 3 ms), an evaluation pass at least 160 ms (8 x 20 ms
+        # of sleep, however busy the machine): a step under that counted no evaluation pass
+        assert all(s.data_wait_s < 8 * 0.020 for s in steps), [s.data_wait_s for s in steps]
+        assert all(s.data_wait_s >= 6 * 0.003 for s in steps)
+        metrics = status_json(run["run"])["metrics"]
+        assert metrics["samples_per_step"] == 6 and metrics["micro_batches_per_step"] == 1
+        text = memtui_here("status", run["run"]).stdout
+        assert "step = one optimizer step of 1 micro-batch, 6 samples" in text, text
+    finally:
+        assert script.release() == 0
 
 
 def test_two_optimizers_stepping_each_iteration_count_one_step(workdir: Path) -> None:

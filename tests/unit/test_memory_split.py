@@ -147,7 +147,7 @@ def test_the_memory_between_steps_is_the_lowest_read_since_the_config_changed(
     lowest reading since the last change stands, and a change reads afresh."""
     tracker = DeviceTracker(lambda exc, where: None)
     readings = iter([500 * MIB, 620 * MIB, 510 * MIB, 530 * MIB])
-    monkeypatch.setattr(tracker, "in_use", lambda: next(readings))
+    monkeypatch.setattr(tracker, "memory_now", lambda: (next(readings), None))
     model = nn.Linear(8, 8)
     made = torch.optim.AdamW(model.parameters())
 

@@ -21,8 +21,10 @@ The change lands inside the running ``fit``, right after the checkpoint:
   the data position is kept exactly either way. The position of a loader memtui took over is
   saved in the checkpoint under its own ``memtui`` key, not among Lightning's loader states, so
   the checkpoint restarts without memtui as well (from the epoch's start, as Lightning does);
-* steps are Lightning's optimizer steps (``trainer.global_step``); the data wait is measured by
-  the loader (or, for a loader memtui does not own, the gap between batches).
+* steps are Lightning's optimizer steps (``trainer.global_step``); the data wait and the samples
+  are measured by the loader (or, for a loader memtui does not own, the gap between training
+  batches, a validation pass left out, and ``batch_samples`` of each training batch):
+  validation and sanity-check batches are never counted.
 
 Lightning counts an epoch's batches once, when it sets the loader up (``num_training_batches``,
 the data fetcher's length, ``val_check_batch``): after a batch-size change memtui sets them to
@@ -63,9 +65,10 @@ import time
 from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
-from memtui.hooks.knobstore import LOADER_KNOBS
+from memtui.hooks.batches import batch_samples, missed_once
+from memtui.hooks.knobstore import LOADER_KNOBS, loader_values
 from memtui.hooks.loader import TunedLoader
-from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
+from memtui.hooks.rebuild import OWN_LOADER, rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
@@ -92,6 +95,9 @@ class LightningAdapter:
         """Batches of the epoch before the last accumulation change (groups count from it)."""
         self.last_step = 0
         self.batch_end: float | None = None
+        """When the last training batch ended, or the epoch or a validation pass within it did:
+        the wait for the next batch of a loader memtui does not own runs from there."""
+        self.missed = missed_once(self.tuner.report)
         self.planned: float | None = None
         """The optimizer steps Lightning estimated at the start (``estimated_stepping_batches``)."""
         self.counting = False
@@ -154,7 +160,8 @@ class LightningAdapter:
         load_states = getattr(loop, "_load_combined_loader_states", None)  # Lightning's
         if load_states is None:
             self._refuse_loader_knobs(
-                "this Lightning version sets its training loader up where memtui cannot reach it"
+                "this Lightning version sets its training loader up where memtui cannot reach it; "
+                f"to make them tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
             )
             return
 
@@ -182,20 +189,24 @@ class LightningAdapter:
             previous.close()
         if len(loaders) != 1:
             self._refuse_loader_knobs(
-                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single one"
+                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single "
+                "one; to make them tunable, train on one loader"
             )
             return
         own = loaders[0]
         why = why_not_rebuilt(own)
         if why:
-            self._refuse_loader_knobs(why)
+            self._refuse_loader_knobs(why, own)
             return
         try:
             self._follow_own_values(own)
             loader = self.tuner.loader(rebuild_factory(own))
         except Exception as exc:  # torch refused the loader's own arguments: it stays the script's
             self.tuner.report(exc, "lightning training loader")
-            self._refuse_loader_knobs(f"memtui could not rebuild the training DataLoader ({exc})")
+            self._refuse_loader_knobs(
+                f"memtui could not rebuild the training DataLoader ({exc}); to make them "
+                f"tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
+            )
             return
         loader.shard = (0, 1)  # Lightning's sampler (distributed under DDP) gives each rank its own
         limits = combined.limits
@@ -241,14 +252,16 @@ class LightningAdapter:
         )
         return limit
 
-    def _refuse_loader_knobs(self, why: str) -> None:
-        """Say why the loader knobs are not tunable; name those that have a value (resumed from the
-        tuned config, or taken before Lightning reloaded the loader) that nothing applies."""
+    def _refuse_loader_knobs(self, why: str, own: Any = None) -> None:
+        """Say why the loader knobs are not tunable, with the values of the script's loader
+        ``own`` where it is known; name those that have a value (resumed from the tuned config,
+        or taken before Lightning reloaded the loader) that nothing applies."""
         store = self.tuner.store
         held = [knob for knob in LOADER_KNOBS if store.value(knob) is not None]
+        values = loader_values(own) if own is not None else {}
         for knob in LOADER_KNOBS:
             if knob not in held:
-                store.refuse(knob, why)
+                store.refuse(knob, why, values.get(knob))
         if held:
             log.warning(
                 "memtui: the training loader keeps its own %s (memtui's are not applied): %s",
@@ -537,8 +550,9 @@ class LightningAdapter:
             except Exception as exc:
                 self.tuner.report(exc, "lightning batch count")
 
-    def batch_start(self) -> None:
-        """For a loader memtui does not own: the wait is the gap since the last batch ended."""
+    def batch_start(self, batch: Any) -> None:
+        """For a loader memtui does not own: the wait is the gap since the last training batch
+        ended (or the epoch began, or a validation pass ended), the samples those of ``batch``."""
         self.in_epoch = True
         if self.recount:  # the epoch a restart began at the old one's count, now begun
             self.recount = False
@@ -547,7 +561,16 @@ class LightningAdapter:
             except Exception as exc:
                 self.tuner.report(exc, "lightning batch count")
         if self.batch_end is not None and not self.tuner.loaders:
-            self.tuner.ledger.on_batch(time.perf_counter() - self.batch_end, 0)
+            waited = time.perf_counter() - self.batch_end
+            samples = batch_samples(batch)
+            if not samples:
+                self.missed(batch)
+            self.tuner.ledger.on_batch(waited, samples)
+
+    def clock_from_now(self) -> None:
+        """The wait for the next training batch starts now: an epoch starts, or a validation
+        pass ended (its time is no wait for training data)."""
+        self.batch_end = time.perf_counter()
 
     def count_steps(self, trainer: Any) -> None:
         """One tuner step per optimizer step Lightning made since the last count."""
@@ -576,12 +599,18 @@ def _make_callback(base: type, adapter: LightningAdapter) -> Any:
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             adapter.offset = 0
+            adapter.clock_from_now()
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             adapter.epoch_end()
 
-        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-            adapter.batch_start()
+        def on_train_batch_start(
+            self, trainer: Any, pl_module: Any, batch: Any, *args: Any, **kwargs: Any
+        ) -> None:
+            adapter.batch_start(batch)
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            adapter.clock_from_now()
 
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             adapter.batch_end_event(trainer)

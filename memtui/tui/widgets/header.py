@@ -10,6 +10,7 @@ from rich.console import RenderableType
 from memtui.core.stats import format_duration
 from memtui.runs.events import Status
 from memtui.runs.state import RunState, ViewOptions
+from memtui.runs.throughput import samples_words, step_words
 from memtui.tui.palette import STATUS_STYLES, chips, counted, rate
 from memtui.tui.widgets.base import StateView
 
@@ -42,6 +43,7 @@ class RunHeader(StateView):
             state.step,
             int(elapsed) if elapsed is not None else None,
             summary.steps,
+            summary.throughput,
             summary.silent,
             view,
         )
@@ -92,11 +94,15 @@ class RunHeader(StateView):
         steps = summary.steps
         if steps is not None:
             progress.append((f"{rate(steps.steps_per_s)} steps/s", ""))
-            timed = [r for r in summary.ranks if r.steps is not None]
-            samples = sum(r.steps.samples_per_s for r in timed if r.steps is not None)
-            scope = "" if len(timed) >= state.world_size else f" (rank {timed[0].rank})"
-            if steps.data_wait_measured:  # no batch timed: the samples were not counted either
-                progress.append((f"{rate(samples)} samples/s{scope}", ""))
+            throughput = summary.throughput
+            seen = steps.data_wait_measured  # else no batch was seen: the verdict says so
+            if throughput is not None and (throughput.counted or seen):
+                # the job's samples/s, as `memtui status` and the exporter give it; narrow, the
+                # ranks it sums only where some are missing (the run's chip names its ranks)
+                progress.append((samples_words(throughput, short=self.narrow), ""))
+                step = step_words(throughput, short=True)
+                if step and not self.narrow:
+                    progress.append((step, "dim"))
         if state.lost_batches:
             progress.append((f"lost {state.lost_batches} batches", "yellow"))
         if state.reconnects:

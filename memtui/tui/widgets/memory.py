@@ -8,7 +8,8 @@ from typing import NamedTuple
 from rich.console import RenderableType
 from rich.text import Text
 
-from memtui.advice.breakdown import Breakdown, breakdown
+from memtui.advice.assess import loader_memory
+from memtui.advice.breakdown import NOT_KNOWN, Breakdown, breakdown
 from memtui.advice.verdict import Thresholds
 from memtui.core.stats import MemoryStats, format_bytes, ram_fraction
 from memtui.runs.state import RunState, ViewOptions
@@ -67,7 +68,10 @@ PART_STYLES: dict[str, str] = {
     "optimizer": "orchid",
     "other steady": "grey62",
     "activations": "green3",
+    "in-step": "green3",
     "runtime and workers": "grey50",
+    "malloc free": "yellow",
+    "not known yet": "grey70",
     "fragmentation": "yellow",
     "beyond torch": "medium_purple",
     "free": "grey30",
@@ -81,7 +85,10 @@ SHORT_LABELS = {
     "optimizer": "optim",
     "other steady": "steady",
     "activations": "activ.",
+    "in-step": "in-step",
     "runtime and workers": "runtime",
+    "malloc free": "malloc",
+    "not known yet": "not known",
     "fragmentation": "frag.",
     "beyond torch": "beyond",
 }
@@ -116,22 +123,21 @@ def breakdown_lines(
     width: int,
     title: str = "",
     compact: bool = False,
-    steady_known: bool = True,
     named_only: Collection[str] = (),
     spare: Collection[str] = (),
 ) -> list[Text]:
     """The stacked bar (free memory dotted) and its legend with the numbers, wrapped to fit
-    (``compact``: short names, no shares). Without the exact parts and a model
-    (``steady_known`` False) the "activations" part is all that was allocated, and says so. The
+    (``compact``: short names, no shares). Until the run's optimizer and its memory between
+    steps are known, the peak the exact parts do not explain is one "not known yet" part. The
     parts in ``named_only`` are named without their numbers (shown beside the bar), and so are
     those in ``spare`` when that saves a line."""
     width = max(10, width)
     bar = Text(no_wrap=True, overflow="crop")
     for name, cells in bar_cells(breakdown, width):
         bar.append(("░" if name == "free" else "█") * cells, PART_STYLES.get(name, "white"))
-    legend = _legend(breakdown, width, title, compact, steady_known, named_only)
+    legend = _legend(breakdown, width, title, compact, named_only)
     if spare:
-        shorter = _legend(breakdown, width, title, compact, steady_known, {*named_only, *spare})
+        shorter = _legend(breakdown, width, title, compact, {*named_only, *spare})
         legend = shorter if len(shorter) < len(legend) else legend
     return [bar, *legend]
 
@@ -141,7 +147,6 @@ def _legend(
     width: int,
     title: str,
     compact: bool,
-    steady_known: bool,
     named_only: Collection[str],
 ) -> list[Text]:
     """The bar's legend, wrapped to ``width`` (see ``breakdown_lines``)."""
@@ -152,13 +157,8 @@ def _legend(
         if part.bytes <= 0 and part.name != "free":
             continue
         style = PART_STYLES.get(part.name, "")
-        unknown = part.name == "activations" and not steady_known
         if part.name in named_only:
-            label = "alloc." if unknown else SHORT_LABELS.get(part.name, part.name)
-            parts.append((f"■ {label}", style))
-        elif unknown:
-            label = "alloc." if compact else "allocated"
-            parts.append((f"■ {label} {format_bytes(part.bytes)}", style))
+            parts.append((f"■ {SHORT_LABELS.get(part.name, part.name)}", style))
         elif compact:
             label = SHORT_LABELS.get(part.name, part.name)
             parts.append((f"■ {label} {format_bytes(part.bytes)}", style))
@@ -348,14 +348,16 @@ def host_rows(state: RunState, secondary: bool) -> list[Row]:
 
 def focus_breakdown(state: RunState) -> Breakdown | None:
     """The breakdown of the rank shown: the control rank's is the summary's (``memtui status
-    --json``'s); another rank's is made the same way from its own memory (the ranks hold the
-    same model and optimizer, so the exact parts are the control rank's)."""
+    --json``'s); another rank's is made the same way from its own memory and loader workers
+    (the ranks hold the same model and optimizer, so the exact parts are the control rank's)."""
     summary = state.summary()
     control = state.control
     control_rank = state.info.rank if state.info is not None else 0
     if summary.focus_rank == control_rank or control is None or summary.memory is None:
         return summary.advice.breakdown if summary.advice is not None else None
-    return breakdown(summary.memory, control.static, control.model)
+    series = state.series.get(summary.focus_rank)
+    workers = loader_memory(series.host if series is not None else None)
+    return breakdown(summary.memory, control.static, control.model, workers)
 
 
 class MemoryPanel(StateView):
@@ -394,18 +396,15 @@ class MemoryPanel(StateView):
                 numbers = [r for r in numbers if r.tight]
         lines: list[Text] = []
         if split is not None and bar:
-            control = state.control
-            known = control is not None and (
-                control.static is not None or control.model is not None
-            )
             beside = {row.label for row in numbers} if in_grid else set()
-            # all that was allocated is the peak beside; free is capacity less the peak in use
-            named_only = {"activations"} if not known and "peak allocated" in beside else set()
+            # all that was allocated, not split yet, is the peak beside; free is capacity less
+            # the peak in use
+            unsplit = split.as_dict().get(NOT_KNOWN) == memory.peak_allocated_bytes
+            named_only = {NOT_KNOWN} if unsplit and "peak allocated" in beside else set()
             spare = {"free"} if beside & {"capacity", "limit"} else set()
             lines += breakdown_lines(
-                split, width, compact=in_grid, steady_known=known, named_only=named_only,
-                spare=spare,
-            )  # fmt: skip
+                split, width, compact=in_grid, named_only=named_only, spare=spare
+            )
         lines += grid(numbers, width) if in_grid else [_line(row, True) for row in numbers]
         lines += [_line(row, notes=wide) for row in rows.lines if wide or not row.secondary]
         return Text("\n").join(lines)

@@ -25,7 +25,7 @@ ROWS_PER_COLUMN = 4
 COLUMN_GAP = 2
 FLAG_WIDTH = 15
 ROW_WIDTH = 4 + 1 + 7 + 1 + 9 + 1 + 4 + 1 + 4 + 1 + 8 + 1 + FLAG_WIDTH
-"""rank, step, step time, wait, peak, host RSS and the flag, space-separated."""
+"""rank, step, step time, wait, peak, host memory and the flag, space-separated."""
 STRAGGLER_STYLE = "bold dark_orange"
 SILENT_STYLE = "bold red"
 
@@ -59,7 +59,7 @@ def rank_flag(rank: RankSummary, thresholds: Thresholds = THRESHOLDS) -> tuple[s
 def heading() -> Text:
     """The column names, aligned with ``rank_row``."""
     return Text(
-        f"{'rank':>4} {'step':>7} {'step time':>9} {'wait':>4} {'peak':>4} {'host RSS':>8} "
+        f"{'rank':>4} {'step':>7} {'step time':>9} {'wait':>4} {'peak':>4} {'host mem':>8} "
         f"{'':<{FLAG_WIDTH}}",
         style="dim",
     )
@@ -76,7 +76,8 @@ def rank_row(rank: RankSummary, focus: int, thresholds: Thresholds = THRESHOLDS)
     slow = rank.straggler.endswith("x")
     step_time = format_duration(steps.step_time_s) if steps else "-"
     row.append(f" {step_time:>9}", STRAGGLER_STYLE if slow else "")
-    wait = steps.data_wait_fraction if steps else None
+    # a wait not measured (no batch memtui timed) is "-", as the headline says it, never 0%
+    wait = steps.data_wait_fraction if steps and steps.data_wait_measured else None
     waits = rank.straggler.endswith("data") or (
         wait is not None and wait >= thresholds.starved_wait_fraction
     )
@@ -87,7 +88,8 @@ def rank_row(rank: RankSummary, focus: int, thresholds: Thresholds = THRESHOLDS)
     row.append(
         f" {f'{peak:.0%}' if peak is not None else '-':>4}", band_style(peak or 0.0, thresholds)
     )
-    row.append(f" {format_bytes(rank.host_rss_bytes) if rank.host_rss_bytes else '-':>8} ")
+    host = format_bytes(rank.tree.total_bytes) if rank.tree is not None else "-"
+    row.append(f" {host:>8} ")
     flag, style = rank_flag(rank, thresholds)
     row.append(f"{flag:<{FLAG_WIDTH}}"[:FLAG_WIDTH], style)
     return row
@@ -107,6 +109,11 @@ def aggregate_line(summary: Summary, width: int, thresholds: Thresholds = THRESH
         low_pct, high_pct = f"{100 * low:.0f}", f"{100 * high:.0f}"
         text = f"peak {high_pct}%" if low_pct == high_pct else f"peak {low_pct}-{high_pct}%"
         parts.append((text, band_style(high, thresholds)))
+    by_rss = [r.rank for r in ranks if r.tree is not None and r.tree.measure == "RSS"]
+    if by_rss:  # their USS not read yet: the pages they share with the main process count again
+        names = ", ".join(map(str, by_rss[:3])) + ("…" if len(by_rss) > 3 else "")
+        plural = "s" if len(by_rss) > 1 else ""
+        parts.append((f"workers by RSS on rank{plural} {names}", "dim"))
     return chips(parts, separator=" · ", width=width)  # silent ranks: the header counts them
 
 
@@ -123,7 +130,9 @@ def rest_line(
     if timed and median_step_s:
         spread = max(abs(s.step_time_s / median_step_s - 1) for s in timed)
         parts.append(f"step time ±{spread:.0%} of median")
-        parts.append(f"wait ≤ {max(s.data_wait_fraction for s in timed):.0%}")
+        waits = [s.data_wait_fraction for s in timed if s.data_wait_measured]
+        if waits:
+            parts.append(f"wait ≤ {max(waits):.0%}")
     peaks = [r.memory.peak_used_fraction for r in hidden if r.memory and r.memory.capacity_bytes]
     if peaks:
         parts.append(f"peak ≤ {max(peaks):.0%}")
@@ -161,7 +170,8 @@ def rank_table(summary: Summary, width: int, thresholds: Thresholds = THRESHOLDS
 
 
 class RanksPanel(StateView):
-    """Every rank: step, step time, data wait, peak memory and host RSS, the worst first."""
+    """Every rank: step, step time, data wait, peak memory and host memory (the main process's
+    RSS and its loader workers' own memory), the worst first."""
 
     DEFAULT_CSS = "RanksPanel { height: auto; }"
 

@@ -61,7 +61,7 @@ def test_underused_shows_the_breakdown_the_limit_and_a_recommendation() -> None:
         assert "UNDERUSED" in verdict and "room for a bigger micro-batch" in verdict
         assert "peak RSS 54% (485 MiB of 900 MiB)" in verdict  # the numbers behind it
         memory = text_of(pilot, "#memory")
-        for part in ("parameters", "gradients", "optimizer", "activations", "free"):
+        for part in ("parameters", "gradients", "optimizer", "in-step", "free"):
             assert f"■ {part} " in memory, part
         assert "█" in memory and "░" in memory
         assert "max safe batch" in text_of(pilot, "#config")
@@ -76,7 +76,7 @@ def test_the_same_in_a_side_pane() -> None:
     async def check(pilot: Pilot[Any]) -> None:
         await settle(pilot)
         text = screen_text(pilot.app)
-        assert "UNDERUSED" in text and "■ activ. " in text and "max safe batch" in text
+        assert "UNDERUSED" in text and "■ in-step " in text and "max safe batch" in text
         assert "1. bigger micro-batch" in text
         assert "changes" in text, "the change log still fits in 60x50"
         assert all(len(line) <= 60 for line in text.splitlines())
@@ -268,10 +268,10 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
             summary = state.summary()
             advice = summary.advice
             underused = summary.verdict.state is State.UNDERUSED
-            return underused and bool(advice and top_applicable(advice.recommendations, state))
+            return underused and bool(advice and top_applicable(advice.recommendations))
 
         await until(pilot, advised, 90, "an UNDERUSED verdict with a recommendation")
-        top = top_applicable(state.summary().advice.recommendations, state)  # type: ignore[union-attr]
+        top = top_applicable(state.summary().advice.recommendations)  # type: ignore[union-attr]
         assert top is not None and top.changes == {"batch_size": 8, "grad_accum": 1}
         await pilot.press("o")
         # under load the boundary may take it before a look finds it pending

@@ -45,8 +45,8 @@ def test_one_gpu_shows_the_numbers_compactly_in_a_side_pane() -> None:
     async def check(pilot: Pilot[Any]) -> None:
         await settle(pilot)
         memory = text_of(pilot, "#memory").splitlines()
-        assert memory[1].split() == ["■", "alloc.", "■", "frag.", "2.9", "GiB", "■", "beyond",
-                                     "1.1", "GiB", "■", "free"]  # fmt: skip
+        assert memory[1].split() == ["■", "not", "known", "■", "frag.", "2.9", "GiB", "■",
+                                     "beyond", "1.1", "GiB", "■", "free"]  # fmt: skip
         assert memory[2].split() == ["capacity", "24.0", "GiB", "peak", "reserved", "20.0", "GiB",
                                      "83%"]  # fmt: skip
         assert memory[3].split() == ["peak", "allocated", "17.1", "GiB", "71%", "retries", "/",
