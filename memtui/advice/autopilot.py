@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from memtui.advice.effect import lowest_gain, measurable, speed_words, speedup
+from memtui.advice.effect import interval_width, lowest_gain, measurable, speed_words, speedup
 from memtui.advice.measure import EFFECT_STEPS, LONG_STEPS, per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
@@ -74,7 +74,10 @@ KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR, UNCLEAR, UNCLEAR_REVER
     "no measurable change",
     "reverted inside the noise",
 )
-FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED, UNCLEAR_REVERTED})
+CANNOT_ACT = "cannot act on this run"
+"""The outcome of a change none of whose knobs can act on the run (pinning without an
+accelerator): never measured, so neither kept for a speed-up nor reverted as slower."""
+FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED, UNCLEAR_REVERTED, CANNOT_ACT})
 """Outcomes after which a value is not tried again (a refused one: while the gate would refuse it;
 one reverted inside the noise: until the noise fell)."""
 LOADER_AXES = frozenset({"num_workers", "pin_memory", "prefetch_factor"})
@@ -113,6 +116,8 @@ class Trial:
     safety: bool = False
     """A move out of the memory danger band: kept unless it ran out of memory."""
     effect: Effect | None = None
+    note: str = ""
+    """What the change could not do on the run, as the hook said it (its ``effect_note``)."""
 
     def describe(self) -> str:
         """``kept num_workers=2: +45% +-6% samples/s``: the trial and its outcome in words."""
@@ -121,6 +126,8 @@ class Trial:
             return f"{format_diff_values(self.changes)} ran out of memory: rolled back"
         if self.outcome == REFUSED:
             return f"{format_diff_values(self.changes)} refused by the queue"
+        if self.outcome == CANNOT_ACT:
+            return f"{format_diff_values(self.changes)}: {self.note or CANNOT_ACT}"
         if self.effect is None:
             return words
         words += f": {speed_words(self.effect)}"
@@ -193,15 +200,15 @@ def wait_words(effect: Effect) -> str:
 
 def outcome_of(change: AppliedChange, axis: str) -> str:
     """A measured trial's outcome: kept (faster, or a loader knob that cut the data wait and
-    was not measurably slower), worse (measurably slower, or faster by nothing), or no
-    measurable change."""
+    was not measurably slower), worse (measurably slower), no measurable change, or, for a
+    change the hook never measures because it cannot act on the run, ``CANNOT_ACT``."""
     effect = change.effect
     if effect is None:
-        return MEASURING
+        return CANNOT_ACT if change.effect_note else MEASURING
     if kept_for_speed(effect):
         return KEPT
     if measurable(effect):
-        return WORSE  # slower beyond the noise (or a gain of nothing, measured exactly)
+        return WORSE  # slower beyond the noise
     if axis in LOADER_AXES and waits_less(effect):
         return KEPT
     return UNCLEAR
@@ -272,7 +279,9 @@ def history(
         outcome = outcome_of(change, axis)
         if is_safety and outcome != MEASURING:
             outcome = KEPT
-        trials.append(Trial(axis, changes, change.step, outcome, is_safety, change.effect))
+        trials.append(
+            Trial(axis, changes, change.step, outcome, is_safety, change.effect, change.effect_note)
+        )
     _retry_when_the_noise_fell(trials, applied)
     for request in refused:
         changes = {k: KnobDiff(None, v) for k, v in request.items()}
@@ -283,20 +292,21 @@ def history(
 
 def _retry_when_the_noise_fell(trials: list[Trial], applied: Sequence[AppliedChange]) -> None:
     """Forget the trials reverted inside the noise whose noise has fallen: a change measured
-    after them with an interval at most ``RETRY_NOISE`` of theirs (they may be tried again)."""
+    after them with an interval at most ``RETRY_NOISE`` as wide as theirs (they may be tried
+    again); the widths are those of the intervals the effects state, the run's drift counted."""
     for index, trial in enumerate(trials):
         if trial.outcome != UNCLEAR_REVERTED or trial.effect is None:
             continue
-        margin = trial.effect.speedup_margin
+        width = interval_width(trial.effect)
         later = [
-            a.effect.speedup_margin
+            w
             for a in applied
-            if a.step > trial.step and a.effect is not None and a.effect.speedup_margin is not None
+            if a.step > trial.step
+            and a.effect is not None
+            and (w := interval_width(a.effect)) is not None
         ]
-        if margin is not None and later and min(later) <= RETRY_NOISE * margin:
-            trials[index] = Trial(
-                trial.axis, trial.changes, trial.step, RETRYABLE, trial.safety, trial.effect
-            )
+        if width is not None and later and min(later) <= RETRY_NOISE * width:
+            trials[index] = replace(trial, outcome=RETRYABLE)
 
 
 def operator_changes(applied: Sequence[AppliedChange], config: Knobs) -> tuple[AppliedChange, ...]:

@@ -401,6 +401,18 @@ def steps_margin(effect: Effect) -> float | None:
     return math.expm1(math.sqrt(max(0.0, total**2 - drift**2)))
 
 
+def interval_width(effect: Effect) -> float | None:
+    """The width of the change's 95% interval on the log of the ratio of the two speeds, so
+    that a large change and a small one compare by their noise alone (None: no interval; inf:
+    an older hook's interval that reaches -100%)."""
+    bounds = interval(effect)
+    if bounds is None:
+        return None
+    if bounds[0] <= -1:
+        return math.inf
+    return math.log1p(bounds[1]) - math.log1p(bounds[0])
+
+
 def lowest_gain(effect: Effect) -> float:
     """The low end of the change of samples/s (the change itself where there is no interval)."""
     bounds = interval(effect)

@@ -527,4 +527,6 @@ def timed_longer(
     peaks = change.effect.peak_bytes_before, change.effect.peak_bytes_after
     drift = drift_of(periods.segments(applied, index), EFFECT_STEPS, opening=periods.opening)
     effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks, drift=drift, warm=warm)
-    return Measured(change, effect, change.observed_peak_bytes) if effect is not None else None
+    if effect is None:
+        return None
+    return Measured(change, effect, change.observed_peak_bytes, change.effect_note)

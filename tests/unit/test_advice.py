@@ -290,6 +290,15 @@ def test_a_change_measured_slower_is_followed_by_its_revert_not_more_of_the_same
     revert = recommend(undone)[0]
     assert "52% slower (-70% to -20%)" in revert.why, revert.why
     assert revert.speed_note.endswith("(+25% to +233%)"), revert.speed_note
+    # an interval that holds zero (the run's drift counted) is no measured harm, whatever the
+    # point estimate, and neither is a change that could not act on the run (never measured)
+    unsure = msgspec.structs.replace(slower, speedup_low=-0.7, speedup_high=0.05)
+    spans = dataclasses.replace(inputs, applied=(msgspec.structs.replace(change, effect=unsure),))
+    assert not any(o.title.startswith("revert") for o in recommend(spans)), "inside the noise"
+    idle = AppliedChange(ids=[1], step=50, time=0.0, changes={"pin_memory": KnobDiff(False, True)},
+                         effect_note="pin_memory does nothing without an accelerator")  # fmt: skip
+    pinned = dataclasses.replace(inputs, applied=(idle,), config=Knobs(16, 2, 2, True))
+    assert not any(o.title.startswith("revert") for o in recommend(pinned)), "never measured"
     faster = dataclasses.replace(inputs, applied=(msgspec.structs.replace(
         change, effect=msgspec.structs.replace(slower, samples_per_s_after=255)),))  # fmt: skip
     assert not any(o.title.startswith("revert") for o in recommend(faster)), "-4%: not worth it"
