@@ -392,7 +392,8 @@ def _config(known: KnownConfig) -> Config:
     return dict(known.values)
 
 
-def _applied(applied: AppliedChange) -> Applied:
+def applied_of(applied: AppliedChange) -> Applied:
+    """The report's form of an applied change: its prediction's error and its effect in words."""
     error = prediction_error(applied)
     effect = None
     if applied.effect is not None:
@@ -479,7 +480,7 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None, steps: StepStats | None) ->
     if snapshot is not None:
         entry.step = snapshot.step
         entry.config = _config(_known(snapshot))
-        entry.applied = [_applied(a) for a in snapshot.control.applied]
+        entry.applied = [applied_of(a) for a in snapshot.control.applied]
         entry.metrics = _metrics(steps)
         entry.memory = _memory(snapshot)
         entry.host_memory = snapshot.host[-1] if snapshot.host else None
@@ -553,7 +554,7 @@ def build_status(
         effective_batch=known.effective_batch(),
         pending=list(control.pending),
         unapplied=list(control.unapplied),
-        applied=[_applied(a) for a in control.applied],
+        applied=[applied_of(a) for a in control.applied],
         rejected=list(control.rejected),
         cancelled=list(control.cancelled),
         metrics=_metrics(own_steps),
