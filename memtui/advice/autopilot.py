@@ -597,7 +597,10 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     if inputs.host_pressure:
         return {}, "num_workers: host memory is under pressure"
     upper, note = _worker_cap(inputs, max(now * 2, 1))
-    value = doubling(now, upper, situation.tried("num_workers"))
+    tried = situation.tried("num_workers")
+    value = doubling(now, upper, tried)
+    if value is None:
+        value, note = _past_the_noise(inputs, now, tried, note)
     if value is None:
         words = situation.operator_words("num_workers")
         return {}, f"num_workers: nothing left to try above {now}{note}{words}"
@@ -606,6 +609,20 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     if no_help:
         return {}, no_help
     return changes, f"{_wait_words(situation)}: num_workers {now} -> {value}{note}"
+
+
+def _past_the_noise(
+    inputs: Inputs, now: int, tried: Mapping[KnobValue, str], note: str
+) -> tuple[int | None, str]:
+    """Twice the one worker count tried above ``now`` when its trial stayed inside the noise (no
+    slower, no clearer faster: one more worker on a loaded machine can hide in it) and nothing
+    lies between to bisect, within the caps; None otherwise."""
+    above = [v for v in tried if isinstance(v, int) and not isinstance(v, bool) and v > now]
+    if len(above) != 1 or tried[above[0]] != UNCLEAR_REVERTED:
+        return None, note
+    want = above[0] * 2
+    allowed, why = _worker_cap(inputs, want)
+    return (want, why) if allowed == want else (None, note)
 
 
 def _wait_words(situation: Situation) -> str:

@@ -199,6 +199,21 @@ def test_after_a_failed_doubling_it_bisects_once_then_stops() -> None:
     assert doubling(3, 8, {4: REVERTED, 3: KEPT}) is None
 
 
+def test_one_worker_inside_the_noise_is_passed_over_for_two() -> None:
+    """From no worker, one that read no measurable change (a loaded machine hides it) is
+    reverted, then two are tried; two inside the noise as well end the search."""
+    one = change(50, effect(300, 306, 0.12), num_workers=(0, 1))
+    back = change(100, effect(306, 300, 0.12), num_workers=(1, 0))
+    done = history([one, back])
+    assert done.tried("num_workers") == {1: UNCLEAR_REVERTED}
+    decision = decide(situation(START, applied=(one, back)))
+    assert (decision.action, decision.changes) == ("try", {"num_workers": 2}), decision
+    two = change(150, effect(300, 303, 0.12), num_workers=(0, 2))
+    back2 = change(200, effect(303, 300, 0.12), num_workers=(2, 0))
+    after = decide(situation(START, applied=(one, back, two, back2)))
+    assert after.changes.get("num_workers") is None, after
+
+
 def test_workers_stay_within_the_cpus_the_run_may_use() -> None:
     decision = decide(situation(Knobs(16, 2, 2, False), cpus=2))
     assert decision.action == "converged"
