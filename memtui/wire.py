@@ -185,11 +185,25 @@ class Effect(Struct, omit_defaults=True):
     peak_bytes_before: int | None = None
     peak_bytes_after: int | None = None
     speedup_margin: float | None = None
-    """Half-width of the 95% interval of the relative change of samples/s (None: too few steps)."""
+    """Half-width of the 95% interval of the relative change of samples/s toward its farther end
+    (None: too few steps)."""
     step_time_margin_s: float | None = None
     """Half-width of the 95% interval of the change of the mean step time."""
     data_wait_margin_s: float | None = None
     """Half-width of the 95% interval of the change of the mean data wait per step."""
+    warmup_steps: int | None = None
+    """Steps right after the change left out of the steps compared (None: an older hook)."""
+    warmup_why: str = ""
+    """Why those steps were left out, in words (settling; the rebuilt loader's warm-up)."""
+    speedup_low: float | None = None
+    """The low end of the 95% interval of the relative change of samples/s (None: an older
+    hook's, whose interval is the change plus and minus ``speedup_margin``)."""
+    speedup_high: float | None = None
+    """Its high end: the interval is on the ratio of the speeds, so not symmetric
+    (``speedup_margin`` is then its half-width toward the farther end)."""
+    speed_drift: float | None = None
+    """How much the run's speed moved at an unchanged config between windows a few hundred steps
+    apart (95%, relative), counted in the interval (None: not measured yet)."""
 
 
 class AppliedChange(Struct, omit_defaults=True):
@@ -219,6 +233,10 @@ class AppliedChange(Struct, omit_defaults=True):
     """What every optimizer's LR (and its scheduler's base LRs) was multiplied by (None: kept)."""
     lr_note: str = ""
     """The LR change in words (``lr x2.0 (linear)``), or a warning that it did not follow."""
+    effect_note: str = ""
+    """What the change could not do on this run, in words (``pin_memory does nothing without an
+    accelerator: its effect is not measured``); a change none of whose knobs can act here is
+    never measured, and ``effect`` stays None."""
 
 
 class ModelPoint(Struct, array_like=True, frozen=True):

@@ -689,6 +689,7 @@ class Agent(threading.Thread):
                 parts.ledger.records,
                 parts.store.knobs,
                 control.thresholds.starved_wait_fraction,
+                control.cannot_act(),
             )
             if due is not None:
                 control.record_speed_prediction(*due)
@@ -698,6 +699,8 @@ class Agent(threading.Thread):
                 list(publisher.device),
                 parts.ledger.records,
                 final=final,
+                now=parts.store.knobs,
+                cannot_act=control.cannot_act(),
             ):
                 control.record_effect(measured)
         autopilot = parts.autopilot

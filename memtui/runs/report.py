@@ -166,6 +166,9 @@ class Applied(Struct):
     """What the LR was multiplied by with the change (None: it stayed)."""
     lr_note: str = ""
     """The LR change in words, or the warning that it did not follow the effective batch."""
+    effect_note: str = ""
+    """What the change could not do on this run (``pin_memory does nothing without an
+    accelerator: its effect is not measured``)."""
 
 
 class VerdictReport(Struct):
@@ -414,6 +417,7 @@ def applied_of(applied: AppliedChange) -> Applied:
         origin=applied.origin,
         lr_factor=applied.lr_factor,
         lr_note=applied.lr_note,
+        effect_note=applied.effect_note,
     )
 
 
@@ -808,6 +812,12 @@ def _change_lines(report: StatusReport) -> list[str]:
             line += " by an operator"
         if applied.effect is not None:
             line += f": {applied.effect.summary}"
+        if applied.effect_note:
+            line += (
+                f"; {applied.effect_note}"
+                if applied.effect is not None
+                else f": {applied.effect_note}"
+            )
         if applied.prediction_error is not None and applied.predicted_peak_bytes:
             line += (
                 f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
