@@ -17,7 +17,7 @@ from memtui.advice.compare import Bounds, Checked, Figure, check, compare, value
 from memtui.advice.summary import start_with, yaml_of
 from memtui.core.knobs import KNOBS, KnobValue, format_value
 from memtui.core.stats import format_bytes, format_duration, quantile
-from memtui.runs.report import Applied, Diff, applied_of, diff_words, predicted_speed_words
+from memtui.runs.report import Applied, Diff, applied_of, diff_words, outcome_words
 from memtui.runs.summaries import Found
 from memtui.wire import (
     AppliedChange,
@@ -263,17 +263,7 @@ def _change(change: AppliedChange) -> ChangeReport:
     base = applied_of(change)
     who = _who(base)
     line = f"step {base.step}: {diff_words(base.changes) or 'no effective change'} by {who}"
-    if base.effect is not None:
-        line += f": {base.effect.summary}"
-    if base.predicted_peak_bytes and base.observed_peak_bytes:
-        line += (
-            f"; peak {format_bytes(base.observed_peak_bytes)} "
-            f"(predicted {format_bytes(base.predicted_peak_bytes)})"
-        )
-    if base.predicted_speed_delta is not None:
-        line += "; " + predicted_speed_words(base.predicted_speed_delta, change.effect)
-    if base.lr_note:
-        line += f"; {base.lr_note}"
+    line += outcome_words(base)
     return ChangeReport(**msgspec.structs.asdict(base), who=who, summary=line)
 
 
