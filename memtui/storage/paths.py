@@ -11,10 +11,11 @@ run state          ``$XDG_STATE_HOME/memtui/runs``                 a run's ``sta
 config file        ``$XDG_CONFIG_HOME/memtui/config.yaml``         ``MEMTUI_CONFIG``
                    (``~/.config``)
 CURVE keys         ``$XDG_CONFIG_HOME/memtui/curve``               ``MEMTUI_KEYS``
+exporter's token   ``$XDG_CONFIG_HOME/memtui/export-token``        ``memtui export --token-file``
 =================  ==============================================  ===========================
 
 Nothing here creates a directory or reads a file: the owners do (``registry``, ``security``,
-``userconfig``).
+``userconfig``, the exporter's ``auth``).
 """
 
 from __future__ import annotations
@@ -65,3 +66,9 @@ def key_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path(env["MEMTUI_KEYS"])
     base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "memtui" / "curve"
+
+
+def export_token_file(env: Mapping[str, str] | None = None) -> Path:
+    """The exporter's bearer token: ``$XDG_CONFIG_HOME/memtui/export-token``."""
+    base = _env(env).get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base).expanduser() / "memtui" / "export-token"

@@ -18,6 +18,10 @@ or after ``--patience`` seconds) unless said otherwise:
 - ``sub``: a viewer's subscription on the telemetry socket, closed after ``--patience``;
 - ``hello-pipelined``, ``set-pipelined``: the same requests, pipelined on one connection;
 - ``hold``: ``--inflight`` connections opened with a hello each and held to the end.
+
+``python -m tests.support.flood slowloris HOST PORT SECONDS`` holds ``--connections`` HTTP
+connections to an exporter, each dripping a request's headers a byte at a time and opened again
+as soon as the server closes it (a slowloris), and prints what the server answered.
 """
 
 from __future__ import annotations
@@ -316,8 +320,55 @@ def flood(
     return counts
 
 
+def slowloris(host: str, port: int, seconds: float, connections: int = 40) -> dict[str, int]:
+    """Hold ``connections`` to ``host:port`` for ``seconds``, each dripping a request's headers a
+    byte every 0.1 s and opened again once closed; what came back, by status line."""
+    import selectors
+    import socket
+
+    drip = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 4000
+    counts: dict[str, int] = {"connections": 0}
+    selector = selectors.DefaultSelector()
+    live: dict[socket.socket, int] = {}
+
+    def opened() -> None:
+        try:
+            sock = socket.create_connection((host, port), timeout=2)
+        except OSError:
+            counts["failed"] = counts.get("failed", 0) + 1
+            return
+        sock.setblocking(False)
+        counts["connections"] += 1
+        live[sock] = 0
+        selector.register(sock, selectors.EVENT_READ)
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        while len(live) < connections and time.monotonic() < deadline:
+            opened()
+        for key, _events in selector.select(0.1):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            try:
+                answer = sock.recv(4096)
+            except OSError:
+                answer = b""
+            status = answer.split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+            counts[status] = counts.get(status, 0) + 1
+            selector.unregister(sock)
+            sock.close()
+            del live[sock]
+        for sock, sent in list(live.items()):
+            with contextlib.suppress(OSError):
+                sock.send(drip[sent % len(drip) : sent % len(drip) + 1])
+                live[sock] = sent + 1
+    for sock in live:
+        sock.close()
+    return counts
+
+
 def main() -> int:
-    """``train OUT SECONDS`` or ``flood MODE ENDPOINT SECONDS``: see the module's docstring."""
+    """``train``, ``flood`` or ``slowloris``: see the module's docstring."""
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="role", required=True)
     trainer = sub.add_parser("train")
@@ -331,9 +382,16 @@ def main() -> int:
     flooder.add_argument("seconds", type=float)
     flooder.add_argument("--inflight", type=int, default=300)
     flooder.add_argument("--patience", type=float, default=1.0)
+    loris = sub.add_parser("slowloris")
+    loris.add_argument("host")
+    loris.add_argument("port", type=int)
+    loris.add_argument("seconds", type=float)
+    loris.add_argument("--connections", type=int, default=40)
     args = parser.parse_args()
     if args.role == "train":
         train(args.out, args.seconds, args.step_ms, args.tcp)
+    elif args.role == "slowloris":
+        print(json.dumps(slowloris(args.host, args.port, args.seconds, args.connections)))
     else:
         counts = flood(args.mode, args.endpoint, args.seconds, args.inflight, args.patience)
         print(json.dumps(counts), flush=True)
