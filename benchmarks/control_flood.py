@@ -2,9 +2,9 @@
 
 A real hooked CPU training (``tests/support/flood.py``: an MLP, ``--step-ms`` per step, one torch
 thread, bound over ipc and, read-only, over plain loopback TCP as ``--tcp 127.0.0.1 --insecure``
-binds it) runs pinned to CPU 0. After ``--before-s`` seconds a flooder process pinned to CPU 1
-floods one of its sockets for ``--flood-s`` seconds, then the training runs on for
-``--after-s`` seconds. Meanwhile this process reads the training's RSS from ``/proc`` once a
+binds it) runs with its training thread pinned to CPU 0 (memtui's threads and ZeroMQ's go where
+the kernel puts them). After ``--before-s`` seconds a flooder process pinned to CPU 1 floods one
+of its sockets for ``--flood-s`` seconds, then the training runs on for ``--after-s`` seconds. Meanwhile this process reads the training's RSS from ``/proc`` once a
 second and asks the run for a snapshot over ipc once a second, as ``memtui status`` does.
 
 Each case is ``TRANSPORT:MODE`` (``--cases``, comma-separated): TRANSPORT is ``ipc`` or ``tcp``
@@ -13,9 +13,11 @@ Each case is ``TRANSPORT:MODE`` (``--cases``, comma-separated): TRANSPORT is ``i
 ``tests/support/flood.py``; ``sub`` floods the telemetry socket, the others the control socket).
 
 Printed: one JSON line per case (the RSS before the flood, its peak during it, at its end and
-``--after-s`` later; the median step before, during and after; the agent thread's and ZeroMQ's
-I/O thread's CPU during the flood; the snapshots answered; what the flooder sent and got), then a
-Markdown table of them all with the machine and the commit. Usage:
+``--after-s`` later; the median step before, during and after, in wall time and in time on a CPU,
+which leaves out the step's waits for a CPU on a loaded host, the flooder's own work included;
+the agent thread's and ZeroMQ's I/O thread's CPU during the flood; the snapshots answered; what
+the flooder sent and got), then a Markdown table of them all with the machine, the commit and
+the load average. Usage:
 python benchmarks/control_flood.py [--cases tcp:hello,ipc:set] [--flood-s 300] [--after-s 300]
 """
 
@@ -150,7 +152,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_after": round(median_step_ms(steps, t_after, t_after + args.after_s), 2),
         **{
             f"step_{part}_ms_{phase}": round(median_step_ms(steps, start, end, part), 2)
-            for part in ("cpu", "queued", "blocked")
+            for part in ("cpu", "queued", "active", "blocked")
             for phase, start, end in (
                 ("before", t_before, t_flood),
                 ("during", t_flood, t_after),
@@ -171,21 +173,26 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     """The cases as one Markdown table."""
     head = (
-        "| case | connections | RSS before | peak during | end of flood | 5 min after | "
-        "median step before / during / after | agent CPU | ZeroMQ I/O CPU | status answered |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| case | connections | RSS before | peak during | end of flood | after | "
+        "median step, wall: before / during / after | on a CPU: before / during / after | "
+        "agent CPU | ZeroMQ I/O CPU | status answered |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
     for r in results:
         grown = f"{r['growth_mib_peak']:+.0f}"
         after = f"{r['growth_mib_after']:+.0f}"
-        steps = f"{r['step_ms_before']} / {r['step_ms_during']} / {r['step_ms_after']} ms"
+        wall = f"{r['step_ms_before']} / {r['step_ms_during']} / {r['step_ms_after']} ms"
+        active = (
+            f"{r['step_active_ms_before']} / {r['step_active_ms_during']} / "
+            f"{r['step_active_ms_after']} ms"
+        )
         rows.append(
             f"| `{r['case']}` | {r['flooder'].get('connections', '?'):,} | "
             f"{r['rss_mib_before']:.0f} MiB | {r['rss_mib_peak_during']:.0f} MiB ({grown}) | "
             f"{r['rss_mib_end_of_flood']:.0f} MiB | {r['rss_mib_after']:.0f} MiB ({after}) | "
-            f"{steps} | {r['agent_cpu_pct_during']}% | {r['zmq_io_cpu_pct_during']}% | "
-            f"{r['status_answered']} |"
+            f"{wall} | {active} | {r['agent_cpu_pct_during']}% | "
+            f"{r['zmq_io_cpu_pct_during']}% | {r['status_answered']} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -202,11 +209,15 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0)
     args = parser.parse_args()
     results = []
+    load = benchlib.loadavg()
     for case in args.cases.split(","):
         result = measure(case, args)
         print(json.dumps(result), flush=True)
         results.append(result)
-    print(f"\nmachine: {benchlib.cpu_model()}, commit {benchlib.commit()}\n")
+    print(
+        f"\nmachine: {benchlib.cpu_model()}, {os.cpu_count()} CPUs, commit {benchlib.commit()}, "
+        f"load average {load[0]:.2f} -> {benchlib.loadavg()[0]:.2f}\n"
+    )
     print(table(results))
 
 

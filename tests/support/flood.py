@@ -202,6 +202,11 @@ class Step:
     it was blocked (the GIL)."""
 
     @property
+    def active(self) -> float:
+        """The time it took while it had a CPU (its wall time less its wait for one)."""
+        return max(0.0, self.wall - self.queued)
+
+    @property
     def blocked(self) -> float:
         """The time the training thread neither ran in user mode nor waited for a CPU (the
         GIL, the kernel's work)."""
@@ -209,8 +214,8 @@ class Step:
 
 
 def median_step_ms(steps: list[Step], start: float, end: float, part: str = "wall") -> float:
-    """The median ``part`` (``wall``, ``cpu``, ``queued``, ``blocked``; ms) of the steps that
-    ended between ``start`` and ``end`` (epoch seconds)."""
+    """The median ``part`` (``wall``, ``cpu``, ``queued``, ``active``, ``blocked``; ms) of the
+    steps that ended between ``start`` and ``end`` (epoch seconds)."""
     inside = [getattr(step, part) for step in steps if start <= step.end < end]
     return statistics.median(inside) * 1e3 if inside else float("nan")
 
