@@ -1,4 +1,5 @@
-"""mkdocs hooks: the screenshots beside the pages, and the ``memtui status --json`` schema.
+"""mkdocs hooks: the screenshots beside the pages, the command line reference and the
+``memtui status --json`` schema.
 
 - The pages link the viewer's screenshots where they lie in the repository (``screenshots/`` at
   its root, so the links work on GitHub too); the site serves them under ``screenshots/`` and the
@@ -7,6 +8,12 @@
   walked from ``memtui/runs/report.py``'s ``StatusReport`` (msgspec Structs and dataclasses): one table
   per object, each field with its JSON type and the docstring written under it in the code, or,
   for a field whose code has none, its entry in ``FIELD_NOTES`` below.
+- ``<!-- cli-reference -->`` becomes every ``memtui`` command: its help, its usage and one row per
+  option with the text and default ``--help`` prints (click's own help records, so a default is
+  shown as ``--help`` shows it, never as a Python value), and for ``memtui demo`` the training
+  options it passes through.
+
+Nothing here needs mkdocs but ``on_files``: the generators can be imported and run without it.
 """
 
 from __future__ import annotations
@@ -18,20 +25,26 @@ import posixpath
 import re
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import click
 import msgspec
 import msgspec.inspect as mi
-from mkdocs.structure.files import File, Files
+
+if TYPE_CHECKING:
+    from mkdocs.structure.files import Files
 
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = "screenshots"
 SCHEMA_MARK = "<!-- status-json-schema -->"
+CLI_MARK = "<!-- cli-reference -->"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def on_files(files: Files, config: Any) -> Files:
     """Serve the repository's screenshots under ``screenshots/`` in the site."""
+    from mkdocs.structure.files import File
+
     for svg in sorted((ROOT / SCREENSHOTS).glob("*.svg")):
         files.append(
             File(
@@ -45,7 +58,8 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """Rewrite links into the repository's ``screenshots/`` and fill in the status schema."""
+    """Rewrite links into the repository's ``screenshots/``; fill in the command line reference
+    and the status schema."""
     page_dir = posixpath.dirname(page.file.src_uri)
 
     def relink(match: re.Match[str]) -> str:
@@ -58,7 +72,67 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     markdown = LINK.sub(relink, markdown)
     if SCHEMA_MARK in markdown:
         markdown = markdown.replace(SCHEMA_MARK, status_schema())
+    if CLI_MARK in markdown:
+        markdown = markdown.replace(CLI_MARK, cli_reference())
     return markdown
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def cli_reference() -> str:
+    """Every ``memtui`` command as Markdown: a heading, its help, its usage and its options."""
+    from memtui.cli import main
+
+    root = click.Context(main, info_name="memtui", **main.context_settings)
+    sections = []
+    for name in main.list_commands(root):
+        command = main.get_command(root, name)
+        if command is None or command.hidden:
+            continue
+        ctx = click.Context(command, info_name=name, parent=root, **command.context_settings)
+        sections.append(_command_section(ctx))
+    return "\n\n".join(sections)
+
+
+def _command_section(ctx: click.Context) -> str:
+    """One command: ``### memtui NAME``, its help's paragraphs, its usage, its options' table."""
+    command = ctx.command
+    help_text = inspect.cleandoc(command.help or "")
+    paragraphs = [" ".join(p.split()) for p in help_text.split("\n\n") if p.strip("\b \n")]
+    usage = " ".join(command.collect_usage_pieces(ctx))
+    rows = [
+        _option_row(*record)
+        for param in command.get_params(ctx)
+        if (record := param.get_help_record(ctx)) is not None
+    ]
+    parts = [
+        f"### {ctx.command_path} {{#{ctx.command_path.replace(' ', '-')}}}",
+        *(_escaped(p) for p in paragraphs),
+        f"```text\n{ctx.command_path} {usage}\n```",
+        "| option | what it does |\n| --- | --- |\n" + "\n".join(rows),
+    ]
+    if command.name == "demo":
+        from memtui.commands.demo import TRAINING_OPTIONS
+        from memtui.demo.options import option_rows
+
+        parts.append(f"{TRAINING_OPTIONS}:")
+        parts.append(
+            "| option | what it does |\n| --- | --- |\n"
+            + "\n".join(_option_row(names, text) for names, text in option_rows())
+        )
+    return "\n\n".join(parts)
+
+
+def _option_row(names: str, text: str) -> str:
+    """A table row: the option's names and value (as code), and its help with its default."""
+    spelled = ", ".join(f"`{name.strip()}`" for name in names.split(", "))
+    return f"| {spelled} | {_escaped(' '.join(text.split()))} |"
+
+
+def _escaped(text: str) -> str:
+    """Help text as Markdown table or paragraph text: pipes and angle brackets escaped."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 # --------------------------------------------------------------------------- the schema
@@ -195,9 +269,9 @@ FIELD_NOTES = {
     "StatusReport.world_size": "How many ranks the run has.",
     "StatusReport.device": "Rank 0's device: `cpu`, `cuda:0`, ...",
     "StatusReport.step": "Optimizer steps done so far (continued across a resume).",
-    "StatusReport.config": "Every knob (`batch_size`, `grad_accum`, `num_workers`, `pin_memory`, `prefetch_factor`) with its value now; null where the run does not expose it.",
+    "StatusReport.config": "Every knob (`batch_size`, `grad_accum`, `num_workers`, `pin_memory`, `prefetch_factor`) with its value now, tunable or not (`tunable` says which memtui can change, `config_measured` which were measured from the steps, `config_unused` which the loader does not use now); null where memtui does not know it.",
     "StatusReport.tunable": "The knobs a change may set on this run.",
-    "StatusReport.effective_batch": "Micro-batch x accumulation x ranks (null where a knob is unknown).",
+    "StatusReport.effective_batch": "Micro-batch x accumulation x ranks, from the values in `config` (a run without an accumulation knob: the micro-batches its steps draw); null where either is unknown.",
     "StatusReport.pending": "Changes queued for the next checkpoint boundary, oldest first.",
     "StatusReport.applied": "Changes applied, rollbacks included, oldest first.",
     "StatusReport.rejected": "Changes refused, at queue time or at a boundary, with the reason.",

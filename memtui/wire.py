@@ -450,6 +450,12 @@ class ControlState(Struct, omit_defaults=True):
     """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
     boundary: str = ""
     """Where queued changes apply, in words ("" the run's next checkpoint)."""
+    untunable_values: dict[str, KnobValue] = {}
+    """The values of knobs this run has but memtui cannot change, as the hook read them (the
+    training loader's own workers, its batch size); a knob in neither this nor ``config`` has a
+    value memtui does not know."""
+    unapplied: list[PendingChange] = []
+    """Changes still pending when the run ended: never applied (the run's last word)."""
 
 
 class HookCounters(Struct, omit_defaults=True):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clock import patience
 from tests.support.cuda import skip_gpu_tests_without_cuda
 from tests.support.processes import (
     DemoRun,
@@ -21,6 +22,9 @@ from tests.support.processes import (
     launch_demo,
     stop_all,
 )
+
+pytest_plugins = ["tests.support.accounts"]
+"""The two real accounts (``accounts``, ``home``, ``shared``): one pair for the whole session."""
 
 # the suite's trainings run torch on one thread (a session-wide default; a test may still ask for
 # more): on 2 busy cores torch's intra-op pool spins against the other workers, and the documented
@@ -43,6 +47,17 @@ def private_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         del os.environ[name]
     os.environ.update(before)
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[None]:
+    """The per-test hang guard (pytest-timeout's ``timeout``, or the test's own mark) stretched
+    by the load as the test starts: on a busy machine a slow pass is not a hang."""
+    marker = item.get_closest_marker("timeout")
+    given = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    if given and float(given) > 0:
+        item.add_marker(pytest.mark.timeout(patience(float(given))), append=False)
+    yield
 
 
 def pytest_sessionfinish() -> None:

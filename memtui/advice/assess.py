@@ -14,9 +14,10 @@ from typing import Protocol, TypeVar
 from memtui.advice.breakdown import Breakdown, breakdown
 from memtui.advice.predict import confidence, safe_batch
 from memtui.advice.recommend import Inputs as RecommendInputs
-from memtui.advice.recommend import Recommendation, bands, recommend
+from memtui.advice.recommend import Recommendation, bands, options
 from memtui.advice.verdict import THRESHOLDS, State, Thresholds, Verdict, decide
 from memtui.advice.verdict import Inputs as VerdictInputs
+from memtui.core.knobs import KnownConfig, known_config, merge
 from memtui.core.stats import (
     MemoryStats,
     StepStats,
@@ -54,6 +55,8 @@ class Advice:
     model_confidence: str
     max_safe: str = ""
     """The largest safe micro-batch in words (a guess, or under what ran out of memory)."""
+    held_for_pending: tuple[str, ...] = ()
+    """The options held back until the pending changes land (they move a knob one sets)."""
 
 
 def capacity_is_limit(memory: MemoryStats | None, host: HostSample | None) -> bool:
@@ -70,6 +73,14 @@ def loader_memory(host: HostSample | None) -> int | None:
     if host is None or not host.workers:
         return None
     return process_tree(host).workers_bytes
+
+
+def known_of(control: ControlState, steps: StepStats | None) -> KnownConfig:
+    """The run's knobs as far as memtui knows them, from its control state and its steps (the
+    one source of the knob figures the viewer, the exporter and ``memtui status`` show)."""
+    return known_config(
+        control.config, control.tunable, control.untunable_values, steps, control.world_size
+    )
 
 
 def advise(
@@ -90,9 +101,10 @@ def advise(
     split = None
     if memory is not None:
         split = breakdown(memory, control.static, model, loader_memory(host))
-    options = recommend(
+    known = known_of(control, steps)
+    offered, held = options(
         RecommendInputs(
-            config=control.config,
+            config=known.as_knobs(),
             tunable=tuple(control.tunable),
             world_size=control.world_size,
             steps=steps,
@@ -106,6 +118,7 @@ def advise(
             ceiling=control.ceiling,
             cpus=run.cpus if run is not None else 0,
             alloc_conf=run.alloc_conf if run is not None else None,
+            pending=merge(c.changes for c in control.pending if c.changes),
             **bands(limits),
         )
     )
@@ -116,10 +129,11 @@ def advise(
     )
     return Advice(
         breakdown=split,
-        recommendations=options,
+        recommendations=offered,
         max_safe_batch_size=safe.size if safe is not None else None,
         model_confidence=confidence(model) if model is not None else "no model yet",
         max_safe=safe.describe() if safe is not None else "",
+        held_for_pending=tuple(o.title for o in held),
     )
 
 

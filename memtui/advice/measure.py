@@ -75,8 +75,10 @@ def observe(
     if last.kind != "cuda":
         # CPU: the samples fall all over the step cycle, and the lowest ones between steps. The
         # loader workers' own memory is taken out (the model adds it back per worker): points
-        # taken at other worker counts then stay on one line
-        in_workers = per_worker * (workers or 0) if host is not None and host.workers else 0
+        # taken at other worker counts then stay on one line. A worker count the run has no
+        # knob for is not known: their memory stays in the points, as the model adds none back
+        counted = workers is not None and host is not None and host.workers
+        in_workers = per_worker * workers if counted and workers is not None else 0
         peak_allocated = max(0, peak_allocated - in_workers)
         peak_reserved = max(0, peak_reserved - in_workers)
     between = between_steps(static, max(0, floor - in_workers), last.kind)

@@ -15,12 +15,14 @@ the hook records for every applied change and checks against its measured effect
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
 from memtui.advice.effect import measurable, speedup
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import predict_peak, safe_batch
+from memtui.advice.prediction import Prediction
 from memtui.advice.speed import SpeedBasis, batch_speed, loader_model, workers_speed
 from memtui.advice.verdict import THRESHOLDS, Thresholds
 from memtui.core.knobs import (
@@ -80,6 +82,10 @@ class Inputs:
     """The run's applied changes, oldest first: their measured effects time other micro-batches."""
     alloc_conf: str | None = None
     """The run's CUDA allocator settings (``RunInfo.alloc_conf``; None: the hook did not say)."""
+    pending: Mapping[str, KnobValue] = field(default_factory=dict)
+    """What the pending changes will set: no option repeats them or moves their knobs (the
+    numbers behind it are the config's before they land), and an option's predicted peak is the
+    config's once they and it land (the queue's own prediction of it)."""
 
     def speed_basis(self) -> SpeedBasis | None:
         """What the speed estimates are made from (None: no timed steps yet)."""
@@ -151,10 +157,16 @@ class Recommendation:
 
 
 def recommend(inputs: Inputs) -> list[Recommendation]:
+    """Every option that applies to the run now, best first (``options``'s first part)."""
+    return options(inputs)[0]
+
+
+def options(inputs: Inputs) -> tuple[list[Recommendation], list[Recommendation]]:
     """Every option that applies to the run now, best first; after a change measured slower,
     its revert first and nothing that moves its knobs further the same way. An option offered
     for speed whose expected gain is inside the estimate's noise is left out: +0% is no reason
-    to spend a checkpoint boundary."""
+    to spend a checkpoint boundary. Second, the options held back until the pending changes
+    land (they move a knob one of them sets)."""
     options: list[Recommendation] = []
     options += _loader_options(inputs)
     options += _batch_options(inputs)
@@ -165,7 +177,39 @@ def recommend(inputs: Inputs) -> list[Recommendation]:
     if harmful is not None:
         options = [o for o in options if not _more_of_the_same(o, harmful)]
         options.append(_revert(harmful, inputs))
-    return sorted(options, key=lambda r: -r.score)
+    held = [o for o in options if _moves_pending(o, inputs)]
+    offered = [_with_prediction(o, inputs) for o in options if not _moves_pending(o, inputs)]
+    return sorted(offered, key=lambda r: -r.score), held
+
+
+def _moves_pending(option: Recommendation, inputs: Inputs) -> bool:
+    """``option`` changes a knob a pending change sets: it would repeat that change, or undo
+    it from numbers measured before it lands."""
+    return bool(set(option.changes) & set(inputs.pending))
+
+
+def predicted_config(inputs: Inputs, changes: Mapping[str, KnobValue]) -> Knobs:
+    """The config once the pending changes and ``changes`` land (what the queue predicts)."""
+    return knobs_with(knobs_with(inputs.config, inputs.pending), changes)
+
+
+def _with_prediction(option: Recommendation, inputs: Inputs) -> Recommendation:
+    """``option`` with the memory model's peak for the config it makes, the one prediction of a
+    change (the queue's gate, the viewer's editor and ``memtui set`` make it the same way, workers
+    and pinning included), and the change of peak from the config before it."""
+    model = inputs.model
+    if not option.applicable or model is None:
+        return option
+    if "num_workers" in option.changes and model.kind == "cpu" and model.workers is None:
+        return option  # a model that cannot count the workers (an older hook's): not predicted
+    thresholds = thresholds_of(inputs)
+    before = Prediction.of_config(model, predicted_config(inputs, {}), thresholds).peak_bytes
+    after = Prediction.of_config(model, predicted_config(inputs, option.changes), thresholds)
+    if after.peak_bytes is None or before is None:
+        return option
+    return replace(
+        option, predicted_peak_bytes=after.peak_bytes, memory_delta_bytes=after.peak_bytes - before
+    )
 
 
 NOISE_FLOOR = 0.05
@@ -382,11 +426,12 @@ def _host_relief(
 def _effective(
     config: Knobs, world: int, batch: int | None = None, accum: int | None = None
 ) -> int | None:
+    """Micro-batch x accumulation x ranks (None where either is not known)."""
     b = batch if batch is not None else config.batch_size
     a = accum if accum is not None else config.grad_accum
-    if b is None:
+    if b is None or a is None:
         return None
-    return effective_batch(b, a or 1, world)
+    return effective_batch(b, a, world)
 
 
 def _under_the_ceiling(ceiling: Ceiling | None) -> str:
@@ -405,7 +450,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
     batch = config.batch_size
     accum = config.grad_accum
     target = batch * (accum or 1)
-    peak_now = predict_peak(model, batch)
+    peak_now = predict_peak(model, batch, config.num_workers)  # the config's own workers
     frac_now = peak_now / model.capacity_bytes if model.capacity_bytes else 0.0
     edge = inputs.memory_edge_fraction
     underused = inputs.underused_memory_fraction
@@ -433,7 +478,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
         if keep_bigger:
             new_accum, _ = accumulation_for(target, bigger)
             changes["grad_accum"] = new_accum
-        peak = predict_peak(model, bigger)
+        peak = predict_peak(model, bigger, config.num_workers)
         speed, speed_note = _batch_speed(inputs, bigger, new_accum)
         out.append(
             Recommendation(
@@ -444,7 +489,7 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
                     else " (the effective batch grows)"
                 ),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {shown})"
+                why=f"predicted peak {frac_now:.0%} of capacity: room for a bigger micro-batch (largest under {edge:.0%}: {shown})"
                 + _under_the_ceiling(inputs.ceiling),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,
@@ -464,14 +509,14 @@ def _batch_options(inputs: Inputs) -> list[Recommendation]:
         if keep:
             new_accum, _ = accumulation_for(target, smaller)
             changes["grad_accum"] = new_accum
-        peak = predict_peak(model, smaller)
+        peak = predict_peak(model, smaller, config.num_workers)
         speed, speed_note = _batch_speed(inputs, smaller, new_accum)
         out.append(
             Recommendation(
                 title=f"smaller micro-batch: batch_size {batch} -> {smaller}"
                 + (f", grad_accum {accum} -> {new_accum}" if keep and new_accum != accum else ""),
                 changes=changes,
-                why=f"peak memory {frac_now:.0%} of capacity: {'danger' if frac_now >= inputs.memory_danger_fraction else 'edge'} band"
+                why=f"predicted peak {frac_now:.0%} of capacity: {'danger' if frac_now >= inputs.memory_danger_fraction else 'edge'} band"
                 + (f" (largest under {edge:.0%}: {shown})" if shown is not None else ""),
                 memory_delta_bytes=peak - peak_now,
                 predicted_peak_bytes=peak,

@@ -421,6 +421,53 @@ def _check_value(name: str, value: Any) -> float | int | str:
     return float(value)
 
 
+SECTION = "verdict"
+"""The config file's one section: everything memtui reads from the file is under it."""
+
+
+def unused_top_level(data: dict[Any, Any], known: list[str]) -> list[str]:
+    """One line for each top-level key of the config file but ``verdict``, which memtui does not
+    read: a threshold put at the top level, a misspelled section or an unknown key, each with
+    the nearest known key (``known``: the thresholds' names)."""
+    lines = []
+    for key, value in data.items():
+        if key == SECTION:
+            continue
+        name = one_line(key, 40)
+        if key in known:
+            lines.append(
+                f"{name} is at the top level, where memtui reads nothing: it belongs under "
+                f"{SECTION}: (verdict.{key}); ignored"
+            )
+            continue
+        nearest = nearest_key(key, [SECTION, *known], SECTION)
+        where = f"{SECTION}:" if nearest == SECTION else f"verdict.{nearest}"
+        lines.append(f"unknown key {name} ignored{keys_under(value)} (nearest known key: {where})")
+    return lines
+
+
+def nearest_key(key: object, known: list[str], otherwise: str = "") -> str:
+    """The known key spelled most like ``key`` (the first of equals); ``otherwise`` where none
+    is spelled even half alike (given)."""
+    import difflib
+
+    word = str(key).lower()
+    ratios = {k: difflib.SequenceMatcher(None, word, k).ratio() for k in known}
+    nearest = max(known, key=ratios.__getitem__)
+    return otherwise if otherwise and ratios[nearest] < 0.5 else nearest
+
+
+def keys_under(value: object) -> str:
+    """ ", with the keys under it (a, b)" for a mapping ignored whole ("" for anything else)."""
+    if not isinstance(value, dict) or not value:
+        return ""
+    names = ", ".join(one_line(k, 40) for k in list(value)[:4])
+    if len(value) == 1:
+        return f", with the key under it ({names})"
+    more = f" and {len(value) - 4} more" if len(value) > 4 else ""
+    return f", with the {len(value)} keys under it ({names}{more})"
+
+
 def parse_thresholds(data: Any, source: str = "") -> ThresholdConfig:
     """Thresholds from a parsed config file's contents (its ``verdict:`` section)."""
     if data is None:
@@ -429,20 +476,21 @@ def parse_thresholds(data: Any, source: str = "") -> ThresholdConfig:
         return ThresholdConfig(
             THRESHOLDS, source, (f"{source}: not a mapping of sections; defaults used",)
         )
+    known = [f.name for f in dataclasses.fields(Thresholds)]
+    problems = [f"{source}: {line}" for line in unused_top_level(data, known)]
     section = data.get("verdict")
     if section is None:
-        return ThresholdConfig(THRESHOLDS, source)
+        return ThresholdConfig(THRESHOLDS, source, tuple(problems))
     if not isinstance(section, dict):
-        return ThresholdConfig(
-            THRESHOLDS, source, (f"{source}: verdict: is not a mapping; defaults used",)
-        )
-    known = {f.name for f in dataclasses.fields(Thresholds)}
+        problems.append(f"{source}: verdict: is not a mapping; defaults used")
+        return ThresholdConfig(THRESHOLDS, source, tuple(problems))
     values: dict[str, Any] = {}
-    problems: list[str] = []
     for key, value in section.items():
         if key not in known:
+            nearest = nearest_key(key, known)
             problems.append(
-                f"{source}: unknown key verdict.{one_line(key, 40)} ignored (known: {', '.join(sorted(known))})"
+                f"{source}: unknown key verdict.{one_line(key, 40)} ignored{keys_under(value)} "
+                f"(nearest known key: verdict.{nearest})"
             )
             continue
         checked = _check_value(str(key), value)

@@ -70,9 +70,10 @@ def thresholds_in_force() -> Thresholds:
 
 def threshold_config() -> ThresholdConfig:
     """The YAML config's verdict: section, if any; what it got wrong is said on stderr."""
+    from memtui.core.stats import printable
     from memtui.storage.userconfig import load_thresholds
 
     config = load_thresholds()
-    for problem in config.problems:
-        print(f"memtui: {problem}", file=sys.stderr)
+    for problem in config.problems:  # a file's text: its control characters made visible
+        print(f"memtui: {printable(problem)}", file=sys.stderr)
     return config

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import click
 
 from memtui.commands.common import fail
 
-if TYPE_CHECKING:
-    pass
-
-
 DEMO_USAGE = "memtui demo [--no-tui] [--ranks N] [--dry-run] [TRAINING OPTIONS] (see --help)"
+TRAINING_OPTIONS = "Training options (passed to python -m memtui.demo)"
+"""The heading of the training's options in ``--help`` (and in the command line reference)."""
 
 
 class _DemoCommand(click.Command):
@@ -23,19 +20,10 @@ class _DemoCommand(click.Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_options(ctx, formatter)
-        from memtui.demo.options import build_parser
+        from memtui.demo.options import option_rows
 
-        rows = []
-        # argparse lists a parser's actions only through _actions (no public accessor)
-        for action in build_parser()._actions:  # noqa: SLF001
-            if not action.option_strings or action.dest == "help":
-                continue
-            names = "/".join(action.option_strings)
-            if action.nargs != 0:
-                names += f" {action.metavar or action.dest.upper()}"
-            rows.append((names, action.help or ""))
-        with formatter.section("Training options (passed to python -m memtui.demo)"):
-            formatter.write_dl(rows)
+        with formatter.section(TRAINING_OPTIONS):
+            formatter.write_dl(option_rows())
 
 
 @click.command(
@@ -90,6 +78,7 @@ def demo_command(
     from memtui.demo.launcher import (
         DemoFailed,
         demo_command_line,
+        demo_environment,
         quiet_numpy_warning,
         run_forwarding_signals,
         run_with_viewer,
@@ -102,11 +91,12 @@ def demo_command(
     if ranks < 1:
         fail("--ranks must be 1 or more", 2)
     command = demo_command_line(argv, ranks)
-    tcp_env = _tcp_env(tcp, insecure, insecure_control)
+    # the training's processes keep the working directory off their module search path
+    env = {**_tcp_env(tcp, insecure, insecure_control), **demo_environment()}
     if dry_run:  # says what would run, and changes nothing (this process's environment included)
-        click.echo(shlex.join([*(f"{k}={v}" for k, v in tcp_env.items()), *command]))
+        click.echo(shlex.join([*(f"{k}={v}" for k, v in env.items()), *command]))
         return
-    os.environ.update(tcp_env)  # the training (in this process or a child) reads them
+    os.environ.update(env)  # the training (in this process or a child) reads them
     busy = out_in_use(args.out or default_out())
     if busy:
         fail(busy, 2)

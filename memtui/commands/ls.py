@@ -15,6 +15,7 @@ def ls_command(as_json: bool) -> None:
     """List live runs on this host."""
     import json
 
+    from memtui.runs.text import clean
     from memtui.storage import registry
     from memtui.transport.security import exposure, tcp_endpoints
     from memtui.wire import to_builtins
@@ -50,7 +51,9 @@ def ls_command(as_json: bool) -> None:
     for r in runs:
         started = time.strftime("%H:%M:%S", time.localtime(r.started))
         command = " ".join(r.command[1:] if len(r.command) > 1 else r.command)
-        click.echo(f"{r.run:<24} {r.pid:>7} {r.world_size:>5}  {started:<8}  {command[:80]}")
+        # a command line's control characters are shown, never obeyed by the terminal
+        run, shown = clean(r.run), clean(command, 80)
+        click.echo(f"{run:<24} {r.pid:>7} {r.world_size:>5}  {started:<8}  {shown}")
         warning = exposure(r.security, tcp_endpoints(r.ranks))
         if warning:
-            click.echo(f"  {warning}")
+            click.echo(f"  {clean(warning)}")

@@ -191,6 +191,92 @@ def effective_batch(batch_size: int, grad_accum: int, world_size: int = 1) -> in
     return batch_size * grad_accum * world_size
 
 
+def unused_knobs(config: Mapping[str, object]) -> dict[str, str]:
+    """The knobs whose value the run's loader does not use now, with why in a few words:
+    ``prefetch_factor`` without loader workers (torch uses it only with ``num_workers > 0``; the
+    value kept is the one workers would use)."""
+    if config.get("num_workers") == 0 and config.get("prefetch_factor") is not None:
+        return {"prefetch_factor": "no loader workers"}
+    return {}
+
+
+MEASURED_KNOBS = ("batch_size", "grad_accum")
+"""The knobs whose value the steps measure where the run holds none memtui can read: the
+samples of a micro-batch, the micro-batches of a step."""
+
+
+@dataclass(frozen=True)
+class KnownConfig:
+    """Every knob's value as far as memtui knows it (None: unknown), and where it came from: the
+    knobs it can change, those the run holds that it cannot (read by the hook), or what the steps
+    measured; the one source of the figures every view of a run shows."""
+
+    values: dict[str, KnobValue | None]
+    """Every knob, in display order."""
+    tunable: tuple[str, ...] = ()
+    measured: tuple[str, ...] = ()
+    """The knobs whose value was measured from the steps, not read."""
+    world_size: int = 1
+
+    def value(self, knob: str) -> KnobValue | None:
+        """One knob's value (None: not known)."""
+        return self.values.get(knob)
+
+    @property
+    def unused(self) -> dict[str, str]:
+        """The knobs the loader does not use now, with why (``unused_knobs``): their value is
+        the one it takes once they apply."""
+        return unused_knobs(self.values)
+
+    def effective_batch(self, changes: Mapping[str, KnobValue] | None = None) -> int | None:
+        """Micro-batch x accumulation x ranks, with ``changes`` (None: either is not known)."""
+        values = {**self.values, **(changes or {})}
+        batch, accum = values.get("batch_size"), values.get("grad_accum")
+        if not isinstance(batch, int) or isinstance(batch, bool):
+            return None
+        if not isinstance(accum, int) or isinstance(accum, bool):
+            return None
+        return effective_batch(batch, accum, self.world_size)
+
+    def as_knobs(self) -> Knobs:
+        """The values as a ``Knobs`` (the unknown ones unset)."""
+        return knobs_with(Knobs(), {k: v for k, v in self.values.items() if v is not None})
+
+
+class StepShape(Protocol):
+    """What the steps measured of the loop's micro-batch (``core.stats.StepStats``)."""
+
+    @property
+    def micro_batch(self) -> int | None: ...
+
+    @property
+    def micro_batches(self) -> int | None: ...
+
+
+def known_config(
+    config: Knobs,
+    tunable: Iterable[str],
+    held: Mapping[str, KnobValue] | None = None,
+    steps: StepShape | None = None,
+    world_size: int = 1,
+) -> KnownConfig:
+    """The run's knobs as far as memtui knows them: ``config`` (its tunable knobs' values), else
+    ``held`` (the values the hook read of knobs it cannot change), else, for the micro-batch and
+    the accumulation, what ``steps`` measured."""
+    values: dict[str, KnobValue | None] = {}
+    measured: list[str] = []
+    for knob in KNOBS:
+        value = getattr(config, knob)
+        if value is None and held:
+            value = held.get(knob)
+        if value is None and steps is not None and knob in MEASURED_KNOBS:
+            value = steps.micro_batch if knob == "batch_size" else steps.micro_batches
+            if value is not None:
+                measured.append(knob)
+        values[knob] = value
+    return KnownConfig(values, tuple(k for k in KNOBS if k in tunable), tuple(measured), world_size)
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A change with keep-effective-batch arithmetic done, and a note for the user."""
@@ -207,13 +293,18 @@ def resolve(
     keep_effective_batch: bool = False,
     world_size: int = 1,
     why_not: Mapping[str, str] | None = None,
+    held: Mapping[str, KnobValue] | None = None,
 ) -> Resolved:
     """Check a parsed change against the run (``current``: its config with the pending changes
-    merged) and apply keep-effective-batch; raise KnobError. Knobs already at their value are
-    left out (said in the note); a change that changes nothing is refused."""
+    merged; ``held``: the values of the knobs it has but memtui cannot change) and apply
+    keep-effective-batch; raise KnobError. Knobs already at their value are left out (said in
+    the note); a change that changes nothing is refused."""
     for knob in changes:
         if knob not in tunable:
-            why = (why_not or {}).get(knob) or "the hook did not find it"
+            why = (why_not or {}).get(knob) or (
+                "the run found no value of it; to make it tunable, keep it in the config given "
+                "to hooks.install, or name it there with knobs="
+            )
             raise KnobError(f"{knob} is not tunable in this run ({why})")
     resolved = dict(changes)
     note = ""
@@ -239,8 +330,12 @@ def resolve(
                 f"batch {new_eff} (was {old_eff})"
             )
     if "prefetch_factor" in resolved:
+        # refused only where the run has no workers: a worker count memtui has not read is
+        # unknown, not 0 (the loader, told, keeps its prefetch where it has none)
         workers = resolved.get("num_workers", current.num_workers)
-        if not workers:
+        if workers is None:
+            workers = (held or {}).get("num_workers")
+        if workers == 0:
             raise KnobError(PREFETCH_NEEDS_WORKERS)
     same = {k: v for k, v in resolved.items() if getattr(current, k) == v}
     if same:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ class StepStats:
     samples_counted: bool = True
     """Whether any of the steps counted a sample (False: a batch memtui could find no tensor in,
     or a loop whose batches it does not see: ``samples_per_s`` is not known, not 0)."""
+    micro_batch: int | None = None
+    """The samples of one micro-batch the steps drew, their median (None: no batch timed)."""
+    micro_batches: int | None = None
+    """The micro-batches one step drew, their median: the accumulation the loop ran (None: no
+    batch timed)."""
 
     @property
     def data_wait_fraction(self) -> float:
@@ -56,6 +62,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
     samples = sum(r.samples for r in recent)
     micro = sum(r.micro_batches for r in recent)
     n = len(recent)
+    drawn = [r for r in recent if r.micro_batches > 0]
+    # the micro-batch and the accumulation are medians: a step that also drew an evaluation
+    # loader's batches, or an epoch's last short batch, moves neither
+    middle = len(drawn) // 2
     return StepStats(
         steps=n,
         step_time_s=total / n,
@@ -66,6 +76,10 @@ def summarize_steps(records: Sequence[StepRecord], window: int = 50) -> StepStat
         micro_batches_per_step=micro / n,
         samples_per_step=samples / n,
         samples_counted=samples > 0,
+        micro_batch=sorted([r.samples // r.micro_batches for r in drawn])[middle] or None
+        if drawn
+        else None,
+        micro_batches=sorted([r.micro_batches for r in drawn])[middle] if drawn else None,
     )
 
 
@@ -321,9 +335,28 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+_PICTURES = {code: 0x2400 + code for code in range(0x20) if code != 0x0A}
+"""C0 control characters but the newline: their Unicode control pictures (``␛``, ``␀``)."""
+_PICTURES[0x7F] = 0x2421  # DEL: ␡
+_REPLACED = [*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+"""C1 control characters (0x9B is a terminal's CSI) and the bidirectional overrides, embeddings
+and isolates (they reorder what follows them on the line): the replacement character."""
+CONTROL_TABLE = {**_PICTURES, **dict.fromkeys(_REPLACED, 0xFFFD)}
+"""Every character a terminal would obey rather than show, to the one character shown instead."""
+CONTROL = re.compile("[" + "".join(re.escape(chr(code)) for code in sorted(CONTROL_TABLE)) + "]")
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character a visible symbol, one for one: text from a file, a
+    run or a peer never reaches a terminal as an escape sequence."""
+    value = text if isinstance(text, str) else str(text)
+    return value.translate(CONTROL_TABLE) if CONTROL.search(value) else value
+
+
 def one_line(text: object, limit: int = 300) -> str:
-    """``text`` on one line (whitespace runs made one space), cut to ``limit`` characters."""
-    flat = " ".join(str(text).split())
+    """``text`` on one line (whitespace runs made one space, control characters visible
+    symbols), cut to ``limit`` characters."""
+    flat = printable(" ".join(str(text).split()))
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

@@ -8,10 +8,14 @@ command says.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from memtui.core.stats import one_line
+from memtui.storage import ownfiles
 
 REGISTER_TIMEOUT_S = 60.0
 """How long the demo training has to register its run (it imports torch first)."""
@@ -55,12 +59,43 @@ def run_forwarding_signals(command: list[str]) -> int:
             continue
 
 
+SAFE_PATH = sys.version_info >= (3, 11)
+"""Whether this Python keeps the working directory off ``sys.path`` when asked (``-P``,
+``PYTHONSAFEPATH``)."""
+RUN_MODULE = (
+    "import runpy, sys; del sys.path[0]; sys.argv.pop(0); "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
+"""Where ``-P`` is missing: ``python -c RUN_MODULE MODULE ARGS`` runs ``MODULE`` as ``-m`` does,
+the working directory taken off ``sys.path`` before anything is imported."""
+
+
+def module_command(module: str, args: list[str]) -> list[str]:
+    """``python -m MODULE ARGS`` with the working directory kept off the module search path:
+    a ``torch.py`` or ``yaml.py`` another account left in the directory the command is run from
+    is never imported."""
+    if SAFE_PATH:
+        return [sys.executable, "-P", "-m", module, *args]
+    return [sys.executable, "-c", RUN_MODULE, module, *args]
+
+
+def demo_environment() -> dict[str, str]:
+    """What the demo's processes add to the environment: ``PYTHONSAFEPATH`` for the interpreters
+    they start themselves (torchrun's ranks), which then keep the working directory off their
+    module search path too."""
+    return {"PYTHONSAFEPATH": "1"} if SAFE_PATH else {}
+
+
 def demo_command_line(argv: list[str], ranks: int = 1) -> list[str]:
-    """The command that runs the demo training, under torchrun when ``ranks`` > 1."""
+    """The command that runs the demo training, under torchrun when ``ranks`` > 1; no process of
+    it imports a module from the working directory (``module_command``, ``demo_environment``)."""
     if ranks == 1:
-        return [sys.executable, "-m", "memtui.demo", *argv]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*launcher, f"--nproc_per_node={ranks}", "-m", "memtui.demo", *argv]
+        return module_command("memtui.demo", argv)
+    launch = ["--standalone", f"--nproc_per_node={ranks}"]
+    if SAFE_PATH:  # the ranks run `python -u -m memtui.demo`, with PYTHONSAFEPATH from the demo
+        return module_command("torch.distributed.run", [*launch, "-m", "memtui.demo", *argv])
+    rank = [sys.executable, "-c", RUN_MODULE, "memtui.demo", *argv]
+    return module_command("torch.distributed.run", [*launch, "--no-python", *rank])
 
 
 def run_with_viewer(command: list[str], out: Path) -> int:
@@ -72,10 +107,14 @@ def run_with_viewer(command: list[str], out: Path) -> int:
     except ImportError:
         raise DemoFailed("the viewer is not available in this build; use --no-tui") from None
     log_path = out / "demo.log"
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **demo_environment())
+    try:
+        out_dir(out)
+        log = open(ownfiles.open_write(log_path), "wb")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise DemoFailed(one_line(exc)) from None
     say(f"starting the demo training (its output: {log_path})...")
-    with open(log_path, "w") as log:
+    with log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         say("waiting for the run to register (the training imports torch first)...")
@@ -104,6 +143,25 @@ def run_with_viewer(command: list[str], out: Path) -> int:
     return code
 
 
+def out_dir(out: Path) -> Path:
+    """The demo's checkpoint and state directory, created 0700 when missing; refuse (an OSError
+    in one line) a symbolic link another account owns there, or what is not a directory: every
+    file the demo writes there is then the user's own (``memtui.storage.ownfiles``)."""
+    try:
+        info = os.lstat(out)
+    except FileNotFoundError:
+        os.makedirs(out, 0o700, exist_ok=True)
+        info = os.lstat(out)
+    if stat.S_ISLNK(info.st_mode) and info.st_uid not in (os.geteuid(), 0):
+        raise ownfiles.UnsafeFile(
+            f"{out} is a symbolic link owned by {ownfiles.user_name(info.st_uid)}, not by you: "
+            "refused (give the demo an --out DIR of your own)"
+        )
+    if not os.path.isdir(out):
+        raise ownfiles.UnsafeFile(f"{out} is not a directory: refused")
+    return out
+
+
 def wait_for_run(
     out: Path, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = REGISTER_TIMEOUT_S
 ) -> str:
@@ -114,7 +172,11 @@ def wait_for_run(
     wanted = out.resolve()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for record in registry.list_runs(clean=False):
+        try:
+            records = registry.list_runs(clean=False)
+        except registry.RegistryError as exc:  # the viewer could not reach the run there
+            raise DemoFailed(str(exc)) from None
+        for record in records:
             if record.state_dir and Path(record.state_dir).resolve() == wanted:
                 return record.run
         if proc.poll() is not None:

@@ -8,6 +8,7 @@ lines cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,18 @@ def build_parser(
         "--lr-scale",
         choices=("linear", "sqrt", "none"),
         default="none",
-        help="how the LR follows a change of the effective batch (default none)",
+        metavar="RULE",
+        help="how the LR follows a change of the effective batch: linear, sqrt or none "
+        "(default none)",
     )
-    parser.add_argument("--out", type=Path, metavar="DIR", help="checkpoint and state directory")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="checkpoint and state directory (default ~/.local/state/memtui/demo; with "
+        "MEMTUI_RUNTIME_DIR set, demo-<8 hex digits of its path> there: demos kept apart by "
+        "their runtime directories keep their files apart)",
+    )
     parser.add_argument(
         "--resume", action="store_true", help="resume from the checkpoint and tuned config in --out"
     )
@@ -111,6 +121,21 @@ def build_parser(
     return parser
 
 
+def option_rows(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str]]:
+    """Each training option as ``--help`` lists it: its names with its value's name, and its help
+    (``memtui demo --help`` and the command line reference list the same rows)."""
+    rows = []
+    # argparse lists a parser's actions only through _actions (no public accessor)
+    for action in (parser or build_parser())._actions:  # noqa: SLF001
+        if not action.option_strings or action.dest == "help":
+            continue
+        names = "/".join(action.option_strings)
+        if action.nargs != 0:
+            names += f" {action.metavar or action.dest.upper()}"
+        rows.append((names, action.help or ""))
+    return rows
+
+
 def parse_args(
     argv: list[str] | None = None, prog: str = "python -m memtui.demo", usage: str | None = None
 ) -> argparse.Namespace:
@@ -118,23 +143,92 @@ def parse_args(
     return build_parser(prog, usage).parse_args(argv)
 
 
-def default_out() -> Path:
-    """The demo's checkpoint and state directory when ``--out`` is not given."""
-    from memtui.storage.registry import state_home
+LOCK_FILE = "demo.lock"
+"""The file in the demo's directory its training holds locked while it runs (with its pid)."""
+_held: list[int] = []
+"""The lock this process's demo training holds (open until the process ends)."""
 
-    return state_home().parent / "demo"
+
+def default_out() -> Path:
+    """The demo's checkpoint and state directory when ``--out`` is not given (one per runtime
+    directory, ``memtui.storage.paths.demo_dir``)."""
+    from memtui.storage.paths import demo_dir
+
+    return demo_dir()
 
 
 def out_in_use(out: Path) -> str:
     """Why ``out`` cannot take another demo ("": no live run keeps its state there): two runs in
-    one directory would overwrite each other's checkpoint, tuned config and audit log."""
-    from memtui.storage.registry import list_runs
+    one directory would overwrite each other's checkpoint, tuned config and audit log. A run of
+    this runtime directory is named; another demo, of another runtime directory, is known by
+    the lock its training holds."""
+    from memtui.storage.registry import RegistryError, list_runs
 
     wanted = out.resolve()
-    for run in list_runs(clean=False):
+    try:
+        runs = list_runs(clean=False)
+    except RegistryError:  # the runtime directory is refused: the training says so itself
+        return ""
+    for run in runs:
         if run.state_dir and (Path(run.cwd) / run.state_dir).resolve() == wanted:
             return (
                 f"{out} is the state directory of the live run {run.run} (pid {run.pid}); give "
                 "this demo its own --out DIR, or stop that run first"
             )
+    holder = lock_holder(out / LOCK_FILE)
+    if holder:
+        return (
+            f"{out} is the state directory of another live demo ({holder}); give this demo its "
+            "own --out DIR, or stop that demo first"
+        )
     return ""
+
+
+def claim_out(out: Path) -> str:
+    """Hold ``out`` (a directory the launcher's ``out_dir`` checked) for this process's demo
+    training until it ends ("" once held), or say why it cannot (``out_in_use``): the lock keeps
+    a demo of another runtime directory out."""
+    import fcntl
+
+    from memtui.storage import ownfiles
+
+    busy = out_in_use(out)
+    if busy:
+        return busy
+    try:
+        fd = ownfiles.open_write(out / LOCK_FILE, append=True)
+    except OSError as exc:  # another account's file there, a directory it cannot make
+        return f"cannot hold {out} for this demo: {exc}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # taken between the look and the lock
+        os.close(fd)
+        return out_in_use(out) or f"{out} is the state directory of another live demo"
+    except OSError:  # a file system without locks: the registry's look above is all there is
+        os.close(fd)
+        return ""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held.append(fd)
+    return ""
+
+
+def lock_holder(path: Path) -> str:
+    """``pid N`` of the process that holds the lock at ``path`` ("": none does)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # no lock file: no demo ever ran here, or the directory is not there
+        return ""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip()
+            return f"pid {pid}" if pid.isdigit() else "its pid unknown"
+        except OSError:  # a file that takes no lock: nobody holds it
+            return ""
+        return ""
+    finally:
+        os.close(fd)

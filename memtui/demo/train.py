@@ -23,8 +23,12 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from memtui.demo.options import default_out, out_in_use, parse_args
+from memtui.core.stats import one_line
+from memtui.demo.launcher import out_dir
+from memtui.demo.options import claim_out, default_out, parse_args
+from memtui.storage import ownfiles
 
 with warnings.catch_warnings():
     # torch warns at import where NumPy is not installed; neither the demo nor memtui uses it,
@@ -114,20 +118,26 @@ def save_checkpoint(
     config: DemoConfig,
     epoch: int,
 ) -> None:
-    """Write the checkpoint atomically."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "memtui": tuner.state_dict(),
-            "config": asdict(config),
-            "epoch": epoch,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    """Write the checkpoint atomically, as memtui writes its own files: a new 0600 temp file
+    (never through a link another account planted), flushed to the disk and renamed over it."""
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "memtui": tuner.state_dict(),
+        "config": asdict(config),
+        "epoch": epoch,
+    }
+    ownfiles.replace_with(path, lambda handle: torch.save(state, handle))
+
+
+def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """The checkpoint at ``path``, read only if it is the user's own file and nobody else can
+    write it (a checkpoint is unpickled: whoever wrote it runs code in the training); raise
+    ``ownfiles.UnsafeFile`` otherwise."""
+    with open(ownfiles.open_read(path), "rb") as handle:
+        state: dict[str, Any] = torch.load(handle, map_location=device, weights_only=False)
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     out = args.out or default_out()
-    if rank == 0 and (busy := out_in_use(out)):  # the job's other ranks share rank 0's directory
+    try:
+        out_dir(out)
+    except OSError as exc:
+        print(f"memtui demo: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0 and (busy := claim_out(out)):  # the job's other ranks share rank 0's directory
         print(f"memtui demo: {busy}", file=sys.stderr, flush=True)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
+    if rank == 0:
+        ownfiles.remove_stale_temps(ckpt_path)  # a save a kill interrupted
 
     config = DemoConfig(args.batch_size, args.grad_accum, args.workers, args.pin_memory)
     vocab = args.vocab
@@ -193,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     loader = tuner.loader(make_loader)
     epoch = 0
     if args.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        try:
+            state = load_checkpoint(ckpt_path, device)
+        except OSError as exc:
+            print(f"memtui demo: not resuming: {one_line(exc)}", file=sys.stderr, flush=True)
+            tuner.close()
+            return 2
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:

@@ -47,7 +47,7 @@ from memtui.runs.throughput import Throughput
 from memtui.storage import registry
 from memtui.transport.client import client_name, send_request
 from memtui.transport.sources import LiveSource
-from memtui.wire import Decoder, Hello, HostSample, RunRecord, Snapshot, encode
+from memtui.wire import Decoder, Hello, HostSample, KnobValue, RunRecord, Snapshot, encode
 
 REFRESH_S = 2.0
 """How often the registry is read for runs that started or left (at least)."""
@@ -115,6 +115,11 @@ class RunReading:
     throughput: Throughput | None = None
     """The job's samples/s (its reporting ranks' summed), as the viewer and ``memtui status``
     give it."""
+    config: dict[str, KnobValue | None] = field(default_factory=dict)
+    """Every knob's value as ``memtui status`` gives it (None: not known)."""
+    tunable: tuple[str, ...] = ()
+    """The knobs memtui can change in this run."""
+    effective_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,49 +169,6 @@ def device_label(series: RankSeries) -> str:
         return ""
     sample = series.device[-1]
     return "cpu" if sample.kind == "cpu" else f"{sample.kind}:{sample.index}"
-
-
-def run_reading(
-    state: RunState,
-    applied: Callable[[RankSeries], int],
-    ooms: Callable[[RankSeries], int],
-) -> RunReading | None:
-    """A run's numbers from its state (None until it has answered); ``applied`` and ``ooms``
-    count a rank's changes and out-of-memory errors seen so far."""
-    if state.info is None:
-        return None
-    summary = state.refresh_summary()
-    hosts = {info.rank: info for info in state.ranks}
-    ranks = []
-    for rank in summary.ranks:
-        series = state.series[rank.rank]
-        listed = hosts.get(rank.rank)
-        ranks.append(
-            RankReading(
-                rank=rank.rank,
-                host=listed.host if listed is not None and listed.host else state.info.host,
-                device=device_label(series),
-                pid=listed.pid if listed is not None else 0,
-                reporting=rank.reported and not rank.silent,
-                last_step=rank.last_step,
-                steps=rank.steps,
-                memory=rank.memory,
-                host_sample=series.host,
-                applied=applied(series),
-                ooms=ooms(series),
-                hook_errors=series.counters.errors if series.counters else None,
-            )
-        )
-    control = state.control
-    return RunReading(
-        run=state.info.run,
-        host=state.info.host,
-        control_rank=state.info.rank,
-        verdict=summary.verdict.state,
-        pending=len(control.pending) if control is not None else 0,
-        ranks=tuple(ranks),
-        throughput=summary.throughput,
-    )
 
 
 class RunWatch:
@@ -313,6 +275,64 @@ class RunWatch:
         if series.control is not None:
             seen.update((o.time, o.step) for o in series.control.ooms)
         return len(seen)
+
+
+def _applied_now(series: RankSeries) -> int:
+    """The changes the rank's control state records as applied now."""
+    return len(series.control.applied) if series.control is not None else 0
+
+
+def _ooms_now(series: RankSeries) -> int:
+    """The out-of-memory errors the rank's control state records now."""
+    return len(series.control.ooms) if series.control is not None else 0
+
+
+def run_reading(
+    state: RunState,
+    applied: Callable[[RankSeries], int] = _applied_now,
+    ooms: Callable[[RankSeries], int] = _ooms_now,
+) -> RunReading | None:
+    """What the exporter serves of the run ``state`` holds (None until it has answered), the
+    changes and out-of-memory errors of each rank counted by ``applied`` and ``ooms`` (a
+    ``RunWatch`` keeps counts the run's capped history cannot lower)."""
+    if state.info is None:
+        return None
+    summary = state.refresh_summary()
+    hosts = {info.rank: info for info in state.ranks}
+    ranks = []
+    for rank in summary.ranks:
+        series = state.series[rank.rank]
+        listed = hosts.get(rank.rank)
+        ranks.append(
+            RankReading(
+                rank=rank.rank,
+                host=listed.host if listed is not None and listed.host else state.info.host,
+                device=device_label(series),
+                pid=listed.pid if listed is not None else 0,
+                reporting=rank.reported and not rank.silent,
+                last_step=rank.last_step,
+                steps=rank.steps,
+                memory=rank.memory,
+                host_sample=series.host,
+                applied=applied(series),
+                ooms=ooms(series),
+                hook_errors=series.counters.errors if series.counters else None,
+            )
+        )
+    control = state.control
+    known = state.known_config()
+    return RunReading(
+        run=state.info.run,
+        host=state.info.host,
+        control_rank=state.info.rank,
+        verdict=summary.verdict.state,
+        pending=len(control.pending) if control is not None else 0,
+        ranks=tuple(ranks),
+        config=dict(known.values) if known is not None else {},
+        tunable=known.tunable if known is not None else (),
+        effective_batch=known.effective_batch() if known is not None else None,
+        throughput=summary.throughput,
+    )
 
 
 @dataclass

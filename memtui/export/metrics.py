@@ -47,6 +47,13 @@ def of_steps(field: str) -> RankValue:
     return lambda r: getattr(r.steps, field) if r.steps else None
 
 
+def of_data(field: str) -> RankValue:
+    """A field of the rank's step summary that only a batch memtui timed measures (the data
+    wait, the samples): left out where none was timed, as ``memtui status`` says "not measured"
+    (its 0 says nothing)."""
+    return lambda r: getattr(r.steps, field) if r.steps and r.steps.data_wait_measured else None
+
+
 def of_memory(field: str) -> RankValue:
     """A field of the rank's device memory summary."""
     return lambda r: getattr(r.memory, field) if r.memory else None
@@ -64,15 +71,15 @@ GAUGES: tuple[tuple[str, str, RankValue], ...] = (
     ("memtui_step_time_seconds", "Mean wall time of a step over the rank's recent steps.",
      of_steps("step_time_s")),
     ("memtui_data_wait_seconds", "Mean time a step waited for the data loader.",
-     of_steps("data_wait_s")),
+     of_data("data_wait_s")),
     ("memtui_data_wait_ratio", "Share of step time spent waiting for data (STARVED from 0.30).",
-     of_steps("data_wait_fraction")),
+     of_data("data_wait_fraction")),
     ("memtui_samples_per_second",
      "The rank's own samples (training batch rows) per second over its recent steps.",
      lambda r: r.steps.samples_per_s if r.steps and r.steps.samples_counted else None),
     ("memtui_micro_batches_per_step",
      "Training micro-batches one optimizer step draws on the rank (its recent steps' mean).",
-     lambda r: r.steps.micro_batches_per_step if r.steps and r.steps.data_wait_measured else None),
+     of_data("micro_batches_per_step")),
     ("memtui_device_capacity_bytes", "Device memory (CPU runs: the memory limit).",
      of_memory("capacity_bytes")),
     ("memtui_device_peak_used_bytes",
@@ -184,6 +191,17 @@ def families(
         "The ranks memtui_job_samples_per_second sums (fewer than the job's: some are silent).",
         labels=RUN_LABELS,
     )
+    knobs = GaugeMetricFamily(
+        "memtui_knob",
+        "The run's knob values as memtui status gives them (pin_memory 1 or 0; a value memtui "
+        "does not know is left out).",
+        labels=[*RUN_LABELS, "knob", "tunable"],
+    )
+    effective = GaugeMetricFamily(
+        "memtui_effective_batch",
+        "Samples per optimizer step across the job: micro-batch x accumulation x ranks.",
+        labels=RUN_LABELS,
+    )
     last_seen = GaugeMetricFamily(
         "memtui_last_seen_age_seconds",
         "Seconds since the run last answered the exporter (never answered: since it started).",
@@ -200,6 +218,12 @@ def families(
         if run.throughput is not None and run.throughput.counted:
             job_samples.add_metric([run.run, run.host], run.throughput.samples_per_s)
             job_ranks.add_metric([run.run, run.host], run.throughput.ranks)
+        for knob, setting in run.config.items():
+            if setting is not None:
+                tunable = "true" if knob in run.tunable else "false"
+                knobs.add_metric([run.run, run.host, knob, tunable], float(setting))
+        if run.effective_batch is not None:
+            effective.add_metric([run.run, run.host], run.effective_batch)
         for rank in run.ranks:
             labels = [run.run, str(rank.rank), rank.host, rank.device]
             for family, (_name, _help, value) in zip(numbers, GAUGES + COUNTERS, strict=True):
@@ -242,7 +266,19 @@ def families(
             value=reading.registry_read_s,
         ),
     ]
-    return [runs, verdict, pending, job_samples, job_ranks, last_seen, *numbers, hook_cpu, *fleet]
+    return [
+        runs,
+        verdict,
+        pending,
+        job_samples,
+        job_ranks,
+        knobs,
+        effective,
+        last_seen,
+        *numbers,
+        hook_cpu,
+        *fleet,
+    ]
 
 
 def exporter_families(cache_age_s: float, http: HttpCounts | None) -> list[Metric]:

@@ -51,6 +51,7 @@ from memtui.advice.measure import (
     speed_prediction_due,
 )
 from memtui.advice.predict import fit
+from memtui.core.stats import one_line
 from memtui.hooks.autopilot import Autopilot
 from memtui.hooks.control import Control
 from memtui.hooks.errors import ErrorLog
@@ -173,6 +174,8 @@ class Agent(threading.Thread):
         self.tcp_readonly = False
         """The TCP control socket answers hello only (plain TCP without the control opt-in)."""
         self.registered = False
+        self._displaced = ""
+        """Why the run's directory cannot be recreated ("" while it is in place)."""
         self._warned_pub = False
         self._warned_connections = False
         self._cap = ConnectionCap()
@@ -577,7 +580,10 @@ class Agent(threading.Thread):
             self._context = None
 
     def _rebind(self) -> None:
-        """Close and bind the ipc sockets again (the TCP ones do not depend on the directory)."""
+        """Close and bind the ipc sockets again (the TCP ones do not depend on the directory),
+        once the run's directory is there again: while it cannot be (the runtime directory moved
+        away, another account's in its place) the sockets are kept as they are."""
+        self.run_dir.create()  # raises before anything is closed
         for sock in (self._pub, self._router):
             if sock is not None:
                 self._subscribers.pop(id(sock), None)
@@ -590,15 +596,29 @@ class Agent(threading.Thread):
             self.register()
 
     def _check_registry(self) -> None:
-        """Recreate the runtime directory, sockets and record if they were removed."""
-        if (
-            self.parts.placement.rank != 0
-            or not self.registered
-            or self.run_dir.record_path.exists()
-        ):
+        """Recreate the runtime directory, sockets and record if they were removed; while the
+        runtime directory cannot be used (moved away and another account's in its place), keep
+        the sockets, say so once, and try again at the next check."""
+        if self.parts.placement.rank != 0 or not self.registered:
             return
-        self._rebind()
+        try:
+            if self._router is not None and self.run_dir.record_path.exists():
+                self._displaced = ""
+                return
+            self._rebind()
+        except (registry.RegistryError, OSError) as exc:
+            if not self._displaced:
+                log.warning(
+                    "memtui: the runtime directory %s was moved or replaced (%s): the run keeps "
+                    "training and serving its sockets where they are; it registers again once "
+                    "the directory can be its own (tried every 2 s)",
+                    self.run_dir.path.parent,
+                    one_line(exc),
+                )
+            self._displaced = one_line(exc)
+            return
         self.recoveries += 1
+        self._displaced = ""
         log.warning("memtui: the runtime directory %s vanished; recreated it", self.run_dir.path)
 
     def record(self) -> RunRecord:

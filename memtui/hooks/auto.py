@@ -202,9 +202,11 @@ def activate() -> None:
         on_import("torch", _on_torch)
         try:
             autoframe = importlib.import_module("memtui.hooks.autoframe")
+            autosave = importlib.import_module("memtui.hooks.autosave")
         except ImportError:
             return
         autoframe.register(on_import)
+        autosave.register(on_import)
     except Exception as exc:  # never into the program's start
         log.warning("memtui: not watching (%s: %s)", type(exc).__name__, exc)
 
@@ -238,6 +240,27 @@ class _Watch:
         """The training DataLoader, found at the first counted step (a weak reference)."""
         self.train_dataset: Callable[[], Any] = _nothing
         """Its dataset: a new DataLoader over it is the training loader of a later epoch."""
+        self.live: tuple[Callable[[], Any], Callable[[], Any]] = (_nothing, _nothing)
+        """(the loader, its iterator) of the counted iterator made last (weak references): the
+        epoch a save continues with other knobs."""
+        self.own_next: Callable[[Any], Any] | None = None
+        """torch's own ``__next__`` of the DataLoader iterators (the timed one calls it)."""
+        self.count: Callable[[float, Any], None] | None = None
+        """Counts one training batch (its wait and samples) in the open step."""
+        self.continued: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The epochs continued with other knobs that may still deliver batches."""
+        self.saved_step = -1
+        """The step of the last save taken as a boundary (one a step)."""
+        self.first_save: int | None = None
+        """The step of this rank's first ``torch.save`` of its training state (several ranks)."""
+        self.every_rank: bool | None = None
+        """Whether every rank saves its training state with ``torch.save`` (None: not known)."""
+        self.reseed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        """Loaders whose persistent iterator memtui shut down, with that iterator's base seed:
+        their next iterator draws its own from it (``_iterator_seeded``)."""
+        self.why_not_mid: str | None = None
+        """Why the training loader's epoch cannot be continued with other knobs ("" it can;
+        None: not looked at yet)."""
 
 
 _watch = _Watch()
@@ -259,13 +282,22 @@ def _on_torch(_torch: ModuleType) -> None:
 
         def iterate(loader: Any) -> Any:
             counted = _loader_starts(loader)
-            iterator = own_iter(loader)
+            seed = _watch.reseed.pop(loader, None) if _watch.reseed else None
+            if seed is None:
+                iterator = own_iter(loader)
+            else:
+                iterator = _iterator_seeded(own_iter, loader, seed)
             _mark(iterator, counted)
+            if counted:
+                _watch.live = (_weak(loader), _weak(iterator))
             return iterator
 
         iterate.__wrapped__ = own_iter  # type: ignore[attr-defined]
         loader_class.__iter__ = iterate
         _watch.restore_loader.append(lambda: _put_back(loader_class, "__iter__", iterate, own_iter))
+        from memtui.hooks import autosave
+
+        autosave.wrap_torch_save(_torch)
 
 
 def _put_back(owner: type, name: str, ours: Any, theirs: Any) -> None:
@@ -344,7 +376,8 @@ def _loader_starts(loader: Any) -> bool:
     if training:
         try:
             applied = tuner.epoch_boundary()
-            if _set_knobs(loader, tuner.store.knobs) or applied is not None:
+            changed = _set_knobs(loader, tuner.store.knobs) or applied is not None
+            if changed or _starts_workers(loader):  # the host sample lists them anew
                 tuner.loader_changed()
         except Exception as exc:
             tuner.report(exc, "the training DataLoader's epoch start")
@@ -387,6 +420,15 @@ def _mark(iterator: Any, counted: bool) -> None:
         log.debug("memtui: a DataLoader iterator not counted (%s)", exc)
 
 
+def _starts_workers(loader: Any) -> bool:
+    """Whether ``loader``'s iteration starts worker processes of its own (workers that are not
+    persistent end with each epoch, and the next one starts new ones)."""
+    if not getattr(loader, "num_workers", 0):
+        return False
+    persistent = getattr(loader, "persistent_workers", False)
+    return not (persistent and getattr(loader, "_iterator", None) is not None)
+
+
 def _weak(value: Any) -> Callable[[], Any]:
     """A weak reference to ``value`` (one that always answers None where it takes none)."""
     try:
@@ -410,18 +452,35 @@ def _is_training_loader(loader: Any) -> bool:
 
 BATCH_IN_CODE = (
     "memtui run cannot change a plain loop's batch size or accumulation: the loop's own code sets "
-    "them; the plain-loop guide's lines make them tunable"
+    "them; to make them tunable, add the plain-loop guide's lines"
 )
 NO_LOADER = (
     "memtui run saw no DataLoader feeding this loop's optimizer steps (the loop draws its batches "
-    "itself)"
+    "itself); to make them tunable, feed the loop from a torch DataLoader, or add the "
+    "plain-loop guide's lines (tuner.loader(factory), or tuner.timed_batches for a get_batch "
+    "loop)"
 )
 ITERABLE = (
     "the training DataLoader reads an IterableDataset, which splits its data between workers "
-    "itself (or repeats it in each): memtui cannot tell which, so it keeps the script's workers"
+    "itself (or repeats it in each): memtui cannot tell which, so it keeps the script's workers; "
+    "to make them tunable, build that loader with tuner.loader(factory) (the plain-loop guide's "
+    "lines): your dataset then splits its data as it does for any number of workers"
 )
 WHEN = "the training DataLoader's next epoch"
+WHEN_SAVED = (
+    "the script's next save of its training state (torch.save of its model's or optimizer's "
+    "state_dict, accelerator.save_state, fabric.save) or the training DataLoader's next epoch, "
+    "whichever comes first"
+)
+ONE_RANK_SAVES = (
+    "the training DataLoader's next epoch: the script saves its training state with torch.save "
+    "on rank {ranks} only, and a save that not every rank makes cannot be a boundary of the job"
+)
 TAKEN = "the training DataLoader takes them as its next epoch starts"
+CONTINUED = (
+    "the training DataLoader goes on with them in the middle of its epoch, from the batches its "
+    "workers had not been given yet (no sample lost or repeated)"
+)
 
 
 def _first_counted_step(tuner: Any, optimizer: Any) -> None:
@@ -433,6 +492,9 @@ def _first_counted_step(tuner: Any, optimizer: Any) -> None:
     try:
         tuner.lr.watch_optimizer(optimizer)
         _find_training_loader(tuner)
+        from memtui.hooks import autosave
+
+        autosave.arm(_weak(optimizer), _saved)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -444,10 +506,15 @@ def _first_counted_step(tuner: Any, optimizer: Any) -> None:
 def _find_training_loader(tuner: Any) -> None:
     """At the counted optimizer's first step: the loader whose iteration started last feeds the
     steps; its worker knobs become the run's (the reasons said for the knobs it cannot take)."""
+    from memtui.hooks.knobstore import loader_values
+
     store = tuner.store
-    for knob in ("batch_size", "grad_accum"):
-        store.refuse(knob, BATCH_IN_CODE)
     loader = _watch.last_started()
+    # the loop's own micro-batch is the loader's (shown, not tunable); the accumulation is
+    # measured from the steps
+    held = loader_values(loader) if loader is not None else {}
+    store.refuse("batch_size", BATCH_IN_CODE, held.get("batch_size"))
+    store.refuse("grad_accum", BATCH_IN_CODE)
     if loader is None:
         for knob in ("num_workers", "pin_memory", "prefetch_factor"):
             store.refuse(knob, NO_LOADER)
@@ -464,13 +531,16 @@ def _find_training_loader(tuner: Any) -> None:
     }
     if isinstance(loader.dataset, IterableDataset):
         del found["num_workers"]
-        store.refuse("num_workers", ITERABLE)
+        store.refuse("num_workers", ITERABLE, held.get("num_workers"))
         if not loader.num_workers:
             del found["prefetch_factor"]  # no workers: nothing prefetches
             store.refuse("prefetch_factor", ITERABLE)
     store.adopt(found)
     tuner.follows_loader = True
-    tuner.control.boundary = WHEN
+    from memtui.hooks.midepoch import why_not_continued
+
+    why = _watch.why_not_mid = why_not_continued(loader)
+    tuner.control.boundary = WHEN_SAVED if not why else f"{WHEN} ({why}: a save takes no change)"
     tuner.boundary.loader_words = TAKEN
 
 
@@ -495,10 +565,34 @@ def _set_knobs(loader: Any, knobs: Any) -> bool:
     if iterator is not None:  # persistent workers were started with the old values
         from memtui.hooks.loader import shutdown_workers
 
+        _keep_seed(loader, iterator)
         shutdown_workers(iterator, loader)
     for name, value in wanted.items():
         setattr(loader, name, value)
     return True
+
+
+def _keep_seed(loader: Any, iterator: Any) -> None:
+    """A loader's persistent iterator is replaced: its next iterator draws its workers' base seed
+    from this one's, not from the script's generator, which a reused persistent iterator never
+    draws from again (the order of the script's next epochs stays the one it has without
+    memtui)."""
+    seed = getattr(iterator, "_base_seed", None)
+    if isinstance(seed, int):
+        _watch.reseed[loader] = seed
+
+
+def _iterator_seeded(own_iter: Callable[[Any], Any], loader: Any, seed: int) -> Any:
+    """``own_iter(loader)`` (torch's ``__iter__``), the iterator's base seed drawn from a
+    generator of memtui's seeded with ``seed``."""
+    import torch
+
+    own = loader.generator
+    loader.generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    try:
+        return own_iter(loader)
+    finally:
+        loader.generator = own
 
 
 def _time_loaders() -> None:
@@ -520,9 +614,15 @@ def _time_loaders() -> None:
             timed = _counted_next(own_next, tuner)
             setattr(iterator_class, COUNTED, False)
             iterator_class.__next__ = timed
-            _watch.restore_loader.append(
-                lambda: _put_back(iterator_class, "__next__", timed, own_next)
-            )
+            _watch.own_next = own_next
+
+            def restore() -> None:
+                # an epoch continued with other knobs is delivered through the timed
+                # ``__next__`` (its first iterator dispatches nothing more): it stays
+                if not _watch.continued:
+                    _put_back(iterator_class, "__next__", timed, own_next)
+
+            _watch.restore_loader.append(restore)
     except Exception as exc:
         _give_up(exc)
 
@@ -538,20 +638,121 @@ def _counted_next(own_next: Callable[[Any], Any], tuner: Any) -> Callable[[Any],
 
     @functools.wraps(own_next)
     def next_batch(iterator: Any) -> Any:
-        # the hot path, once per batch: one attribute read for a batch not counted; for one
-        # counted, two clock reads, the count and one ledger call
-        if not iterator._memtui_counted:  # noqa: SLF001  (``COUNTED``: set by the watch)
+        # the hot path, once per batch: one attribute read and one comparison for a batch
+        # counted, then two clock reads, the count and one ledger call; one more comparison
+        # for a batch not counted
+        counted = iterator._memtui_counted  # noqa: SLF001  (``COUNTED``: set by the watch)
+        if counted is True:
+            t0 = perf()
+            batch = own_next(iterator)
+            t1 = perf()
+            samples = batch_samples(batch)
+            if not samples:
+                missed(batch)
+            on_batch(t1 - t0, samples)
+            return batch
+        if not counted:
             return own_next(iterator)
-        t0 = perf()
-        batch = own_next(iterator)
-        t1 = perf()
+        return counted()  # the epoch continued with other knobs (``midepoch.Continuation``)
+
+    def count(wait_s: float, batch: Any) -> None:
         samples = batch_samples(batch)
         if not samples:
             missed(batch)
-        on_batch(t1 - t0, samples)
-        return batch
+        on_batch(wait_s, samples)
 
+    _watch.count = count
     return next_batch
+
+
+def _saved(kind: str, seconds: float) -> None:
+    """The script saved its training state (``autosave``): a checkpoint boundary where every
+    rank makes that save, listed as the explicit lines' checkpoints are; loader knobs changed
+    there continue the training loader's epoch. Never raises into the script's save."""
+    tuner = _watch.tuner
+    if tuner is None or _watch.stood_down or not _watch.found:
+        return
+    try:
+        ledger = tuner.ledger
+        if threading.get_ident() != ledger.training_thread or ledger.step == _watch.saved_step:
+            return  # a save of another thread (it is no place of the loop), or again this step
+        _watch.saved_step = ledger.step
+        from memtui.hooks.autosave import TORCH_SAVE
+
+        if kind == TORCH_SAVE and tuner.placement.world_size > 1 and not _every_rank_saves(tuner):
+            return
+        loader = _watch.train()
+        if loader is not None and _watch.why_not_mid:  # its epoch keeps its knobs: listed only
+            tuner.checkpoint(apply=False)
+            return
+        tuner.boundary.loader_words = CONTINUED
+        try:
+            applied = tuner.checkpoint()
+        finally:
+            tuner.boundary.loader_words = TAKEN
+        if applied is not None and loader is not None:
+            _continue_epoch(tuner, loader)
+    except Exception as exc:
+        tuner.report(exc, f"the script's {kind}")
+
+
+def _every_rank_saves(tuner: Any) -> bool:
+    """Whether every rank saves its training state with ``torch.save`` (several ranks): each
+    posts the step of its first such save; from its second save on, a rank takes its saves as
+    boundaries when every rank posted the same step (they did before this save: a step's
+    collectives lie between), and rank 0 says where changes apply when not."""
+    if _watch.every_rank is not None:
+        return _watch.every_rank
+    placement = tuner.placement
+    coordinator = placement.coordinator
+    if coordinator is None:
+        return False
+    store, step = coordinator.store, tuner.ledger.step
+    if _watch.first_save is None:
+        _watch.first_save = step
+        store.set(f"saves/r{placement.rank}", str(step))
+        return False  # the first save: whether the others save too is known at the next
+    keys = [f"saves/r{r}" for r in range(placement.world_size)]
+    saving = [r for r, key in enumerate(keys) if store.check([key])]
+    first = str(_watch.first_save)
+    every = len(saving) == len(keys) and all(_text(store.get(k)) == first for k in keys)
+    _watch.every_rank = every
+    if not every:
+        ranks = ", ".join(map(str, saving)) or str(placement.rank)
+        tuner.control.boundary = ONE_RANK_SAVES.format(ranks=ranks)
+        tuner.control.touch()
+    return every
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _continue_epoch(tuner: Any, loader: Any) -> None:
+    """Give the training loader the knobs a save applied: the rest of the epoch under way comes
+    from a loader with them (``midepoch``), the next epoch from the loader's own attributes."""
+    from memtui.hooks.midepoch import Continuation, exhausted
+
+    knobs = tuner.store.knobs
+    owner, iterator = _watch.live[0](), _watch.live[1]()
+    if owner is not loader or iterator is None or exhausted(loader, iterator):
+        if _set_knobs(loader, knobs):  # the next epoch starts with them
+            tuner.loader_changed()
+        return
+    if getattr(loader, "_iterator", None) is iterator:
+        _keep_seed(loader, iterator)
+        # persistent: the continuation shuts it down once delivered (torch has no public reset)
+        loader._iterator = None  # noqa: SLF001
+    if not _set_knobs(loader, knobs) or _watch.own_next is None:
+        return
+    counted = getattr(iterator, COUNTED, False)
+    continuation = counted if isinstance(counted, Continuation) else None
+    if continuation is None:
+        continuation = Continuation(iterator, loader, _watch.own_next, _watch.count)
+    continuation.switch()
+    setattr(iterator, COUNTED, continuation)
+    _watch.continued.add(continuation)
+    tuner.loader_changed()
 
 
 def _watch_tuner() -> Any:
@@ -593,6 +794,14 @@ def _give_up(exc: BaseException) -> None:
 def _stand_down() -> None:
     with _lock:
         _watch.stood_down = True
+        try:
+            from memtui.hooks import autosave
+
+            autosave.disarm()
+        except Exception as exc:  # the saves are reported to nobody: the flag is down
+            log.debug("memtui: the save wrappers not put back (%s)", exc)
+        for continuation in list(_watch.continued):
+            continuation.count = None  # its batches are no longer counted
         if _watch.disarm_steps is not None:
             _watch.disarm_steps()
         # removing the hook while torch runs the hooks would change the dict it iterates: a

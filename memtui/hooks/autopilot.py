@@ -27,7 +27,7 @@ from memtui.advice.autopilot import (
 from memtui.advice.effect import SETTLE_STEPS
 from memtui.advice.measure import EFFECT_STEPS, timed_longer
 from memtui.advice.recommend import Inputs, bands
-from memtui.core.knobs import format_changes, new_values, parse_value
+from memtui.core.knobs import format_changes, knobs_with, new_values, parse_value
 from memtui.core.stats import summarize_steps
 from memtui.hooks.control import Control, PilotSeat, clip
 from memtui.wire import (
@@ -168,7 +168,8 @@ class Autopilot:
         )
         own = control.state()
         inputs = Inputs(
-            config=own.config,
+            # the knobs it cannot change count with their values (a stream's own workers)
+            config=knobs_with(own.config, own.untunable_values),
             tunable=tuple(own.tunable),
             world_size=own.world_size,
             steps=stats,

@@ -46,7 +46,8 @@ COUNTING = "counting a batch's samples"
 
 def batch_samples(batch: Any) -> int:
     """The samples in a training batch: the first dimension of the first tensor or array in it
-    (a mapping's ``input_ids`` first), 0 where it holds none; never raises."""
+    (a mapping's ``input_ids`` first); a sequence of plain rows first in a tuple or list where it
+    holds none of those; else 0; never raises."""
     # the common cases first, once per micro-batch on the training thread: a tensor, a tuple or
     # list led by a tensor, a dict (``shape[0]``: torch's ``len()`` is 3-4 times slower)
     try:
@@ -65,7 +66,25 @@ def batch_samples(batch: Any) -> int:
         except Exception:
             pass
     found = leading_dimension(batch)
-    return 0 if found is None else found
+    if found is None:
+        return _plain_rows(batch)
+    return found
+
+
+def _plain_rows(batch: Any) -> int:
+    """The rows of a batch of plain numbers with no tensor (a tuple or list led by a list of
+    rows, each a list of numbers): its first item's length; else 0."""
+    try:
+        first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+        if not isinstance(first, (tuple, list)) or not first:
+            return 0
+        row = first[0]
+        numbers = (int, float, bool)
+        if isinstance(row, (tuple, list)) and all(isinstance(v, numbers) for v in row[:8]):
+            return len(first)
+    except Exception:
+        pass
+    return 0
 
 
 def leading_dimension(batch: Any) -> int | None:

@@ -2,7 +2,9 @@
 rank validates and applies the same change at the same step.
 
 The one place a knob changes during a run (``apply``) and is undone after an out-of-memory error
-(``revert``); each writes the tuned config from the knob store's value it produced.
+(``revert``); each writes the tuned config from the knob store's value it produced. An applied
+change is recorded in two phases that a crash cannot split unseen: the audit log's ``applying``
+line and the tuned config, each flushed to the disk before the next, then the ``applied`` line.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def lr_rule_of(pending: list[PendingChange]) -> str:
         if {"batch_size", "grad_accum"} & set(change.changes):
             return change.lr_scale or "none"
     return "none"
+
+
+def _predicted_peak(pending: list[PendingChange], control: Control, store: KnobStore) -> int | None:
+    """The peak predicted for the config a boundary's changes make: the one the last of them
+    was queued with (the gate's, for the whole config they make together, workers and pinning
+    included: the figure shown while it was pending), else the memory model's now."""
+    queued = pending[-1].predicted_peak_bytes if pending else None
+    if queued is not None:
+        return queued
+    return Prediction.of_config(control.model, store.knobs).peak_bytes
 
 
 class Boundary:
@@ -156,15 +168,20 @@ class Boundary:
             time=time.time(),
             changes=diffs,
             note=note,
-            # the gate's prediction for the whole new config (workers and pinning included)
-            predicted_peak_bytes=Prediction.of_config(control.model, store.knobs).peak_bytes,
+            predicted_peak_bytes=_predicted_peak(pending, control, store),
             origin=origins.pop() if len(origins := {c.origin for c in pending}) == 1 else "",
             lr_factor=factor,
             lr_note=lr_note,
         )
-        control.record_applied(applied)
         if self._placement.rank == 0:
+            # two phases, each on the disk before the next: the audit log's ``applying`` line,
+            # then the tuned config; the ``applied`` line after them. A restart after a crash
+            # anywhere between finds which the tuned config holds and says so
+            # (``restart.unfinished``): an ``applied`` line a power cut takes back only makes it
+            # say that the tuned config, which holds the change, is trusted
+            control.audit_event("applying", applied, durable=True)
             self._tuned.write(store.knobs, step)
+        control.record_applied(applied)
         if any(shrank(k, d) for k, d in diffs.items()):
             try:  # else the allocators keep what the smaller config frees
                 release_caches()

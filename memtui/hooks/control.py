@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import msgspec
+
 from memtui.advice.effect import describe
 from memtui.advice.measure import Measured
 from memtui.advice.prediction import Prediction
@@ -28,6 +30,7 @@ from memtui.core.knobs import (
     parse_changes,
     resolve,
 )
+from memtui.core.stats import printable
 from memtui.hooks.limits import PeerRates
 from memtui.hooks.lr import LearningRate
 from memtui.hooks.persist import AuditLog
@@ -44,6 +47,7 @@ from memtui.wire import (
     ControlState,
     KnobDiff,
     Knobs,
+    KnobValue,
     MemoryModel,
     OomEvent,
     PendingChange,
@@ -148,14 +152,20 @@ class Control:
         lr: LearningRate | None = None,
         why_not: Callable[[], Mapping[str, str]] = dict,
         seat: PilotSeat | None = None,
+        read_values: Callable[[], Mapping[str, KnobValue]] = dict,
+        version: Callable[[], int] = lambda: 0,
     ) -> None:
         self._lock = threading.Lock()
         self._seat = seat or PilotSeat()
         """Where rank 0's autopilot sits: published here, paused by an operator."""
         self._why_not = why_not
         """Why each knob the run has no value of is not tunable (the knob store's)."""
-        self.boundary = ""
-        """Where queued changes apply, in words ("" the run's next checkpoint)."""
+        self._read_values = read_values
+        """The values read of the knobs the run cannot change (the knob store's)."""
+        self._version = version
+        """Counts the knob store's changes (its values, the tunable set, why not): part of
+        ``seq``, so that a knob found after a viewer attached reaches it in the next batch."""
+        self._boundary = ""
         self._lr = lr or LearningRate()
         """The LR's owner: the run's rule for a change of the effective batch, and whether an
         optimizer is known for it to follow."""
@@ -185,8 +195,12 @@ class Control:
         """Why changes are off for this run (set when ranks fall out of step); empty when on."""
         self.taken_time = 0.0
         """When the last boundary took the pending set: changes queued later wait for the next."""
-        self.seq = 1
-        """Bumped on every change of the control state."""
+        self._changes = 1
+        """Counts the changes of the queue's own state (the knob store counts its own)."""
+        self.unapplied: list[PendingChange] = []
+        """Changes still pending when the run ended (``close``): never applied."""
+        self.ended = False
+        """The run has ended (``close``): no boundary is left, a change is refused."""
         self.refused = 0
         """Requests refused out of bounds (``check_request``): counted, not stored."""
         self._audit_rejections = PeerRates(AUDIT_REJECTIONS_PER_S, AUDIT_REJECTIONS_BURST, 1)
@@ -203,6 +217,24 @@ class Control:
     @pilot.setter
     def pilot(self, pilot: Pilot) -> None:
         self._seat.take(pilot)
+
+    @property
+    def seq(self) -> int:
+        """Moves at every change of the control state (the queue's, or the knobs' in the store):
+        a viewer holds a stale state until it has the one of this count."""
+        return self._changes + self._version()
+
+    @property
+    def boundary(self) -> str:
+        """Where queued changes apply, in words ("" the run's next checkpoint)."""
+        return self._boundary
+
+    @boundary.setter
+    def boundary(self, words: str) -> None:
+        with self._lock:
+            if words != self._boundary:
+                self._boundary = words
+                self._changes += 1
 
     @property
     def current(self) -> Knobs:
@@ -240,13 +272,15 @@ class Control:
                 autopilot=self.pilot.state() if self.pilot is not None else None,
                 lr=self._lr.state(),
                 untunable=self.untunable,
-                boundary=self.boundary,
+                boundary=self._boundary,
+                untunable_values=dict(self._read_values()),
+                unapplied=list(self.unapplied),
             )
 
     def touch(self) -> None:
         """Tell viewers the control state changed (the autopilot's, which it owns)."""
         with self._lock:
-            self.seq += 1
+            self._changes += 1
 
     def projected(self) -> Knobs:
         """The config as it will be after the pending changes land."""
@@ -277,6 +311,8 @@ class Control:
             )
             rule = self._lr.resolve(request.lr_scale)
             with self._lock:
+                if self.ended:  # under the lock: ``close`` takes what is pending under it
+                    raise KnobError("the run has ended: no boundary is left to apply a change")
                 if len(self.pending) >= MAX_PENDING and not request.dry_run:
                     raise KnobError(f"{MAX_PENDING} changes already pending: cancel some first")
                 resolved = resolve(
@@ -286,6 +322,7 @@ class Control:
                     keep_effective_batch=request.keep_effective_batch,
                     world_size=self.world_size,
                     why_not=self.untunable,
+                    held=self._read_values(),
                 )
                 projected = knobs_with(self._projected(), resolved.changes)
                 prediction = self._predict(projected)
@@ -327,7 +364,7 @@ class Control:
                 )
                 self._next_id += 1
                 self.pending.append(change)
-                self.seq += 1
+                self._changes += 1
         except KnobError as exc:
             prediction = self._predict(self.projected())
             reason = clip(str(exc), MAX_REASON)
@@ -341,7 +378,7 @@ class Control:
             )
             with self._lock:
                 self.rejected.append(rejected)
-                self.seq += 1
+                self._changes += 1
             self._audit_rejected(rejected)
             return _reply(
                 prediction, ok=False, reason=reason, needs_force=isinstance(exc, OverDanger)
@@ -392,15 +429,54 @@ class Control:
         step, now = self._step(), time.time()
         with self._lock:
             removed = [c for c in self.pending if chosen(c)]
-            self.pending = [c for c in self.pending if c not in removed]
+            kept = [c for c in self.pending if c not in removed]
+            if removed:
+                self.pending = self._predicted_again(kept, min(c.id for c in removed))
             for change in removed:
                 self.cancelled.append(CancelledChange(change.id, change.changes, now, step, client))
             if removed:
-                self.seq += 1
+                self._changes += 1
         gone = [c.id for c in removed]
         if gone:
             self.audit_event("cancelled", {"ids": gone, "client": client, "step": step})
         return gone
+
+    def _predicted_again(self, kept: list[PendingChange], after: int = 0) -> list[PendingChange]:
+        """The pending changes ``kept``, those queued after change ``after`` predicted again: each
+        one's peak is the config's once it and the changes before it land (a change before it
+        was cancelled, or the config it was queued on was rolled back)."""
+        out: list[PendingChange] = []
+        merged: dict[str, KnobValue] = {}
+        for change in kept:
+            merged.update(change.changes)
+            if change.id > after:
+                peak = self._predict(knobs_with(self.current, merged)).peak_bytes
+                change = msgspec.structs.replace(change, predicted_peak_bytes=peak)
+            out.append(change)
+        return out
+
+    def close(self) -> list[PendingChange]:
+        """The run ends: the changes still pending will never be applied. They are kept as its
+        last word (``unapplied``, published in the last batch) and audited as ``unapplied``;
+        returned, to be said."""
+        step = self._step()
+        with self._lock:
+            self.ended = True
+            left, self.pending = self.pending, []
+            if left:
+                self.unapplied = left
+                self._changes += 1
+        if left:
+            self.audit_event(
+                "unapplied",
+                {
+                    "ids": [c.id for c in left],
+                    "changes": merge(c.changes for c in left),
+                    "step": step,
+                    "reason": "pending at exit",
+                },
+            )
+        return left
 
     # ------------------------------------------------------------- boundary (training thread)
 
@@ -410,14 +486,16 @@ class Control:
             self.taken_time = time.time()
             taken, self.pending = self.pending, []
             if taken:
-                self.seq += 1
+                self._changes += 1
             return taken
 
     def record_applied(self, applied: AppliedChange) -> None:
         """Record changes applied at a boundary (or a rollback)."""
         with self._lock:
             self.applied.append(applied)
-            self.seq += 1
+            if applied.rollback and self.pending:  # queued on the config rolled back
+                self.pending = self._predicted_again(self.pending)
+            self._changes += 1
         self.audit_event("applied", applied)
 
     def applied_changes(self) -> list[AppliedChange]:
@@ -430,7 +508,7 @@ class Control:
         with self._lock:
             if self.disabled != reason:
                 self.disabled = reason
-                self.seq += 1
+                self._changes += 1
 
     # ------------------------------------------------------------- what the hook learns
 
@@ -439,14 +517,14 @@ class Control:
         with self._lock:
             if self.static != static:
                 self.static = static
-                self.seq += 1
+                self._changes += 1
 
     def offer_model(self, model: MemoryModel, moved: Callable[[MemoryModel | None], bool]) -> None:
         """Publish a refit memory model if ``moved(published)`` says it differs enough."""
         with self._lock:
             if moved(self.model):
                 self.model = model
-                self.seq += 1
+                self._changes += 1
 
     def record_effect(self, measured: Measured) -> None:
         """Publish and audit an applied change's measured effect."""
@@ -454,7 +532,7 @@ class Control:
         with self._lock:
             applied.effect = measured.effect
             applied.observed_peak_bytes = peak
-            self.seq += 1
+            self._changes += 1
         record: dict[str, object] = {
             "ids": applied.ids,
             "step": applied.step,
@@ -477,7 +555,7 @@ class Control:
         with self._lock:
             applied.predicted_speed_delta = estimate.delta
             applied.speed_note = estimate.note or "speed unknown"
-            self.seq += 1
+            self._changes += 1
 
     def record_oom(self, event: OomEvent, grown: Mapping[str, KnobDiff] | None = None) -> None:
         """Publish and audit an out-of-memory error, and lower the ceiling to the values it ran
@@ -486,14 +564,14 @@ class Control:
         with self._lock:
             self.ooms.append(event)
             self.ceiling = lowered(self.ceiling, event, grown or {})
-            self.seq += 1
+            self._changes += 1
         self.audit_event("oom", event)
 
     def restore_ceiling(self, ceiling: Ceiling) -> None:
         """Keep a ceiling saved before a restart (the tuned config's)."""
         with self._lock:
             self.ceiling = ceiling
-            self.seq += 1
+            self._changes += 1
 
     def persisted(self) -> dict[str, Any]:
         """What the tuned config keeps besides the knobs: the ceiling."""
@@ -513,7 +591,7 @@ class Control:
             )
             with self._lock:
                 self.rejected.append(rejected)
-                self.seq += 1
+                self._changes += 1
             self.audit_event("rejected", rejected)
 
     def _audit_rejected(self, rejected: RejectedChange) -> None:
@@ -528,11 +606,12 @@ class Control:
             self._unaudited = 0
         self.audit_event("rejected", payload)
 
-    def audit_event(self, event: str, payload: object) -> None:
-        """Append an event to the audit log (rank 0); a failure is reported, never raised."""
+    def audit_event(self, event: str, payload: object, *, durable: bool = False) -> None:
+        """Append an event to the audit log (rank 0; ``durable``: on the disk before this
+        returns); a failure is reported, never raised."""
         if self.audit is not None:
             try:
-                self.audit.append(event, payload)
+                self.audit.append(event, payload, durable=durable)
             except OSError as exc:  # the in-memory record still holds; say the log is short
                 if self._report is not None:
                     self._report(exc, "audit log")
@@ -577,8 +656,8 @@ def _thresholds_in_force() -> Thresholds:
     read them (``$MEMTUI_CONFIG``, else ``~/.config/memtui/config.yaml``); what the file got wrong
     is logged, and the defaults stand in for it."""
     config = load_thresholds()
-    for problem in config.problems:
-        log.warning("memtui: %s", problem)
+    for problem in config.problems:  # a file's text: its control characters made visible
+        log.warning("memtui: %s", printable(problem))
     return config.thresholds
 
 

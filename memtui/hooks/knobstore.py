@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.core.knobs import (
+    CONFIG_ALIASES,
     KNOBS,
     KnobError,
     as_dict,
@@ -35,12 +36,47 @@ LOADER_KNOBS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor")
 """The knobs a data loader is built with (a change rebuilds it)."""
 
 
+def loader_values(loader: Any) -> dict[str, KnobValue]:
+    """A torch DataLoader's own loader knobs, as it holds them (those it holds no usable value of
+    left out: a custom batch sampler's batch size, the prefetch of a loader without workers)."""
+    values: dict[str, KnobValue] = {}
+    batch = getattr(loader, "batch_size", None)
+    if batch is None:
+        batch = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    read = {
+        "batch_size": batch,
+        "num_workers": getattr(loader, "num_workers", None),
+        "pin_memory": getattr(loader, "pin_memory", None),
+        "prefetch_factor": getattr(loader, "prefetch_factor", None),
+    }
+    for knob, value in read.items():
+        parsed, _why = _parsed(knob, value) if value is not None else (None, "")
+        if parsed is not None:
+            values[knob] = parsed
+    if values.get("num_workers") == 0:
+        values.pop("prefetch_factor", None)  # nothing prefetches without workers
+    return values
+
+
 def _parsed(knob: str, value: Any) -> tuple[KnobValue | None, str]:
     """``value`` as a value of ``knob``, or None and why it is not one."""
     try:
         return parse_value(knob, value), ""
     except KnobError as exc:
         return None, str(exc)
+
+
+def not_found(knob: str, like: list[str]) -> str:
+    """Why ``knob`` is not tunable where the config given to ``hooks.install`` does not hold it,
+    and how to make it tunable (``like``: the config's names that look like it)."""
+    looked = ", ".join(CONFIG_ALIASES[knob])
+    name = like[0] if like else "<its name in your config>"
+    loader = "build the training loader with tuner.loader(factory), or " * (knob in LOADER_KNOBS)
+    return (
+        f"the config given to hooks.install holds no {knob} under the names memtui looks for "
+        f"({looked}); to make it tunable, {loader}name yours: hooks.install(..., "
+        f'knobs={{"{knob}": "{name}"}})'
+    )
 
 
 class KnobStore:
@@ -59,12 +95,18 @@ class KnobStore:
         """The config's own values memtui cannot take (``num_workers=-1``): left to the user's
         code as they are (torch says what is wrong with them), and not tunable."""
         self.why_not: dict[str, str] = {
-            knob: f"{knob}={shown(value)} in your config is not a value memtui can use"
+            knob: f"{knob}={shown(value)} in your config is not a value memtui can use "
+            f"({parsed[knob][1]}); to make it tunable, give it one"
             for knob, value in self.untunable.items()
         }
-        """Why each knob this run cannot change is not tunable, in the user's words, by knob:
-        written by whoever knows (the store, an adapter, the no-code watch), shown by the
-        viewer and ``memtui status`` and said when a change of it is refused."""
+        """Why each knob this run cannot change is not tunable, and how to make it tunable, in
+        the user's words, by knob: written by whoever knows (the store, an adapter, the no-code
+        watch), shown by the viewer and ``memtui status`` and said when a change of it is
+        refused. A knob the config does not hold starts with ``not_found``'s reason; it is shown
+        only while the knob has no value (a loader built by ``tuner.loader`` gives it one)."""
+        for knob in KNOBS:
+            if not self.binding.has(knob):
+                self.why_not[knob] = not_found(knob, self.binding.names_like(knob))
         for knob, value in self.untunable.items():
             log.warning(
                 "memtui: %s=%s in your config is not a value memtui can use (%s); it is passed to "
@@ -74,6 +116,12 @@ class KnobStore:
                 parsed[knob][1],
                 knob,
             )
+        self.read_values: dict[str, KnobValue] = {}
+        """The values of knobs the run has but memtui cannot change, as read where the run holds
+        them (its training loader's own workers and batch size): shown, never written."""
+        self.version = 0
+        """Bumped at every change of the values, the tunable set, what was read or why a knob is
+        not tunable: the control state a viewer holds is stale once it moves."""
         self.loader_generation = 0
         """Bumped whenever loaders must look again (a loader knob changed, samples re-queued):
         read by each loader once per batch, so a plain attribute (a property is a call); only
@@ -97,6 +145,11 @@ class KnobStore:
         """Why each knob this run has no value of is not tunable (a copy)."""
         return dict(self.why_not)
 
+    def untunable_values(self) -> dict[str, KnobValue]:
+        """The values read of the knobs this run cannot change (a copy)."""
+        knobs = self._knobs
+        return {k: v for k, v in self.read_values.items() if getattr(knobs, k) is None}
+
     def value(self, knob: str) -> KnobValue | None:
         """One knob's value now (None: not tunable in this run)."""
         value: KnobValue | None = getattr(self._knobs, knob)
@@ -107,15 +160,20 @@ class KnobStore:
         knobs = self._knobs
         return [k for k in KNOBS if getattr(knobs, k) is not None]
 
-    def refuse(self, knob: str, why: str) -> None:
-        """Say why ``knob`` is not tunable in this run (for a knob the run has no value of)."""
+    def refuse(self, knob: str, why: str, value: KnobValue | None = None) -> None:
+        """Say why ``knob`` is not tunable in this run (for a knob the run has no value of memtui
+        can change), with the run's own ``value`` of it where it was read (None: not known)."""
         self.why_not[knob] = why
+        if value is not None:
+            self.read_values[knob] = value
+        self.version += 1
 
     def withdraw(self, knob: str, why: str) -> None:
         """Make ``knob`` not tunable from now on, and say why (a change of it is then refused at
         the boundary with that reason)."""
         self._knobs = knobs_with(self._knobs, {knob: None})
         self.why_not[knob] = why
+        self.version += 1
 
     def loader_knobs(self) -> tuple[Any, ...]:
         """The values a loader is built with, in ``LOADER_KNOBS`` order."""
@@ -130,6 +188,7 @@ class KnobStore:
         if missing:
             self._knobs = knobs_with(self._knobs, missing)
             self.own.update(missing)
+            self.version += 1
 
     def touch_loaders(self) -> None:
         """Make every loader look at its knobs again at its next batch."""
@@ -162,6 +221,8 @@ class KnobStore:
             self._report(exc, "apply")
             raise KnobError(f"could not write {failing} into the config: {exc}") from exc
         self._knobs = knobs_with(self._knobs, new_values(diffs))
+        if diffs:
+            self.version += 1
         if any(k in LOADER_KNOBS for k in diffs):
             self.memory_since_step = step
             self.loader_generation += 1
@@ -180,6 +241,8 @@ class KnobStore:
                 self.binding.write(knob, value)
         resumed = diff(self._knobs, wanted)
         self._knobs = knobs_with(self._knobs, wanted)
+        if resumed:
+            self.version += 1
         if any(k in LOADER_KNOBS for k in resumed):  # a loader already built follows them
             self.loader_generation += 1
         # a knob no config holds (a framework's loader knobs) has no value to name yet: the

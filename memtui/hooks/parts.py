@@ -105,6 +105,8 @@ def build_parts(
         lr=lr,
         why_not=store.untunable_reasons,
         seat=seat,
+        read_values=store.untunable_values,
+        version=lambda: store.version,
     )
     # it acts on rank 0 only: the queue is rank 0's, and only rank 0's control server answers
     # ``memtui autotune``

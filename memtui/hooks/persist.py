@@ -65,21 +65,23 @@ class AuditLog:
         """Why the last write failed, in one line ("" once one succeeds)."""
         warn_if_shared(path.parent)
 
-    def append(self, event: str, payload: Any) -> None:
-        """Append an event; ``payload`` is a Struct or a dict; raise OSError if it is not written
-        (it is kept and written again first by the next append or ``flush``)."""
+    def append(self, event: str, payload: Any, *, durable: bool = False) -> None:
+        """Append an event; ``payload`` is a Struct or a dict; ``durable``: on the disk, with the
+        log's directory entry, before this returns (a line a crash must not take back); raise
+        OSError if it is not written (it is kept and written again first by the next append or
+        ``flush``)."""
         line = {"time": time.time(), "run": self.run, "event": event, **to_builtins(payload)}
         data = bounded_line(line)
         with self._lock:
             if len(self.unwritten) == UNWRITTEN:
                 self.dropped += 1
             self.unwritten.append(data)
-            self._write_unwritten()
+            self._write_unwritten(durable)
 
-    def _write_unwritten(self) -> None:
+    def _write_unwritten(self, durable: bool = False) -> None:
         """Write every unwritten line; keep and say why if they are not."""
         try:
-            self._write_lines()
+            self._write_lines(durable)
             self.error = ""
         except OSError as exc:
             self.error = f"{self.path}: {one_line(exc)}"
@@ -91,22 +93,27 @@ class AuditLog:
             if self.unwritten:
                 self._write_unwritten()
 
-    def _write_lines(self) -> None:
+    def _write_lines(self, durable: bool = False) -> None:
         """Write every unwritten line in one ``write``; keep them all unless it wrote them whole
-        (a cut write is truncated away)."""
+        (a cut write is truncated away); ``durable``: flushed to the disk with the directory."""
         _private_dir(self.path.parent)
         warn_if_shared(self.path.parent)
         fd = self._open()
         data = (b"\n" if self._torn else b"") + b"".join(self.unwritten)
         try:
+            new = durable and os.fstat(fd).st_size == 0  # its directory entry is new too
             written = os.write(fd, data)  # an error here wrote nothing (an O_APPEND regular file)
             if written < len(data):
                 self._take_back(fd, written)
                 raise OSError(errno.ENOSPC, f"audit line cut at {written} of {len(data)} bytes")
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         self.unwritten.clear()
         self._torn = False
+        if new:
+            ownfiles.sync_dir(self.path.parent)
 
     def _open(self) -> int:
         """The log's descriptor, a full log moved to ``.1`` (replacing the previous one) first."""
@@ -206,7 +213,7 @@ def unapplied(events: list[dict[str, Any]], current_run: str) -> tuple[str, dict
         kind = event.get("event")
         if kind == "queued" and isinstance(event.get("changes"), dict):
             queued[int(event.get("id", 0))] = event["changes"]
-        elif kind in ("applied", "cancelled"):
+        elif kind in ("applying", "applied", "cancelled"):  # an interrupted apply: reconciled
             for done in event.get("ids", []) or []:
                 queued.pop(int(done), None)
         elif kind == "rejected":
@@ -256,7 +263,8 @@ def write_tuned(
         **(extra or {}),
     }
     text = (
-        "# memtui tuned config: rewritten at every applied change.\n"
+        "# memtui tuned config: rewritten at every applied change (flushed to the disk before\n"
+        "# the audit log's line that the change applied).\n"
         "# A run started with hooks.install(..., resume=True) and this state_dir starts from it.\n"
         + yaml.safe_dump(body, sort_keys=False)
     )
@@ -414,6 +422,16 @@ class TunedConfig:
         else:
             self.unsaved_step, self._retry, self._reason = None, None, ""
         self.say(step)
+
+    def clear_temps(self) -> None:
+        """Remove the temp files a killed write of the tuned config left beside it."""
+        for path in self._files.tuned_paths():
+            removed = ownfiles.remove_stale_temps(path)
+            if removed:
+                log.info(
+                    "memtui: removed %s, left by a tuned config write that did not finish",
+                    ", ".join(removed),
+                )
 
     def save_again(self, step: int) -> None:
         """At a boundary: write again what was not written (tuned config, audit lines) and say

@@ -51,42 +51,60 @@ CARRIED = frozenset(
 sampler's own: the sampler object is kept)."""
 
 
+OWN_LOADER = "or give the training a loader of memtui's own, tuner.loader(factory)"
+"""The other way to make the loader knobs tunable, whatever the loader's own is."""
+
+
 def why_not_rebuilt(loader: Any) -> str:
-    """Why ``loader`` cannot be rebuilt from its own arguments with other knobs ("" if it can)."""
+    """Why ``loader`` cannot be rebuilt from its own arguments with other knobs, and how to make
+    them tunable ("" if it can)."""
+    why = _why_not_rebuilt(loader)
+    return f"{why[0]}; to make them tunable, {why[1]}, {OWN_LOADER}" if why else ""
+
+
+def _why_not_rebuilt(loader: Any) -> tuple[str, str] | None:
+    """Why ``loader`` cannot be rebuilt, and what of it to change (None: it can be)."""
     from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
     kind = f"{type(loader).__module__}.{type(loader).__qualname__}"
     if not isinstance(loader, DataLoader):
-        return f"the training data comes from a {kind}, not a torch DataLoader"
+        why = f"the training data comes from a {kind}, not a torch DataLoader"
+        return why, "train from a torch DataLoader"
     if type(loader) is not DataLoader:
-        return (
+        why = (
             f"the training loader is a DataLoader subclass ({kind}), whose arguments memtui "
             "does not know"
         )
+        return why, "train from a torch DataLoader itself"
     if isinstance(loader.dataset, IterableDataset):
-        return "the training DataLoader reads an IterableDataset, whose position a rebuild loses"
+        why = "the training DataLoader reads an IterableDataset, whose position a rebuild loses"
+        return why, "read a map-style Dataset"
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:
-        return "the training DataLoader does not batch (batch_size=None)"
+        why = "the training DataLoader does not batch (batch_size=None)"
+        return why, "let the DataLoader batch (batch_size=N)"
     if type(batch_sampler) is not BatchSampler:
         name = f"{type(batch_sampler).__module__}.{type(batch_sampler).__qualname__}"
-        return (
+        why = (
             f"the training DataLoader batches with its own batch sampler ({name}), whose batch "
             "size memtui cannot change"
         )
+        return why, "give the DataLoader batch_size= and a sampler instead"
     try:
         len(batch_sampler.sampler)
     except (TypeError, NotImplementedError):
-        return "the training DataLoader's sampler has no length (memtui counts an epoch's batches)"
+        why = "the training DataLoader's sampler has no length (memtui counts an epoch's batches)"
+        return why, "give the sampler a __len__"
     for name, parameter in inspect.signature(DataLoader.__init__).parameters.items():
         if name in CARRIED or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         if _differs(getattr(loader, name, parameter.default), parameter.default):
-            return (
+            why = (
                 f"the training DataLoader sets {name}, which memtui does not carry over to a new "
                 "loader"
             )
-    return ""
+            return why, f"leave {name} at its default"
+    return None
 
 
 def _differs(value: Any, default: Any) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memtui.core.knobs import format_value
+from memtui.core.knobs import KNOBS, format_value
 from memtui.hooks.lr import LR_SECTION
 from memtui.hooks.persist import ceiling_of, read_tuned_body, tuned_values
 from memtui.wire import Ceiling, KnobValue
@@ -116,3 +116,67 @@ def differ(found: TunedState, entry: TunedState, own: Mapping[str, KnobValue]) -
         found.config.get(k, v) != v for k, v in entry.config.items()
     )
     return knobs or not math.isclose(found.factor, entry.factor, rel_tol=1e-6)
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """The last change an earlier run applied that the audit log and the tuned YAML do not agree
+    on: the run stopped between the two (``interrupted``), or the tuned YAML was not written."""
+
+    run: str
+    """The run that applied it."""
+    ids: list[int]
+    """The changes' ids (none: a rollback)."""
+    step: int
+    changes: dict[str, tuple[Any, Any]]
+    """Each knob's (old, new) value."""
+    interrupted: bool
+    """The audit log has its ``applying`` line and no ``applied`` line: the run stopped between."""
+    saved: bool
+    """The tuned YAML holds it (it was written at that step or after, by that run)."""
+
+    @property
+    def words(self) -> str:
+        """``change #3 at step 40 (batch_size 8 -> 4)``."""
+        which = f"change #{','.join(map(str, self.ids))}" if self.ids else "a rollback"
+        diffs = ", ".join(
+            f"{k} {format_value(old)} -> {format_value(new)}"
+            for k, (old, new) in self.changes.items()
+        )
+        return f"{which} at step {self.step}" + (f" ({diffs})" if diffs else "")
+
+    def requeue(self, run: str) -> str:
+        """The command that queues it again on ``run`` ("" for none)."""
+        words = " ".join(f"{k}={format_value(new)}" for k, (_old, new) in self.changes.items())
+        return f"memtui set {run} {words}" if words else ""
+
+
+def unfinished(
+    events: list[dict[str, Any]], current_run: str, found: TunedState | None
+) -> Unfinished | None:
+    """The last change the last earlier run in the audit ``events`` applied, when the tuned YAML
+    ``found`` (None: none was read) does not hold it or the run stopped before its ``applied``
+    line; None when the two agree."""
+    earlier = [e for e in events if e.get("run") != current_run]
+    if not earlier:
+        return None
+    run = str(earlier[-1].get("run", ""))
+    last = None
+    for event in earlier:
+        if event.get("run") == run and event.get("event") in ("applying", "applied"):
+            last = event
+    step = last.get("step") if last is not None else None
+    if last is None or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    interrupted = last.get("event") == "applying"
+    saved = found is not None and found.run == run and found.step is not None and found.step >= step
+    if saved and not interrupted:
+        return None
+    raw = last.get("changes")
+    changes = {  # each knob's [old, new], as the audit log keeps a KnobDiff
+        knob: (diff[0], diff[1])
+        for knob, diff in (raw.items() if isinstance(raw, dict) else ())
+        if knob in KNOBS and isinstance(diff, list) and len(diff) == 2
+    }
+    ids = [i for i in last.get("ids") or [] if isinstance(i, int) and not isinstance(i, bool)]
+    return Unfinished(run, ids, step, changes, interrupted, saved)

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import memtui
-from memtui.core.knobs import format_diffs, format_value
-from memtui.core.stats import one_line
+from memtui.core.knobs import format_changes, format_diffs, format_value
+from memtui.core.stats import one_line, printable
 from memtui.hooks.agent import Agent, HookParts
 from memtui.hooks.batches import Args, BatchT, timed_batches
 from memtui.hooks.boundary import Applied
@@ -51,7 +51,15 @@ from memtui.hooks.lr import LR_SECTION
 from memtui.hooks.oom import Guard
 from memtui.hooks.parts import TunerCalls, build_parts
 from memtui.hooks.persist import AuditLog, read_audit, unapplied
-from memtui.hooks.restart import CHECKPOINT, TunedState, differ, from_entry, from_yaml, yaml_wins
+from memtui.hooks.restart import (
+    CHECKPOINT,
+    TunedState,
+    differ,
+    from_entry,
+    from_yaml,
+    unfinished,
+    yaml_wins,
+)
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.settings import HookSettings, Options
 from memtui.hooks.tracker import EventCallback
@@ -194,6 +202,7 @@ class Tuner:
         if placement.rank == 0:
             audit = AuditLog(self.files.audit_path, self.run_id)
             self.control.audit = self.tuned.audit = audit
+            self.tuned.clear_temps()
         self.info = self._make_info()
         if self._resume_from and placement.rank == 0:
             self._say_unapplied()
@@ -308,6 +317,10 @@ class Tuner:
             return
         self._closed = True
         try:
+            self._say_pending_at_exit()
+        except Exception as exc:
+            self.report(exc, "the changes pending at exit")
+        try:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
             if self.sampler is not None:
@@ -322,6 +335,22 @@ class Tuner:
             )
         finally:
             atexit.unregister(self._close_at_exit)
+
+    def _say_pending_at_exit(self) -> None:
+        """The run ends with changes queued and never applied: recorded (the audit log, the last
+        batch a viewer gets) and said."""
+        left = self.control.close()
+        if not left:
+            return
+        words = ", ".join(f"#{c.id} {format_changes(c.changes)}" for c in left)
+        log.warning(
+            "memtui: run %s ended at step %d with changes queued and never applied (%s): no "
+            "boundary came after they were queued (they apply at %s)",
+            self.run_id,
+            self.ledger.step,
+            words,
+            self.control.boundary or "the next checkpoint",
+        )
 
     def _close_at_exit(self) -> None:
         """``close`` as the interpreter exits: an interrupt while it waits for the last telemetry
@@ -510,7 +539,9 @@ class Tuner:
             if found.ceiling is not None:
                 self.control.restore_ceiling(found.ceiling)
                 log.warning(
-                    "memtui: kept the out-of-memory ceiling from %s: %s", path, found.ceiling.note
+                    "memtui: kept the out-of-memory ceiling from %s: %s",
+                    path,
+                    printable(found.ceiling.note),  # a file's text: never an escape sequence
                 )
             self._found, self._found_resumed = found, True
         except UnsafeFile as exc:  # another account would choose this run's memory
@@ -545,12 +576,18 @@ class Tuner:
             )
 
     def _say_unapplied(self) -> None:
-        """Name the changes the resumed run queued but never applied, and how to queue them."""
+        """Reconcile the audit log with the tuned config an earlier run stopped between, then
+        name the changes it queued but never applied, and how to queue them."""
         try:
-            run, changes = unapplied(read_audit(self.files.audit_path), self.run_id)
+            events = read_audit(self.files.audit_path)
         except Exception as exc:
             self.report(exc, "reading the audit log")
             return
+        try:
+            self._reconcile(events)
+        except Exception as exc:
+            self.report(exc, "reconciling the audit log")
+        run, changes = unapplied(events, self.run_id)
         if not changes or self.info is None:
             return
         words = " ".join(f"{k}={format_value(v)}" for k, v in changes.items())
@@ -558,9 +595,53 @@ class Tuner:
         log.warning(
             "memtui: run %s stopped with changes queued and never applied (%s); to queue them "
             "again: %s",
-            run,
-            words,
+            printable(run),
+            printable(words),
             self.info.requeue,
+        )
+
+    def _reconcile(self, events: list[dict[str, Any]]) -> None:
+        """Say which of the audit log and the tuned config this run trusts where an earlier run
+        stopped between them (or its tuned config was not written), and audit the outcome."""
+        found = self._found if self._found_resumed else None
+        left = unfinished(events, self.run_id, found)
+        if left is None:
+            return
+        run, words = printable(left.run), printable(left.words)
+        if left.saved:
+            log.warning(
+                "memtui: run %s stopped while applying %s, after its tuned config was written "
+                "and before the audit log said so: this run trusts the tuned config, which "
+                "holds it",
+                run,
+                words,
+            )
+        else:
+            start = f"{found.where} ({found.summary()})" if found is not None else None
+            requeue = printable(left.requeue(self.run_id))
+            if requeue and self.info is not None:
+                self.info.requeue = requeue
+            log.warning(
+                "memtui: run %s %s %s, but its tuned config does not hold it (%s): this run "
+                "starts from %s%s",
+                run,
+                "stopped while applying" if left.interrupted else "applied",
+                words,
+                "the run stopped before it was written"
+                if left.interrupted
+                else "it could not be written before the run stopped",
+                start or "the script's config",
+                f"; to apply it again: {requeue}" if requeue else "",
+            )
+        self.control.audit_event(
+            "reconciled",
+            {
+                "of_run": left.run,
+                "ids": left.ids,
+                "step": left.step,
+                "saved": left.saved,
+                "trusted": "the tuned config" if left.saved else "the tuned config, without it",
+            },
         )
 
     # ------------------------------------------------------------------ knobs and memory
@@ -806,19 +887,21 @@ class Tuner:
         except Exception as exc:
             self.report(exc, "watch_scheduler")
 
-    def checkpoint(self) -> Applied | None:
+    def checkpoint(self, *, apply: bool = True) -> Applied | None:
         """The checkpoint boundary: call it on every rank right after the checkpoint is saved.
 
         Applies the pending changes (the same set, at this step, on every rank) and returns what
-        changed, or None when nothing did.
+        changed, or None when nothing did. ``apply=False`` records the checkpoint alone (a save
+        where the run's loader cannot take its knobs: the changes wait for their own boundary).
         """
         ledger = self.ledger
         save_s = ledger.since_last()
         applied: Applied | None = None
         try:
             self.device.refresh(self.model)
-            applied = self._apply_pending()
-            taken = self.control.taken_time if self.rank == 0 else time.time()
+            if apply:
+                applied = self._apply_pending()
+            taken = self.control.taken_time if self.rank == 0 and apply else time.time()
             ledger.close_checkpoint(taken, save_s)
         except Exception as exc:
             self.report(exc, "checkpoint")

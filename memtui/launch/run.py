@@ -33,6 +33,31 @@ def command_environment(
     return env
 
 
+COERCED = "LC_CTYPE"
+"""What Python sets in its own environment at start-up where the locale is C (PEP 538)."""
+
+
+def started_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what this interpreter added to it while it started (``LC_CTYPE``,
+    coerced from the C locale): the environment the command was given, as memtui found it."""
+    env = dict(environ)
+    if COERCED in env and not _given(COERCED):
+        del env[COERCED]
+    return env
+
+
+def _given(name: str) -> bool:
+    """Whether ``name`` was in the environment this process was started with (``/proc``; where
+    that cannot be read, whether it is there now)."""
+    try:
+        with open("/proc/self/environ", "rb") as handle:
+            entries = handle.read().split(b"\0")
+    except OSError:
+        return name in os.environ
+    prefix = os.fsencode(name) + b"="
+    return any(entry.startswith(prefix) for entry in entries)
+
+
 def unwatched_python(command: Sequence[str]) -> str:
     """The option of a ``python`` command that keeps the start-up module out ("" when none):
     ``-I`` and ``-E`` ignore PYTHONPATH, ``-S`` imports no ``sitecustomize``."""
@@ -60,7 +85,7 @@ def exec_command(
     """Replace this process with ``command`` (found on PATH as a shell would), so its exit status,
     signals and output are the command's own; returns only when it cannot start: 127 when it is
     not found, 126 when it cannot be run, as a shell says, with one line on stderr."""
-    env = command_environment(os.environ, name=name, state_dir=state_dir)
+    env = command_environment(started_environment(os.environ), name=name, state_dir=state_dir)
     option = unwatched_python(command)
     if option:
         print(
@@ -73,8 +98,9 @@ def exec_command(
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec: the
-    # command gets the defaults it would have from a shell (``... | head`` ends it as usual)
+    # Python ignores SIGPIPE and SIGXFSZ at its start, keeping nothing of what it inherited, and
+    # an ignored signal stays ignored across exec: the command gets the defaults a shell gives
+    # (``... | head`` ends it as usual); every other disposition passes to it as memtui found it
     for number in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(signal, number):
             signal.signal(getattr(signal, number), signal.SIG_DFL)

@@ -59,6 +59,9 @@ class Notice:
     """When it happened, on the source's clock (0: when the state folds it)."""
     who: str = YOU
     """Who acted: ``YOU`` (a request this viewer sent), ``RUN`` or ``VIEWER``."""
+    queued: int = 0
+    """The id of the change this viewer's request queued (0: none): the change log says ``by
+    you`` when it lands, even where it landed before the viewer saw it pending."""
 
 
 @dataclass(frozen=True)

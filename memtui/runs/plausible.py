@@ -185,8 +185,9 @@ def model_ok(model: MemoryModel) -> bool:
 
 def control_ok(control: ControlState) -> bool:
     """A control state with a believable world size and knob values."""
-    config = control.config
-    counts = (config.batch_size, config.grad_accum, config.num_workers)
+    config, held = control.config, control.untunable_values
+    counts = [config.batch_size, config.grad_accum, config.num_workers]
+    counts += [held.get(k) for k in ("batch_size", "grad_accum", "num_workers")]
     return 1 <= control.world_size <= MAX_RANK and all(
         value is None or 0 <= value <= MAX_COUNT for value in counts
     )

@@ -165,7 +165,7 @@ def describe_reply(request: Request, reply: SetReply | CancelReply | AutotuneRep
         if not reply.ok:
             return Notice(False, f"rejected {format_changes(request.changes)}: {reply.reason}")
         text = f"queued #{reply.id}: {format_changes(reply.changes)}"
-        return Notice(True, f"{text} ({reply.note})" if reply.note else text)
+        return Notice(True, f"{text} ({reply.note})" if reply.note else text, queued=reply.id)
     if not reply.ok:
         return Notice(False, f"cancel refused: {reply.reason}")
     return Notice(True, "cancelled " + " ".join(f"#{i}" for i in reply.cancelled))

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from memtui.advice.assess import STATE_NAMES, assess
+from memtui.advice.assess import STATE_NAMES, assess, known_of
 from memtui.advice.autopilot import describe_state as describe_autopilot
 from memtui.advice.effect import describe as describe_effect
 from memtui.advice.measure import accuracy, error_words, prediction_error
@@ -24,8 +24,8 @@ from memtui.advice.verdict import Reason, ThresholdConfig, Thresholds
 from memtui.core.knobs import (
     KNOBS,
     KnobValue,
+    KnownConfig,
     OldNew,
-    effective_batch,
     format_changes,
     format_diffs,
     format_value,
@@ -63,16 +63,8 @@ from memtui.wire import (
 StructT = TypeVar("StructT", bound=Struct)
 
 Config = dict[str, KnobValue | None]
-"""Every knob by name, ``None`` where the run does not expose it."""
-
-
-def unused_knobs(config: Mapping[str, object]) -> dict[str, str]:
-    """The knobs whose value the run's loader does not use now, with why in a few words:
-    ``prefetch_factor`` without loader workers (torch uses it only with ``num_workers > 0``; the
-    value kept is the one workers would use)."""
-    if config.get("num_workers") == 0 and config.get("prefetch_factor") is not None:
-        return {"prefetch_factor": "no loader workers"}
-    return {}
+"""Every knob by name with its value, tunable or not (``tunable`` says which memtui can change,
+``config_unused`` which the loader does not use now); ``None`` where memtui does not know it."""
 
 
 class Metrics(Struct):
@@ -363,6 +355,12 @@ class StatusReport(Struct):
     """Why each knob this run cannot change is not tunable, by knob (where the hook knows)."""
     boundary: str = ""
     """Where queued changes apply, in words ("" the run's next checkpoint)."""
+    config_measured: list[str] = []
+    """The knobs of ``config`` whose value was measured from the steps (the samples of a
+    micro-batch, the micro-batches of a step), not read: the run holds them where memtui
+    cannot read them."""
+    unapplied: list[PendingChange] = []
+    """Changes still pending when the run ended: never applied."""
     process_tree: ProcessTreeMemory | None = None
     """The control rank's process tree in host memory (None: no host sample)."""
     throughput: JobThroughput | None = None
@@ -382,8 +380,13 @@ def untunable_lines(untunable: Mapping[str, str]) -> list[str]:
 # ---------------------------------------------------------------------------- building
 
 
-def _config(snapshot: Snapshot) -> Config:
-    return {k: getattr(snapshot.control.config, k) for k in KNOBS}
+def _known(snapshot: Snapshot) -> KnownConfig:
+    """The knobs of the run (of the rank that sent ``snapshot``) as far as memtui knows them."""
+    return known_of(snapshot.control, summarize_steps(snapshot.steps))
+
+
+def _config(known: KnownConfig) -> Config:
+    return dict(known.values)
 
 
 def _applied(applied: AppliedChange) -> Applied:
@@ -471,7 +474,7 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None, steps: StepStats | None) ->
     )
     if snapshot is not None:
         entry.step = snapshot.step
-        entry.config = _config(snapshot)
+        entry.config = _config(_known(snapshot))
         entry.applied = [_applied(a) for a in snapshot.control.applied]
         entry.metrics = _metrics(steps)
         entry.memory = _memory(snapshot)
@@ -506,10 +509,7 @@ def build_status(
     config = thresholds or ThresholdConfig(Thresholds(), "built-in defaults")
     found = assess(snapshot, ranks, config.thresholds)
     info, control = snapshot.info, snapshot.control
-    knobs = control.config
-    eff = None
-    if knobs.batch_size is not None and knobs.grad_accum is not None:
-        eff = effective_batch(knobs.batch_size, knobs.grad_accum, control.world_size)
+    known = _known(snapshot)
     rank_infos = snapshot.ranks or []
     per_rank = ranks if ranks is not None else [snapshot] * max(1, len(rank_infos))
     own_steps = summarize_steps(snapshot.steps)
@@ -540,13 +540,15 @@ def build_status(
         world_size=info.world_size,
         device=info.device,
         step=snapshot.step,
-        config=_config(snapshot),
-        config_unused=unused_knobs(_config(snapshot)),
+        config=_config(known),
+        config_unused=known.unused,
+        config_measured=list(known.measured),
         untunable=dict(control.untunable),
         boundary=control.boundary,
         tunable=control.tunable,
-        effective_batch=eff,
+        effective_batch=known.effective_batch(),
         pending=list(control.pending),
+        unapplied=list(control.unapplied),
         applied=[_applied(a) for a in control.applied],
         rejected=list(control.rejected),
         cancelled=list(control.cancelled),
@@ -752,15 +754,23 @@ def _memory_lines(report: StatusReport) -> list[str]:
     return lines
 
 
+def config_word(report: StatusReport, knob: str) -> str:
+    """``batch_size=16``; ``prefetch_factor=2 (unused: no loader workers)`` for a value the
+    loader does not use now; ``grad_accum=2 (measured)`` for one the steps measured; ``?`` where
+    memtui does not know it."""
+    value = report.config.get(knob)
+    if value is None:
+        return f"{knob}=?"
+    if knob in report.config_unused:
+        return f"{knob}={format_value(value)} (unused: {report.config_unused[knob]})"
+    measured = " (measured)" if knob in report.config_measured else ""
+    return f"{knob}={format_value(value)}{measured}"
+
+
 def _config_lines(report: StatusReport) -> list[str]:
     """The knobs, which cannot change and why, where changes apply, the LR factor."""
     lines: list[str] = []
-    config = " ".join(
-        f"{k}=- ({report.config_unused[k]})"
-        if k in report.config_unused
-        else f"{k}={format_value(v)}"
-        for k, v in report.config.items()
-    )
+    config = " ".join(config_word(report, knob) for knob in report.config)
     eff = report.effective_batch
     lines.append(f"config: {config}" + (f"  (effective batch {eff})" if eff else ""))
     lines += untunable_lines(report.untunable)
@@ -781,6 +791,11 @@ def _change_lines(report: StatusReport) -> list[str]:
             predicted = f", predicted peak {format_bytes(change.predicted_peak_bytes)}"
         lines.append(
             f"pending #{change.id}: {format_changes(change.changes)} (queued at step {change.queued_step}{predicted}){note}"
+        )
+    for change in report.unapplied:
+        lines.append(
+            f"never applied #{change.id}: {format_changes(change.changes)} (queued at step "
+            f"{change.queued_step}; pending at exit: the run ended before its next boundary)"
         )
     for applied in report.applied[-5:]:
         diffs = diff_words(applied.changes)
@@ -868,7 +883,7 @@ def _rank_lines(report: StatusReport) -> list[str]:
             mem = entry.memory if isinstance(entry.memory, Memory) else None
             tree = entry.process_tree if isinstance(entry.process_tree, ProcessTreeMemory) else None
             step_time = format_duration(m.step_time_s) if m else "-"
-            wait = f"{m.data_wait_fraction:.0%}" if m else "-"
+            wait = f"{m.data_wait_fraction:.0%}" if m and m.data_wait_measured else "-"
             samples = _rank_samples_words(m) if m else "-"
             peak = f"{mem.peak_fraction:.0%}" if mem else "-"
             host = format_bytes(tree.total_bytes) if tree else "-"

@@ -26,6 +26,7 @@ from typing import Generic, Protocol, TypeVar
 from memtui.advice.assess import (
     Advice,
     advise,
+    known_of,
     swap_growth,
     verdict_host,
     verdict_inputs,
@@ -40,7 +41,7 @@ from memtui.advice.verdict import (
     Verdict,
     VerdictTracker,
 )
-from memtui.core.knobs import KNOBS, effective_batch, merge
+from memtui.core.knobs import KNOBS, KnownConfig, merge
 from memtui.core.stats import (
     STRAGGLER_STEP_FACTOR,
     STRAGGLER_WAIT_SHARE,
@@ -449,6 +450,11 @@ def compare_ranks(
     return out, spread
 
 
+def measured_waits(steps: Iterable[StepStats]) -> list[float]:
+    """The data wait shares of the steps whose wait was measured (a 0 not measured is not one)."""
+    return [s.data_wait_fraction for s in steps if s.data_wait_measured]
+
+
 def focus_of(
     verdict: Verdict,
     worst_first: Sequence[RankSummary],
@@ -587,8 +593,12 @@ class RunState:
 
     def add_notice(self, notice: Notice) -> None:
         """Keep a line for the operator (shown in the change log), timed by the clock now if it
-        has no time of its own."""
+        has no time of its own; a change this viewer queued is remembered as its own."""
         self.notices.append(notice if notice.time else dataclasses.replace(notice, time=self.clock))
+        if notice.queued:
+            self.queued_by[notice.queued] = own_client()
+            while len(self.queued_by) > QUEUED_BY:
+                del self.queued_by[next(iter(self.queued_by))]
         self.control_version += 1
 
     def set_connection(self, event: ConnectionEvent) -> None:
@@ -859,7 +869,7 @@ class RunState:
             median_step_s=spread.step_time_s
             if spread
             else (timed[0].step_time_s if timed else None),
-            median_wait_fraction=median([s.data_wait_fraction for s in timed]) if timed else None,
+            median_wait_fraction=median(waits) if (waits := measured_waits(timed)) else None,
             nearest_oom=next((r.rank for r in ranks if r.nearest_oom), None),
             stragglers=tuple(r.rank for r in ranks if r.straggler),
             silent=tuple(r.rank for r in ranks if r.silent),
@@ -929,21 +939,29 @@ class RunState:
         """What the pending changes will set, merged in queue order."""
         return merge(c.changes for c in self.control.pending) if self.control is not None else {}
 
-    def knob_value(self, knob: str) -> KnobValue | None:
-        """A knob's current value (None: unknown or not exposed)."""
-        if self.control is None or knob not in KNOBS:
+    def known_config(self) -> KnownConfig | None:
+        """The run's knobs as far as memtui knows them (those it can change, those the run holds
+        that it cannot, what the control rank's steps measured), as ``memtui status`` shows them
+        (None: no config yet)."""
+        if self.control is None:
             return None
-        value: KnobValue | None = getattr(self.control.config, knob)
-        return value
+        rank = self.info.rank if self.info is not None else 0
+        series = self.series.get(rank)
+        steps = series.stats()[0] if series is not None else None
+        return known_of(self.control, steps)
+
+    def knob_value(self, knob: str) -> KnobValue | None:
+        """A knob's current value, tunable or not (None: not known)."""
+        known = self.known_config()
+        return known.value(knob) if known is not None and knob in KNOBS else None
 
     def effective_batch(self, pending: bool = False) -> int | None:
-        """Micro-batch x accumulation x ranks, now or once the pending changes land."""
-        values = self.pending_values() if pending else {}
-        batch = values.get("batch_size", self.knob_value("batch_size"))
-        accum = values.get("grad_accum", self.knob_value("grad_accum"))
-        if batch is None or accum is None or isinstance(batch, bool) or isinstance(accum, bool):
+        """Micro-batch x accumulation x ranks, now or once the pending changes land (None:
+        either is not known)."""
+        known = self.known_config()
+        if known is None:
             return None
-        return effective_batch(batch, accum, self.world_size)
+        return known.effective_batch(self.pending_values() if pending else None)
 
 
 def who_is(client: str) -> str:

@@ -8,17 +8,11 @@ NUL). Plain strings: the command line prints them, the viewer builds its text fr
 
 from __future__ import annotations
 
-import re
+from memtui.core.stats import CONTROL, CONTROL_TABLE
 
-_PICTURES = {code: 0x2400 + code for code in range(0x20) if code != 0x0A}
-"""C0 control characters but the newline: their Unicode control pictures (``␛``, ``␀``)."""
-_PICTURES[0x7F] = 0x2421  # DEL: ␡
-_REPLACED = [*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
-"""C1 control characters (0x9B is a terminal's CSI) and the bidirectional overrides, embeddings
-and isolates (they reorder what follows them on the line): the replacement character."""
-TABLE = {**_PICTURES, **dict.fromkeys(_REPLACED, 0xFFFD)}
+TABLE = CONTROL_TABLE
 """Every character not shown as itself, to the one character shown instead."""
-UNSAFE = re.compile("[" + "".join(re.escape(chr(code)) for code in sorted(TABLE)) + "]")
+UNSAFE = CONTROL
 
 ELLIPSIS = "…"
 

@@ -8,6 +8,8 @@ runtime directory  ``$XDG_RUNTIME_DIR/memtui``                     ``MEMTUI_RUNT
                    (``~/.cache/memtui/run`` without it)
 run state          ``$XDG_STATE_HOME/memtui/runs``                 a run's ``state_dir``
                    (``~/.local/state``)
+the demo's state   ``$XDG_STATE_HOME/memtui/demo``, or              ``memtui demo --out``
+                   ``demo-<digest of $MEMTUI_RUNTIME_DIR>``
 config file        ``$XDG_CONFIG_HOME/memtui/config.yaml``         ``MEMTUI_CONFIG``
                    (``~/.config``)
 CURVE keys         ``$XDG_CONFIG_HOME/memtui/curve``               ``MEMTUI_KEYS``
@@ -43,6 +45,21 @@ def state_home(env: Mapping[str, str] | None = None) -> Path:
     """Where runs keep their audit log and tuned config unless the user gives a state_dir."""
     base = _env(env).get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "memtui" / "runs"
+
+
+def demo_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The demo's checkpoint and state directory when ``--out`` is not given: ``demo`` beside
+    the runs' state, or, where ``MEMTUI_RUNTIME_DIR`` names a runtime directory of its own,
+    ``demo-`` and 8 hex digits of that directory's path, so that demos kept apart by their
+    runtime directories keep their checkpoints, tuned configs and audit logs apart too."""
+    env = _env(env)
+    base = state_home(env).parent
+    if not env.get("MEMTUI_RUNTIME_DIR"):
+        return base / "demo"
+    import hashlib
+
+    runtime = os.path.abspath(os.path.expanduser(env["MEMTUI_RUNTIME_DIR"]))
+    return base / f"demo-{hashlib.sha256(runtime.encode()).hexdigest()[:8]}"
 
 
 def config_file(env: Mapping[str, str] | None = None) -> Path:

@@ -3,17 +3,20 @@
 Layout: ``<runtime>/<run id>/run.json`` (the RunRecord) beside the run's ipc sockets
 ``ctl`` (rank 0's control socket) and ``pub<rank>`` (each rank's telemetry). The runtime
 directory is ``$MEMTUI_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/memtui``, else
-``~/.cache/memtui/run``. Entries of dead processes are ignored and removed. A runtime directory
-that is another user's, or another user's symbolic link, is refused (``ownfiles.private_dir``),
-as OpenSSH and systemd refuse theirs.
+``~/.cache/memtui/run``. Entries of dead processes are ignored and removed (a run is dead when its
+process is gone, or when its pid now names another process and its control socket does not answer:
+never because the wall clock stepped). A runtime directory that is another user's, another user's
+symbolic link, or not 0700 is refused by the hook and by every command alike
+(``ownfiles.open_private_dir``), as OpenSSH and systemd refuse theirs; the commands read it
+through the descriptor they checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -50,10 +53,27 @@ def runtime_dir(create: bool = True) -> Path:
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (and parents) with mode 0700, or tighten the user's own to 0700; refuse
     another user's directory, or a symbolic link another user owns (never changing its target)."""
+    os.close(open_private_dir(path))
+    return path
+
+
+def open_private_dir(path: Path, create: bool = True) -> int:
+    """A checked descriptor of the private directory ``path`` (``ownfiles.open_private_dir``);
+    raise RegistryError, in one line, when it is not usable (FileNotFoundError when it is
+    missing and not ``create``)."""
     try:
-        return ownfiles.private_dir(path)
+        return ownfiles.open_private_dir(path, create=create)
     except ownfiles.UnsafeFile as exc:
         raise RegistryError(f"{exc} (set MEMTUI_RUNTIME_DIR to a directory of your own)")
+    except FileNotFoundError:
+        if create:
+            raise RegistryError(f"cannot create the runtime directory {path}") from None
+        raise
+    except OSError as exc:
+        raise RegistryError(
+            f"cannot open the runtime directory {path}: {exc.strerror or exc} "
+            f"(chmod 700 {path}, or set MEMTUI_RUNTIME_DIR to a directory of your own)"
+        ) from None
 
 
 def state_home() -> Path:
@@ -110,17 +130,39 @@ class RunDir:
         return ipc_endpoint(self.path / f"pub{rank}")
 
     def create(self) -> None:
-        """Create the directory (0700) inside a private runtime directory."""
-        ensure_private_dir(self.path.parent)
-        ensure_private_dir(self.path)
+        """Create the directory (0700) inside the private runtime directory, through the runtime
+        directory's checked descriptor."""
+        root = open_private_dir(self.path.parent)
+        try:
+            try:
+                os.mkdir(self.path.name, ownfiles.PRIVATE_DIR, dir_fd=root)
+            except FileExistsError:
+                pass
+            fd = os.open(self.path.name, _DIR_FLAGS, dir_fd=root)
+            try:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    raise RegistryError(f"{self.path} is not yours: refused")
+                os.fchmod(fd, ownfiles.PRIVATE_DIR)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise RegistryError(f"cannot create {self.path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(root)
 
     def write(self, record: RunRecord) -> None:
         """Write the record atomically with mode 0600 (a new temp file renamed over it)."""
-        ownfiles.replace_file(self.record_path, encode_run_record(record))
+        # the runtime directory is often a tmpfs: nothing there outlives a crash to sync for
+        ownfiles.replace_file(self.record_path, encode_run_record(record), durable=False)
 
     def remove(self) -> None:
         """Remove the directory and everything in it."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_RECORD_BYTES = 1 << 20
+"""A registry file is a few KiB: anything larger is not one."""
 
 
 def run_dir(run_id: str) -> RunDir:
@@ -156,10 +198,31 @@ def _psutil_create_time(pid: int) -> float:
         return 0.0
 
 
-def is_alive(record: RunRecord) -> bool:
-    """True when the record's process still runs (and is the same process, not a reused pid)."""
+def is_alive(record: RunRecord, run_path: Path | None = None) -> bool:
+    """True when the record's process still runs: its pid started when the record says, or, where
+    the start times differ (a reused pid, or a wall clock stepped since: the start time is read
+    against the boot time, which moves with the clock), its control socket (in ``run_path``, else
+    the record's) still takes a connection."""
     created = process_create_time(record.pid)
-    return created > 0 and abs(created - record.create_time) < 1.0
+    if created <= 0:
+        return False
+    if abs(created - record.create_time) < 1.0:
+        return True
+    socket_path = run_path / "ctl" if run_path is not None else endpoint_path(record.control)
+    return socket_path is not None and answers(socket_path)
+
+
+def answers(path: Path) -> bool:
+    """Whether a process listens on the Unix socket ``path`` (a connection made and closed)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def process_exited(pid: int, host: str, started: float) -> bool:
@@ -172,35 +235,111 @@ def process_exited(pid: int, host: str, started: float) -> bool:
 
 
 def list_runs(clean: bool = True) -> list[RunRecord]:
-    """Live runs, oldest first; entries of dead processes are skipped and (``clean``) removed."""
-    root = runtime_dir(create=False)
-    if not root.is_dir():
+    """Live runs, oldest first; entries of dead processes are skipped and (``clean``) removed.
+    Raise RegistryError, in one line, for a runtime directory that is not the user's private one
+    (another user's, a link of theirs, one that cannot be read)."""
+    root_path = runtime_dir(create=False)
+    try:
+        root = open_private_dir(root_path, create=False)
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    try:
+        return _list_runs(root, root_path, clean)
+    finally:
+        os.close(root)
+
+
+def _list_runs(root: int, root_path: Path, clean: bool) -> list[RunRecord]:
+    """The live runs in the runtime directory held open as ``root``."""
+    try:
+        names = os.listdir(root)
+    except OSError as exc:
+        raise RegistryError(f"cannot read the runtime directory {root_path}: {exc.strerror}")
     runs: list[RunRecord] = []
-    for entry in root.iterdir():
-        record_file = entry / RUN_FILE
-        try:
-            data = record_file.read_bytes()
-        except OSError:
+    held = _held(root, root_path)
+    for name in names:
+        entry = root_path / name
+        data = _read_record(root, name)
+        if data is None:
             # a directory without a record: a run still starting, or debris of a dead one
-            if clean and entry.is_dir() and _older_than(entry, 60.0):
-                shutil.rmtree(entry, ignore_errors=True)
+            if clean and _debris(root, name, held / name):
+                _remove(root, name, entry)
             continue
         record = decode_run_record(data)
         if record is None:
             continue
-        if is_alive(record):
+        if is_alive(record, held / name):
             runs.append(record)
         elif clean and record.host == _hostname():
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove(root, name, entry)
     runs.sort(key=lambda r: (r.started, r.run))
     return runs
 
 
-def _older_than(path: Path, seconds: float) -> bool:
-    with contextlib.suppress(OSError):
-        return time.time() - path.stat().st_mtime > seconds
-    return False
+def _read_record(root: int, name: str) -> bytes | None:
+    """The registry file of the run directory ``name`` (None: none, or not the user's own
+    regular file of a registry file's size), read through descriptors, never through a link."""
+    try:
+        directory = os.open(name, _DIR_FLAGS, dir_fd=root)
+    except OSError:
+        return None
+    try:
+        fd = os.open(RUN_FILE, _FILE_FLAGS, dir_fd=directory)
+    except OSError:
+        return None
+    finally:
+        os.close(directory)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return None
+        chunks, size = [], 0
+        while size <= MAX_RECORD_BYTES:
+            chunk = os.read(fd, max(info.st_size - size, 0) + 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks) if size <= MAX_RECORD_BYTES else None
+
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _held(root: int, root_path: Path) -> Path:
+    """The runtime directory as a path through its held descriptor where the system has one
+    (``/proc/self/fd``), so that what is probed in it is what was read; else its path."""
+    held = Path(f"/proc/self/fd/{root}")
+    return held if held.is_dir() else root_path
+
+
+def _debris(root: int, name: str, held: Path) -> bool:
+    """Whether a directory without a record (``held``: its path through the runtime directory's
+    descriptor) is a dead run's: older than a minute by its modification time and no socket in it
+    answers (a clock stepped forward makes a starting run look old; its sockets say it is not)."""
+    try:
+        info = os.stat(name, dir_fd=root, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or time.time() - info.st_mtime <= 60.0:
+        return False
+    try:
+        sockets = [held / child for child in os.listdir(held) if child.startswith(("ctl", "pub"))]
+    except OSError:
+        return False
+    return not any(answers(path) for path in sockets)
+
+
+def _remove(root: int, name: str, entry: Path) -> None:
+    """Remove a dead run's directory, inside the held runtime directory where Python can."""
+    if sys.version_info >= (3, 11):
+        shutil.rmtree(name, ignore_errors=True, dir_fd=root)
+    else:
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _hostname() -> str:

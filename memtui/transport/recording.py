@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -75,10 +76,18 @@ class Recording:
     """The byte where the whole frames end and a cut or damaged tail begins (None: whole)."""
     size: int = 0
     """The file's size in bytes."""
+    limited: bool = False
+    """The file is larger than ``MAX_RECORDING``: only its first bytes were read."""
 
     @property
     def cut_note(self) -> str:
         """Where the recording is cut, in one line ("" when it is whole)."""
+        if self.limited:
+            return (
+                f"the recording is {self.size} bytes, more than the {MAX_RECORDING >> 20} MiB "
+                f"memtui reads: replaying its first {len(self.frames)} whole frames, "
+                f"{self.duration_s:.1f} s"
+            )
         if self.cut_at is None:
             return ""
         return (
@@ -167,10 +176,17 @@ def _split(data: bytes) -> tuple[list[bytes], int | None]:
     return records, None
 
 
+MAX_RECORDING = 1 << 30
+"""Bytes of a recording read at most (frames beyond are not replayed, and that is said)."""
+
+
 def read_recording(path: str | os.PathLike[str]) -> Recording:
-    """Read a recording: every whole frame, and where the file is cut if it is (a run killed
-    while writing, or bytes appended); raise RecordingError if it is not one at all."""
-    data = Path(path).read_bytes()
+    """Read a recording: every whole frame (of its first ``MAX_RECORDING`` bytes), and where the
+    file is cut if it is (a run killed while writing, or bytes appended); raise RecordingError
+    if it is not one at all, or not a regular file (a FIFO or a device would block the reader or
+    never end)."""
+    data, size = _read_bounded(Path(path))
+    limited = size > MAX_RECORDING
     records, cut_at = _split(data)
     if not records:
         raise RecordingError("empty recording: no header")
@@ -188,4 +204,15 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
         except msgspec.DecodeError:
             cut_at = start
             break
-    return Recording(header, frames, cut_at, len(data))
+    return Recording(header, frames, cut_at, size, limited)
+
+
+def _read_bounded(path: Path) -> tuple[bytes, int]:
+    """The first ``MAX_RECORDING`` bytes of the regular file ``path``, and its size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RecordingError(f"{path} is not a regular file: refused")
+        data = handle.read(MAX_RECORDING)
+    return data, max(info.st_size, len(data))

@@ -37,7 +37,7 @@ from memtui.runs.text import clean
 from memtui.storage import registry
 from memtui.storage.userconfig import load_thresholds
 from memtui.transport.sources import LiveSource, ReplaySource, Source, SourceUnavailable
-from memtui.tui.compat import TerminalDriver
+from memtui.tui.compat import SIGNALLED, TerminalDriver, stop_signal
 from memtui.tui.messages import ReceiverUpdate
 from memtui.tui.screens.advice import AdviceScreen
 from memtui.tui.screens.cancel import CancelScreen
@@ -50,7 +50,14 @@ from memtui.wire import AutotuneRequest, CancelRequest, KnobValue, SetRequest
 EDIT_GROUP = Binding.Group("set knob")
 """b, a, w and p share one label in the footer (the config panel shows which is which)."""
 EDIT_ACTIONS = frozenset(
-    {"edit", "toggle_keep", "cancel_change", "apply_recommendation", "pick_recommendation"}
+    {
+        "edit",
+        "toggle_keep",
+        "cancel_change",
+        "apply_recommendation",
+        "pick_recommendation",
+        "toggle_autotune",
+    }
 )
 """Actions that change the run: disabled (and hidden) in a read-only view."""
 NOTICE_LIMIT = 500
@@ -77,7 +84,8 @@ class MemtuiApp(App[int]):
         Binding("k", "toggle_keep", "keep", priority=True),
         Binding("l", "cycle_lr_scale", "lr rule", show=False, priority=True),
         Binding("c", "cancel_change", "cancel", priority=True),
-        Binding("A", "toggle_autotune", "autopilot", show=False, priority=True),
+        # in the footer where it fits (``ROOMY_FOOTER`` columns), else in the help
+        Binding("A", "toggle_autotune", "autopilot", priority=True),
         Binding("o", "apply_recommendation", "queue advice", priority=True),
         Binding("O", "pick_recommendation", "pick advice", show=False, priority=True),
         Binding("g", "gpus", "GPUs", priority=True),
@@ -354,7 +362,7 @@ class MemtuiApp(App[int]):
 
     def action_apply_recommendation(self) -> None:
         """Queue the top recommendation that memtui can apply."""
-        top = top_applicable(self._recommendations(), self.state)
+        top = top_applicable(self._recommendations())
         if top is None:
             self.say(
                 "no recommendation memtui can apply now (or it is pending)", severity="warning"
@@ -382,7 +390,7 @@ class MemtuiApp(App[int]):
         """Pick a pending change to cancel."""
         pending = self.state.control.pending if self.state.control else []
         if not pending:
-            self.say("no change is pending", severity="warning")
+            self.say(nothing_to_cancel(self.state), severity="warning", timeout=8)
             return
 
         def cancel(change_id: int | None) -> None:
@@ -416,7 +424,8 @@ class MemtuiApp(App[int]):
 
     def action_help(self) -> None:
         """Show the keys and the thresholds."""
-        self.push_screen(HelpScreen(self.readonly, self.state.thresholds))
+        demo = self.demo_process is not None
+        self.push_screen(HelpScreen(self.readonly, self.state.thresholds, demo))
 
     def action_gpus(self) -> None:
         """Show every GPU on this host and the processes holding memory (read off-thread)."""
@@ -509,6 +518,8 @@ def run_app(
 
     Fails at once (status 1) when no live run matches, unless ``wait``: then the viewer opens
     and waits for one; once attached, it stays on that run and waits for it whenever it is lost.
+    Stopped by SIGTERM or SIGHUP, it gives the terminal back and raises ``SystemExit`` (128 + the
+    signal's number), so that ``memtui demo`` stops its training too.
     """
     if not wait and (not selector or "://" not in selector):
         try:
@@ -530,9 +541,39 @@ def run_app(
     farewell = left_at(app.state)
     if farewell:
         print(f"memtui: {farewell}", file=sys.stderr, flush=True)
+    left_on_signal(app)
     if isinstance(result, int):
         return result
     return app.return_code or 0
+
+
+def left_on_signal(app: MemtuiApp) -> None:
+    """Raise ``SystemExit`` (128 + the signal's number) when a stop signal closed ``app``."""
+    signum = stop_signal(app.return_code)
+    if signum:
+        raise SystemExit(SIGNALLED + signum)
+
+
+def nothing_to_cancel(state: RunState) -> str:
+    """Why ``c`` finds nothing to cancel: no change is pending, and where this viewer's last
+    change already landed, when, how often the run reaches a checkpoint, and how to undo it."""
+    control = state.control
+    mine = [
+        a
+        for a in (control.applied if control is not None else [])
+        if not a.rollback and state.who_queued(a.ids) == "you"
+    ]
+    if not mine:
+        return "no change is pending"
+    last = mine[-1]
+    ids = " ".join(f"#{i}" for i in last.ids)
+    times = [c.time for c in state.checkpoints][-6:]
+    every = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    pace = f" (a checkpoint comes every {every:.1f} s here)" if every else ""
+    return (
+        f"no change is pending: your {ids} landed at step {last.step:,}{pace}; to undo it, queue "
+        "the old value again"
+    )
 
 
 def left_at(state: RunState) -> str:
@@ -564,6 +605,7 @@ def run_replay(path: str, *, speed: float = 1.0) -> int:
     result = app.run()
     if note:  # said again: the viewer's screen covered the first one
         print(f"memtui replay: {note}", file=sys.stderr)
+    left_on_signal(app)
     if isinstance(result, int):
         return result
     return app.return_code or 0

@@ -13,6 +13,9 @@ epoch against the data set's own rows.
   the same script with ``MEMTUI_DISABLE=1`` (memtui there, publishing nothing).
 * Unchanged under ``memtui run``: every step, LR and trained row, every file it saves and its
   exit status are those of the script run without memtui.
+* Unchanged under ``memtui run``, on one process and on two: a workers change queued with
+  ``memtui set`` lands at the next ``save_state``, in the middle of the first epoch, on every
+  rank, and every epoch still trains on each sample exactly once.
 * With the documented lines on two ranks: a batch change (LR scaled linearly), an accumulation
   change and a workers change queued with ``memtui set`` while the witness holds both ranks
   before a training forward land at the next ``save_state``; the run is killed in the middle of
@@ -49,6 +52,7 @@ from tests.clients.harness import (
     lr_factors,
     lr_mismatches,
     lrs_by_rank,
+    memtui_run,
     run_pair,
     start,
     status_json,
@@ -469,3 +473,86 @@ def test_every_step_trains_at_the_scripts_lr_times_the_factor_memtui_reports(
         if e.get("event") == "applied"
     ]
     assert not audit_factors or audit_factors == factors, (audit_factors, factors)
+
+
+# ------------------------- (d) unchanged under ``memtui run``, a workers change at the next save
+
+
+SAVE_EVERY = 10
+"""``--checkpointing_steps`` under ``memtui run``: ``save_state`` after every 10th micro-batch."""
+QUEUED_AT, READ_AT = 4, 15
+"""The training forwards before which every rank waits: ``num_workers=2`` queued before the 4th,
+``memtui status`` read before the 15th (after the save at micro-batch 10)."""
+
+
+@dataclass
+class WorkersUnderRun:
+    """The script without memtui's lines under ``memtui run``, a workers change queued."""
+
+    ranks: int
+    run: ClientRun
+    reply: Any
+    status: dict[str, Any]
+    dataset: list[str]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-ranks"])
+def workers_under_run(request: pytest.FixtureRequest) -> Iterator[WorkersUnderRun]:
+    ranks = int(request.param)
+    with client_home() as (base, env):
+        script = unchanged_client_script("accelerate_nlp", base / "run")
+        local_data.mrpc_inputs(script.parent, TRAIN_ROWS, VALIDATION_ROWS)
+        args = ["--checkpointing_steps", str(SAVE_EVERY), "--output_dir", "out"]
+        run = start(
+            script,
+            args,
+            {**env, **ACCELERATE_CPU},
+            [],
+            "workers",
+            memtui_run("nlpw"),
+            launcher(ranks),
+            pause_at_forward=[QUEUED_AT, READ_AT],
+        )
+        try:
+            run.wait_paused(QUEUED_AT, timeout=240, ranks=ranks, forward=True)
+            run_id = job_run_id(run, ranks)
+            reply = run.memtui("set", run_id, "num_workers=2")
+            run.go(QUEUED_AT, forward=True)
+            run.wait_paused(READ_AT, timeout=240, ranks=ranks, forward=True)
+            status = status_json(run, run_id)
+            run.go(READ_AT, forward=True)
+        finally:
+            run.go(QUEUED_AT, forward=True)
+            run.go(READ_AT, forward=True)
+        finished(run)
+        yield WorkersUnderRun(ranks, run, reply, status, dataset_digests(script.parent))
+
+
+def test_a_workers_change_lands_at_the_next_save_state_under_memtui_run(
+    workers_under_run: WorkersUnderRun,
+) -> None:
+    """Queued before micro-batch 4, ``num_workers=2`` is applied at the save after micro-batch
+    10 on every rank (listed as a checkpoint there): from the step after it two loader workers
+    feed each rank, in the middle of the first epoch (40 micro-batches on one rank, 20 on two),
+    and in every epoch after it."""
+    reply, status = workers_under_run.reply, workers_under_run.status
+    assert reply.returncode == 0, reply.stderr + reply.stdout
+    assert [(a["step"], a["changes"]["num_workers"]) for a in status["applied"]] == [
+        (SAVE_EVERY, {"old": 0, "new": 2})
+    ]
+    assert [c["step"] for c in status["checkpoints"]] == [SAVE_EVERY]
+    per_epoch = TRAIN_ROWS // (BATCH * workers_under_run.ranks)
+    for rank, steps in steps_by_rank(workers_under_run.run).items():
+        workers = [s.workers for s in steps]
+        assert len(workers) == EPOCHS * per_epoch
+        assert workers[:SAVE_EVERY] == [0] * SAVE_EVERY, (rank, workers)
+        # an epoch's last step: the prepared loader, a batch ahead, has ended its workers
+        within = [w for n, w in enumerate(workers) if n >= SAVE_EVERY and (n + 1) % per_epoch]
+        assert set(within) == {2}, (rank, str(workers))
+
+
+def test_every_sample_once_per_epoch_through_a_workers_change_under_memtui_run(
+    workers_under_run: WorkersUnderRun,
+) -> None:
+    found = coverage_of(workers_under_run.run, workers_under_run.dataset)
+    assert len(found) == EPOCHS and all(c.exact for c in found), found

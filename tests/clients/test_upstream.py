@@ -38,7 +38,8 @@ def test_every_client_names_its_commit_license_files_and_patches() -> None:
         manifest = Manifest.load(name)
         assert len(manifest.commit) == 40 and manifest.license and manifest.files
         assert manifest.entry in {Path(f.path).name for f in manifest.files}
-        assert "integration.patch" in manifest.patches
+        # a client with no patch runs only as it is, under ``memtui run`` (litgpt's pretrain)
+        assert not manifest.patches or "integration.patch" in manifest.patches
         for patch in manifest.patches:
             assert (upstream.CLIENTS / name / patch).is_file()
 

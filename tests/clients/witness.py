@@ -125,7 +125,8 @@ class Witness:
             "step": self.calls if self.stepping else self.calls + 1,
             "shape": list(first.shape) if first is not None else None,
         }
-        if record["training"] and first is not None:
+        # a model on the meta device (litgpt measures its FLOPs so) has no values to digest
+        if record["training"] and first is not None and not first.is_meta:
             record["rows"] = row_digests(first, kwargs.get("attention_mask"))
         self.write(**record)
 

@@ -3,9 +3,10 @@
 Synthetic token ids; the model records which samples the loop trained on. Waits at step
 ``--wait-at`` for ``--go`` to exist (the test queues a change meanwhile), then writes what
 happened to ``--report`` as JSON (``--report`` with ``.rank<r>`` appended under several
-processes): the steps and learning rates, the samples, the optimizer's state at each save and
-right after each in-process resume (a digest of every tensor), the loader of each ``train``
-segment and the loader worker processes alive at each step.
+processes): the steps, learning rates and epochs the Trainer logged, the samples, the
+optimizer's state at each save and right after each in-process resume (a digest of every
+tensor), the loader of each ``train`` segment and the loader worker processes alive at each
+step.
 """
 
 from __future__ import annotations
@@ -180,11 +181,14 @@ if tuner is not None:
 output = trainer.train(resume_from_checkpoint=cli.resume_from or None)
 steps = [e["step"] for e in trainer.state.log_history if "learning_rate" in e]
 lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+epochs = [e["epoch"] for e in trainer.state.log_history if "learning_rate" in e]
 report = {
     "global_step": trainer.state.global_step,
     "output_step": output.global_step,
     "steps": steps,
     "lrs": lrs,
+    "epochs": epochs,
+    "epoch": trainer.state.epoch,
     "seen": seen,
     "seen_at_step": seen_at_step,
     "workers_at_step": workers_at_step,

@@ -173,6 +173,90 @@ def test_a_restart_from_a_checkpoint_runs_the_tuned_lr_once(
     assert [lr for _, lr in logged] == pytest.approx(expected), "the schedule's LR x0.75, once"
 
 
+def test_the_place_is_counted_in_samples_not_in_steps_of_the_config_resumed_with() -> None:
+    """A restart's place: run_clm's checkpoint-12 is 16 of epoch 1's 48 blocks in (4 x 1, 2 x 2,
+    then 4 x 2), where the Trainer alone, at 4 x 2 (6 steps an epoch), starts epoch 12 // 6 = 2;
+    56 samples of 64 at 6 x 1 are 9 whole micro-batches and 2 samples memtui's sampler leaves
+    out; the epoch the Trainer reports is counted in those samples."""
+    from memtui.hooks.adapters.hf import EpochOrderSampler, epoch_of, place_in_epoch, whole_groups
+
+    assert place_in_epoch(1, 16, 48) == (1, 16)
+    assert whole_groups(16, per_batch=4, accumulation=2) == (16, 4)
+    assert place_in_epoch(0, 48, 48) == (1, 0), "an epoch consumed whole: the next one's start"
+    assert place_in_epoch(0, 50, None) == (0, 50), "no length known: the count as it is"
+    assert whole_groups(56, per_batch=6, accumulation=1) == (54, 9)
+    assert whole_groups(20, per_batch=2 * 2, accumulation=2) == (16, 4), "2 ranks: 2 batches each"
+    sampler = EpochOrderSampler(64, shuffle=True, seed=7)
+    sampler.cut = (0, 54, 56)
+    assert list(sampler) == sampler.order(0)[:54] + sampler.order(0)[56:] and len(sampler) == 62
+    assert epoch_of(0, 62, 64) == pytest.approx(0.96875)
+    assert epoch_of(1, 68, 64) == 2.0, "a last batch padded past the epoch's end: its end"
+
+
+def test_a_restart_resumes_the_epoch_at_memtuis_place_with_the_epochs_the_run_logged(
+    tmp_path: Path,
+) -> None:
+    """4 x 2 -> 6 x 1 at step 4, then started again from checkpoint-8, which keeps memtui's
+    place (56 of epoch 0's 64 samples: not a whole number of 6-sample steps; the Trainer alone
+    would skip 8 steps of 6): the restart trains exactly what the first run trained after step
+    8, and the Trainer logs the same epochs, epoch 0's counted in its samples."""
+    with paused_run(tmp_path, PYTHON, SCRIPT) as paused:
+        paused.queue_and_go("batch_size=6", "grad_accum=1")
+        paused.finish(180)
+    first = json.loads(paused.report.read_text())
+    out = tmp_path / "out"
+    place = json.loads((out / "checkpoint-8" / "memtui_state.json").read_text())
+    assert place["step"] == 8 and place["config"] == {"batch_size": 6, "grad_accum": 1}
+    where = {k: place["trainer"][k] for k in ("epoch", "samples_in_epoch", "samples_per_epoch")}
+    assert where == {"epoch": 0, "samples_in_epoch": 56, "samples_per_epoch": 64}
+    assert (out / "checkpoint-4" / "memtui_state.json").exists(), "saved where the change landed"
+    saved = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    resume = ("--resume-from", str(out / "checkpoint-8"), "--out", str(out))
+    with paused_run(restart, PYTHON, SCRIPT, *resume, wait_at=9) as again:
+        again.go.touch()
+        again.finish(180)
+    report = json.loads(again.report.read_text())
+    assert report["args"] == {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 1}
+    assert report["seen"] == first["seen"][first["seen_at_step"]["8"] :]
+    assert report["steps"] == first["steps"] == list(range(1, 13))
+    assert report["epochs"] == pytest.approx(first["epochs"])
+    assert report["epochs"][8:10] == pytest.approx([62 / 64, 1.0]), "epoch 0 in samples"
+    resaved = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    assert (resaved["global_step"], resaved["epoch"]) == (saved["global_step"], saved["epoch"])
+    assert report["epoch"] == pytest.approx(first["epoch"])
+
+
+def test_a_checkpoint_memtui_never_changed_resumes_as_the_trainer_and_is_counted_from_there(
+    tmp_path: Path,
+) -> None:
+    """80 samples (10 steps of 4 x 2 an epoch), no change: no checkpoint gets memtui's place.
+    Started again from checkpoint-4 (the Trainer's own resume: 32 samples in), with 6 x 1 queued
+    and applied at the save at step 8: memtui counts its place from where the Trainer resumed
+    (64 samples), so the in-process resume there trains the 16 samples left of epoch 0."""
+    with paused_run(tmp_path, PYTHON, SCRIPT, "--samples", "80") as paused:
+        paused.go.touch()
+        paused.finish(180)
+    first = json.loads(paused.report.read_text())
+    out = tmp_path / "out"
+    assert not list(out.glob("checkpoint-*/memtui_state.json")), "memtui changed nothing"
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    resume = ("--resume-from", str(out / "checkpoint-4"), "--out", str(out), "--samples", "80")
+    with paused_run(restart, PYTHON, SCRIPT, *resume, wait_at=6) as again:
+        again.queue_and_go("batch_size=6", "grad_accum=1")
+        again.finish(180)
+    report = json.loads(again.report.read_text())
+    assert report["restarts"] == 1 and report["steps"] == list(range(1, 13))
+    seen, order = report["seen"], report["orders"][0]
+    assert seen[:32] == first["seen"][32:64], "steps 5-8: the Trainer's own resume"
+    assert seen[32:48] == order[64:80], "after the change: the 16 samples left of epoch 0"
+    assert sorted(first["seen"][:32] + seen[:48]) == list(range(80))
+    place = json.loads((out / "checkpoint-8" / "memtui_state.json").read_text())["trainer"]
+    assert (place["epoch"], place["samples_in_epoch"]) == (0, 64)
+
+
 def test_save_only_model_refuses_changes_with_the_reason(tmp_path: Path) -> None:
     with paused_run(tmp_path, PYTHON, SCRIPT, "--save-only-model") as paused:
         refused = memtui_cli("set", paused.run_id(), "batch_size=6")

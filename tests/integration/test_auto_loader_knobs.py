@@ -16,6 +16,7 @@ import pytest
 
 from memtui.hooks import auto
 from tests.support.cli import memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, logged_subprocess, wait_for
 
 SCRIPT = """
@@ -169,10 +170,10 @@ class Training:
         """Release the script; its exit status."""
         self.hold.unlink(missing_ok=True)
         try:
-            return self.proc.wait(60)
+            return self.proc.wait(patience(60))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            return self.proc.wait(patience(10))
 
 
 def _audit(base: Path) -> list[dict[str, Any]]:
@@ -191,7 +192,7 @@ def test_a_workers_change_lands_when_the_training_loader_starts_its_next_epoch(
         assert first["num_workers"] == (1 if "persistent" in mode else 0)
         queued = memtui_here("set", run, "num_workers=2", "prefetch_factor=3")
         assert queued.exit_code == 0, queued.output
-        assert "applies at the training DataLoader's next epoch" in queued.output
+        assert f"applies at {auto.WHEN_SAVED}" in queued.output
         assert training.finish() == 0
         later = training.epochs(3)[1:]
     finally:
@@ -212,18 +213,44 @@ def test_a_watched_loop_says_which_knobs_it_takes_where_and_why_not(tmp_path: Pa
         run = training.run_id()
         status = status_json(run)
         assert status["tunable"] == ["num_workers", "pin_memory", "prefetch_factor"]
-        assert status["boundary"] == "the training DataLoader's next epoch"
+        assert status["boundary"] == auto.WHEN_SAVED
         why = status["untunable"]["batch_size"]
         assert why == status["untunable"]["grad_accum"]
         assert "the loop's own code sets them" in why
         text = memtui_here("status", run).stdout
         assert f"not tunable: batch_size, grad_accum: {why}" in text
-        assert "changes apply at the training DataLoader's next epoch" in text
+        assert f"changes apply at {auto.WHEN_SAVED}" in text
         refused = memtui_here("set", run, "batch_size=8")
         assert refused.exit_code == 2
         assert f"batch_size is not tunable in this run ({why})" in refused.output
     finally:
         assert training.finish() == 0
+
+
+def test_a_change_pending_when_the_run_ends_is_recorded_and_said(tmp_path: Path) -> None:
+    """Queued after the last epoch began: no boundary comes, and the run's end says so (its last
+    log line, the audit log), rather than the change vanishing."""
+    training = Training(tmp_path, "plain")
+    last = tmp_path / "hold-2"
+    last.touch()  # the script waits after its last epoch
+    try:
+        training.epochs(1)
+        run = training.run_id()
+        training.hold.unlink()
+        training.epochs(3)
+        queued = memtui_here("set", run, "num_workers=2")
+        assert queued.exit_code == 0, queued.output
+        last.unlink()
+        assert training.finish() == 0
+    finally:
+        last.unlink(missing_ok=True)
+        training.finish()
+    said = training.log.read_text()
+    assert "with changes queued and never applied (#1 num_workers=2)" in said, said
+    (unapplied,) = [e for e in _audit(tmp_path) if e["event"] == "unapplied"]
+    assert unapplied["reason"] == "pending at exit"
+    assert (unapplied["ids"], unapplied["changes"]) == ([1], {"num_workers": 2})
+    assert not [e for e in _audit(tmp_path) if e["event"] == "applied"]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mp-spawn"])

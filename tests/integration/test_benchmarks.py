@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.clock import patience
 from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.heavy
@@ -25,7 +26,7 @@ def test_hook_overhead_quick() -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=patience(120),
         check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -170,7 +171,7 @@ def test_hook_instructions_one_process() -> None:
     result = _run_json(
         "benchmarks/hook_instructions.py",
         *("--repeat", "1", "--rounds", "1", "--steps", "200"),
-        timeout=600,
+        timeout=patience(600),
     )
     per_step = result["instructions_per_step"]
     assert set(per_step) == {"bare", "loader", "hooked", "floor"}

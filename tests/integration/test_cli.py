@@ -18,6 +18,7 @@ from memtui.demo.launcher import NO_NUMPY_WARNING, quiet_numpy_warning
 from memtui.hooks import Options, Tuner
 from tests.integration.test_tuner import Config
 from tests.support.cli import memtui_cli, memtui_here
+from tests.support.clock import patience
 
 
 def test_every_option_of_every_command_has_help() -> None:
@@ -130,7 +131,7 @@ def test_the_demo_does_not_start_with_torchs_numpy_warning(tmp_path: Path) -> No
     def imports_torch(extra: dict[str, str]) -> str:
         done = subprocess.run(
             [sys.executable, "-c", "import torch"],
-            capture_output=True, text=True, env={**env, **extra}, timeout=120,
+            capture_output=True, text=True, env={**env, **extra}, timeout=patience(120),
         )  # fmt: skip
         return done.stderr
 

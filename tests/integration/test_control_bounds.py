@@ -45,6 +45,7 @@ from memtui.wire import (
 )
 from tests.integration import test_faults
 from tests.integration.test_faults import Victim, before, survived
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 
 pytestmark = pytest.mark.heavy
@@ -310,12 +311,12 @@ def test_big_and_foreign_subscriptions(victim: Victim) -> None:
     viewer.setsockopt(zmq.LINGER, 0)
     viewer.setsockopt(zmq.SUBSCRIBE, b"")
     viewer.connect(victim.pub)
-    assert viewer.poll(5000), "a viewer gets telemetry"
+    assert viewer.poll(int(patience(5) * 1000)), "a viewer gets telemetry"
     big = subprocess.run(
         [sys.executable, "-c", BIG_SUBSCRIBER, victim.pub],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert big.stdout.split() == ["dropped"], big.stdout + big.stderr
     time.sleep(1.5)  # the agent wakes at least once a second
@@ -426,10 +427,10 @@ def test_failed_authentications_are_counted(
                 sock.curve_secretkey = stranger.client_secret
             sock.connect(rank.control_tcp)
             socks.append(sock)
-        snapshot = ControlClient(rank.control_tcp, timeout_s=5).hello(history=0)
+        snapshot = ControlClient(rank.control_tcp, timeout_s=patience(5)).hello(history=0)
 
         def failures() -> int:
-            answer = ControlClient(rank.control_tcp, timeout_s=5).hello(history=0)
+            answer = ControlClient(rank.control_tcp, timeout_s=patience(5)).hello(history=0)
             return answer.counters.auth_failures if answer.counters else 0
 
         wait_for(lambda: failures() >= 3, 20, 0.2, "three failed authentications counted")

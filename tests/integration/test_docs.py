@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from tests.support.cli import memtui_here
+from tests.support.clock import patience
 from tests.support.processes import ROOT
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
@@ -315,7 +316,7 @@ def test_other_shell_lines_run_from_the_repository(tmp_path: Path) -> None:
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=patience(120),
             )
             assert result.returncode == 0, f"{block.where}: {command}\n{result.stderr}"
 
@@ -453,7 +454,7 @@ def test_gpu_pick_line_stops_where_no_gpu_is_picked(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.startswith("memtui: no NVIDIA driver") and "train.py" not in result.stderr
@@ -592,3 +593,176 @@ def test_the_readme_is_a_front_page() -> None:
     linked = {target.partition("#")[0] for target in links("README.md")}
     for part in ("getting-started.md", "guides/", "reference/", "explanation/", "troubleshooting"):
         assert any(part in target for target in linked), part
+
+
+# --------------------------------------------------------------------------- generated pages
+
+GENERATED = re.compile(r"^(<!-- (cli-reference|status-json-schema) -->|::: \S+)$", re.M)
+"""A mark a reference page's tables are generated at when the site is built."""
+PYTHON_VALUE = re.compile(
+    r"Sentinel\.|\bUNSET\b|NODEFAULT|object at 0x[0-9a-f]+"
+    r"|(<|&lt;)(class|function|bound method|built-in|enum|module) "
+)
+"""A Python value's repr where the reader should see words (a click sentinel, an object)."""
+
+
+def docs_hooks() -> object:
+    """``docs/hooks.py``, the site's generators, imported as a module (it needs no mkdocs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memtui_docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_say_where_their_tables_are() -> None:
+    """A page whose tables are generated says, in its prose, where the built page is (on GitHub
+    it shows only the marks), and the README's promise that the pages read on GitHub as they
+    are names each such page as the exception."""
+    generated = [page for page in PAGES if GENERATED.search(page_text(page))]
+    assert {"docs/reference/cli.md", "docs/reference/hooks.md"} <= set(generated), generated
+    readme = links("README.md")
+    for page in generated:
+        built = "build/site/" + page.removeprefix("docs/").removesuffix(".md") + ".html"
+        words = " ".join(prose(page).split())
+        assert "On GitHub" in words and "make docs" in words and built in words, page
+        assert page in readme, f"the README does not name {page} among the generated pages"
+
+
+def test_the_cli_reference_shows_every_option_as_help_does() -> None:
+    """The command line reference's Markdown: every command, every option with the default
+    ``--help`` prints (never a Python value), and the demo's training options, each of them."""
+    from click.testing import CliRunner
+
+    from memtui.cli import main
+    from memtui.demo.options import option_rows
+
+    reference = docs_hooks().cli_reference()  # type: ignore[attr-defined]
+    assert not PYTHON_VALUE.search(reference), PYTHON_VALUE.search(reference)
+    for name in main.commands:
+        assert f"### memtui {name} {{#memtui-{name}}}" in reference, name
+    assert (
+        "| `--ranks INTEGER` | Processes under torchrun (gloo on CPU, nccl on GPUs). [default: 1] |"
+        in reference
+    )
+    demo = reference.split("### memtui demo ", 1)[1].split("\n### ", 1)[0]
+    for names, _ in option_rows():
+        assert f"| `{names}` |" in demo, names
+    shown = CliRunner().invoke(main, ["demo", "--help"]).output
+    assert all(names in shown for names, _ in option_rows())
+
+
+def test_the_status_schema_shows_no_python_value() -> None:
+    """The ``memtui status --json`` schema's Markdown names JSON types and values, not Python's."""
+    schema = docs_hooks().status_schema()  # type: ignore[attr-defined]
+    assert "| `verdict` |" in schema and not PYTHON_VALUE.search(schema), PYTHON_VALUE.search(
+        schema
+    )
+
+
+def test_the_built_site_shows_no_python_value(tmp_path: Path) -> None:
+    """The site as ``make docs`` builds it (strict): no page shows a Python value's repr (a
+    click sentinel as an option's default, an object), and the demo's training options are on
+    the command line page."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("mkdocs") is not None:
+        mkdocs = [sys.executable, "-m", "mkdocs"]
+    elif shutil.which("mkdocs"):  # another environment's, on PATH
+        mkdocs = [str(shutil.which("mkdocs"))]
+    else:
+        pytest.skip('mkdocs is not installed (pip install -e ".[docs]"): the site is not built')
+    site = tmp_path / "site"
+    built = subprocess.run(
+        [*mkdocs, "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        capture_output=True,
+        text=True,
+        timeout=patience(600),
+    )
+    assert built.returncode == 0, built.stderr
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20, pages
+    wrong = [
+        f"{page.relative_to(site)}: {found.group(0)}"
+        for page in pages
+        for found in PYTHON_VALUE.finditer(page.read_text(encoding="utf-8"))
+    ]
+    assert not wrong, "\n".join(wrong)
+    cli = (site / "reference" / "cli.html").read_text(encoding="utf-8")
+    assert "--checkpoint-every K" in cli and "--out DIR" in cli
+
+
+# --------------------------------------------------------------------------- the frameworks
+
+FRAMEWORKS_PAGE = "docs/guides/frameworks.md"
+RESTARTS = {
+    "Hugging Face Trainer": ("resume_from_checkpoint=", "memtui_state.json"),
+    "Lightning": ("ckpt_path=", "`memtui` key"),
+    "Accelerate": ("load_state(", "memtui_state_<i>.json"),
+}
+"""Each framework's section: the call its restart resumes with, and where memtui's place is."""
+VERSIONS = re.compile(
+    r"The test suite runs transformers (\d+\.\d+), accelerate (\d+\.\d+) and Lightning (\d+\.\d+)"
+)
+A_VERSION = re.compile(r"\b(?:transformers|[Aa]ccelerate|[Ll]ightning) \d+\.\d+")
+
+
+def page_section(page: str, heading: str) -> str:
+    """A page's ``## heading`` section, up to the next ``## `` heading."""
+    text = page_text(page)
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_every_framework_section_has_its_restart_lines() -> None:
+    """Each framework's section shows its restart in code: ``resume=True`` and the framework's
+    own resume (Accelerate's with the ``state_dir=`` it needs), and says where memtui's place is."""
+    for heading, (resume, place) in RESTARTS.items():
+        section = page_section(FRAMEWORKS_PAGE, heading)
+        restarts = [
+            b.body
+            for b in blocks()
+            if b.page == FRAMEWORKS_PAGE and b.lang == "python" and b.body in section
+            if "resume=True" in b.body and resume in b.body
+        ]
+        assert restarts, f"{heading}: no restart lines (resume=True and {resume})"
+        assert place in section, f"{heading}: where memtui's place is ({place})"
+        if heading == "Accelerate":
+            assert "state_dir=" in restarts[0], restarts[0]
+
+
+def test_the_framework_versions_are_said_once_and_are_those_installed() -> None:
+    """The versions the suite runs are said in one sentence of the frameworks guide, no other
+    page gives a framework a version, each is in the ``frameworks`` extra's range, and each
+    installed framework is that version."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+
+    found = VERSIONS.search(" ".join(page_text(FRAMEWORKS_PAGE).split()))
+    assert found, "the frameworks guide does not say the versions the suite runs"
+    stated = dict(zip(("transformers", "accelerate", "lightning"), found.groups(), strict=True))
+    said = [(p, m) for p in PAGES for m in A_VERSION.findall(" ".join(prose(p).split()))]
+    assert len(said) == 3, said
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        extra = tomllib.load(file)["project"]["optional-dependencies"]["frameworks"]
+    ranges = {r.name: r.specifier for r in map(Requirement, extra)}
+    for name, version in stated.items():
+        assert Version(version) in ranges[name], (name, version, ranges[name])
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        assert ".".join(installed.split(".")[:2]) == version, (name, installed, version)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,15 @@ import yaml
 from memtui.storage import registry
 from memtui.transport.client import ControlClient
 from tests.support.cli import memtui_cli, status_json
-from tests.support.processes import LIGHT, PLUMBING, DemoRun, wait_for
+from tests.support.processes import (
+    LIGHT,
+    PLUMBING,
+    DemoRun,
+    demo_run_id,
+    launch_demo,
+    stop_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.heavy
 
@@ -243,3 +254,54 @@ def test_a_second_demo_in_a_live_runs_directory_is_refused(
     assert module.wait_exit(60) == 2, module.output()
     assert "give this demo its own --out DIR, or stop that run first" in module.output()
     assert first.proc.poll() is None, "the first demo trains on"
+
+
+def test_demos_of_two_runtime_directories_keep_their_files_apart(tmp_path: Path) -> None:
+    """Two demos of one account, each under a ``MEMTUI_RUNTIME_DIR`` of its own and neither given
+    ``--out``: each keeps its checkpoint, audit log and tuned config in a directory of its own
+    (the one its first line names, beside the runs' state); a third given the first's directory
+    is refused, although its runtime directory lists no run: the first holds it."""
+    state = tmp_path / "state"
+    runtimes = [Path(tempfile.mkdtemp(prefix="mt", dir="/tmp")) for _ in range(3)]
+    demos: list[DemoRun] = []
+
+    def start(runtime: Path, *args: str) -> DemoRun:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MEMTUI_RUNTIME_DIR=str(runtime))
+        env["XDG_STATE_HOME"] = str(state)
+        log = tmp_path / f"demo{len(demos)}.log"
+        demo = DemoRun(
+            launch_demo([*args, "--progress-every", "1", *PLUMBING], env, log), Path(), log
+        )
+        demos.append(demo)
+        return demo
+
+    try:
+        for runtime in runtimes[:2]:
+            demo = start(runtime, "--steps", "1000000", "--checkpoint-every", "5")
+            demo.run_id = demo_run_id(demo.log, demo.proc)
+            first = next(line for line in demo.output().splitlines() if line.startswith("run "))
+            demo.out = Path(first.rsplit(" out ", 1)[1])
+        outs = [demo.out for demo in demos]
+        assert outs[0] != outs[1], outs
+        assert all(out.parent == state / "memtui" and out.name.startswith("demo-") for out in outs)
+        for demo in demos:
+            wait_for(lambda d=demo: (d.out / "checkpoint.pt").is_file(), 60, what="a checkpoint")
+            runtime = {"MEMTUI_RUNTIME_DIR": str(runtimes[demos.index(demo)])}
+            queued = memtui_cli(
+                "set", demo.run_id, "num_workers=1", env=dict(os.environ, **runtime)
+            )
+            assert queued.returncode == 0, queued.stderr
+        for demo in demos:
+            wait_for(lambda d=demo: (d.out / "memtui-tuned.yaml").is_file(), 60, what="tuned")
+            audit = (demo.out / "memtui-audit.jsonl").read_text()
+            assert demo.run_id in audit and all(
+                other.run_id not in audit for other in demos if other is not demo
+            ), audit
+        third = start(runtimes[2], "--out", str(outs[0]))
+        assert third.wait_exit(60) == 2, third.output()
+        assert f"{outs[0]} is the state directory of another live demo (pid " in third.output()
+        assert all(demo.proc.poll() is None for demo in demos[:2]), "the first two train on"
+    finally:
+        stop_all(demos)
+        for runtime in runtimes:
+            shutil.rmtree(runtime, ignore_errors=True)

@@ -50,6 +50,7 @@ from memtui.wire import (
     encode,
 )
 from tests.support.cli import memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.other_user import OtherUser, make_other_user
 from tests.support.processes import PLUMBING, ROOT, DemoRun, wait_for
 
@@ -113,8 +114,8 @@ def exporter_process(*args: str) -> Iterator[tuple[str, psutil.Process]]:
         yield url, psutil.Process(proc.pid)
     finally:
         proc.terminate()
-        assert proc.wait(15) == 0, "".join(lines)
-        reader.join(5)
+        assert proc.wait(patience(15)) == 0, "".join(lines)
+        reader.join(patience(5))
 
 
 def fetch(url: str, openmetrics: bool = False) -> str:
@@ -208,7 +209,7 @@ def check_run_against_status(samples: Samples, run: str, status: dict[str, Any])
 def agrees(url: str, run: str, ranks: int = 1, timeout: float = 30.0) -> Samples:
     """Scrape and ask ``memtui status --json`` until the two agree (the numbers move between the
     two looks: under load a window of steps may differ); the last disagreement fails the test."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         samples, status = scrape(url), status_json(run)
         try:
@@ -313,7 +314,7 @@ def prometheus(target: str, directory: Path) -> Iterator[str]:
         yield f"http://{address}"
     finally:
         proc.kill()  # its storage is the test's temporary directory: nothing to save
-        proc.wait(10)
+        proc.wait(patience(10))
 
 
 def query(api: str, promql: str) -> list[dict[str, Any]]:
@@ -505,7 +506,7 @@ class AnsweringRuns:
         for run in self.runs:
             registry.run_dir(run).create()
         self._thread.start()
-        assert self._bound.wait(10)
+        assert self._bound.wait(patience(10))
         pid = os.getpid()
         created = registry.process_create_time(pid)
         for run in self.runs:
@@ -517,7 +518,7 @@ class AnsweringRuns:
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(patience(10))
 
 
 class TimedScrapes:
@@ -572,10 +573,10 @@ def test_runs_that_do_not_answer_never_hold_a_scrape() -> None:
         age = value(samples, "memtui_last_seen_age_seconds", run=silent[-1])
         assert age is not None and 0 <= age < 120
         fresh = value(samples, "memtui_last_seen_age_seconds", run=answering.runs[0])
-        assert fresh is not None and fresh < 5, "an answering run was heard a moment ago"
+        assert fresh is not None and fresh < patience(5), "an answering run was heard a moment ago"
         cache_age = value(samples, "memtui_exporter_cache_age_seconds")
-        assert cache_age is not None and cache_age < 5
-    assert max(scraped.seconds) < 1.0, sorted(scraped.seconds)[-5:]
+        assert cache_age is not None and cache_age < patience(5)
+    assert max(scraped.seconds) < patience(1.0), sorted(scraped.seconds)[-5:]
     # the loop, the HTTP server, libzmq's two and one receiver per answering run, give or take
     assert max(scraped.threads) <= 16, scraped.threads
 
@@ -615,8 +616,8 @@ def test_held_connections_are_bounded_and_closed_and_the_rest_answered_503() -> 
     """Four connections held (three idle, one dripping its request a byte at a time) fill the
     cap: a scrape gets a 503 at once, so do 40 more at the same time, none waits; the held ones
     are closed within the timeout, and then scrapes are served again."""
-    timeout = 1.0
-    args = ("--max-connections", "4", "--http-timeout", str(timeout))
+    timeout = patience(1.0)  # held longer on a busy machine: the burst must find all four held
+    args = ("--max-connections", "4", "--http-timeout", f"{timeout:.2f}")
     with exporter_process(*args) as (url, process):
         address = urllib.parse.urlsplit(url)
         target = (address.hostname or "", address.port or 0)
@@ -642,7 +643,7 @@ def test_held_connections_are_bounded_and_closed_and_the_rest_answered_503() -> 
         started = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as refused:
             fetch(url)
-        assert refused.value.code == 503 and time.monotonic() - started < 0.5
+        assert refused.value.code == 503 and time.monotonic() - started < timeout / 2
 
         answers: list[tuple[int | str, float]] = []
 
@@ -660,16 +661,16 @@ def test_held_connections_are_bounded_and_closed_and_the_rest_answered_503() -> 
         for thread in burst:
             thread.start()
         for thread in burst:
-            thread.join(15)
+            thread.join(patience(15))
         assert {code for code, _s in answers} == {503}, answers
-        assert max(s for _code, s in answers) < 2.0, answers
+        assert max(s for _code, s in answers) < 2 * timeout, answers
 
         for sock in held:  # closed by the server within the timeout (EOF, nothing sent)
-            assert busy_answer(sock, timeout + 2) == b""
+            assert busy_answer(sock, timeout + patience(2)) == b""
             sock.close()
-        assert time.monotonic() - opened < timeout + 2
-        dripping.join(timeout + 2)
-        assert dripped and dripped[0] < timeout + 1.5, dripped
+        assert time.monotonic() - opened < timeout + patience(2)
+        dripping.join(timeout + patience(2))
+        assert dripped and dripped[0] < timeout + patience(1.5), dripped
         dripper.close()
 
         samples = wait_for(lambda: scrape(url), 5, 0.1, "a scrape served again")

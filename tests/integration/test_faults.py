@@ -41,6 +41,7 @@ from memtui.transport.client import ControlClient
 from memtui.transport.recording import RecordingHeader, RecordingWriter, read_recording
 from memtui.wire import WIRE_VERSION, Decoder, ErrorReply, Hello, SetRequest, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.forkserver import ForkedDemo
 from tests.support.processes import LIGHT, PLUMBING, ROOT, demo_run_id, launch_demo, wait_for
 
@@ -108,7 +109,7 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(15)
+                proc.wait(patience(15))
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(base, ignore_errors=True)
@@ -186,7 +187,7 @@ def test_junk_frames_on_the_control_socket(victim: Victim) -> None:
     for payload in payloads:
         sock = req(victim.control)
         sock.send(payload)
-        assert sock.poll(5000), "the hook answers"
+        assert sock.poll(int(patience(5) * 1000)), "the hook answers"
         reply = decoder.decode(sock.recv())
         assert isinstance(reply, ErrorReply) and "undecodable" in reply.reason, reply
         sock.close()
@@ -206,7 +207,7 @@ def test_a_wrong_wire_version_is_refused_in_one_line(victim: Victim) -> None:
     frame = msgspec.msgpack.encode({"type": "hello", "v": WIRE_VERSION + 1, "history": 0})
     sock = req(victim.control)
     sock.send(frame)
-    assert sock.poll(5000)
+    assert sock.poll(int(patience(5) * 1000))
     reply = Decoder().decode(sock.recv())
     assert isinstance(reply, ErrorReply) and "wire version" in reply.reason, reply
     sock.close()
@@ -332,7 +333,7 @@ def test_a_corrupt_tuned_yaml_at_resume_is_one_warning(
     started = time.monotonic()
     tuner = Tuner(config, state_dir=tmp_path, resume=True, options=Options(publish=False)).start()
     try:
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < patience(2.0)
         assert (config.batch_size, config.grad_accum) == (4, 1), "the script's config stands"
         for _ in range(3):
             tuner.step()
@@ -365,7 +366,7 @@ def test_a_hostile_config_file_at_install_is_one_warning_in_no_time(
         SimpleNamespace(batch_size=4), state_dir=tmp_path, options=Options(publish=False)
     ).start()
     try:
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < patience(2.0)
         messages = [r.getMessage() for r in caplog.records if r.name == "memtui"]
         assert messages and all("\n" not in m and len(m) < 600 for m in messages), messages
         assert tuner.control.thresholds.memory_edge_fraction == 0.85, "the defaults stand"
@@ -394,7 +395,7 @@ def test_kill_9_at_a_boundary_leaves_a_readable_state(tmp_path: Path) -> None:
     proc = launch_demo([*args, "--progress-every", "1"], env, tmp_path / "log")
     try:
         run_id = demo_run_id(tmp_path / "log", proc)
-        client = ControlClient(registry.find_run(run_id).control, timeout_s=10)
+        client = ControlClient(registry.find_run(run_id).control, timeout_s=patience(10))
         # two changes land, each waited for (changes queued between two boundaries land as one:
         # on a loaded machine a slow run took all five in one boundary and never applied two)
         for count, accum in enumerate((3, 1), start=1):
@@ -416,7 +417,7 @@ def test_a_hello_is_cheap_to_refuse_when_it_is_junk(victim: Victim) -> None:
     seen = before(victim)
     sock = req(victim.control)
     sock.send(encode(Hello(history=10**9)))
-    assert sock.poll(5000)
+    assert sock.poll(int(patience(5) * 1000))
     sock.recv()
     sock.close()
     survived(victim, seen)
@@ -463,7 +464,7 @@ def test_a_run_killed_while_recording_replays_up_to_its_last_second(tmp_path: Pa
         [sys.executable, "-c", "import sys; from memtui.tui.app import run_replay; "
          "from memtui.transport.sources import ReplaySource; "
          "print(len(ReplaySource(sys.argv[1], speed=None).recording.frames))", str(record)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True, text=True, timeout=patience(60), cwd=ROOT,
     )  # fmt: skip
     assert replay.returncode == 0 and int(replay.stdout) == len(recording.frames), replay.stderr
 
@@ -487,7 +488,7 @@ def test_a_change_pending_at_a_crash_is_named_at_resume_with_the_command_to_requ
 
     first, _log, run_id = start()
     try:
-        client = ControlClient(registry.find_run(run_id).control, timeout_s=10)
+        client = ControlClient(registry.find_run(run_id).control, timeout_s=patience(10))
         assert client.set({"grad_accum": 3}).ok and client.set({"num_workers": 1}).ok
         assert client.set({"grad_accum": 4}).ok
         assert client.cancel(3).ok  # cancelled: not to be queued again

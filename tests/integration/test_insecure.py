@@ -27,6 +27,7 @@ from memtui.wire import (
     encode,
 )
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.other_user import OtherUser, make_other_user
 
 MakeTuner = Callable[..., Tuner]
@@ -122,15 +123,15 @@ def test_plain_tcp_control_socket_is_read_only(
     assert isinstance(cancel, ErrorReply) and "read-only" in cancel.reason
     monkeypatch.setenv("MEMTUI_INSECURE", "1")  # memtui's own client, asked for plain TCP
     with pytest.raises(ClientError, match="read-only"):
-        ControlClient(rank.control_tcp, timeout_s=5).set({"batch_size": 8})
+        ControlClient(rank.control_tcp, timeout_s=patience(5)).set({"batch_size": 8})
     tuner.checkpoint()
     assert tuner.knobs().batch_size == 4 and not tuner.control.pending
 
     # the run's own user, over the private ipc socket, still sees and changes everything
-    full = ControlClient(tuner.ranks[0].control, timeout_s=5).hello()
+    full = ControlClient(tuner.ranks[0].control, timeout_s=patience(5)).hello()
     assert full.info.command and full.info.cwd and not full.info.readonly
     assert full.info.security == "plain-tcp"
-    assert ControlClient(tuner.ranks[0].control, timeout_s=5).set({"batch_size": 8}).ok
+    assert ControlClient(tuner.ranks[0].control, timeout_s=patience(5)).set({"batch_size": 8}).ok
 
 
 def test_the_read_only_snapshot_names_no_path_of_the_run(
@@ -150,7 +151,7 @@ def test_the_read_only_snapshot_names_no_path_of_the_run(
     assert str(private_runtime).encode() not in encoded and str(tmp_path).encode() not in encoded
 
     # the run's own user, over ipc, still gets every endpoint
-    full = ControlClient(rank.control, timeout_s=5).hello()
+    full = ControlClient(rank.control, timeout_s=patience(5)).hello()
     assert full.ranks == tuner.ranks
 
 

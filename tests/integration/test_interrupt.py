@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_docs import example
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 
 
@@ -45,7 +46,7 @@ def interrupted(tmp_path: Path, *args: str, again_after_s: float | None = None) 
             time.sleep(again_after_s)
             os.killpg(proc.pid, signal.SIGINT)
         proc.stdout.read()
-        code = proc.wait(60)
+        code = proc.wait(patience(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +17,12 @@ from types import ModuleType
 import pytest
 
 from memtui.launch.run import BOOT_DIR, command_environment, unwatched_python
+from tests.support.clock import patience
 
 WARNING = "memtui: not watching this process ("
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from memtui.cli import main; main()"
+"""``memtui`` from this checkout, for an interpreter started with ``-E``."""
 
 STAND_IN = '''
 """A stand-in for the hook's activate(): logs each call (pid and command line) or fails."""
@@ -74,8 +79,9 @@ class Launch:
 
     def memtui_run(self, *command: str | Path) -> list[str]:
         # -E: the launcher itself ignores PYTHONPATH (the stand-in is for the command's
-        # interpreters); it passes the environment on to the command as it found it
-        return [sys.executable, "-E", "-m", "memtui", "run", "--", *map(str, command)]
+        # interpreters); it passes the environment on to the command as it found it. It is this
+        # checkout's memtui, wherever the interpreter's own installation points
+        return [sys.executable, "-E", "-c", LAUNCHER, "run", "--", *map(str, command)]
 
     def run(
         self, *command: str | Path, memtui: bool = True, **extra: str
@@ -87,7 +93,7 @@ class Launch:
             cwd=self.dir,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=patience(120),
         )
 
     def activations(self) -> list[str]:
@@ -153,7 +159,7 @@ def test_a_signal_to_memtui_run_reaches_the_script(
         assert process.stdout is not None
         assert int(process.stdout.readline()) == process.pid, "the command replaced memtui run"
         process.send_signal(sent)
-        rest, _ = process.communicate(timeout=30)
+        rest, _ = process.communicate(timeout=patience(30))
     assert rest == f"{handled}\n"
     assert process.returncode == (7 if sent == signal.SIGTERM else 8)
 
@@ -164,7 +170,10 @@ def test_a_missing_command_is_one_line_and_exit_127(launch: Launch) -> None:
     assert missing.returncode == 127
     assert missing.stderr == "memtui: no-such-command-here: command not found\n"
     none = subprocess.run(
-        [sys.executable, "-m", "memtui", "run"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "memtui", "run"],
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
     )
     assert none.returncode == 2 and "memtui run -- python train.py" in none.stderr
 
@@ -195,7 +204,7 @@ def test_options_before_the_command_are_memtuis_and_after_it_the_commands(
         env=launch.environment(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert result.stdout == "exp ['--name', 'other']\n", result.stderr
 
@@ -205,6 +214,86 @@ def test_the_command_starts_with_the_signal_dispositions_a_shell_gives(launch: L
     """Python ignores SIGPIPE in its own process; the command does not inherit that."""
     status = ("grep", "SigIgn", "/proc/self/status")
     assert launch.run(*status).stdout == launch.run(*status, memtui=False).stdout
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_signals_the_command_inherits_ignored_stay_ignored(launch: Launch) -> None:
+    """An ignored SIGHUP (``nohup``) or SIGUSR1 passes through ``memtui run`` as through a shell
+    (SIGPIPE and SIGXFSZ, which Python's start-up ignores and forgets, get a shell's defaults)."""
+
+    def ignore() -> None:
+        for number in (signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(number, signal.SIG_IGN)
+
+    status = ["grep", "SigIgn", "/proc/self/status"]
+    masks = [
+        subprocess.run(
+            command, env=launch.environment(), preexec_fn=ignore, capture_output=True, text=True
+        ).stdout
+        for command in (launch.memtui_run(*status), status)
+    ]
+    assert masks[0] == masks[1]
+    mask = int(masks[0].split()[1], 16)
+    assert mask & (1 << (signal.SIGHUP - 1)) and mask & (1 << (signal.SIGUSR1 - 1)), masks
+
+
+def test_the_command_gets_the_environment_memtui_found(launch: Launch) -> None:
+    """Under the C locale the launcher's Python sets ``LC_CTYPE`` in its own environment (PEP
+    538): the command never gets it; its environment is the one given, memtui's own variables
+    (the start-up module's PYTHONPATH) aside."""
+    for name in ("LC_ALL", "LC_CTYPE"):
+        launch.env.pop(name, None)
+    launch.env["LANG"] = "C"
+    watched, plain = launch.run("env"), launch.run("env", memtui=False)
+    assert watched.returncode == plain.returncode == 0, watched.stderr
+
+    def variables(listing: str) -> set[str]:
+        return {line for line in listing.splitlines() if not line.startswith("PYTHONPATH=")}
+
+    assert "LC_CTYPE" not in watched.stdout
+    assert variables(watched.stdout) == variables(plain.stdout)
+
+
+def older_pythons() -> list[Path]:
+    """The interpreters older than memtui supports that this host has (pyenv's, uv's)."""
+    roots = [
+        Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions",
+        Path.home() / ".local" / "share" / "uv" / "python",
+    ]
+    found = []
+    for root in roots:
+        for python in sorted(root.glob("*/bin/python[23].*")):
+            version = re.fullmatch(r"python(\d)\.(\d+)", python.name)
+            if (
+                version
+                and (int(version[1]), int(version[2])) < (3, 10)
+                and os.access(python, os.X_OK)
+            ):
+                found.append(python)
+    return found
+
+
+OLDER = older_pythons()
+
+
+@pytest.mark.parametrize(
+    "python",
+    OLDER or [pytest.param(None, marks=pytest.mark.skip(reason="no Python older than 3.10 here"))],
+    ids=lambda python: python.name if python else "none",
+)
+def test_an_older_python_the_command_starts_runs_as_without_memtui(
+    launch: Launch, python: Path
+) -> None:
+    """A Python memtui does not support (2.7 to 3.9: a tool's own environment) that the command
+    starts says nothing of memtui, is not watched, and still runs the user's own
+    ``sitecustomize``: its output is the same as without memtui."""
+    launch.script("site_dir/sitecustomize.py", 'import sys\nsys.stderr.write("user site\\n")\n')
+    launch.user_path.append(str(launch.dir / "site_dir"))
+    watched = launch.run(python, "-c", "print('ran')")
+    plain = launch.run(python, "-c", "print('ran')", memtui=False)
+    assert (watched.returncode, watched.stdout, watched.stderr) == (0, "ran\n", "user site\n")
+    assert (plain.stdout, plain.stderr) == (watched.stdout, watched.stderr)
+    assert launch.activations() == []
 
 
 def test_a_python_that_skips_the_start_up_module_is_said_so(launch: Launch) -> None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from memtui.hooks import Options, Tuner
 from memtui.wire import KnobDiff, Knobs, SetRequest
+from tests.support.clock import patience
 
 
 class Indices(Dataset[int]):
@@ -121,7 +122,7 @@ def test_old_workers_are_shut_down_on_rebuild() -> None:
     )
     del iterator
     loader.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while children() - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not (children() - before), "worker processes leaked"

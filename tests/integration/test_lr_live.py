@@ -22,6 +22,7 @@ from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.config import ConfigPanel
 from memtui.wire import ControlState, Knobs, LrState
 from tests.support.cli import memtui_cli, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, wait_for
 
 SCRIPT = textwrap.dedent(
@@ -96,7 +97,7 @@ def start(tmp_path: Path, *config: str) -> tuple[subprocess.Popen[str], str]:
 def finish(tmp_path: Path, proc: subprocess.Popen[str]) -> tuple[dict[str, Any], str]:
     """Stop the training; its report and what it printed."""
     (tmp_path / "stop").touch()
-    output, _ = proc.communicate(timeout=60)
+    output, _ = proc.communicate(timeout=patience(60))
     assert proc.returncode == 0, output
     return json.loads((tmp_path / "r").read_text()), output
 

@@ -23,6 +23,7 @@ import yaml
 
 from memtui.hooks.persist import AUDIT_FILE, TUNED_FILE, read_audit
 from tests.support.cli import memtui_cli, status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, wait_for
 
 SCRIPT = textwrap.dedent(
@@ -131,7 +132,7 @@ class Training:
     def finish(self, returncode: int = 0) -> str:
         """Let it go on to its end; what it printed."""
         self.go.touch()
-        output, _ = self.proc.communicate(timeout=60)
+        output, _ = self.proc.communicate(timeout=patience(60))
         assert self.proc.returncode == returncode, self.printed + output
         return self.printed + output
 

@@ -216,7 +216,9 @@ def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
         change(tuner, config, 2)
         disk.full = True
         with caplog.at_level(logging.WARNING, "memtui"):
-            change(tuner, config, 3)  # queued and applied: neither line is written
+            # queued, applying and applied: no line is written (said at the tuned config's
+            # write, between the two phases of the change)
+            change(tuner, config, 3)
             said = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
             assert len(said) == 1 and "2 audit log lines" in said[0], said
             assert "tuned config is not saved since step" in said[0]
@@ -228,8 +230,10 @@ def test_audit_lines_held_back_by_a_full_disk_are_written_when_space_returns(
         events = [(e["event"], e.get("id"), e.get("ids")) for e in audit]
         assert events == [
             ("queued", 1, None),
+            ("applying", None, [1]),
             ("applied", None, [1]),
             ("queued", 2, None),
+            ("applying", None, [2]),
             ("applied", None, [2]),
         ], "the held lines, in order, once each"
         for line in (state / "memtui-audit.jsonl").read_text().splitlines():
@@ -252,7 +256,8 @@ def test_an_audit_log_that_cannot_be_written_is_said_at_every_boundary_not_three
             for accum in (2, 3, 2, 3, 2, 3):
                 change(tuner, config, accum)
         said = [r.getMessage() for r in caplog.records if "audit log lines" in r.getMessage()]
-        assert len(said) == 6 and "12 audit log lines are not written" in said[-1], said
+        # said at each tuned config write: the last change's applied line is not written yet
+        assert len(said) == 6 and "17 audit log lines are not written" in said[-1], said
         assert on_disk(tmp_path) == 3, "the tuned config is written all along"
         (tmp_path / "memtui-audit.jsonl").rmdir()
         tuner.step()

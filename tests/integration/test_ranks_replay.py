@@ -11,6 +11,7 @@ from pathlib import Path
 from memtui.transport.recording import read_recording
 from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry
+from tests.support.clock import patience
 from tests.support.processes import ROOT
 
 RECORDING = ROOT / "tests" / "data" / "ranks_8.mtrec"
@@ -38,7 +39,7 @@ def test_recorded_streams_are_replayed_one_socket_per_rank(tmp_path: Path) -> No
         decoder = Decoder()
         last: dict[int, int] = {}
         steps: dict[int, int] = {}
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + patience(15)
         while time.monotonic() < deadline and min(steps.values(), default=0) < 200:
             for _rank, frame in source.poll(0.2):
                 message = decoder.decode(frame)
@@ -62,6 +63,6 @@ def test_recorded_streams_are_replayed_one_socket_per_rank(tmp_path: Path) -> No
         if source is not None:
             source.close()
         proc.terminate()
-        proc.wait(20)
+        proc.wait(patience(20))
     published = json.loads(stats.read_text())
     assert published["streams"][:3] == ["ranks_8.mtrec#0", "ranks_8.mtrec#1", "ranks_8.mtrec#2"]

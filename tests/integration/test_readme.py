@@ -21,6 +21,7 @@ import yaml
 from memtui.runs.report import StatusReport
 from tests.integration.test_docs import VIEWERS, blocks, example, run_blocks, shell_lines, words_of
 from tests.support.cli import memtui_cli, memtui_here
+from tests.support.clock import patience
 from tests.support.processes import PLUMBING, DemoRun, launch_memtui, launch_script, wait_for
 
 pytestmark = pytest.mark.heavy
@@ -45,7 +46,7 @@ def test_plain_loop_example(tmp_path: Path) -> None:
         assert runs[0]["run"].startswith("train-")  # type: ignore[index]
         result = memtui_cli("set", "batch_size=64", "--keep-effective-batch")
         assert result.returncode == 0, result.stderr
-        proc.wait(180)
+        proc.wait(patience(180))
     finally:
         proc.kill()
     output = log.read_text()
@@ -63,7 +64,7 @@ def test_plain_loop_example(tmp_path: Path) -> None:
         script, ["--steps", "1100", "--out", str(out), "--is_keep_training"], env, tmp_path, log
     )
     try:
-        code = resumed.wait(180)
+        code = resumed.wait(patience(180))
     finally:
         resumed.kill()
     assert code == 0, log.read_text()
@@ -116,7 +117,7 @@ def test_no_dataloader_example_times_batches_and_follows_a_batch_change(tmp_path
         wait_for(lambda: re.search(printed, log.read_text()), 60, 0.2, "the script's own line")
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(patience(30))
     assert after.config["batch_size"] == 4
     assert after.last_step and after.last_step.samples == 4 * 4, after.last_step
     assert after.metrics and after.metrics.samples_per_s > 0 and after.metrics.data_wait_s > 0
@@ -208,7 +209,7 @@ def test_the_short_loop_and_the_guard_take_a_change_and_roll_one_back(tmp_path: 
         assert result.exit_code == 0, result.output
         wait_for(lambda: "event: rollback" in log.read_text(), 60, 0.1, "the rollback")
         (out / "stop-guard").touch()
-        assert proc.wait(60) == 0, log.read_text()
+        assert proc.wait(patience(60)) == 0, log.read_text()
     finally:
         proc.kill()
     output = log.read_text()
@@ -258,7 +259,7 @@ def test_the_short_loop_on_a_config_with_other_names_trains_and_says_the_fix(
     log = tmp_path / "train.log"
     proc = launch_script(script, [], dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path, log)
     try:
-        assert proc.wait(120) == 0, log.read_text()
+        assert proc.wait(patience(120)) == 0, log.read_text()
     finally:
         proc.kill()
     output = log.read_text()
@@ -342,7 +343,7 @@ def test_the_out_of_memory_demo_command_runs(tmp_path: Path) -> None:
     argv = [*shlex.split(line)[1:], "--no-tui", "--steps", "3", "--slow-data-ms", "0"]
     proc = launch_memtui([*argv, "--out", str(tmp_path)], dict(os.environ), log)
     try:
-        code = proc.wait(120)
+        code = proc.wait(patience(120))
     finally:
         proc.kill()
     assert code == 0, log.read_text()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tests.support.cli import memtui_cli, status_json
+from tests.support.clock import patience
 from tests.support.processes import launch_script, wait_for
 
 SCRIPT = textwrap.dedent(
@@ -125,7 +126,7 @@ class Training:
         """Stop the training; what it ran."""
         self.stop.touch()
         try:
-            assert self.proc.wait(60) == 0, self.output()
+            assert self.proc.wait(patience(60)) == 0, self.output()
         finally:
             self.proc.kill()
         return dict(json.loads(self.report.read_text()))

@@ -23,6 +23,7 @@ from memtui.storage import registry
 from memtui.transport.client import ControlClient
 from memtui.wire import Decoder, ErrorReply, Telemetry
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import LIGHT, PLUMBING, ROOT, DemoRun, wait_for
 
 VIEWER = """
@@ -47,7 +48,7 @@ while True:
 
 def goes_on_then_stops(demo: DemoRun, control: str) -> None:
     """Assert the run still trains (its step advances), then stop it as a user would."""
-    client = ControlClient(control, timeout_s=5)
+    client = ControlClient(control, timeout_s=patience(5))
     start = client.hello().step
     wait_for(lambda: client.hello().step >= start + 5, 30, 0.1, "steps to go on")
     demo.stop()
@@ -100,7 +101,7 @@ def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> No
         req.setsockopt(zmq.LINGER, 0)
         req.connect(control)
         req.send(payload)
-        assert req.poll(5000), "the hook answers"
+        assert req.poll(int(patience(5) * 1000)), "the hook answers"
         reply = decoder.decode(req.recv())
         assert isinstance(reply, ErrorReply) and "undecodable" in reply.reason
         req.close()
@@ -122,7 +123,7 @@ def test_garbage_on_the_control_socket(start_demo: Callable[..., DemoRun]) -> No
         raw.sendall(junk)
         raw.close()
 
-    snapshot = ControlClient(control, timeout_s=5).hello()
+    snapshot = ControlClient(control, timeout_s=patience(5)).hello()
     assert snapshot.counters is not None and snapshot.counters.bad_frames >= 5
     goes_on_then_stops(demo, control)
 
@@ -213,7 +214,7 @@ def test_last_batch_says_ended(tmp_path: Path) -> None:
     tuner.close()
     decoder = Decoder()
     frames = []
-    while sub.poll(2000):
+    while sub.poll(int(patience(2) * 1000)):
         message = decoder.decode(sub.recv())
         assert isinstance(message, Telemetry)
         frames.append(message)

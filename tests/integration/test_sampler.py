@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from memtui.hooks.sampler import CpuDeviceProbe, HostProbe, ProcWorker, Waker, proc_descendants
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 
 
@@ -74,11 +75,11 @@ def _hold(ready: Any, done: Any, grandchild: Any) -> None:
     ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: resident
     pid = os.fork()
     if pid == 0:
-        done.wait(120)
+        done.wait(patience(120))
         os._exit(0)
     grandchild.value = pid
     ready.set()
-    done.wait(120)
+    done.wait(patience(120))
     os.waitpid(pid, 0)
     os._exit(0)
 
@@ -91,14 +92,14 @@ def forked() -> Iterator[tuple[Any, int, Any]]:
     child = context.Process(target=_hold, args=(ready, done, grandchild), daemon=True)
     child.start()
     try:
-        assert ready.wait(60), "the child did not start"
+        assert ready.wait(patience(60)), "the child did not start"
         yield child, grandchild.value, done
     finally:
         done.set()
-        child.join(30)
+        child.join(patience(30))
         if child.is_alive():
             child.kill()
-            child.join(10)
+            child.join(patience(10))
 
 
 def test_proc_readers_find_a_forked_child_and_read_it_as_psutil_does(forked: Any) -> None:
@@ -137,7 +138,7 @@ def test_a_worker_that_ended_is_dropped_at_once(forked: Any) -> None:
         host.tree_rss(0.0)
         assert {child.pid, grandchild, zombie.pid} <= set(host.workers())
         done.set()
-        child.join(30)  # the child reaps the grandchild, then is reaped
+        child.join(patience(30))  # the child reaps the grandchild, then is reaped
         assert zombie.pid is not None
         os.kill(zombie.pid, signal.SIGKILL)
         wait_for(
@@ -150,7 +151,7 @@ def test_a_worker_that_ended_is_dropped_at_once(forked: Any) -> None:
         assert workers == len(host.workers())
     finally:
         zombie.kill()
-        zombie.join(10)
+        zombie.join(patience(10))
 
 
 def test_workers_uss_is_read_within_its_cpu_share_and_follows_their_rss(forked: Any) -> None:
@@ -250,7 +251,10 @@ def test_the_cpu_stand_in_gives_freed_blocks_back_as_a_device_allocator_would() 
     kept: dict[str, tuple[str, int]] = {}
     for mode in ("default", "stand-in"):
         done = subprocess.run(
-            [sys.executable, "-c", HEAP_PATTERN, mode], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", HEAP_PATTERN, mode],
+            capture_output=True,
+            text=True,
+            timeout=patience(120),
         )
         assert done.returncode == 0, done.stderr
         said, grown = done.stdout.split()
@@ -285,7 +289,7 @@ def test_the_stand_in_heap_switch_leaves_glibc_alone(monkeypatch: pytest.MonkeyP
         assert not sampler.returns_freed() and not errors
     finally:
         sampler.stop()
-        sampler.join(10.0)
+        sampler.join(patience(10.0))
 
 
 def test_the_samplers_waker_ends_one_wait_per_set() -> None:
@@ -293,13 +297,13 @@ def test_the_samplers_waker_ends_one_wait_per_set() -> None:
     wait nobody ends lasts its timeout."""
     waker = Waker()
     start = time.monotonic()
-    assert not waker.wait(0.05) and time.monotonic() - start >= 0.04
+    assert not waker.wait(patience(0.05)) and time.monotonic() - start >= 0.04
     waker.set()
     waker.set()
-    assert waker.wait(30.0), "a wake-up set before the wait ends it at once"
-    assert not waker.wait(0.0), "and only that one"
+    assert waker.wait(patience(30.0)), "a wake-up set before the wait ends it at once"
+    assert not waker.wait(patience(0.0)), "and only that one"
     threading.Timer(0.05, waker.set).start()
-    assert waker.wait(30.0), "a wake-up set during the wait ends it"
+    assert waker.wait(patience(30.0)), "a wake-up set during the wait ends it"
 
 
 def _kernel_mark() -> int:
@@ -401,7 +405,7 @@ def trees() -> Iterator[Any]:
         yield start
     finally:
         for proc in started:
-            proc.communicate(timeout=30)
+            proc.communicate(timeout=patience(30))
 
 
 @pytest.mark.parametrize("proc_children", [True, False], ids=["proc", "psutil"])

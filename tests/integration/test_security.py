@@ -26,6 +26,7 @@ from memtui.transport.security import keygen, load_keys
 from memtui.transport.sources import LiveSource
 from memtui.wire import Decoder, Hello, Snapshot, Telemetry, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import (
     LIGHT,
     ROOT,
@@ -84,7 +85,7 @@ def test_the_authenticated_client_works(tcp_tuner: Tuner) -> None:
     assert rank.pub_tcp.startswith("tcp://127.0.0.1:") and rank.control_tcp.startswith(
         "tcp://127.0.0.1:"
     )
-    snapshot = ControlClient(rank.control_tcp, timeout_s=5).hello()
+    snapshot = ControlClient(rank.control_tcp, timeout_s=patience(5)).hello()
     assert snapshot.info.run == tcp_tuner.run_id and snapshot.step == 3
     assert snapshot.ranks[0].pub_tcp == rank.pub_tcp
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -95,7 +96,7 @@ def test_the_authenticated_client_works(tcp_tuner: Tuner) -> None:
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(rank.pub_tcp)
     try:
-        assert sub.poll(5000), "telemetry arrives over CURVE"
+        assert sub.poll(int(patience(5) * 1000)), "telemetry arrives over CURVE"
         assert isinstance(Decoder().decode(sub.recv()), Telemetry)
     finally:
         sub.close()
@@ -173,7 +174,8 @@ def test_insecure_loopback_is_allowed(tmp_path: Path, monkeypatch: pytest.Monkey
     try:
         assert tuner.tcp_plan is not None and tuner.tcp_plan.keys is None
         assert (
-            ControlClient(tuner.ranks[0].control_tcp, timeout_s=5).hello().info.run == tuner.run_id
+            ControlClient(tuner.ranks[0].control_tcp, timeout_s=patience(5)).hello().info.run
+            == tuner.run_id
         )
     finally:
         tuner.close()
@@ -212,7 +214,7 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
         ranks = record.ranks  # type: ignore[attr-defined]
         assert [r.rank for r in ranks] == [0, 1]
         assert all(r.pub_tcp.startswith("tcp://127.0.0.1:") and r.control_tcp for r in ranks)
-        answers = hello_many([r.control_tcp for r in ranks], timeout_s=5)
+        answers = hello_many([r.control_tcp for r in ranks], timeout_s=patience(5))
         assert [a.info.rank if a else None for a in answers] == [0, 1]
         status = json.loads(memtui_cli("status", run_id, "--json").stdout)
         assert [r["reachable"] for r in status["ranks"]] == [True, True]
@@ -220,7 +222,7 @@ def test_ranks_over_tcp_are_all_seen_from_rank_0(keys: Path, tmp_path: Path) -> 
         wait_for(
             lambda: all(
                 s and s.control.config.grad_accum == 2
-                for s in hello_many([r.control_tcp for r in ranks], timeout_s=5)
+                for s in hello_many([r.control_tcp for r in ranks], timeout_s=patience(5))
             ),
             30,
             0.2,
@@ -234,7 +236,7 @@ def telemetry_from(source: LiveSource, want: set[str], timeout: float = 20.0) ->
     """Poll ``source`` until telemetry from every one of ``want`` (``run/rank``) has arrived."""
     decoder = Decoder()
     seen: set[str] = set()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline and not want <= seen:
         for _rank, frame in source.poll(0.2):
             message = decoder.decode(frame)
@@ -293,7 +295,9 @@ for step in range(1, 1000000):
 
 def namespaces_permitted() -> bool:
     try:
-        probe = subprocess.run(["unshare", "-r", "--uts", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run(
+            ["unshare", "-r", "--uts", "true"], capture_output=True, timeout=patience(10)
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
@@ -355,10 +359,10 @@ def test_attach_over_tcp_from_a_node_whose_own_rank_is_local(keys: Path, tmp_pat
             proc.terminate()
         for proc in procs:
             try:
-                proc.wait(30)
+                proc.wait(patience(30))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(10)
+                proc.wait(patience(10))
 
 
 def test_demo_refuses_tcp_without_keys_and_insecure_off_loopback(
@@ -413,7 +417,7 @@ def test_demo_insecure_on_loopback_publishes_plain_tcp(
         with pytest.raises(ClientError, match="memtui keygen"):
             ControlClient(rank.control_tcp, timeout_s=2).hello()  # a viewer must ask for it too
         monkeypatch.setenv("MEMTUI_INSECURE", "1")
-        assert ControlClient(rank.control_tcp, timeout_s=5).hello().info.run == run
+        assert ControlClient(rank.control_tcp, timeout_s=patience(5)).hello().info.run == run
         if shutil.which("tmux") is None:
             return
         env = [
@@ -437,7 +441,7 @@ def test_demo_insecure_on_loopback_publishes_plain_tcp(
         subprocess.run([*tmux, "kill-server"], capture_output=True)
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(patience(30))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(10)
+            proc.wait(patience(10))

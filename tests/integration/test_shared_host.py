@@ -1,12 +1,21 @@
-"""Several runs on one host: commands that change a run never guess which."""
+"""Several runs on one host: commands that change a run never guess which, and a run is never
+taken for dead because the wall clock stepped."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 
+import msgspec
+
 from memtui.hooks import Options, Tuner
+from memtui.storage import ownfiles, registry
+from memtui.wire import decode_run_record, encode_run_record
 from tests.integration.test_tuner import Config
-from tests.support.cli import memtui_cli
+from tests.support.cli import memtui_cli, memtui_here
 from tests.support.processes import wait_for
 
 
@@ -40,3 +49,54 @@ def test_set_and_cancel_refuse_to_guess_among_live_runs_and_name_the_run(tmp_pat
     finally:
         first.close()
         second.close()
+
+
+def rewrite_record(runtime: Path, run: str, **changes: object) -> None:
+    """Rewrite a registry record's fields in place, as another clock or another process would
+    make them read."""
+    path = runtime / run / registry.RUN_FILE
+    record = decode_run_record(path.read_bytes())
+    assert record is not None
+    ownfiles.replace_file(path, encode_run_record(msgspec.structs.replace(record, **changes)))
+
+
+def test_a_clock_step_never_makes_ls_drop_a_live_run(tmp_path: Path, private_runtime: Path) -> None:
+    """A run's start time is read against the boot time, which a step of the wall clock moves:
+    a live run whose start time no longer matches its record (a clock stepped by an hour) is
+    listed while its control socket answers, and its directory kept; a run whose process is gone,
+    a pid that now names another process, and an old directory without a record or a live
+    socket are removed; an old directory whose socket answers (a run still starting) is kept."""
+    live = Tuner(Config(), name="live", state_dir=tmp_path / "a", options=Options()).start()
+    try:
+        wait_for(lambda: registry.list_runs(), 20, what="the run to register")
+        record = registry.list_runs()[0]
+        rewrite_record(private_runtime, live.run_id, create_time=record.create_time + 3600)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        for name, pid in (("gone-1", gone.pid), ("reused-1", os.getpid())):
+            (private_runtime / name).mkdir(mode=0o700)
+            fake = msgspec.structs.replace(record, run=name, pid=pid, create_time=1.0)
+            fake = msgspec.structs.replace(fake, control=f"ipc://{private_runtime / name / 'ctl'}")
+            ownfiles.replace_file(
+                private_runtime / name / registry.RUN_FILE, encode_run_record(fake)
+            )
+        long_ago = time.time() - 7200
+        starting, debris = private_runtime / "starting-1", private_runtime / "debris-1"
+        with socket.socket(socket.AF_UNIX) as listening:
+            for directory in (starting, debris):
+                directory.mkdir(mode=0o700)
+            listening.bind(str(starting / "ctl"))
+            listening.listen()
+            for directory in (starting, debris):
+                os.utime(directory, (long_ago, long_ago))
+            listed = memtui_here("ls")
+            assert listed.exit_code == 0, listed.output
+            assert live.run_id in listed.stdout
+            assert "gone-1" not in listed.stdout and "reused-1" not in listed.stdout
+            assert sorted(p.name for p in private_runtime.iterdir()) == [
+                live.run_id,
+                "starting-1",
+            ]
+        assert memtui_here("set", live.run_id, "num_workers=2").exit_code == 0
+    finally:
+        live.close()

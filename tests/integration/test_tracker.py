@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from tests.integration.test_docs import example
 from tests.support.cli import memtui_here, status_json
+from tests.support.clock import patience
 from tests.support.forkserver import ForkedDemo
 from tests.support.processes import launch_script, wait_for
 from tests.support.tbevents import read_events
@@ -152,7 +153,7 @@ def test_events_reach_tensorboard_and_a_raising_callback_is_an_error(tmp_path: P
         assert counters["errors"] == 3, counters  # the change, the OOM and the rollback
         assert counters["last_error"].startswith("on_event callback broken: RuntimeError"), counters
         (tmp_path / "out" / "stop").touch()
-        assert proc.wait(60) == 0, log.read_text()
+        assert proc.wait(patience(60)) == 0, log.read_text()
     finally:
         training.stop()
     step = int(status["applied"][0]["step"])
@@ -178,7 +179,7 @@ def test_a_post_mortem_without_rollback_reaches_tensorboard_before_the_run_dies(
 ) -> None:
     training = Training.grown(tmp_path, {"MEMTUI_ROLLBACK_STEPS": "0"})
     try:
-        assert training.proc.wait(60) == 1, training.log.read_text()
+        assert training.proc.wait(patience(60)) == 1, training.log.read_text()
     finally:
         training.stop()
     assert "MemoryError: CPU out of memory" in training.log.read_text()

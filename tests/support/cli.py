@@ -7,14 +7,16 @@ import subprocess
 import sys
 from typing import Any
 
+from tests.support import clock
 from tests.support.processes import ROOT
 
 
 def memtui_cli(
     *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``memtui`` command line in a subprocess (``env``: instead of this process's)."""
-    return subprocess.run(
+    """Run the ``memtui`` command line in a subprocess (``env``: instead of this process's);
+    ``timeout``: seconds of an idle machine, stretched by the load while it runs."""
+    return clock.run(
         [sys.executable, "-m", "memtui.cli", *args],
         capture_output=True,
         text=True,
@@ -36,7 +38,9 @@ def memtui_here(*args: str) -> Any:
 
 
 def status_json(run: str | None = None) -> dict[str, Any]:
-    """``memtui status [RUN] --json``, run in this process (``memtui_here``)."""
-    result = memtui_here("status", *([run] if run else []), "--json")
+    """``memtui status [RUN] --json``, run in this process (``memtui_here``), waiting for the
+    run's answer as long as the command's 3 s on an idle machine, stretched by the load."""
+    wait = f"{clock.patience(3.0):.1f}"
+    result = memtui_here("status", *([run] if run else []), "--json", "--timeout", wait)
     assert result.exit_code == 0, result.stderr or result.output
     return dict(json.loads(result.stdout))

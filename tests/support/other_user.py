@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import clock
+
 ROOT = Path(__file__).resolve().parents[2]
 _USERS = itertools.count()
 
@@ -48,8 +50,9 @@ class OtherUser:
     def run(
         self, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``python ARGS`` as this user, from its home (``env``: added to its environment)."""
-        return subprocess.run(
+        """``python ARGS`` as this user, from its home (``env``: added to its environment;
+        ``timeout``: seconds of an idle machine, stretched by the load while it runs)."""
+        return clock.run(
             [*self.python, *args],
             capture_output=True,
             text=True,

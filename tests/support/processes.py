@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from memtui.demo.launcher import demo_command_line
+from tests.support.clock import Deadline, patience
 from tests.support.forkserver import ForkedDemo, ForkedJob, ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,14 +35,15 @@ as the default demo at a quarter of its CPU (tests that need a run alive and ste
 def wait_for(
     predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = ""
 ) -> object:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``
+    seconds of an idle machine (stretched by the load: ``clock.Deadline``)."""
+    deadline = Deadline(timeout)
+    while not deadline.passed():
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what or predicate}")
+    pytest.fail(f"timed out after {deadline.waited} waiting for {what or predicate}")
 
 
 @dataclass
@@ -59,8 +61,9 @@ class DemoRun:
         return self.log.read_text() if self.log.exists() else ""
 
     def wait_exit(self, timeout: float = 120.0) -> int:
-        """Wait for the training to finish; return its exit status."""
-        return self.proc.wait(timeout)
+        """Wait for the training to finish (``timeout``: seconds of an idle machine, stretched
+        by the load now); return its exit status."""
+        return self.proc.wait(patience(timeout))
 
     def stop(self) -> None:
         """Terminate the training if it still runs."""
@@ -73,7 +76,7 @@ def stop_all(runs: list[DemoRun]) -> None:
     live = [run for run in runs if run.proc.poll() is None]
     for run in live:
         run.proc.terminate()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     for run in live:
         try:
             run.proc.wait(max(0.1, deadline - time.monotonic()))
@@ -172,7 +175,7 @@ def run_ranks(
     status and output (``subprocess.TimeoutExpired`` after ``timeout`` seconds, the job stopped)."""
     job = launch_ranks([], env, cwd, log, ranks, script=str(script))
     try:
-        code = job.wait(timeout)
+        code = job.wait(patience(timeout))
     finally:
         stop_all([DemoRun(job, log.parent, log)])
     return code, log.read_text()

@@ -22,6 +22,7 @@ from memtui.transport.recording import RecordedFrame, Recording, read_recording
 from memtui.transport.sources import ReplayEnd, ReplaySource
 from memtui.tui.app import MemtuiApp
 from memtui.wire import Decoder, Snapshot, Telemetry, encode
+from tests.support.clock import Deadline, patience
 from tests.support.processes import ROOT
 
 DATA = ROOT / "tests" / "data"
@@ -37,6 +38,10 @@ AUTOPILOT = DATA / "demo_autopilot.mtrec"
 num_workers 0 -> 1 kept, then trials reverted, converged with its budget spent."""
 RANKS_8 = DATA / "ranks_8.mtrec"
 """Eight synthetic CUDA ranks: rank 5 straggles on data, rank 6 at 88% (make_ranks_stream.py)."""
+WATCHED = DATA / "watched_stream.mtrec"
+"""A plain loop under ``memtui run`` over a stream's loader with 2 workers, batch 4 and an
+accumulation of 2 in the loop (make_watched_stream.py): prefetch_factor=4 applied,
+pin_memory=true still pending when the run ended."""
 
 
 def one_rank(path: Path) -> Recording:
@@ -127,12 +132,13 @@ def screen_text(app: App[Any]) -> str:
 async def until(
     pilot: Pilot[Any], predicate: Callable[[], object], timeout: float = 30.0, what: str = ""
 ) -> None:
-    """Let the app run until ``predicate()`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Let the app run until ``predicate()`` holds; fail after ``timeout`` seconds of an idle
+    machine (stretched by the load: ``clock.Deadline``)."""
+    deadline = Deadline(timeout)
     while not predicate():
-        if time.monotonic() > deadline:
+        if deadline.passed():
             text = screen_text(pilot.app)
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{text}")
+            pytest.fail(f"timed out after {deadline.waited} waiting for {what}\n{text}")
         await pilot.pause(0.05)
 
 
@@ -145,7 +151,7 @@ async def settle(pilot: Pilot[Any]) -> None:
     app.refresh_view()
     await pilot.pause()
     screen = app.screen
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + patience(1.0)
     while time.monotonic() < deadline:
         if not (screen.show_vertical_scrollbar or screen.max_scroll_y):
             break
@@ -155,7 +161,7 @@ async def settle(pilot: Pilot[Any]) -> None:
     # charts out again in the next pass, and under load a capture fell between the two
     # (a repaint between the two looks: under load one frame showed the header and verdict of
     # a summary made before the last records were folded, then never redrawn)
-    shown, deadline = screen_text(app), time.monotonic() + 3.0
+    shown, deadline = screen_text(app), time.monotonic() + patience(3.0)
     while time.monotonic() < deadline:
         app.refresh_view()
         await pilot.pause(0.05)

@@ -549,7 +549,30 @@ def test_thresholds_file_location_follows_xdg(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        ("verdict:\n  starved: 0.2\n", "unknown key verdict.starved ignored"),
+        (
+            "verdict:\n  starved: 0.2\n",
+            "unknown key verdict.starved ignored (nearest known key: verdict.starved_wait_fraction)",
+        ),
+        (
+            "verdikt:\n  starved_wait_fraction: 0.2\n",
+            "unknown key verdikt ignored, with the key under it (starved_wait_fraction) "
+            "(nearest known key: verdict:)",
+        ),
+        (
+            "starved_wait_fraction: 0.2\n",
+            "starved_wait_fraction is at the top level, where memtui reads nothing: it belongs "
+            "under verdict: (verdict.starved_wait_fraction); ignored",
+        ),
+        (
+            "memory_edge_fractoin: 0.8\nverdict: {}\n",
+            "unknown key memory_edge_fractoin ignored (nearest known key: "
+            "verdict.memory_edge_fraction)",
+        ),
+        (
+            "verdict:\n  memory:\n    edge: 0.8\n",
+            "unknown key verdict.memory ignored, with the key under it (edge) (nearest known key: "
+            "verdict.memory_edge_fraction)",
+        ),
         ("verdict:\n  starved_wait_fraction: lots\n", "'lots' is not a number"),
         ("verdict:\n  memory_edge_fraction: 85\n", "not a share in (0, 1]"),
         ("verdict:\n  memory_edge_fraction: 0.95\n", "must be under memory_danger_fraction"),
@@ -568,6 +591,31 @@ def test_bad_threshold_files_warn_in_one_line_and_keep_defaults(
     assert problem in config.problems[0], config.problems
     assert config.thresholds.memory_edge_fraction == THRESHOLDS.memory_edge_fraction
     assert config.thresholds.starved_wait_fraction == THRESHOLDS.starved_wait_fraction
+
+
+def test_every_key_memtui_does_not_use_is_said_with_the_nearest_known_one(tmp_path: Path) -> None:
+    """A file with keys at every level that memtui does not read: one line for each, naming the
+    nearest known key; the keys it reads are used."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "verdikt:\n  hysteresis: 0.05\n  starved_wait_fraction: 0.2\n"
+        "host_ram_fraction: 0.8\n"
+        "colours: dark\n"
+        "verdict:\n  starved_wait_fraction: 0.25\n  swap_growth: 1\n"
+        "  thresholds:\n    edge: 0.8\n"
+    )
+    config = load_thresholds(path)
+    assert config.thresholds.starved_wait_fraction == 0.25
+    assert [line.removeprefix(f"{path}: ") for line in config.problems] == [
+        "unknown key verdikt ignored, with the 2 keys under it (hysteresis, "
+        "starved_wait_fraction) (nearest known key: verdict:)",
+        "host_ram_fraction is at the top level, where memtui reads nothing: it belongs under "
+        "verdict: (verdict.host_ram_fraction); ignored",
+        "unknown key colours ignored (nearest known key: verdict:)",
+        "unknown key verdict.swap_growth ignored (nearest known key: verdict.swap_growth_bytes)",
+        "unknown key verdict.thresholds ignored, with the key under it (edge) (nearest known "
+        "key: verdict.hysteresis)",
+    ]
 
 
 def test_a_named_config_file_that_is_missing_is_reported(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from memtui.hooks import Options, Tuner, server
 from memtui.hooks.persist import AUDIT_FILE, read_audit
 from memtui.hooks.server import TOGGLES_BURST, TOGGLES_PER_S
 from memtui.transport.client import ClientError, ControlClient
+from tests.support.clock import patience
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def tuner(tmp_path: Path) -> Iterator[Tuner]:
 def toggle(endpoint: str, on: bool, client: str) -> str:
     """``memtui autotune on|off`` on a connection of its own: "ok", or why it was refused."""
     try:
-        reply = ControlClient(endpoint, timeout_s=10, client=client).autotune(on)
+        reply = ControlClient(endpoint, timeout_s=patience(10), client=client).autotune(on)
     except ClientError as exc:
         return str(exc)
     return "ok" if reply.ok else reply.reason
@@ -43,7 +44,7 @@ def test_toggles_from_fresh_connections_are_rated_over_all_of_them(
     endpoint = tuner.ranks[0].control
     started = time.monotonic()
     answers = [toggle(endpoint, i % 2 == 0, f"flood{i}") for i in range(100)]
-    operator = ControlClient(endpoint, timeout_s=10, client="operator")
+    operator = ControlClient(endpoint, timeout_s=patience(10), client="operator")
     queued = operator.set({"batch_size": 8})
     assert queued.ok, queued.reason
     assert operator.cancel(queued.id).ok

@@ -3,8 +3,11 @@ the one Prediction, each through its public methods (no threads, no sockets, no 
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,16 +25,19 @@ from memtui.advice.predict import fit
 from memtui.advice.prediction import Prediction
 from memtui.advice.verdict import Thresholds
 from memtui.core.knobs import KnobError, diff, format_diffs, knobs_with, merge
+from memtui.hooks.control import Control
 from memtui.hooks.device import allocator_settings
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import MAX_STEP_BATCHES, StepLedger
+from memtui.hooks.persist import AuditLog
 from memtui.wire import (
     STEP_AFTER_CHECKPOINT,
     AppliedChange,
     DeviceSample,
     KnobDiff,
     Knobs,
+    SetRequest,
     StaticMemory,
 )
 
@@ -124,6 +130,154 @@ def test_store_reads_applies_all_or_none_and_bumps_loaders() -> None:
         store.check({"num_workers": 2})
     store.adopt({"num_workers": 0, "pin_memory": False, "batch_size": 99})
     assert store.knobs == Knobs(batch_size=16, grad_accum=2, num_workers=0, pin_memory=False)
+
+
+def test_a_knob_found_after_a_viewer_attached_moves_the_control_seq() -> None:
+    """Under ``memtui run`` the loader's knobs are found at the first step, after the run
+    registered (and a viewer may have attached): every change of the store (a knob adopted, a
+    reason, a value read, a change applied) and of where changes apply moves ``seq``, so the
+    next batch carries the control state; the state says the values read of the knobs memtui
+    cannot change."""
+    store = KnobStore(SimpleNamespace(), None, ErrorLog().report)
+    control = Control(
+        store.current,
+        why_not=store.untunable_reasons,
+        read_values=store.untunable_values,
+        version=lambda: store.version,
+    )
+    seen = [control.seq]
+    store.refuse("batch_size", "the loop's own code sets it", 4)
+    seen.append(control.seq)
+    store.refuse("grad_accum", "the loop's own code sets it")
+    seen.append(control.seq)
+    store.adopt({"num_workers": 0, "pin_memory": False, "prefetch_factor": 2})
+    seen.append(control.seq)
+    control.boundary = "the training DataLoader's next epoch"
+    seen.append(control.seq)
+    store.apply({"num_workers": 2}, step=10)
+    seen.append(control.seq)
+    assert seen == sorted(set(seen)), f"every change moves it, up: {seen}"
+    state = control.state()
+    assert state.tunable == ["num_workers", "pin_memory", "prefetch_factor"]
+    assert state.untunable_values == {"batch_size": 4}
+    assert set(state.untunable) == {"batch_size", "grad_accum"}
+    assert state.boundary == "the training DataLoader's next epoch"
+
+
+def test_a_change_pending_when_the_run_ends_is_recorded_and_audited(tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.jsonl", "run")
+    control = Control(lambda: Knobs(batch_size=8, num_workers=0), audit=audit, step=lambda: 42)
+    assert control.queue(SetRequest(changes={"num_workers": 2})).ok
+    before = control.seq
+    left = control.close()
+    assert [c.changes for c in left] == [{"num_workers": 2}]
+    state = control.state()
+    assert state.pending == [] and [c.id for c in state.unapplied] == [1]
+    assert control.seq > before, "the last batch carries it"
+    last = audit.read()[-1]
+    assert last["event"] == "unapplied" and last["reason"] == "pending at exit"
+    assert (last["ids"], last["changes"], last["step"]) == ([1], {"num_workers": 2}, 42)
+    assert control.close() == [], "said once"
+    late = control.queue(SetRequest(changes={"num_workers": 3}))
+    assert not late.ok and "the run has ended" in late.reason
+
+
+HOW = re.compile(r"; to make (it|them) tunable, \S")
+"""How a reason that a knob is not tunable says what makes it tunable."""
+
+
+def test_a_knob_the_config_does_not_hold_says_how_to_make_it_tunable() -> None:
+    """A config without ``grad_accum`` (under a name memtui does not look for): the refusal says
+    to name it with ``knobs=``, with the config's own name for it; a loader knob also names
+    ``tuner.loader(factory)``; a value memtui cannot use says to give it one."""
+    config = SimpleNamespace(batch_size=8, accum_steps=4, num_workers=-1)
+    store = KnobStore(config, None, ErrorLog().report)
+    with pytest.raises(KnobError) as refused:
+        store.check({"grad_accum": 2})
+    assert str(refused.value) == (
+        "grad_accum is not tunable in this run: the config given to hooks.install holds no "
+        "grad_accum under the names memtui looks for (gradient_accumulation_steps, grad_accum, "
+        "accumulation_steps); to make it tunable, name yours: hooks.install(..., "
+        'knobs={"grad_accum": "accum_steps"})'
+    )
+    reasons = store.untunable_reasons()
+    assert set(reasons) == {"grad_accum", "num_workers", "pin_memory", "prefetch_factor"}
+    assert all(HOW.search(why) for why in reasons.values()), reasons
+    assert "tuner.loader(factory)" in reasons["pin_memory"]
+    assert reasons["num_workers"] == (
+        "num_workers=-1 in your config is not a value memtui can use (num_workers must be 0 or "
+        "more, got -1); to make it tunable, give it one"
+    )
+
+
+def test_every_reason_a_knob_is_not_tunable_says_how_to_make_it_tunable() -> None:
+    """Each reason the hook gives (the no-code watch's, Accelerate's, a loader Lightning cannot
+    have rebuilt, the queue's last resort) says what makes the knob tunable; every call that
+    records a reason in the hook passes one that says it, or one of those."""
+    import ast
+    import inspect
+
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, Sampler, TensorDataset
+
+    from memtui.core.knobs import resolve
+    from memtui.hooks import auto, rebuild
+    from memtui.hooks.adapters import accelerate, lightning
+
+    data = TensorDataset(torch.arange(10))
+
+    class Mine(DataLoader):  # type: ignore[type-arg]
+        """A loader class of the script's own."""
+
+    class Endless(Sampler):  # type: ignore[type-arg]
+        """A sampler with no length."""
+
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+    class Pairs(BatchSampler):
+        """A batch sampler of the script's own."""
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        """A dataset read as a stream."""
+
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+    unrebuilt = [
+        [torch.zeros(2)],
+        Mine(data, batch_size=2),
+        DataLoader(Stream(), batch_size=2),
+        DataLoader(data, batch_size=None),
+        DataLoader(data, batch_sampler=Pairs(range(10), 2, False)),
+        DataLoader(data, batch_size=2, sampler=Endless()),
+    ]
+    reasons = [rebuild.why_not_rebuilt(loader) for loader in unrebuilt]
+    reasons += [auto.BATCH_IN_CODE, auto.NO_LOADER, auto.ITERABLE, accelerate.OWN_COUNT]
+    with pytest.raises(KnobError) as refused:
+        resolve({"grad_accum": 2}, Knobs(batch_size=8), ["batch_size"])
+    reasons.append(str(refused.value))
+    wrong = [why for why in reasons if not HOW.search(why)]
+    assert not wrong, wrong
+
+    # every reason recorded in the hook: a literal says it, a name is one of those above
+    said = {"BATCH_IN_CODE", "NO_LOADER", "ITERABLE", "OWN_COUNT", "why"}
+    recorders = {"refuse": 1, "withdraw": 1, "_refuse_loader_knobs": 0}
+    found = 0
+    for module in (auto, accelerate, lightning, rebuild):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            where = recorders.get(node.func.attr)
+            if where is None or len(node.args) <= where:
+                continue  # Control.withdraw(origin): the autopilot's changes, not a knob
+            reason = node.args[where]
+            found += 1
+            if isinstance(reason, ast.Name):
+                assert reason.id in said, ast.unparse(node)
+            else:
+                assert HOW.search(ast.unparse(reason)), ast.unparse(node)
+    assert found >= 8, found
 
 
 def test_the_memory_models_window_restarts_when_the_workers_change() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from memtui.core.knobs import (
     accumulation_for,
     canonical_name,
     effective_batch,
+    known_config,
     lr_factor,
     lr_rule,
     lr_words,
@@ -196,6 +198,48 @@ def test_a_prefetch_factor_needs_workers_in_the_config_it_lands_in() -> None:
     }
     with pytest.raises(KnobError, match="only used with num_workers > 0"):
         resolve({"prefetch_factor": 4, "num_workers": 0}, Knobs(batch_size=8, num_workers=2), ALL)
+
+
+def test_a_worker_count_not_known_is_unknown_not_zero() -> None:
+    """A loader memtui watches but did not build (its workers not a knob): prefetch_factor is
+    taken, by the worker count read where there is one, refused only where it is 0."""
+    unknown = Knobs(pin_memory=True, prefetch_factor=2)
+    tunable = ["pin_memory", "prefetch_factor"]
+    assert resolve({"prefetch_factor": 4}, unknown, tunable).changes == {"prefetch_factor": 4}
+    read = resolve({"prefetch_factor": 4}, unknown, tunable, held={"num_workers": 4})
+    assert read.changes == {"prefetch_factor": 4}
+    with pytest.raises(KnobError, match="only used with num_workers > 0"):
+        resolve({"prefetch_factor": 4}, unknown, tunable, held={"num_workers": 0})
+
+
+def test_the_known_config_takes_the_run_s_values_then_what_was_read_then_what_was_measured() -> (
+    None
+):
+    """Every knob's one figure: the tunable config's, else the value the hook read, else (the
+    micro-batch, the accumulation) the steps' medians; a run without an accumulation knob whose
+    steps draw one micro-batch each has an effective batch of batch x 1 x ranks."""
+    steps = SimpleNamespace(micro_batch=4, micro_batches=2)
+    known = known_config(
+        Knobs(pin_memory=True, prefetch_factor=2),
+        ["pin_memory", "prefetch_factor"],
+        {"batch_size": 4, "num_workers": 4},
+        steps,
+        world_size=2,
+    )
+    assert known.values == {
+        "batch_size": 4, "grad_accum": 2, "num_workers": 4, "pin_memory": True,
+        "prefetch_factor": 2,
+    }  # fmt: skip
+    assert known.measured == ("grad_accum",) and known.tunable == ("pin_memory", "prefetch_factor")
+    assert known.effective_batch() == 16 and known.effective_batch({"batch_size": 8}) == 32
+    single = known_config(Knobs(batch_size=8), ["batch_size"], None, SimpleNamespace(
+        micro_batch=8, micro_batches=1), world_size=3)  # fmt: skip
+    assert single.effective_batch() == 24 and single.measured == ("grad_accum",)
+    unmeasured = known_config(Knobs(batch_size=8), ["batch_size"])
+    assert unmeasured.effective_batch() is None, "no accumulation known: not said"
+    idle = known_config(Knobs(num_workers=0, prefetch_factor=2), ["num_workers"])
+    assert idle.unused == {"prefetch_factor": "no loader workers"}
+    assert idle.values["prefetch_factor"] == 2, "the value it takes once workers load"
 
 
 def test_the_tuned_yaml_round_trips_all_five_knobs(tmp_path: Path) -> None:

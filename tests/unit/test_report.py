@@ -95,15 +95,15 @@ def test_status_says_one_largest_micro_batch(path: object) -> None:
 
 def test_prefetch_factor_without_loader_workers_is_shown_unused() -> None:
     """A loader without workers ignores ``prefetch_factor`` (torch uses it only with workers):
-    the text shows none in effect and why; the JSON keeps the value (the one workers would use)
-    under its key and says why it is unused in ``config_unused``; the viewer's config panel
-    shows ``-``, and the value it takes once a pending change of workers lands."""
+    the text, the JSON and the viewer's config panel give the one value it holds (the one workers
+    would use) and say it is unused now and why; the panel says a pending change of workers
+    starts using it."""
     path = next(p for p in RECORDINGS if p.stem == "demo_autopilot")
     reports = _reports(path)
     without = next(r for r in reports if r.config["num_workers"] == 0)
     with_workers = next(r for r in reports if r.config["num_workers"])
     text = render_status(without, now=without.started + 60)
-    assert "num_workers=0 pin_memory=false prefetch_factor=- (no loader workers)" in text, text
+    assert "num_workers=0 pin_memory=false prefetch_factor=2 (unused: no loader workers)" in text
     data = json.loads(status_json(without))
     assert data["config"]["prefetch_factor"] == 2
     assert data["config_unused"] == {"prefetch_factor": "no loader workers"}
@@ -117,7 +117,23 @@ def test_prefetch_factor_without_loader_workers_is_shown_unused() -> None:
             break
     panel = str(ConfigPanel().build(state, ViewOptions(), 60)).splitlines()
     assert re.search(r"^num_workers +0  → 1 ", panel[3]), panel
-    assert re.search(r"^prefetch_factor +-  → 2 ", panel[5]), panel
+    assert re.search(r"^prefetch_factor +2  → used ", panel[5]), panel
+
+
+def test_a_change_pending_when_the_run_ended_is_said_never_applied() -> None:
+    """The last word of a run that ended with a change queued: the JSON's ``unapplied`` and one
+    text line, beside the knobs the run has but memtui cannot change, with their values."""
+    path = next(p for p in RECORDINGS if p.stem == "watched_stream")
+    report = _reports(path)[-1]
+    data = json.loads(status_json(report))
+    assert [(c["id"], c["changes"]) for c in data["unapplied"]] == [(2, {"pin_memory": True})]
+    assert data["pending"] == []
+    text = render_status(report, now=report.started + 60)
+    assert "never applied #2: pin_memory=true (queued at step " in text
+    assert "pending at exit: the run ended before its next boundary" in text
+    assert "config: batch_size=4 grad_accum=2 (measured) num_workers=2 " in text
+    assert "2 loader workers (" in text, "the workers each epoch starts anew are listed"
+    assert (data["config_measured"], data["effective_batch"]) == (["grad_accum"], 8)
 
 
 def test_status_reads_each_prediction_next_to_its_measurement_in_words() -> None:

@@ -22,6 +22,7 @@ import yaml
 from memtui.advice.verdict import THRESHOLDS
 from memtui.hooks import Options, Tuner
 from memtui.storage import safeyaml
+from tests.support.clock import patience
 
 BILLION_LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
@@ -112,9 +113,9 @@ def test_a_fifo_as_the_tuned_yaml_or_the_config_does_not_block_install(
     with caplog.at_level(logging.WARNING, "memtui"):
         thread = threading.Thread(target=install, daemon=True)
         thread.start()
-        thread.join(2.0)
+        thread.join(patience(2.0))
         said_quickly = bool(done)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + patience(5)
     while not done and time.monotonic() < deadline:  # unblock the reader, then fail
         for name in ("memtui-tuned.yaml", "config.yaml"):
             with contextlib.suppress(OSError):

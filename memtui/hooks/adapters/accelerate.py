@@ -61,7 +61,8 @@ PLACE_FILE = "memtui_state_{}.json"
 OWN_COUNT = (
     "the script steps its optimizer on a count memtui cannot see: it does not use "
     "accelerator.accumulate() and the config given to hooks.install holds no "
-    "gradient_accumulation_steps; use `with accelerator.accumulate(model):` (memtui then sets "
+    "gradient_accumulation_steps; to make it tunable, use `with accelerator.accumulate(model):` "
+    "(memtui then sets "
     "the accelerator's count), or keep the count in that config and read it from there"
 )
 """Why ``grad_accum`` is not tunable in an Accelerate script that accumulates by itself."""

@@ -16,6 +16,17 @@ and the position in the data is kept in samples (the Trainer counts it in batche
 size): memtui's sampler replays the epoch's order and leaves out exactly the samples already
 consumed, and the resumed epoch's loop is sized to the samples it has left.
 
+A restart (``train(resume_from_checkpoint=...)`` in a new process) meets the same arithmetic: the
+Trainer places it at ``global_step // steps per epoch`` in steps of the config it restarts with,
+while the epochs before ran at others. So once memtui has changed the run (a change applied, or
+a tuned config or a place resumed), every checkpoint the Trainer saves also gets memtui's place,
+``memtui_state.json`` (``tuner.state_dict()``: the step and the tuned config, with the epoch,
+the samples consumed in it over all ranks and the run's ``max_steps``), written by the processes
+that write ``trainer_state.json``; a run memtui never changed saves the Trainer's files alone,
+byte for byte. A ``train`` that resumes a checkpoint holding that file starts from its tuned
+config (``tuner.load_state_dict``) and at its place, as the in-process resume does; one without
+it resumes as the Trainer does on its own.
+
 Under torchrun or ``accelerate launch``, ``TrainingArguments`` starts ``torch.distributed``, so it
 is up at install and the ranks coordinate from the start: the change lands at the same save on
 every rank and every rank resumes from that checkpoint at the same global step.
@@ -35,14 +46,17 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from transformers import TrainerCallback
 
 from memtui.hooks.batches import batch_samples, missed_once
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
+from memtui.storage import ownfiles
 
 log = logging.getLogger("memtui")
 
@@ -62,6 +76,12 @@ HF_KNOBS = {
 TORCH_PREFETCH = 2
 """torch's ``prefetch_factor`` when a loader with workers is given none (the Trainer's None)."""
 
+PLACE_FILE = "memtui_state.json"
+"""memtui's place in a checkpoint the Trainer saved after memtui changed the run."""
+
+PLACE_KEY = "trainer"
+"""The section of the place file that says where the Trainer's loop was in the data."""
+
 
 def staged_knobs(args: Any) -> dict[str, Any]:
     """The knobs as memtui holds them, read from the ``TrainingArguments`` (the Trainer's
@@ -79,6 +99,29 @@ def set_args(args: Any, staged: dict[str, Any]) -> None:
         if name == "dataloader_prefetch_factor" and not staged["dataloader_num_workers"]:
             value = None
         setattr(args, name, value)
+
+
+def place_in_epoch(epoch: int, consumed: int, size: int | None) -> tuple[int, int]:
+    """(epoch, samples consumed in it), an epoch consumed whole being the next one's start."""
+    if size is not None and size > 0 and consumed >= size:
+        return epoch + 1, 0
+    return epoch, max(0, consumed)
+
+
+def whole_groups(consumed: int, per_batch: int, accumulation: int) -> tuple[int, int]:
+    """Of ``consumed`` samples, those the resumed loop skips as whole optimizer steps of the
+    config it resumes with (``per_batch`` samples a micro-batch over all ranks, ``accumulation``
+    of them a step), and the micro-batches that is (each rank's ``skip_first_batches``); the
+    samples between are left out by memtui's sampler."""
+    group = max(1, per_batch * accumulation)
+    kept = (consumed // group) * group
+    return kept, kept // max(1, per_batch)
+
+
+def epoch_of(epoch: int, consumed: int, size: int) -> float:
+    """The Trainer's ``state.epoch`` (epochs done, fractional) after ``consumed`` samples of
+    ``epoch``, of ``size`` each."""
+    return epoch + min(max(consumed, 0), size) / size if size > 0 else float(epoch)
 
 
 class EpochOrderSampler:
@@ -142,8 +185,11 @@ class MemtuiCallback(TrainerCallback):
         self.adapter.epoch_begin()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """One optimizer step is done."""
-        self.adapter.tuner.step()
+        """One optimizer step is done (in an epoch memtui cut, the epoch counted in samples)."""
+        adapter = self.adapter
+        adapter.tuner.step()
+        if adapter.cut_epoch is not None:
+            adapter.true_epoch(state)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The boundary, right after the Trainer saved: apply, and stop to resume if needed."""
@@ -166,6 +212,20 @@ class HFAdapter:
         """Samples (over all ranks) of the current epoch delivered to the loop."""
         self.resume_at: tuple[int, int] | None = None
         """(epoch, samples consumed in it) for the next resumed ``train`` call."""
+        self.start_place: tuple[int, int] | None = None
+        """(epoch, samples consumed in it) the loop of the running ``train`` call starts from:
+        memtui's resume place, or the Trainer's own where it resumes a checkpoint without one."""
+        self.cut_epoch: tuple[int, int] | None = None
+        """(epoch, its samples) of the resumed epoch memtui's sampler cut: the Trainer's
+        fractional epoch, counted in batches of that shorter epoch, is replaced in samples."""
+        self.resumed_step: int | None = None
+        """The global step of the checkpoint a new process resumes from memtui's place."""
+        self.place_size: int | None = None
+        """The samples of an epoch where that place was saved (None: not said)."""
+        self.keeps_place = False
+        """Whether each checkpoint gets memtui's place: once memtui changed the run (a change
+        applied, a tuned config or a place resumed), the Trainer's own restart arithmetic (the
+        global step in steps of the config it restarts with) no longer finds it."""
         self.restart: tuple[str, int, int] | None = None
         """(checkpoint directory, epoch, consumed): set by a boundary that changed something."""
         self.sampler: EpochOrderSampler | None = None
@@ -180,6 +240,7 @@ class HFAdapter:
         """End-of-``train`` settings set aside while a stopped ``train`` is not the run's end."""
         self.tuner = Tuner(self.staged, model=trainer.model, **tuner_kwargs).start()
         self.tuner.adapter = self
+        self.keeps_place = bool(self.tuner.resumed)
         self._refuse_when_told()
         control, refusal = self.tuner.control, cannot_resume(args)
         if refusal and not control.disabled:
@@ -265,7 +326,10 @@ class HFAdapter:
                 # the resumed epoch is partial: leave the loop room for every step still to run
                 epoch = adapter.resume_at[0]
                 per_epoch = max(1, int(values[1]))
-                left = max(0, int(values[6]) - int(trainer.state.global_step or 0))
+                done = adapter.resumed_step
+                if done is None:
+                    done = int(trainer.state.global_step or 0)
+                left = max(0, int(values[6]) - done)
                 values[0] = max(int(values[0]), epoch + 2 + math.ceil(left / per_epoch))
             return tuple(values)
 
@@ -286,6 +350,7 @@ class HFAdapter:
             return run_epoch_of_trainer(*a, **kw)
 
         def train_with_memtui(*a: Any, **kw: Any) -> Any:
+            adapter._restore_place(a[0] if a else kw.get("resume_from_checkpoint"))
             output = train(*a, **kw)
             while adapter.restart is not None:
                 checkpoint, epoch, consumed = adapter.restart
@@ -294,7 +359,7 @@ class HFAdapter:
                 kw.pop("resume_from_checkpoint", None)
                 rest = a[1:] if a else ()
                 output = train(checkpoint, *rest, **kw)
-            adapter.resume_at = None
+            adapter.resume_at = adapter.resumed_step = adapter.place_size = None
             return output
 
         trainer.get_batch_samples = timed_batch_samples
@@ -321,23 +386,158 @@ class HFAdapter:
 
     def _resume_position(self, epochs_trained: int, skip: int) -> tuple[int, int]:
         """Where a resumed loop starts: memtui's (epoch, whole batches to skip), else the Trainer's."""
-        if self.resume_at is None:
-            return epochs_trained, skip
-        epoch, consumed = self.resume_at
         args = self.trainer.args
         per_batch = args.per_device_train_batch_size * self.world
-        group = per_batch * args.gradient_accumulation_steps
-        kept = (consumed // group) * group
-        if self.sampler is not None:
-            self.sampler.cut = (epoch, kept, consumed)
-        elif kept != consumed:
-            log.warning(
-                "memtui: the Trainer's sampler is not memtui's; the resumed epoch skips %d "
-                "samples, not %d",
-                kept,
-                consumed,
+        self.cut_epoch = None
+        if self.resume_at is not None and self._place_fits():
+            epoch, consumed = self.resume_at
+            if self.resumed_step is not None and getattr(args, "ignore_data_skip", False):
+                consumed = 0  # told not to skip data: the epoch from its start, as the Trainer does
+            kept, batches = whole_groups(consumed, per_batch, args.gradient_accumulation_steps)
+            if self.sampler is not None:
+                self.sampler.cut = (epoch, kept, consumed)
+                if kept != consumed:
+                    self.cut_epoch = (epoch, self.sampler.size)
+            elif kept != consumed:
+                log.warning(
+                    "memtui: the Trainer's sampler is not memtui's; the resumed epoch skips %d "
+                    "samples, not %d",
+                    kept,
+                    consumed,
+                )
+            self.start_place = (epoch, consumed)
+            return epoch, batches
+        self.start_place = (epochs_trained, skip * per_batch) if epochs_trained or skip else None
+        return epochs_trained, skip
+
+    def _place_fits(self) -> bool:
+        """Whether memtui's place fits the data this loop iterates (a restart's data set may not
+        be the one the place was counted in: the Trainer's own place then stands, said)."""
+        size = self.sampler.size if self.sampler is not None else None
+        if self.place_size is None or size is None or size == self.place_size:
+            return True
+        log.warning(
+            "memtui: the checkpoint's place was counted in epochs of %d samples and this run's "
+            "have %d: the Trainer's own resume stands (its global step in steps of this config)",
+            self.place_size,
+            size,
+        )
+        return False
+
+    def true_epoch(self, state: Any) -> None:
+        """In the epoch memtui's sampler cut, make ``state.epoch`` its samples consumed."""
+        cut = self.cut_epoch
+        if cut is not None and cut[0] == self.epoch:
+            state.epoch = epoch_of(self.epoch, self.consumed, cut[1])
+
+    # ------------------------------------------------------------------ a restart's place
+
+    def _restore_place(self, resume_from: Any) -> None:
+        """A ``train`` resuming a checkpoint: memtui's place and tuned config from its file, if
+        it has one (else the Trainer's own resume stands, and where the tuned config memtui
+        resumed takes another number of samples a step than the script's, that is said)."""
+        if resume_from is None or resume_from is False:
+            return
+        try:
+            checkpoint = self._checkpoint_of(resume_from)
+            if checkpoint is None:
+                return
+            path = Path(checkpoint) / PLACE_FILE
+            if not path.exists():
+                self._say_placed_by_the_trainer(checkpoint)
+                return
+            fd = ownfiles.open_read(path)
+            with os.fdopen(fd, "rb") as handle:
+                state = msgspec.json.decode(handle.read())
+            place = state.get(PLACE_KEY) if isinstance(state, dict) else None
+            if not isinstance(place, Mapping):
+                raise ValueError(f"{path} holds no place of the Trainer's loop")
+            epoch, consumed = int(place["epoch"]), int(place["samples_in_epoch"])
+            size = place.get("samples_per_epoch")
+            self.place_size = int(size) if isinstance(size, int) and size > 0 else None
+            self.tuner.load_state_dict(state)
+            self._resume_max_steps(place)
+            args = self.trainer.args
+            set_args(args, self.staged)
+            # transformers keeps the micro-batch here; no public setter
+            self.trainer._train_batch_size = args.train_batch_size  # noqa: SLF001
+            self.resume_at = place_in_epoch(epoch, consumed, self.place_size)
+            self.resumed_step = int(state.get("step", 0))
+            self.keeps_place = True
+            log.info(
+                "memtui: resuming %s at sample %d of epoch %d (memtui's place, over all ranks), "
+                "step %d",
+                os.path.basename(os.path.normpath(checkpoint)),
+                self.resume_at[1],
+                self.resume_at[0],
+                self.resumed_step,
             )
-        return epoch, kept // per_batch
+        except Exception as exc:  # the Trainer's own resume goes on
+            self.resume_at = self.resumed_step = self.place_size = None
+            self.tuner.report(exc, "restoring memtui's place from the checkpoint")
+
+    def _checkpoint_of(self, resume_from: Any) -> str | None:
+        """The checkpoint directory ``train(resume_from_checkpoint=...)`` resumes (``True``: the
+        last one in the output directory, as the Trainer picks it; None: none)."""
+        if resume_from is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            output_dir = self.trainer.args.output_dir
+            found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+            return str(found) if found else None
+        if isinstance(resume_from, (str, os.PathLike)):
+            return os.fspath(resume_from)
+        return None
+
+    def _resume_max_steps(self, place: Mapping[str, Any]) -> None:
+        """An epoch-bounded run keeps the ``max_steps`` it computed at its start (the LR schedule
+        was sized on it; the tuned config's steps per epoch would size another)."""
+        args = self.trainer.args
+        saved, epochs = place.get("max_steps"), place.get("num_train_epochs")
+        same_epochs = isinstance(epochs, (int, float)) and epochs == args.num_train_epochs
+        if args.max_steps <= 0 and isinstance(saved, int) and saved > 0 and same_epochs:
+            args.max_steps = saved
+
+    def _say_placed_by_the_trainer(self, checkpoint: str) -> None:
+        """One line where the Trainer alone places a restart in steps of a tuned config memtui
+        resumed, which takes another number of samples a step than the script's own."""
+        store = self.tuner.store
+        knobs, own = store.knobs, store.own
+        tuned = (knobs.batch_size or 0) * (knobs.grad_accum or 1)
+        script = int(own.get("batch_size") or 0) * int(own.get("grad_accum") or 1)
+        if not tuned or not script or tuned == script or self.tuner.rank != 0:
+            return
+        log.warning(
+            "memtui: %s keeps no place of memtui's (saved before memtui changed the run, or "
+            "without memtui): the Trainer places the resume by its global step in steps of the "
+            "tuned config (%d samples a rank, the script's own %d), right only if the checkpoint "
+            "was trained at it; to resume where it stopped, restart from a checkpoint saved "
+            "after the change, or without resume=True",
+            os.path.basename(os.path.normpath(checkpoint)),
+            tuned,
+            script,
+        )
+
+    def _save_place(self, checkpoint: str) -> None:
+        """Write memtui's place into the checkpoint the Trainer just saved (where it writes
+        ``trainer_state.json``; the user's own 0600 file, replaced whole)."""
+        args = self.trainer.args
+        if not getattr(args, "should_save", True) or not os.path.isdir(checkpoint):
+            return
+        try:
+            size = self.sampler.size if self.sampler is not None else None
+            epoch, consumed = place_in_epoch(max(self.epoch, 0), self.consumed, size)
+            place = {
+                "epoch": epoch,
+                "samples_in_epoch": consumed,
+                "samples_per_epoch": size,
+                "max_steps": self.max_steps,
+                "num_train_epochs": args.num_train_epochs,
+            }
+            state = {**self.tuner.state_dict(), PLACE_KEY: place}
+            ownfiles.replace_file(Path(checkpoint) / PLACE_FILE, msgspec.json.encode(state))
+        except Exception as exc:  # the checkpoint is saved: a restart resumes as the Trainer does
+            self.tuner.report(exc, "saving memtui's place in the checkpoint")
 
     # ------------------------------------------------------------------ callbacks
 
@@ -359,14 +559,14 @@ class HFAdapter:
             tuner.watch_scheduler(scheduler)
         self.lr_unsaved = 1.0
         tuner.model = self.trainer.model
-        if self.resume_at is not None:
-            self.epoch = self.resume_at[0] - 1
+        if self.start_place is not None:
+            self.epoch = self.start_place[0] - 1
 
     def epoch_begin(self) -> None:
         """A new epoch of the loop (the resumed one continues its sample count)."""
         self.epoch += 1
-        if self.resume_at is not None and self.resume_at[0] == self.epoch:
-            self.consumed = self.resume_at[1]
+        if self.start_place is not None and self.start_place[0] == self.epoch:
+            self.consumed = self.start_place[1]
         else:
             self.consumed = 0
 
@@ -381,6 +581,10 @@ class HFAdapter:
             applied = self.tuner.checkpoint()
         finally:
             self.refusal = ""
+        if applied is not None and applied.changes:
+            self.keeps_place = True
+        if self.keeps_place:
+            self._save_place(checkpoint)
         try:
             if applied is None or not applied.changes:
                 return
@@ -426,9 +630,8 @@ class HFAdapter:
         if self.sampler is not None:
             self.sampler.cut = None  # the loop is sized on whole epochs; the cut comes later
         size = self.sampler.size if self.sampler is not None else None
-        if size is not None and consumed >= size:
-            epoch, consumed = epoch + 1, 0
-        self.resume_at = (epoch, consumed)
+        self.resume_at = place_in_epoch(epoch, consumed, size)
+        self.resumed_step = self.place_size = None  # a restart's place is behind this one
         self.restarts += 1
 
 

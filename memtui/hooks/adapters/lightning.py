@@ -66,9 +66,9 @@ from typing import Any
 
 from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.batches import batch_samples, missed_once
-from memtui.hooks.knobstore import LOADER_KNOBS
+from memtui.hooks.knobstore import LOADER_KNOBS, loader_values
 from memtui.hooks.loader import TunedLoader
-from memtui.hooks.rebuild import rebuild_factory, why_not_rebuilt
+from memtui.hooks.rebuild import OWN_LOADER, rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 
@@ -160,7 +160,8 @@ class LightningAdapter:
         load_states = getattr(loop, "_load_combined_loader_states", None)  # Lightning's
         if load_states is None:
             self._refuse_loader_knobs(
-                "this Lightning version sets its training loader up where memtui cannot reach it"
+                "this Lightning version sets its training loader up where memtui cannot reach it; "
+                f"to make them tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
             )
             return
 
@@ -188,20 +189,24 @@ class LightningAdapter:
             previous.close()
         if len(loaders) != 1:
             self._refuse_loader_knobs(
-                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single one"
+                f"Lightning trains on {len(loaders)} loaders at once; memtui rebuilds a single "
+                "one; to make them tunable, train on one loader"
             )
             return
         own = loaders[0]
         why = why_not_rebuilt(own)
         if why:
-            self._refuse_loader_knobs(why)
+            self._refuse_loader_knobs(why, own)
             return
         try:
             self._follow_own_values(own)
             loader = self.tuner.loader(rebuild_factory(own))
         except Exception as exc:  # torch refused the loader's own arguments: it stays the script's
             self.tuner.report(exc, "lightning training loader")
-            self._refuse_loader_knobs(f"memtui could not rebuild the training DataLoader ({exc})")
+            self._refuse_loader_knobs(
+                f"memtui could not rebuild the training DataLoader ({exc}); to make them "
+                f"tunable, {OWN_LOADER.removeprefix('or ')}, passed to fit"
+            )
             return
         loader.shard = (0, 1)  # Lightning's sampler (distributed under DDP) gives each rank its own
         limits = combined.limits
@@ -247,14 +252,16 @@ class LightningAdapter:
         )
         return limit
 
-    def _refuse_loader_knobs(self, why: str) -> None:
-        """Say why the loader knobs are not tunable; name those that have a value (resumed from the
-        tuned config, or taken before Lightning reloaded the loader) that nothing applies."""
+    def _refuse_loader_knobs(self, why: str, own: Any = None) -> None:
+        """Say why the loader knobs are not tunable, with the values of the script's loader
+        ``own`` where it is known; name those that have a value (resumed from the tuned config,
+        or taken before Lightning reloaded the loader) that nothing applies."""
         store = self.tuner.store
         held = [knob for knob in LOADER_KNOBS if store.value(knob) is not None]
+        values = loader_values(own) if own is not None else {}
         for knob in LOADER_KNOBS:
             if knob not in held:
-                store.refuse(knob, why)
+                store.refuse(knob, why, values.get(knob))
         if held:
             log.warning(
                 "memtui: the training loader keeps its own %s (memtui's are not applied): %s",

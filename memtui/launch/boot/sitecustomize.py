@@ -7,6 +7,10 @@ command starts memtui's hook, then the user's own ``sitecustomize`` runs."""
 # process is one to watch, and no failure of memtui's stops the script: it prints one line and the
 # script runs as without memtui. Its directory is no package: it is found by its place on
 # PYTHONPATH, and memtui's own code never imports it.
+#
+# A command may start interpreters memtui does not support (Python 2.7 to 3.9: a tool's own
+# environment): this module parses in every one of them (no annotations, no f-strings), watches
+# nothing there and says nothing, and still runs their own ``sitecustomize``.
 
 import os
 import sys
@@ -34,8 +38,11 @@ OPTIONS_WITH_VALUE = frozenset({"--check-hash-based-pycs"})
 SPAWN_CHILD = "from multiprocessing.spawn import"
 """The start of the program multiprocessing gives a spawn child (``spawn_main``)."""
 
+SUPPORTED = (3, 10)
+"""The oldest Python memtui runs in: an older interpreter the command starts is left alone."""
 
-def entry_point(argv: list[str]) -> tuple[str, str]:
+
+def entry_point(argv):
     """How the interpreter started with ``argv`` (``sys.orig_argv``) runs its program:
     ``("-c", code)``, ``("-m", module)``, ``("script", path)`` or ``("", "")`` (stdin, a REPL)."""
     words = iter(argv[1:])
@@ -52,12 +59,12 @@ def entry_point(argv: list[str]) -> tuple[str, str]:
             if letter in "cmWX":  # the option's value: the rest of the word, else the next word
                 value = word[index:] or next(words, "")
                 if letter in "cm":
-                    return f"-{letter}", value
+                    return "-" + letter, value
                 break
     return "", ""
 
 
-def not_training(argv: list[str]) -> str:
+def not_training(argv):
     """Why the interpreter started with ``argv`` runs no training of its own ("" when it may)."""
     # multiprocessing starts every interpreter it spawns (a spawn child, the forkserver, the
     # resource tracker) as `python -c "from multiprocessing.<module> import ..."`: the command
@@ -79,31 +86,33 @@ def not_training(argv: list[str]) -> str:
     return ""
 
 
-def switched_off(value: str | None) -> bool:
+def switched_off(value):
     """``MEMTUI_DISABLE`` as the hook reads it: 1, true or yes switch memtui off."""
     return (value or "").strip().lower() in ("1", "true", "yes")
 
 
-def warn(reason: str) -> None:
+def warn(reason):
     """One line on stderr: memtui does not watch this process, and why."""
     reason = " ".join(reason.split())[:300]
     try:
         sys.stderr.write(
-            f"memtui: not watching this process ({reason}); the script runs as without memtui\n"
+            "memtui: not watching this process (" + reason + "); the script runs as without "
+            "memtui\n"
         )
         sys.stderr.flush()
     except BaseException:  # no stderr (closed, or None): the script still runs
         pass
 
 
-def reason_of(error: BaseException) -> str:
+def reason_of(error):
     """The failure in a few words: memtui missing from this interpreter, else the error."""
     if isinstance(error, ImportError) and error.name == "memtui":
-        return f"memtui is not installed for {sys.executable}"
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return "memtui is not installed for " + str(sys.executable)
+    name = type(error).__name__
+    return name + ": " + str(error) if str(error) else name
 
 
-def activate() -> None:
+def activate():
     """Start watching this process with memtui's import hooks; any failure is one warning line."""
     try:
         from memtui.hooks.auto import activate as start_watching
@@ -113,7 +122,7 @@ def activate() -> None:
         warn(reason_of(error))
 
 
-def run_user_sitecustomize() -> None:
+def run_user_sitecustomize():
     """Import the ``sitecustomize`` Python would have run without memtui (the next one on
     ``sys.path``), once, its own errors left to Python's start-up to report as usual."""
     ours = sys.modules.pop("sitecustomize", None)
@@ -123,7 +132,7 @@ def run_user_sitecustomize() -> None:
     try:
         import sitecustomize  # noqa: F401  (the user's, found with this directory out of the search)
     except ImportError as error:
-        if error.name != "sitecustomize":
+        if not _no_sitecustomize(error):
             raise
         if ours is not None:
             sys.modules["sitecustomize"] = ours
@@ -133,10 +142,21 @@ def run_user_sitecustomize() -> None:
             sys.path.insert(min(index, len(sys.path)), BOOT_DIR)
 
 
-def main() -> None:
-    """Watch this process unless it is switched off or runs no training, then chain the user's."""
-    if not switched_off(os.environ.get("MEMTUI_DISABLE")) and not not_training(
-        list(getattr(sys, "orig_argv", sys.argv))
+def _no_sitecustomize(error):
+    """Whether ``error`` says there is no other ``sitecustomize`` (not that one failed inside)."""
+    name = getattr(error, "name", None)  # Python 3.3 on; older ones say it in the message only
+    if name is not None:
+        return name == "sitecustomize"
+    return str(error).endswith("sitecustomize")
+
+
+def main():
+    """Watch this process unless it is switched off, runs no training or is a Python memtui
+    does not support, then chain the user's."""
+    if (
+        sys.version_info >= SUPPORTED
+        and not switched_off(os.environ.get("MEMTUI_DISABLE"))
+        and not not_training(list(getattr(sys, "orig_argv", sys.argv)))
     ):
         activate()
     run_user_sitecustomize()

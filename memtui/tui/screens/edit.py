@@ -79,6 +79,8 @@ def check_change(
         control.tunable,
         keep_effective_batch=keep_effective_batch and knob == "batch_size",
         world_size=control.world_size,
+        why_not=control.untunable,
+        held=control.untunable_values,
     )
     return value, resolved
 

@@ -39,7 +39,9 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("?", "this help"),
     ("q", "quit (the run goes on)"),
 )
-"""The keys, as the help screen lists them."""
+"""The keys, as the help screen lists them (``q`` as a viewer attached to a run says it)."""
+DEMO_QUIT = "quit: memtui demo stops its demo training too (ctrl+c as well)"
+"""What ``q`` does in the viewer ``memtui demo`` opened: its training stops with it."""
 
 
 def describe_ranks() -> list[str]:
@@ -88,10 +90,12 @@ def labelled(line: str) -> tuple[Text, Text]:
     return Text(INDENT + label), Text(rule)
 
 
-def help_text(readonly: bool, thresholds: ThresholdConfig | None = None, width: int = 0) -> Text:
+def help_text(
+    readonly: bool, thresholds: ThresholdConfig | None = None, width: int = 0, demo: bool = False
+) -> Text:
     """Keys, what a change does, and the thresholds in force (and where they came from), each
     entry wrapped to ``width`` columns under its own text, never under its key or label (0:
-    each on one line)."""
+    each on one line); ``demo``: the viewer of ``memtui demo``, whose ``q`` stops its training."""
     config = thresholds or ThresholdConfig(THRESHOLDS, "built-in defaults")
     text = Text()
 
@@ -104,6 +108,8 @@ def help_text(readonly: bool, thresholds: ThresholdConfig | None = None, width: 
 
     text.append("Keys\n", "bold")
     for key, what in KEYS:
+        if demo and key == "q":
+            what = DEMO_QUIT
         entry(Text(f"{INDENT}{key:<8}", "bold cyan"), what)
     text.append("\nChanges\n", "bold")
     entry(
@@ -145,10 +151,13 @@ class HelpText(Static):
     """The help text, wrapped again to its width whenever that changes (a side pane's dialog
     is 49 columns wide): an entry's further lines start under its own text."""
 
-    def __init__(self, readonly: bool, thresholds: ThresholdConfig | None) -> None:
-        super().__init__(help_text(readonly, thresholds), id="help-text", markup=False)
+    def __init__(
+        self, readonly: bool, thresholds: ThresholdConfig | None, demo: bool = False
+    ) -> None:
+        super().__init__(help_text(readonly, thresholds, demo=demo), id="help-text", markup=False)
         self.readonly = readonly
         self.thresholds = thresholds
+        self.demo = demo
         self.wrapped_to = 0
         """The width the text was last wrapped to (0: not yet, each entry on one line)."""
 
@@ -157,7 +166,7 @@ class HelpText(Static):
         width = self.content_size.width
         if width and width != self.wrapped_to:
             self.wrapped_to = width
-            self.update(help_text(self.readonly, self.thresholds, width))
+            self.update(help_text(self.readonly, self.thresholds, width, self.demo))
 
 
 class HelpScreen(ModalScreen[None]):
@@ -169,12 +178,19 @@ class HelpScreen(ModalScreen[None]):
         Binding("q", "dismiss", "Close"),
     ]
 
-    def __init__(self, readonly: bool = False, thresholds: ThresholdConfig | None = None) -> None:
+    def __init__(
+        self,
+        readonly: bool = False,
+        thresholds: ThresholdConfig | None = None,
+        demo: bool = False,
+    ) -> None:
         super().__init__()
         self.readonly = readonly
         self.thresholds = thresholds
+        self.demo = demo
+        """The viewer ``memtui demo`` opened: ``q`` stops its training too."""
 
     def compose(self) -> ComposeResult:
         """The help text in a scrollable dialog."""
         with VerticalScroll(id="dialog"):
-            yield HelpText(self.readonly, self.thresholds)
+            yield HelpText(self.readonly, self.thresholds, self.demo)

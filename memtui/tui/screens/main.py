@@ -31,21 +31,29 @@ TITLES = {
     "changes": "changes",
 }
 """The panels' titles, on their borders."""
-NARROW_LEFT_OUT = frozenset({"o", "g"})
+NARROW_LEFT_OUT = frozenset({"A", "o", "g"})
 """Keys the footer leaves out in a side pane: 60 columns hold the others only (the ``?`` help
 lists every key, and the recommendations panel says ``o: queue it``)."""
+ROOMY_FOOTER = 110
+"""The fewest columns whose footer holds ``A`` (the autopilot) beside the other keys and the
+palette's; narrower, the ``?`` help lists it."""
+ROOMY_ONLY = frozenset({"A"})
+"""Keys the footer shows only from ``ROOMY_FOOTER`` columns."""
 ONE_RANK_PANELS = ("memory", "charts")
 """The panels that show one rank: with several ranks, their titles say which."""
 
 
 class KeysFooter(Footer):
-    """The footer, without the keys it has no room for in a side pane (``NARROW_LEFT_OUT``)."""
+    """The footer, without the keys it has no room for: in a side pane (``NARROW_LEFT_OUT``),
+    and under ``ROOMY_FOOTER`` columns (``ROOMY_ONLY``)."""
 
     def compose(self) -> ComposeResult:
-        """Textual's footer keys, those left out in a side pane dropped."""
+        """Textual's footer keys, those it has no room for at this width dropped."""
         narrow = self.screen.has_class("narrow")
+        roomy = self.screen.size.width >= ROOMY_FOOTER
         for widget in super().compose():
-            if not (narrow and getattr(widget, "key", None) in NARROW_LEFT_OUT):
+            key = getattr(widget, "key", None)
+            if not ((narrow and key in NARROW_LEFT_OUT) or (not roomy and key in ROOMY_ONLY)):
                 yield widget
 
 
@@ -65,6 +73,8 @@ class MainScreen(Screen[None]):
         super().__init__()
         self._views: list[StateView] | None = None
         self._focus_title = ""
+        self._roomy: bool | None = None
+        """Whether the footer was last composed with ``ROOMY_ONLY``'s keys (None: not yet)."""
 
     def compose(self) -> ComposeResult:
         """Header, verdict, ranks, then the side panels and the charts, then the change log (as
@@ -96,9 +106,11 @@ class MainScreen(Screen[None]):
         if not self.is_attached:  # the app is closing: a late resize finds the screen gone
             return
         narrow = self.has_class("narrow")
+        roomy = self.size.width >= ROOMY_FOOTER
         footer = self.query_one(KeysFooter)
-        if footer.show_command_palette == narrow:  # the width crossed the breakpoint
+        if footer.show_command_palette == narrow or roomy != self._roomy:  # a breakpoint crossed
             footer.show_command_palette = not narrow
+            self._roomy = roomy
             footer.refresh(recompose=True)  # (composed in its own context: Textual binds data)
         await self._arrange(narrow)
 

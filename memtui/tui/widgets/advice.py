@@ -28,12 +28,6 @@ def _signed_bytes(value: int) -> str:
     return ("+" if value > 0 else "-") + format_bytes(abs(value))
 
 
-def is_pending(option: Recommendation, state: RunState) -> bool:
-    """The option's changes are already what the pending changes will set."""
-    pending = state.pending_values()
-    return bool(option.changes) and all(pending.get(k) == v for k, v in option.changes.items())
-
-
 def expected(option: Recommendation) -> list[tuple[str, str]]:
     """The option's expected effects as (text, style) chips."""
     parts: list[tuple[str, str]] = []
@@ -71,14 +65,10 @@ def title_chips(title: str, width: int, style: str = "") -> list[Chip]:
     return [Chip(Text(part, style), " ") for part in parts if part]
 
 
-def top_applicable(
-    options: list[Recommendation], state: RunState | None = None
-) -> Recommendation | None:
-    """The best option memtui can queue itself and that is not pending yet (None: none)."""
-    return next(
-        (o for o in options if o.applicable and (state is None or not is_pending(o, state))),
-        None,
-    )
+def top_applicable(options: list[Recommendation]) -> Recommendation | None:
+    """The best option memtui can queue itself (None: none); no option repeats a pending change
+    (``advice.recommend``)."""
+    return next((o for o in options if o.applicable), None)
 
 
 def advice_lines(
@@ -91,10 +81,12 @@ def advice_lines(
         return [Text("waiting for the run's config", "dim")]
     options = advice.recommendations
     if not options:
+        if advice.held_for_pending:  # an option moving a pending knob waits for it to land
+            return [Text("nothing more to recommend until the pending changes land", "dim")]
         if state.summary().verdict.state in (State.BALANCED, State.NO_DATA):
             return [Text("nothing to recommend now: no threshold is near", "dim")]
         return [Text("nothing to recommend now: no change is predicted to help measurably", "dim")]
-    top = top_applicable(options, state)
+    top = top_applicable(options)
     lines: list[Text] = []
     shown = 1 if narrow or multirank else SHOWN
     for rank, option in enumerate(options[:shown], start=1):
@@ -103,8 +95,6 @@ def advice_lines(
             tag = ("advice only: restart or code change", "dim")
         elif not option.applicable:
             tag = ("advice only", "dim")
-        elif is_pending(option, state):
-            tag = ("pending", "bold yellow")
         elif option is top and not view.readonly:
             tag = ("o: queue it", "bold cyan")
         if narrow and not multirank:  # a side pane: wrapped between parts, never cut

@@ -208,6 +208,8 @@ def change_lines(
         head = NOTICE_HEADS.get(last.who, NOTICE_HEADS[YOU])
         history.append((last.time, entry_lines(head, [Chip(said)], width)))
     if control is not None:
+        for change in reversed(control.unapplied):
+            lines += _unapplied_entry(change, width)
         for change in reversed(control.pending):
             lines += _pending_entry(state, control, change, view, narrow, width)
         for applied in control.applied:
@@ -259,6 +261,16 @@ def _pending_entry(
         bands = state.thresholds.thresholds
         lines += entry_lines(Text(INDENT), prediction_chips(change, control, bands), width)
     return lines
+
+
+def _unapplied_entry(change: PendingChange, width: int) -> list[Text]:
+    """A change still pending when the run ended: never applied."""
+    chips = [
+        Chip(Text(f"#{change.id} {format_changes(change.changes)}")),
+        Chip(Text(f"queued at step {change.queued_step}", "dim")),
+        Chip(Text("pending at exit: the run ended before its next boundary", "yellow")),
+    ]
+    return entry_lines(Text("unapplied ", "bold yellow"), chips, width)
 
 
 def _applied_entry(

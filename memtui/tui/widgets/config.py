@@ -9,8 +9,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from memtui.advice.predict import GUESS_MULTIPLE, safe_batch
-from memtui.core.knobs import KNOBS, format_value
-from memtui.runs.report import untunable_lines, unused_knobs
+from memtui.core.knobs import KNOBS, format_value, unused_knobs
+from memtui.runs.report import untunable_lines
 from memtui.runs.state import RunState, ViewOptions
 from memtui.tui.widgets.base import StateView
 from memtui.wire import Ceiling, MemoryModel
@@ -101,36 +101,47 @@ class ConfigPanel(StateView):
     DEFAULT_CSS = "ConfigPanel { height: auto; }"
 
     def key(self, state: RunState, view: ViewOptions) -> Hashable:
-        """Repaint when the control state or the viewer's switches change."""
-        return state.control_version, view
+        """Repaint when the control state, the knobs' values (those the steps measure move with
+        the data) or the viewer's switches change."""
+        known = state.known_config()
+        values = (tuple(known.values.items()), known.measured) if known is not None else None
+        return state.control_version, values, view
 
     def build(self, state: RunState, view: ViewOptions, width: int) -> RenderableType:
         """The knob table and the effective batch line."""
         control = state.control
-        if control is None:
+        known = state.known_config()
+        if control is None or known is None:
             return Text("waiting for the run's config", style="dim")
         pending = state.pending_values()
         show_keys = not view.readonly
         heading = f"{'knob':<15} {'now':>6}  {'pending':<9}" + (" key" if show_keys else "")
         lines = [Text(heading, "dim")]
-        knobs_now = {knob: state.knob_value(knob) for knob in KNOBS}
+        # every knob's value as `memtui status` gives it: those memtui cannot change too (dim,
+        # without a key), "?" where it does not know one
+        knobs_now = dict(known.values)
         knobs_after = {**knobs_now, **pending}
-        # a value the loader does not use (prefetch_factor without workers) shows as "-", as in
-        # `memtui status`; a pending change of workers that starts or stops using it shows too
+        # a value the loader does not use (prefetch_factor without workers) is said "unused",
+        # as in `memtui status`; a pending change of workers that starts or stops using it too
         unused_now, unused_after = unused_knobs(knobs_now), unused_knobs(knobs_after)
         for knob in KNOBS:
             tunable = knob in control.tunable
             line = Text(f"{knob:<15} ", "" if tunable else "dim")
-            if not tunable:
-                line.append(f"{'n/a':>6}  ")
-            elif knob in unused_now:
-                line.append(f"{'-':>6}  ", "dim")
+            value = knobs_now[knob]
+            if value is None:
+                line.append(f"{'?':>6}  ", "dim")
             else:
-                line.append(f"{format_value(knobs_now[knob]):>6}  ")
+                line.append(f"{format_value(value):>6}  ", "dim" if knob in unused_now else "")
             later = ""
-            if knob in pending or (tunable and (knob in unused_now) != (knob in unused_after)):
-                later = f"→ {'-' if knob in unused_after else format_value(knobs_after[knob])}"
-            line.append(f"{later:<9}", "bold yellow")
+            if knob in pending:
+                later = f"→ {format_value(knobs_after[knob])}"
+            elif (knob in unused_now) != (knob in unused_after):
+                later = "→ unused" if knob in unused_after else "→ used"
+            if later:
+                line.append(f"{later:<9}", "bold yellow")
+            else:  # measured by the steps (the run holds it where memtui cannot read it)
+                note = "unused" if knob in unused_now else ""
+                line.append(f"{'measured' if knob in known.measured else note:<9}", "dim")
             if show_keys and tunable:
                 line.append(f" {KNOB_KEYS[knob]}", "bold cyan")
             lines.append(line)

@@ -76,7 +76,8 @@ def rank_row(rank: RankSummary, focus: int, thresholds: Thresholds = THRESHOLDS)
     slow = rank.straggler.endswith("x")
     step_time = format_duration(steps.step_time_s) if steps else "-"
     row.append(f" {step_time:>9}", STRAGGLER_STYLE if slow else "")
-    wait = steps.data_wait_fraction if steps else None
+    # a wait not measured (no batch memtui timed) is "-", as the headline says it, never 0%
+    wait = steps.data_wait_fraction if steps and steps.data_wait_measured else None
     waits = rank.straggler.endswith("data") or (
         wait is not None and wait >= thresholds.starved_wait_fraction
     )
@@ -129,7 +130,9 @@ def rest_line(
     if timed and median_step_s:
         spread = max(abs(s.step_time_s / median_step_s - 1) for s in timed)
         parts.append(f"step time ±{spread:.0%} of median")
-        parts.append(f"wait ≤ {max(s.data_wait_fraction for s in timed):.0%}")
+        waits = [s.data_wait_fraction for s in timed if s.data_wait_measured]
+        if waits:
+            parts.append(f"wait ≤ {max(waits):.0%}")
     peaks = [r.memory.peak_used_fraction for r in hidden if r.memory and r.memory.capacity_bytes]
     if peaks:
         parts.append(f"peak ≤ {max(peaks):.0%}")

@@ -239,9 +239,13 @@ class SeriesChart(StateView):
         stats = state.summary().steps
         title = Text("step time ", style="bold")
         if stats is not None:
+            # a wait not measured (no batch memtui timed) is said so, as `memtui status` does
+            wait = (
+                format_duration(stats.data_wait_s) if stats.data_wait_measured else "not measured"
+            )
             title.append_text(
                 legend(
-                    (f"data wait {format_duration(stats.data_wait_s)}", palette.DATA_WAIT),
+                    (f"data wait {wait}", palette.DATA_WAIT),
                     (f"compute {format_duration(stats.compute_s)}", palette.COMPUTE),
                 )
             )

@@ -268,10 +268,10 @@ def test_live_demo_queue_the_recommendation_and_see_its_effect(
             summary = state.summary()
             advice = summary.advice
             underused = summary.verdict.state is State.UNDERUSED
-            return underused and bool(advice and top_applicable(advice.recommendations, state))
+            return underused and bool(advice and top_applicable(advice.recommendations))
 
         await until(pilot, advised, 90, "an UNDERUSED verdict with a recommendation")
-        top = top_applicable(state.summary().advice.recommendations, state)  # type: ignore[union-attr]
+        top = top_applicable(state.summary().advice.recommendations)  # type: ignore[union-attr]
         assert top is not None and top.changes == {"batch_size": 8, "grad_accum": 1}
         await pilot.press("o")
         # under load the boundary may take it before a look finds it pending

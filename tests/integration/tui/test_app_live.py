@@ -21,6 +21,7 @@ from memtui.tui.app import MemtuiApp
 from memtui.tui.screens.edit import EditKnobScreen
 from memtui.wire import RankInfo, Telemetry, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import PLUMBING, DemoRun
 from tests.support.viewer import HookLoop, run, screen_text, until
 
@@ -186,7 +187,7 @@ def test_garbage_on_a_telemetry_socket_is_counted(
         await until(pilot, lambda: state.step > 0, 20, "steps")
         app.receiver.source.subscribe(RankInfo(rank=9, pub=endpoint))  # type: ignore[attr-defined]
         alien = encode(Telemetry(run="x", rank=9, seq=1, time=time.time(), step=1, v=2))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         while state.bad_frames < 3 and time.monotonic() < deadline:
             for frame in (b"\x00garbage", b"\xc1", alien):  # bad msgpack, reserved byte, v2
                 pub.send(frame)

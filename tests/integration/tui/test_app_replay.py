@@ -23,6 +23,7 @@ from memtui.tui.screens.help import HelpScreen
 from tests.support.viewer import (
     OOM,
     STARVING,
+    WATCHED,
     pending_offset,
     replay_app,
     run,
@@ -88,6 +89,30 @@ def test_the_viewer_says_no_change_was_applied_when_it_closes() -> None:
                               f"{app.state.info.tuned_path})")  # fmt: skip
 
     run(replay_app(STARVING, until_s=pending_offset()), check, WIDE)
+
+
+def test_a_watched_loop_shows_every_knob_and_the_change_the_run_ended_with() -> None:
+    """The knobs memtui cannot change show the values the run has (the loader's micro-batch and
+    workers, the accumulation measured), prefetch_factor took its change with a worker count
+    memtui does not set, and the change still pending at the end says it was never applied."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        rows = {
+            line.split()[0]: line.split()[1:]
+            for line in text_of(pilot, "#config").splitlines()
+            if line.split()[:1] and line.split()[0] in ("batch_size", "grad_accum", "num_workers")
+        }
+        assert rows == {
+            "batch_size": ["4"], "grad_accum": ["2", "measured"], "num_workers": ["2"],
+        }  # fmt: skip
+        assert "effective batch 8 = 4 x 2 x 1 ranks" in text_of(pilot, "#config")
+        changes = text_of(pilot, "#changes")
+        assert "unapplied #2 pin_memory=true" in changes
+        assert "pending at exit: the run ended before its next boundary" in changes
+        assert "applied  step 120  prefetch_factor 2 → 4" in changes
+
+    run(replay_app(WATCHED), check, WIDE)
 
 
 def test_oom_risk_shows_where_the_memory_goes() -> None:
@@ -205,7 +230,7 @@ def test_readonly_hides_and_disables_the_edit_keys() -> None:
         app = pilot.app
         text = screen_text(app)
         assert "READ-ONLY" in text and "set knob" not in text and "? help" in text
-        await pilot.press("w", "c", "k")
+        await pilot.press("w", "c", "k", "A")
         assert app.screen is app.screen_stack[0], "no editor opens"
         assert isinstance(app, MemtuiApp) and not app.keep_effective_batch
         titles = [c.title for c in app.get_system_commands(app.screen)]
@@ -217,6 +242,7 @@ def test_readonly_hides_and_disables_the_edit_keys() -> None:
             f"read-only: w (workers) {why}",
             f"read-only: c (cancel) {why}",
             f"read-only: k (keep) {why}",
+            f"read-only: A (autopilot) {why}",
         ], told
 
     run(replay_app(STARVING, until_s=10, readonly=True), check, WIDE)
@@ -294,6 +320,45 @@ def test_the_demo_process_exit_is_reported() -> None:
                     "the demo's exit")  # fmt: skip
 
     run(app, check, WIDE)
+
+
+def test_the_demo_viewers_help_says_q_stops_the_demo_training() -> None:
+    """In the viewer ``memtui demo`` opened, the help says ``q`` stops the demo's training too;
+    a viewer attached to a run says the run goes on."""
+    demo = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(pilot.app.screen, HelpScreen)
+        text = " ".join(screen_text(pilot.app).split())
+        if isinstance(pilot.app, MemtuiApp) and pilot.app.demo_process is not None:
+            assert "q quit: memtui demo stops its demo training too" in text, text
+            assert "the run goes on" not in text, text
+        else:
+            assert "q quit (the run goes on)" in text, text
+
+    try:
+        run(replay_app(STARVING, until_s=2, demo_process=demo), check, WIDE)
+        run(replay_app(STARVING, until_s=2), check, WIDE)
+    finally:
+        demo.kill()
+        demo.wait()
+
+
+@pytest.mark.parametrize(("width", "shown"), [(120, True), (110, True), (100, False), (60, False)])
+def test_the_footer_shows_the_autopilot_key_where_it_fits(width: int, shown: bool) -> None:
+    """``A autopilot`` in the footer from 110 columns (the 120-column terminal included) beside
+    every other key; narrower, the footer keeps ``? help`` and ``q quit`` instead."""
+
+    async def check(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        footer = screen_text(pilot.app).rstrip("\n").splitlines()[-1]
+        assert ("A autopilot" in footer) == shown, footer
+        if width >= 100:
+            assert "? help" in footer and "q quit" in footer, footer
+
+    run(replay_app(STARVING, until_s=10), check, (width, 40))
 
 
 def test_replay_keys_pause_the_clock_and_change_speed() -> None:

@@ -38,6 +38,7 @@ from memtui.wire import (
     Telemetry,
     encode,
 )
+from tests.support.clock import patience
 from tests.support.viewer import (
     OOM,
     STARVING,
@@ -269,7 +270,7 @@ def test_impossible_numbers_through_the_real_receiver(
         state = app.state
         await until(pilot, lambda: state.step > 0, 20, "steps")
         app.receiver.source.subscribe(RankInfo(rank=9, pub=endpoint))  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         seq = 1
         while state.bad_values < 7 and time.monotonic() < deadline:
             for frame in frames(seq):

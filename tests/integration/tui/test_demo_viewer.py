@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from memtui.storage import registry
+from tests.support.clock import patience
 from tests.support.processes import LIGHT, ROOT, wait_for
 
 pytestmark = pytest.mark.heavy
@@ -56,7 +57,7 @@ def demos() -> Iterator[list[subprocess.Popen[str]]]:
     for proc in started:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            proc.wait(patience(10))
 
 
 def start_demo(out: Path, ending: str, demos: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
@@ -114,7 +115,7 @@ def test_a_viewer_that_dies_leaves_the_training_running(
     assert proc.poll() is None and psutil.pid_exists(pid)
 
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the demo and its training
-    assert proc.wait(30) != 0
+    assert proc.wait(patience(30)) != 0
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 15)
 
 
@@ -124,7 +125,7 @@ def test_a_normal_quit_still_ends_the_demo_s_training(
     out = tmp_path / "demo"
     proc = start_demo(out, "quit", demos)
     pid = training_pid(out)
-    assert proc.wait(60) == 0
+    assert proc.wait(patience(60)) == 0
     assert proc.stderr is not None
     told = proc.stderr.read()
     assert "viewer died" not in told
@@ -152,7 +153,7 @@ def test_a_demo_whose_training_died_exits_non_zero(
     """The training killed under the viewer, then q: ``memtui demo`` (``make demo``) fails."""
     out = tmp_path / "demo"
     proc = start_demo(out, "training-dies", demos)
-    code = proc.wait(60)
+    code = proc.wait(patience(60))
     assert proc.stderr is not None
     told = proc.stderr.read()
     assert code == 128 + signal.SIGKILL, told

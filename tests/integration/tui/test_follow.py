@@ -28,6 +28,7 @@ from memtui.transport.sources import LiveSource
 from memtui.tui.app import MemtuiApp
 from tests.integration.test_tuner import Config
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 from tests.support.viewer import HookLoop, run, screen_text, until
 
@@ -183,7 +184,7 @@ def test_process_exited_tells_a_gone_or_reused_pid_from_a_live_one() -> None:
     process started after the run did is another process (reused)."""
     host, now = socket.gethostname(), time.time()
     reaped = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert reaped.wait(30) == 0
+    assert reaped.wait(patience(30)) == 0
     assert registry.process_exited(reaped.pid, host, now)
     assert not registry.process_exited(os.getpid(), host, now)
     assert registry.process_exited(os.getpid(), host, now - 3600 * 24 * 365)

@@ -58,6 +58,7 @@ from memtui.wire import (
     Telemetry,
     encode,
 )
+from tests.support.clock import patience
 from tests.support.processes import ROOT, wait_for
 from tests.support.viewer import settle, until
 
@@ -207,7 +208,7 @@ async def until_shown(pilot: Pilot[Any], text: str, where: str, modal: bool = Fa
         except NoMatches:  # the modal not composed yet: not drawn
             return False
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while not drawn() and time.monotonic() < deadline:
         await pilot.pause(0.02)
     check_screen(pilot, text, where, modal=modal)
@@ -385,7 +386,7 @@ class HostileRun:
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(patience(5))
 
 
 async def type_text(pilot: Pilot[Any], field: Input, text: str) -> None:

@@ -19,6 +19,7 @@ from memtui.transport.recording import RecordingWriter, read_recording
 from memtui.transport.sources import LiveSource, ReplaySource, Source
 from memtui.wire import SetRequest, Snapshot, Telemetry, encode
 from tests.support.cli import memtui_cli
+from tests.support.clock import patience
 from tests.support.processes import ROOT, wait_for
 from tests.support.viewer import STARVING, HookLoop
 
@@ -43,7 +44,7 @@ def receiving(
         yield receiver, batches
     finally:
         receiver.stop()
-        thread.join(5)
+        thread.join(patience(5))
         assert not thread.is_alive()
 
 
@@ -171,4 +172,4 @@ def test_ranks_that_appear_later_are_followed_and_asked() -> None:
         assert state.info.rank == 0, "the late rank's snapshot did not take over the run"
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(patience(10))

@@ -38,6 +38,7 @@ from memtui.wire import (
     encode,
 )
 from tests.integration.tui.test_receiver import events, receiving, statuses
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 
 TUNABLE = ["batch_size", "grad_accum", "num_workers", "pin_memory"]
@@ -147,7 +148,7 @@ class StandInRun:
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(patience(5))
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from memtui.wire import (
 )
 from tests.integration.tui.test_app_replay import WIDE, text_of
 from tests.integration.tui.test_receiver import events, receiving
+from tests.support.clock import patience
 from tests.support.processes import wait_for
 from tests.support.viewer import until
 
@@ -111,12 +112,12 @@ class StandInRank:
     def start(self) -> None:
         """Bind the sockets and start beating."""
         self._thread.start()
-        assert self._bound.wait(5)
+        assert self._bound.wait(patience(5))
 
     def stop(self) -> None:
         """Close the sockets."""
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(patience(5))
 
 
 @contextmanager
@@ -185,7 +186,7 @@ def test_the_viewer_gets_data_again_after_an_oversized_frame() -> None:
             # live again: heartbeats (the snapshot of the hello has a step, not a status)
             await until(pilot, lambda: state.connection.status is Status.LIVE, 10, "live again")
             await until(pilot, lambda: state.step > sent + 5, 10, "new steps")
-            assert time.monotonic() - started < 8
+            assert time.monotonic() - started < patience(8)
             assert state.reconnects == 1
             app.refresh_view()
             await pilot.pause()

@@ -17,12 +17,14 @@ import pytest
 from textual.pilot import Pilot
 
 from memtui.tui.app import MemtuiApp
+from tests.support.processes import ROOT
 from tests.support.viewer import (
     ADVICE,
     AUTOPILOT,
     OOM,
     RANKS_8,
     STARVING,
+    WATCHED,
     autopilot_offset,
     forced_pending_offset,
     one_rank,
@@ -82,6 +84,12 @@ def autopilot() -> MemtuiApp:
     return replay_app(AUTOPILOT, until_s=autopilot_offset())
 
 
+def watched() -> MemtuiApp:
+    """A plain loop under ``memtui run`` at its end: the knobs it cannot change with their values
+    (read from its loader, the accumulation measured), a change never applied."""
+    return replay_app(WATCHED)
+
+
 def disconnected() -> MemtuiApp:
     """The demo starving, then silent for 10 s: the run is gone without a word."""
     return replay_app(STARVING, until_s=20.0, at_end="disconnect")
@@ -100,6 +108,7 @@ def disconnected() -> MemtuiApp:
         advice_pending,
         advice_rollback,
         autopilot,
+        watched,
     ],
     ids=lambda f: f.__name__,
 )
@@ -152,3 +161,18 @@ def test_the_autopilot_snapshot_shows_its_line_and_its_own_change() -> None:
         text = "\n".join(svg_lines(stored.read_text(encoding="utf-8")))
         assert "autopilot on: measuring num_workers=2" in text, text
         assert "num_workers 1 → 2  #2  by the autopilot" in text, text
+
+
+def test_the_viewer_guide_says_which_lines_wrap_and_which_are_cut() -> None:
+    """The stored snapshots: at 120 columns a recommendation longer than its panel is cut with
+    ``…``; in the side pane the top recommendation wraps between its parts, never cut. The
+    viewer guide says both."""
+    cut = []
+    for size in SIZES:
+        for svg in sorted(SNAPSHOTS.glob(f"test_snapshot[[]*-{size}].svg")):
+            lines = svg_lines(svg.read_text(encoding="utf-8"))
+            cut += [(size, line) for line in lines if re.search(r"│ 1\. .*…\s*│$", line)]
+    assert cut and all(size == "wide" for size, _ in cut), cut
+    guide = " ".join((ROOT / "docs" / "guides" / "viewer.md").read_text().split())
+    assert "a line longer than its panel is cut with `…`" in guide
+    assert "the top recommendation wrap between their parts" in guide

@@ -14,6 +14,7 @@ import termios
 import time
 from pathlib import Path
 
+from tests.support.clock import patience
 from tests.support.processes import ROOT
 
 CHILD = """
@@ -65,7 +66,7 @@ def test_on_a_terminal_the_viewer_is_sized_by_it_whatever_stdout_is(tmp_path: Pa
         finally:
             os._exit(111)
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 60, 0, 0))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + patience(60)
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -98,7 +99,7 @@ def test_without_a_terminal_the_driver_keeps_textual_streams() -> None:
     draws on stderr and reads stdin, as Textual does."""
     done = subprocess.run(
         [sys.executable, "-c", child(report_on_stderr=False)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True,
+        cwd=ROOT, capture_output=True, text=True, timeout=patience(60), start_new_session=True,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,9 +15,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.cli import status_json
+from tests.support.clock import patience
 from tests.support.processes import ROOT, DemoRun, wait_for
 from tests.support.viewer import HookLoop
 
@@ -43,7 +46,7 @@ def pane(command: str, width: int, height: int) -> Iterator[list[str]]:
 def wait_pane(tmux: list[str], shows: Callable[[str], object], timeout: float, what: str) -> str:
     """What the pane shows once ``shows`` holds for it; fail after ``timeout`` seconds."""
     text = ""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline:
         text = subprocess.run(
             [*tmux, "capture-pane", "-p", "-t", "side"], capture_output=True, text=True
@@ -57,7 +60,7 @@ def wait_pane(tmux: list[str], shows: Callable[[str], object], timeout: float, w
 def quit_pane(tmux: list[str]) -> None:
     """Press q: the viewer quits, and the pane closes with it."""
     subprocess.run([*tmux, "send-keys", "-t", "side", "q"], check=True)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while time.monotonic() < deadline:
         alive = subprocess.run([*tmux, "has-session", "-t", "side"], capture_output=True)
         if alive.returncode != 0:
@@ -122,7 +125,7 @@ def kept_pane(
 def quit_kept_pane(tmux: list[str], logs: Path) -> str:
     """Press q: the viewer quits and its command ends; what the pane shows then."""
     subprocess.run([*tmux, "send-keys", "-t", "side", "q"], check=True)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + patience(15)
     while time.monotonic() < deadline:
         if (logs / "stty.after").is_file() and (logs / "stty.after").read_text().endswith("\n"):
             return capture(tmux)
@@ -235,3 +238,32 @@ def test_memtui_demo_with_redirected_output_draws_in_the_pane(
         assert "memtui demo: stopping the demo training" in written, written
         assert re.search(r"memtui: run demo-\w+, last step", written), written
         assert_left_clean(tmux, shown, tmp_path, written)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_gives_the_terminal_back(
+    start_hook_loop: Callable[..., HookLoop], tmp_path: Path, signum: signal.Signals
+) -> None:
+    """The viewer killed with SIGTERM or SIGHUP (a closed SSH session, ``kill``) leaves as q
+    does: the pane back on its main screen with no mouse reporting and the cursor shown, the
+    terminal's settings as they were, the farewell line, and 128 + the signal as its status."""
+    loop = start_hook_loop(rate=100, seconds=60)
+    viewer = f"{sys.executable} -m memtui attach {loop.run_id}"
+    script = (
+        f"stty -g >{tmp_path}/stty.before; {viewer}; echo $? >{tmp_path}/status; "
+        f"stty -g >{tmp_path}/stty.after; sleep 60"
+    )
+    with pane(f"bash -c {shlex.quote(script)}", 100, 30) as tmux:
+        wait_pane(tmux, lambda t: "● live" in t and "─ memory " in t, 30, "the live view")
+        assert tmux_format(tmux, "#{alternate_on} #{mouse_any_flag}") == "1 1", "not drawn yet"
+        shell = psutil.Process(int(tmux_format(tmux, "#{pane_pid}")))
+        (child,) = shell.children()
+        child.send_signal(signum)
+        status = tmp_path / "status"
+        wait_for(lambda: status.is_file() and status.read_text().endswith("\n"), 15, 0.2,
+                 what=f"the viewer to leave on {signum.name}")  # fmt: skip
+        wait_for(lambda: (tmp_path / "stty.after").is_file(), 5, 0.1, what="stty after it")
+        assert int(status.read_text()) == 128 + signum, status.read_text()
+        shown = capture(tmux)
+        assert_left_clean(tmux, shown, tmp_path, "")
+        assert f"memtui: run {loop.run_id}, last step" in " ".join(shown.split()), shown

@@ -4,8 +4,11 @@ to what was measured, and the memory predictions' accuracy sits under the rows i
 
 from __future__ import annotations
 
+import dataclasses
+
 from memtui.advice.autopilot import AUTOPILOT
 from memtui.runs.events import RUN, VIEWER, Notice
+from memtui.runs.receiver import describe_reply
 from memtui.runs.state import RunState, ViewOptions, who_is
 from memtui.transport.client import client_name
 from memtui.tui.widgets.changelog import change_lines
@@ -13,12 +16,15 @@ from memtui.wire import (
     AppliedChange,
     AutopilotState,
     CancelledChange,
+    CheckpointRecord,
     ControlState,
     Effect,
     KnobDiff,
     Knobs,
     PendingChange,
     RunInfo,
+    SetReply,
+    SetRequest,
     Snapshot,
     Telemetry,
 )
@@ -89,6 +95,46 @@ def test_each_row_says_who_acted_and_the_run_exiting_is_not_labelled_you() -> No
     assert not [line for line in lines if line.startswith("you ")], "the user did not do that"
     state.add_notice(Notice(False, "receiver error: boom", T0 + 5, VIEWER))
     assert lines_of(state)[1].startswith("viewer   receiver error: boom")
+
+
+def test_a_change_this_viewer_queued_is_its_own_when_it_lands_before_it_was_seen_pending() -> None:
+    """The run answered ``queued #5`` and applied #5 at a checkpoint before the next telemetry
+    (a run that checkpoints every second): the change log says ``by you``, not ``by an
+    operator``; a change queued elsewhere and never seen pending stays an operator's."""
+    state = attached(ControlState(config=CONFIG, tunable=TUNABLE))
+    request = SetRequest(changes={"num_workers": 4}, client=client_name("tui"))
+    told = describe_reply(request, SetReply(ok=True, id=5, changes={"num_workers": 4}))
+    assert told == Notice(True, "queued #5: num_workers=4", queued=5)
+    state.add_notice(dataclasses.replace(told, time=T0 + 1))
+    landed = [
+        AppliedChange([5], 50, T0 + 1.2, {"num_workers": KnobDiff(2, 4)}),
+        AppliedChange([6], 100, T0 + 2.2, {"pin_memory": KnobDiff(False, True)}),
+    ]
+    later = ControlState(config=CONFIG, tunable=TUNABLE, applied=landed)
+    fold(state, Telemetry(run="r1", rank=0, seq=1, time=T0 + 3, step=120, control=later,
+                          control_seq=2))  # fmt: skip
+    text = "\n".join(lines_of(state))
+    assert "num_workers 2 → 4  #5  by you" in text, text
+    assert "pin_memory false → true  #6  by an operator" in text, text
+
+
+def test_c_with_nothing_pending_says_that_this_viewers_change_landed_and_how_to_undo_it() -> None:
+    """A run that checkpoints every second applies a change before ``c`` can cancel it: ``c``
+    says so, with the step, the run's pace and the way back."""
+    from memtui.tui.app import nothing_to_cancel
+
+    state = attached(ControlState(config=CONFIG, tunable=TUNABLE))
+    assert nothing_to_cancel(state) == "no change is pending"
+    state.add_notice(Notice(True, "queued #5: num_workers=4", T0 + 1, queued=5))
+    landed = [AppliedChange([5], 1250, T0 + 1.2, {"num_workers": KnobDiff(2, 4)})]
+    marks = [CheckpointRecord(1200 + 50 * i, T0 + 0.2 + i, 0.01) for i in range(3)]
+    fold(state, Telemetry(run="r1", rank=0, seq=1, time=T0 + 3, step=1300, checkpoints=marks,
+                          control=ControlState(config=CONFIG, tunable=TUNABLE, applied=landed),
+                          control_seq=2))  # fmt: skip
+    assert nothing_to_cancel(state) == (
+        "no change is pending: your #5 landed at step 1,250 (a checkpoint comes every 1.0 s "
+        "here); to undo it, queue the old value again"
+    )
 
 
 def test_a_prediction_reads_next_to_the_measurement_and_the_accuracy_sits_under_the_rows() -> None:
