@@ -94,6 +94,19 @@ class Flooded:
         ]
         return statistics.median(chosen)
 
+    def summary(self) -> str:
+        """One line of what the flood did: the training's memory and its median steps."""
+        start, end = self.flood_s
+        during = self.curve.between(start, end)
+        return (
+            f"RSS before {self.before / 2**20:.1f} MiB, peak {max(during) / 2**20:.1f} MiB "
+            f"({self.peak() / 2**20:+.1f}), at the end {self.curve.samples[-1][1] / 2**20:.1f} MiB; "
+            f"median step on a CPU {self.active_ms(False):.2f} ms outside the flood, "
+            f"{self.active_ms(True):.2f} ms during it (wall {self.wall_ms(False):.2f} / "
+            f"{self.wall_ms(True):.2f} ms); flooder {self.flooder}; "
+            f"hellos answered over ipc {sum(self.answered)}/{len(self.answered)}"
+        )
+
     def not_slowed(self) -> None:
         """The steps took no longer on a CPU during the flood than outside it."""
         during, outside = self.active_ms(True), self.active_ms(False)
@@ -232,9 +245,11 @@ FIVE_MINUTES = 300.0
         ("control", "hello", True),  # another user's hellos on fresh connections (plain TCP)
         ("control", "set", True),  # another user's sets, refused: the socket is read-only
         ("control", "junk", True),  # frames that are no request
+        ("control", "connect", True),  # connections that send nothing
         ("pub", "sub", True),  # another user's viewers, each subscribing and leaving
         ("control", "set", False),  # the run's own user's refused sets, over ipc
         ("control", "hello", False),  # and hellos over ipc
+        ("pub", "sub", False),  # and viewers over ipc
     ],
 )
 def test_five_minutes_of_a_flood_grow_the_training_by_less_than_64_mib(
@@ -246,6 +261,7 @@ def test_five_minutes_of_a_flood_grow_the_training_by_less_than_64_mib(
     over TCP (each socket has its own budget)."""
     flood = foreign_flood(other_user, mode) if tcp else local_flood(mode)
     run = flood_training(tmp_path, flood, seconds=FIVE_MINUTES, socket=socket, tcp=tcp)
+    print(run.summary())
     assert run.flooder["connections"] > 10_000, run.flooder
     assert run.peak() < RSS_CAP, f"grew {run.peak() >> 20} MiB: {run.curve.samples[::10]}"
     grown = growth_while_flooding(run, settled_s=30.0)
