@@ -3,8 +3,9 @@
 ``python -m tests.support.flood train OUT SECONDS`` is the training: a small CPU MLP whose steps
 take about ``--step-ms``, hooked by memtui (over plain loopback TCP too with ``--tcp``, read-only
 to other users, as ``--tcp 127.0.0.1 --insecure`` starts a run); it prints one JSON line with its
-run id and endpoints once it trains, and writes its steps (``Step``) to OUT when it ends, after
-SECONDS or at a ``SIGTERM``. ``python -m tests.support.flood flood MODE ENDPOINT SECONDS`` floods one socket of it (run
+run id and endpoints once it trains, and appends its steps (``Step``) to OUT as it goes (written
+out twice a second, so that they can be read while it trains), until SECONDS have passed or a
+``SIGTERM``. ``python -m tests.support.flood flood MODE ENDPOINT SECONDS`` floods one socket of it (run
 as another user too: it needs only ZeroMQ and memtui's wire schema) and prints one JSON line of
 what came back. ``Training`` starts the training and reads its resident memory from ``/proc``.
 
@@ -33,6 +34,7 @@ import os
 import resource
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -54,6 +56,10 @@ MODES = (
 )
 HELLO_HISTORY = 2048
 PAGE = os.sysconf("SC_PAGE_SIZE")
+STEP_RECORD = struct.Struct("=4d")
+"""One step in the training's file: when it ended, its wall, CPU and queued seconds."""
+STEPS_WRITTEN_S = 0.5
+"""How often the training writes out the steps it buffered."""
 
 
 # --------------------------------------------------------------------------- the training
@@ -92,20 +98,24 @@ def train(out: Path, seconds: float, step_ms: float, tcp: str) -> None:
     endpoints = {"control": rank.control, "pub": rank.pub}
     endpoints.update(control_tcp=rank.control_tcp, pub_tcp=rank.pub_tcp)
     print(json.dumps({"run": tuner.run_id, "pid": os.getpid(), **endpoints}), flush=True)
-    steps: list[tuple[float, float, float, float]] = []
     schedstat = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_args: stop.set())
     deadline = time.time() + seconds
-    while time.time() < deadline and not stop.is_set():
-        began, cpu, queued = time.perf_counter(), _user_cpu(), _queued(schedstat)
-        for _ in range(repeats):
-            step()
-        tuner.step()
-        wall = time.perf_counter() - began
-        steps.append((time.time(), wall, _user_cpu() - cpu, _queued(schedstat) - queued))
+    with open(out, "wb", buffering=1 << 16) as log:
+        written = time.time()
+        while time.time() < deadline and not stop.is_set():
+            began, cpu, queued = time.perf_counter(), _user_cpu(), _queued(schedstat)
+            for _ in range(repeats):
+                step()
+            tuner.step()
+            wall = time.perf_counter() - began
+            now = time.time()
+            log.write(STEP_RECORD.pack(now, wall, _user_cpu() - cpu, _queued(schedstat) - queued))
+            if now - written >= STEPS_WRITTEN_S:
+                log.flush()
+                written = now
     tuner.close()
-    out.write_text(json.dumps(steps))
 
 
 def _user_cpu() -> float:
@@ -138,7 +148,7 @@ class Training:
         env: dict[str, str],
     ) -> Training:
         """Start it in ``work`` and wait until it trains (its endpoints printed)."""
-        out = work / "steps.json"
+        out = work / "steps.bin"
         # this file run by its path, from ``work``: memtui is the one $PYTHONPATH names first
         command = [sys.executable, __file__, "train", str(out), str(seconds)]
         command += ["--step-ms", str(step_ms), "--tcp", tcp]
@@ -155,11 +165,18 @@ class Training:
             return int(statm.read().split()[1]) * PAGE
 
     def steps(self, timeout: float = 120.0) -> list[Step]:
-        """Each step: the training is told to end now (``SIGTERM``), and writes them."""
+        """Each step: the training is told to end now (``SIGTERM``), and writes the last."""
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait(timeout)
-        return [Step(*map(float, fields)) for fields in json.loads(self.out.read_text())]
+        return self.steps_so_far()
+
+    def steps_so_far(self) -> list[Step]:
+        """The steps the training has written out (all but the last half second's while it
+        trains)."""
+        data = self.out.read_bytes() if self.out.exists() else b""
+        whole = len(data) - len(data) % STEP_RECORD.size
+        return [Step(*fields) for fields in STEP_RECORD.iter_unpack(data[:whole])]
 
     def stop(self) -> None:
         """End it now if it still runs."""
