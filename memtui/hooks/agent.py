@@ -17,13 +17,14 @@ The training run comes first, so what peers can make the agent do is bounded
 ``MAX_SUBSCRIPTION_FRAME``: ZeroMQ drops a peer that sends a bigger one); requests, refusals and
 authentications are paid from a CPU budget of a few percent of a core, one for the private ipc
 socket and one for the TCP sockets, and once one is spent its sockets rest until it is refilled;
-each connection gets a few
-requests a second, then a cheap "rate limited"; while a budget rests, the requests waiting on
-its socket are read and dropped every 50 ms (shed: ZeroMQ keeps each unread request's
+each connection gets a few requests a second, then a cheap "rate limited"; while a budget rests,
+the requests waiting on its socket are read every 50 ms into the server's bounded queue (the
+newest answered when the rest ends, the older dropped: ZeroMQ keeps each unread request's
 connection, so a flood of fresh connections left waiting would grow the training without bound);
-and a telemetry socket that receives anything but a viewer's subscription (or a storm of them) is
-closed and reopened a second later, since ZeroMQ keeps every subscription it is sent until the
-socket closes. Refusals, rate-limited
+a TCP socket holding more than ``MAX_TCP_CONNECTIONS`` connections is closed and bound again
+after a rest; and a telemetry socket that receives anything but a viewer's subscription (or a
+storm of them) is closed and reopened a second later, since ZeroMQ keeps every subscription it
+is sent until the socket closes. Refusals, rate-limited
 requests and failed authentications are counted in ``HookCounters`` (``memtui status``).
 """
 

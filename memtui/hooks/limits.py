@@ -121,7 +121,8 @@ MAX_TCP_CONNECTIONS = 512
 """Connections one TCP socket may hold (a viewer takes one on each rank's telemetry socket, a
 request one on the control socket while it is answered). ZeroMQ keeps ~40 KiB for each, so a
 peer holding thousands would grow the training by hundreds of MiB: past the bound the socket
-is reset (closed, and bound again a second later), and its connections with it."""
+is reset (closed, and bound again a second later, longer while it keeps happening), and its
+connections with it."""
 CONNECTION_CHECK_S = 1.0
 """How often the TCP sockets' connections are counted."""
 DESCRIPTOR_STEP = 64
