@@ -1,10 +1,11 @@
 """A hooked training that records its steps, and a flooder of its sockets, each a process.
 
 ``python -m tests.support.flood train OUT SECONDS`` is the training: a small CPU MLP whose steps
-take about ``--step-ms``, hooked by memtui (over plain loopback TCP too with ``--tcp``, read-only
-to other users, as ``--tcp 127.0.0.1 --insecure`` starts a run); it prints one JSON line with its
-run id and endpoints once it trains, and appends its steps (``Step``) to OUT as it goes (written
-out twice a second, so that they can be read while it trains), until SECONDS have passed or a
+take about ``--step-ms`` on a CPU (calibrated on the thread's CPU clock), hooked by memtui (over
+plain loopback TCP too with ``--tcp``, read-only to other users, as ``--tcp 127.0.0.1
+--insecure`` starts a run); it prints one JSON line with its run id and endpoints once it
+trains, and appends its steps (``Step``) to OUT as it goes (written out twice a second, so that
+they can be read while it trains, and never held in its memory), until SECONDS have passed or a
 ``SIGTERM``. ``python -m tests.support.flood flood MODE ENDPOINT SECONDS`` floods one socket of it (run
 as another user too: it needs only ZeroMQ and memtui's wire schema) and prints one JSON line of
 what came back. ``Training`` starts the training and reads its resident memory from ``/proc``.
@@ -87,10 +88,11 @@ def train(out: Path, seconds: float, step_ms: float, tcp: str) -> None:
 
     for _ in range(200):  # warm up, then calibrate: repeats of the small step in step_ms
         step()
-    start = time.perf_counter()
+    # on the thread's CPU clock: the same steps whatever else the host runs while it calibrates
+    start = time.thread_time()
     for _ in range(200):
         step()
-    repeats = max(1, round(step_ms / 1e3 / ((time.perf_counter() - start) / 200)))
+    repeats = max(1, round(step_ms / 1e3 / ((time.thread_time() - start) / 200)))
     config = {"batch_size": 8, "grad_accum": 1}
     options = Options(tcp=tcp, insecure=True) if tcp else Options()
     tuner = Tuner(config, state_dir=out.parent / "state", name="flood", options=options).start()
