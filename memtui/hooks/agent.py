@@ -248,6 +248,8 @@ class Agent(threading.Thread):
                 for sock, _event in self._poller().poll(timeout_ms):
                     if self._waker is not None and sock == self._waker[0]:
                         continue  # stop() woke the poll: the loop's test ends it
+                    if isinstance(sock, zmq.Socket) and sock.closed:
+                        continue  # reset earlier in this round (a TCP socket's monitor with it)
                     if sock in self._monitors:
                         self._read_monitor(sock)
                     elif self._zap is not None and sock is self._zap.socket:
@@ -259,7 +261,7 @@ class Agent(threading.Thread):
                             sampler = self.parts.sampler()
                             if sampler is not None:
                                 sampler.wake.set()  # and sample at the viewer's rate now
-                    else:
+                    elif isinstance(sock, zmq.Socket) and sock in (self._router, self._router_tcp):
                         tcp = sock is self._router_tcp
                         server.serve(sock, readonly=self.tcp_readonly and tcp, tcp=tcp)
                         served = server.budget_of(tcp)

@@ -349,6 +349,54 @@ def test_big_and_foreign_subscriptions(victim: Victim) -> None:
     survived(victim, seen)
 
 
+def test_a_socket_reset_with_its_monitor_ready_in_the_same_round_costs_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of viewers on a plain TCP telemetry socket can make it ready together with its
+    monitor (a handshake failed): reading the socket resets it, closing the monitor too, and
+    the round goes on to the monitor it listed. The agent skips the closed socket: no error, no
+    rebinding of every socket (which dropped the run's user's requests over ipc)."""
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "nokeys"))
+    options = Options(tcp="127.0.0.1", insecure=True)
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=options).start()
+    try:
+        agent = tuner.agent
+        assert agent is not None
+        poller = agent._poller
+
+        class Together:
+            """The agent's poller, listing a socket's monitor as ready whenever the socket is."""
+
+            def poll(self, timeout_ms: int) -> list[tuple[object, int]]:
+                ready = poller().poll(timeout_ms)
+                monitors = [
+                    (monitor, zmq.POLLIN)
+                    for monitor, watched in agent._monitors.items()
+                    if any(sock is watched for sock, _event in ready)
+                ]
+                return [*ready, *monitors]
+
+        together = Together()
+        monkeypatch.setattr(agent, "_poller", lambda: together)
+        peer = zmq.Context.instance().socket(zmq.XSUB)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(tuner.ranks[0].pub_tcp)
+        peer.send(b"\x01memtui")  # a topic no viewer subscribes to: the socket is reset
+        client = ControlClient(tuner.ranks[0].control, timeout_s=5)
+
+        def counted() -> HookCounters:
+            found = client.hello(history=0).counters
+            assert found is not None
+            return found
+
+        wait_for(lambda: counted().requests_refused > 0, 10, 0.2, "the telemetry socket reset")
+        peer.close()
+        time.sleep(1.0)  # a failed round sleeps half a second before it rebinds every socket
+        assert counted().errors == 0, counted().last_error
+    finally:
+        tuner.close()
+
+
 def test_a_request_flood_is_rate_limited(victim: Victim) -> None:
     """Unlimited, a flood of valid set requests and of hellos with history doubled the step time.
 

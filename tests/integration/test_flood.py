@@ -45,7 +45,10 @@ FLAT = 8 << 20
 """What the training may grow by once a short flood has settled (bytes): ~18 KiB a connection
 kept would be 5 MiB a second at the flood's rate, 12 MiB over the 2.5 s watched."""
 SLOWER = 1.15
-"""How much longer a step may take on a CPU during the flood than outside it (its median)."""
+"""How much longer a step may take on a CPU during a five-minute flood than outside it (its
+median)."""
+SLOWER_SHORT = 1.25
+"""The same over a few seconds (a few hundred steps each side, on a host the flooder shares)."""
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,8 @@ class Flooded:
     flooder: dict[str, int]
     answered: list[bool]
     """Whether each of the run's user's once-a-second hellos over ipc was answered."""
+    hook_errors: str
+    """The hook's own errors once the flood was over ("" for none): their count and the last."""
 
     def peak(self) -> int:
         """The most the training grew by during the flood or after it (bytes)."""
@@ -110,14 +115,15 @@ class Flooded:
             f"hellos answered over ipc {sum(self.answered)}/{len(self.answered)}"
         )
 
-    def not_slowed(self) -> None:
-        """The steps took no longer on a CPU during the flood than outside it."""
+    def not_slowed(self, slower: float = SLOWER) -> None:
+        """The steps took no longer on a CPU during the flood than outside it (within
+        ``slower`` times, and half a millisecond)."""
         during, outside = self.active_ms(True), self.active_ms(False)
         said = (
             f"median step on a CPU {during:.2f} ms during the flood, {outside:.2f} ms outside "
             f"(wall: {self.wall_ms(True):.2f} / {self.wall_ms(False):.2f} ms)"
         )
-        assert during <= outside * SLOWER + 0.5, said
+        assert during <= outside * slower + 0.5, said
 
 
 def start_training(work: Path, seconds: float, tcp: bool) -> Training:
@@ -184,6 +190,9 @@ def watch_flood(
         0.2,
         "the steps after the flood",
     )
+    counters = client.hello(history=0).counters
+    assert counters is not None
+    errors = f"{counters.errors}: {counters.last_error}" if counters.errors else ""
     return Flooded(
         curve,
         training.steps_so_far(),
@@ -193,6 +202,7 @@ def watch_flood(
         (before_s, after_s),
         counts,
         answered,
+        errors,
     )
 
 
@@ -238,8 +248,8 @@ def growth_while_flooding(run: Flooded, settled_s: float) -> int:
 
 def answered_over_ipc(run: Flooded, missed: float) -> None:
     """The run's user's hellos over ipc were answered through a flood over TCP (each socket has
-    its own budget), but for ``missed`` of them at most (a share: each waits 2 s, and on a host
-    whose cores are all taken, the flood's connections and the hook share ZeroMQ's I/O thread)."""
+    its own budget), but for ``missed`` of them at most (a share: each waits 2 s, and a host
+    whose cores are all taken can hold one up longer)."""
     assert sum(run.answered) >= len(run.answered) * (1 - missed), run.answered
 
 
@@ -295,7 +305,8 @@ def test_a_short_flood_leaves_the_training_flat_and_as_fast(
 ) -> None:
     """Seconds of a flood (300 fresh connections in flight): the training's memory settles
     within a second or two and stays there, under 64 MiB above what it held before any flood;
-    its steps take no longer on a CPU; over TCP, the run's user is answered over ipc."""
+    its steps take no longer on a CPU; the hook reports no error of its own; over TCP, the
+    run's user is answered over ipc."""
     run = watch_flood(
         shared.training,
         flooder(other_user, mode, tcp),
@@ -306,12 +317,13 @@ def test_a_short_flood_leaves_the_training_flat_and_as_fast(
         after_s=1.0,
     )
     print(run.summary())
+    assert not run.hook_errors, run.hook_errors
     assert run.flooder["connections"] > 300, run.flooder
     grown = growth_while_flooding(run, SETTLED_S)
     assert grown < FLAT, f"grew {grown >> 20} MiB while flooded: {run.curve.samples}"
     total = max(rss for _t, rss in run.curve.samples) - shared.warm
     assert total < RSS_CAP, f"grew {total >> 20} MiB since the first flood"
-    run.not_slowed()
+    run.not_slowed(SLOWER_SHORT)
     if tcp:
         answered_over_ipc(run, missed=0.25)
 
@@ -331,8 +343,8 @@ def test_five_minutes_of_a_flood_grow_the_training_by_less_than_64_mib(
     """Five minutes of a flood (over plain TCP from another account, over ipc from the run's
     own user): the training grows by less than 64 MiB and keeps it flat through the flood's
     second half (what it gains after the first seconds is the heap of the flood's busiest
-    moment, which the allocator keeps), its steps take no longer on a CPU, and the run's user
-    is answered over ipc through a flood over TCP."""
+    moment, which the allocator keeps), its steps take no longer on a CPU, the hook reports no
+    error of its own, and the run's user is answered over ipc through a flood over TCP."""
     training = start_training(tmp_path, FIVE_MINUTES + 120, tcp=tcp)
     try:
         run = watch_flood(
@@ -348,6 +360,7 @@ def test_five_minutes_of_a_flood_grow_the_training_by_less_than_64_mib(
         training.stop()
     print(run.summary())
     print("RSS every 30 s (MiB):", [round(rss / 2**20, 1) for _t, rss in run.curve.samples[::30]])
+    assert not run.hook_errors, run.hook_errors
     assert run.flooder["connections"] > 10_000, run.flooder
     assert run.peak() < RSS_CAP, f"grew {run.peak() >> 20} MiB: {run.curve.samples[::10]}"
     grown = growth_while_flooding(run, settled_s=FIVE_MINUTES / 2)
