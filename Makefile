@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 # one process
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo demo-no-tui test test-unit test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-hf bench-clients litgpt-venv screenshots docs clean
+.PHONY: demo demo-no-tui test test-unit test-slow test-frameworks test-gpu gpu-wheels lint bench bench-gil bench-instructions bench-peer bench-tui bench-export bench-flood bench-hf bench-clients litgpt-venv screenshots docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -167,6 +167,11 @@ bench-tui: $(STAMP)
 bench-export: $(STAMP)
 	$(PY) benchmarks/tui_ranks.py --exporter --seconds 60 --rounds 5
 	$(PY) benchmarks/export_fleet.py
+
+# a flood of each of a run's sockets for 5 minutes, the training watched 5 minutes more: its
+# RSS before, during and after, its steps (about 65 minutes)
+bench-flood: $(STAMP)
+	$(PY) benchmarks/control_flood.py
 
 screenshots: $(STAMP)
 	$(PY) screenshots/export_screenshots.py

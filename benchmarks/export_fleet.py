@@ -216,7 +216,7 @@ def scrape_value(text: str, name: str) -> float | None:
 def measure_exporter(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     """``memtui export`` on the registry as it is: scrapes timed, RSS and threads sampled."""
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0", "--no-token"],
         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     assert exporter.stderr is not None

@@ -470,7 +470,7 @@ def measure_exporter(args: argparse.Namespace, recordings: list[Path]) -> dict[s
     total = args.warmup + args.seconds + 20
     publisher, base, env, run = start_publisher(args, recordings, total)
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0", "--no-token"],
         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     scrapes: list[float] = []

@@ -6,7 +6,8 @@ applied, the out-of-memory errors and the hook's errors and CPU time; a rank of 
 (labels ``run``, ``host``): the verdict as a state set, the pending changes, the job's samples/s
 (``memtui.runs.throughput``: the figure ``memtui status`` and the viewer show) and the time since
 the run last answered. The exporter's own: the runs registered, not answering and left
-unwatched for a cap, the cache's age, the HTTP connections refused and timed out, its threads.
+unwatched for a cap, the cache's age, the HTTP connections refused (for the cap, or for their
+peer's share of it), timed out and unauthorized, its threads.
 Units are in the names (``_seconds``, ``_bytes``, ``_ratio``); the Prometheus guide lists them.
 
 :meth:`FleetCollector.update` builds the families on the exporter's loop; a scrape
@@ -301,8 +302,20 @@ def exporter_families(cache_age_s: float, http: HttpCounts | None) -> list[Metri
             ),
             CounterMetricFamily(
                 "memtui_exporter_http_refused",
-                "HTTP connections answered 503 at once: --max-connections were open.",
+                "HTTP connections answered 503 at once: --max-connections were open, or "
+                "--max-per-peer of their peer's.",
                 value=http.refused,
+            ),
+            CounterMetricFamily(
+                "memtui_exporter_http_peer_refused",
+                "HTTP connections answered 503 at once because their peer (an account, or an "
+                "address) had --max-per-peer open (among the refused).",
+                value=http.refused_peer,
+            ),
+            CounterMetricFamily(
+                "memtui_exporter_http_unauthorized",
+                "HTTP requests answered 401: without the exporter's bearer token.",
+                value=http.unauthorized,
             ),
             CounterMetricFamily(
                 "memtui_exporter_http_timeouts",

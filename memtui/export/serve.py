@@ -6,8 +6,10 @@ metrics every ``BUILD_S`` (less often when that takes long) into the collector's
 only reads that cache (and the exporter's own counts), so it answers in the same time whatever
 the runs do.
 
-The listening address is ``HOST:PORT`` (``127.0.0.1:9464`` by default: this node only);
-``:PORT`` listens on every interface, which the operator has to ask for.
+Who may read it is the listener's: ``HOST:PORT`` (``127.0.0.1:9464`` by default: this node
+only) answers only requests with the user's bearer token (``auth``), unless the operator
+serves without one (``token=""``); ``:PORT`` listens on every interface, which the operator has
+to ask for; ``unix:PATH`` is a Unix socket only the user (and root) can open, with no token.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import TYPE_CHECKING
 
 from memtui.advice.verdict import ThresholdConfig
 from memtui.export.fleet import DEFAULT_MAX_RUNS, Fleet
-from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
+from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from memtui.export.metrics import FleetCollector
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
 ALL_INTERFACES = "0.0.0.0"
+UNIX = "unix:"
+"""The prefix of a listening address that is a Unix socket's path."""
 BUILD_S = 1.0
 """How often the metrics served are built anew from the runs' states (at most)."""
 BUILD_SHARE = 0.05
@@ -39,6 +43,15 @@ TURN_S = 0.25
 
 class ListenError(ValueError):
     """The listening address is not ``HOST:PORT``."""
+
+
+def unix_path(text: str) -> str:
+    """The socket's path of a ``unix:PATH`` listening address ("" for ``HOST:PORT``)."""
+    if not text.startswith(UNIX):
+        return ""
+    if not text[len(UNIX) :]:
+        raise ListenError("expected unix:PATH, a path for the socket")
+    return text[len(UNIX) :]
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -64,9 +77,15 @@ def serve(
     *,
     max_runs: int = DEFAULT_MAX_RUNS,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_per_peer: int = DEFAULT_MAX_PER_PEER,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    token: str = "",
+    token_file: str = "",
+    unix: str = "",
 ) -> int:
-    """Serve ``/metrics`` on ``host:port`` until SIGTERM, SIGINT or ``stop``; the exit status."""
+    """Serve ``/metrics`` on ``host:port`` (or the Unix socket ``unix``) until SIGTERM, SIGINT
+    or ``stop``, to requests with ``token`` where one is given (read from ``token_file``, named
+    in what is said); the exit status."""
     from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.process_collector import ProcessCollector
 
@@ -85,16 +104,27 @@ def serve(
             port,
             make_wsgi_app(metrics),
             max_connections=max_connections,
+            max_per_peer=max_per_peer,
             timeout_s=timeout_s,
+            token=token,
+            unix_path=unix,
         )
     except OSError as exc:
         fleet.close()
-        say(f"cannot listen on {host}:{port}: {exc}")
+        say(f"cannot listen on {UNIX + unix if unix else f'{host}:{port}'}: {exc}")
         return 1
     collector.http = server.counts
-    bound_host, bound_port = str(server.server_address[0]), server.server_address[1]
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    say(f"serving http://{shown}:{bound_port}/metrics")
+    if unix:
+        say(f"serving {UNIX}{unix} (GET /metrics; this user and root only)")
+    else:
+        bound_host, bound_port = str(server.server_address[0]), server.server_address[1]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        who = (
+            f"to requests with the bearer token in {token_file}"
+            if token
+            else "to anyone who reaches it (no token)"
+        )
+        say(f"serving http://{shown}:{bound_port}/metrics {who}")
     done = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -15,11 +15,16 @@ registry file and recreates the runtime directory and sockets if someone removed
 The training run comes first, so what peers can make the agent do is bounded
 (``memtui.hooks.limits``): every frame a socket takes is small (``MAX_CONTROL_FRAME``,
 ``MAX_SUBSCRIPTION_FRAME``: ZeroMQ drops a peer that sends a bigger one); requests, refusals and
-authentications are paid from one CPU budget of a few percent of a core, and once it is spent
-the control and authentication sockets rest until it is refilled; each connection gets a few
-requests a second, then a cheap "rate limited"; and a telemetry socket that receives anything
-but a viewer's subscription (or a storm of them) is closed and reopened a second later, since
-ZeroMQ keeps every subscription it is sent until the socket closes. Refusals, rate-limited
+authentications are paid from a CPU budget of a few percent of a core, one for the private ipc
+socket and one for the TCP sockets, and once one is spent its sockets rest until it is refilled;
+each connection gets a few requests a second, then a cheap "rate limited"; while a budget rests,
+the requests waiting on its socket are read every 50 ms into the server's bounded queue (the
+newest answered when the rest ends, the older dropped: ZeroMQ keeps each unread request's
+connection, so a flood of fresh connections left waiting would grow the training without bound);
+a TCP socket holding more than ``MAX_TCP_CONNECTIONS`` connections is closed and bound again
+after a rest; and a telemetry socket that receives anything but a viewer's subscription (or a
+storm of them) is closed and reopened a second later, since ZeroMQ keeps every subscription it
+is sent until the socket closes. Refusals, rate-limited
 requests and failed authentications are counted in ``HookCounters`` (``memtui status``).
 """
 
@@ -53,11 +58,12 @@ from memtui.hooks.control import Control
 from memtui.hooks.errors import ErrorLog
 from memtui.hooks.knobstore import KnobStore
 from memtui.hooks.ledger import StepLedger
+from memtui.hooks.limits import Budget, ConnectionCap
 from memtui.hooks.persist import TunedConfig
 from memtui.hooks.placement import Placement
 from memtui.hooks.progress import BackwardWatch, Progress, in_backward
 from memtui.hooks.publisher import Publisher, Recorder
-from memtui.hooks.server import ControlServer
+from memtui.hooks.server import SHED_PERIOD_S, ControlServer
 from memtui.hooks.summary import RunSummaries
 from memtui.hooks.threadname import name_native_thread
 from memtui.storage import registry
@@ -81,9 +87,16 @@ SUBSCRIPTION_QUEUE = 32
 SUBSCRIPTION_REPORTS_PER_S = 100
 """More subscribe and unsubscribe reports than this in a second is a storm: the socket is reset."""
 PUB_REST_S = 1.0
-"""How long a misused telemetry socket stays closed before it is bound again."""
+"""How long a misused socket stays closed before it is bound again."""
+CAPPED_REST_S = 60.0
+"""The longest a TCP socket reset for too many connections stays closed: each reset within a
+minute of the last doubles its rest from ``PUB_REST_S``, since ZeroMQ clients reconnect by
+themselves, all at once, as soon as it is bound again."""
 NEWS_GAP_S = 0.1
 """A change of the control state goes out at once, but at most this often."""
+CAP_TICK_S = 0.1
+"""How often a run with TCP sockets looks at the descriptors it holds (``ConnectionCap``): a peer
+opening connections fast is caught within this much of its connections."""
 HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 """The monitor events of a TCP peer that failed to authenticate before ZAP was asked (a wrong
 server key, plain ZeroMQ on a CURVE socket, a connection dropped mid-handshake)."""
@@ -147,8 +160,9 @@ class Agent(threading.Thread):
         """Times the runtime directory vanished and was recreated."""
         self.messages_dropped = 0
         """Telemetry frames a full socket queue dropped."""
-        self.pub_resets = 0
-        """Telemetry sockets reset for misuse (counted as refused requests)."""
+        self.socket_resets = 0
+        """Sockets reset for misuse: telemetry sockets sent what no viewer sends, TCP sockets
+        holding too many connections (counted as refused requests)."""
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self._stop_event = threading.Event()
@@ -174,6 +188,12 @@ class Agent(threading.Thread):
         self._displaced = ""
         """Why the run's directory cannot be recreated ("" while it is in place)."""
         self._warned_pub = False
+        self._warned_connections = False
+        self._cap = ConnectionCap()
+        """Counts the TCP sockets' connections (``MAX_TCP_CONNECTIONS`` each at most)."""
+        self._capped_at = -math.inf
+        self._capped_rest = PUB_REST_S
+        """When a TCP socket was last reset for its connections, and how long it rested."""
         self._recorder: Recorder | None = None
         self._points: dict[int, ModelPoint] = {}
         """The latest observed (micro-batch, peak) point of each micro-batch size."""
@@ -186,8 +206,9 @@ class Agent(threading.Thread):
         self._handshake_failures = 0
         self._reports: dict[int, tuple[float, int]] = {}
         """Subscription reports of each PUB socket (by id) in the current second: (since, count)."""
-        self._closed_pubs: list[tuple[bool, str, float]] = []
-        """Telemetry sockets closed for misuse: (TCP or not, endpoint, when to bind it again)."""
+        self._closed: list[tuple[str, str, float]] = []
+        """Sockets closed for misuse: (which: ``pub``, ``pub_tcp`` or ``control_tcp``, endpoint,
+        when to bind it again)."""
         self._backward = BackwardWatch()
         self._posted: Progress | None = None
         """This rank's progress as last posted for the other ranks."""
@@ -225,39 +246,57 @@ class Agent(threading.Thread):
         next_flush = time.monotonic() + self.flush_period()
         next_check = time.monotonic() + 2.0
         next_model = time.monotonic() + 1.0
-        budget = self.server.budget
+        next_shed = next_cap = 0.0
+        server = self.server
         while not self._stop_event.is_set():
             try:
                 # rounded up: a timeout truncated to 0 ms would spin until the flush is due
-                timeout_ms = max(0, math.ceil((self._wake(next_flush) - time.monotonic()) * 1000))
-                cpu, spent, served = time.thread_time(), budget.spent, False
+                wake = self._wake(next_flush, next_shed, next_cap)
+                timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
+                cpu, spent = time.thread_time(), server.spent()
+                served: Budget | None = None
                 for sock, _event in self._poller().poll(timeout_ms):
                     if self._waker is not None and sock == self._waker[0]:
                         continue  # stop() woke the poll: the loop's test ends it
+                    if isinstance(sock, zmq.Socket) and sock.closed:
+                        continue  # reset earlier in this round (a TCP socket's monitor with it)
                     if sock in self._monitors:
                         self._read_monitor(sock)
                     elif self._zap is not None and sock is self._zap.socket:
                         self._authenticate()
-                        served = True
+                        served = server.tcp_budget
                     elif isinstance(sock, zmq.Socket) and sock in (self._pub, self._pub_tcp):
                         if self._read_subscriptions(sock):
                             next_flush = time.monotonic()  # a viewer arrived: send at once
                             sampler = self.parts.sampler()
                             if sampler is not None:
                                 sampler.wake.set()  # and sample at the viewer's rate now
-                    else:
-                        readonly = self.tcp_readonly and sock is self._router_tcp
-                        self.server.serve(sock, readonly)
-                        served = True
+                    elif isinstance(sock, zmq.Socket) and sock in (self._router, self._router_tcp):
+                        tcp = sock is self._router_tcp
+                        server.serve(sock, readonly=self.tcp_readonly and tcp, tcp=tcp)
+                        served = server.budget_of(tcp)
                         if self.publisher.control_changed():  # a queued change is news: now
                             soon = max(time.monotonic(), self.publisher.last_send + NEWS_GAP_S)
                             next_flush = min(next_flush, soon)
                 if served:  # the wake-up is the peers' too: the poll and what serve did not pay
-                    overhead = time.thread_time() - cpu - (budget.spent - spent)
-                    budget.spend(max(0.0, overhead))
-                if self._closed_pubs:
-                    self._reopen_pubs()
+                    overhead = time.thread_time() - cpu - (server.spent() - spent)
+                    served.spend(max(0.0, overhead))
+                if self._closed:
+                    self._reopen()
                 now = time.monotonic()
+                if now >= next_cap and self._tcp_sockets():
+                    next_cap = now + CAP_TICK_S
+                    self._cap_connections()
+                for router, tcp in ((self._router, False), (self._router_tcp, True)):
+                    if router is None:
+                        continue
+                    if server.budget_of(tcp).resting():
+                        if now >= next_shed:
+                            server.hold_waiting(router, tcp)
+                    elif server.holding(tcp):  # a rest ended: answer what it held, in turn
+                        server.serve(router, readonly=self.tcp_readonly and tcp, tcp=tcp)
+                if now >= next_shed:
+                    next_shed = now + SHED_PERIOD_S
                 if now >= next_flush:
                     next_flush = max(next_flush + self.flush_period(), now)
                     self.flush()
@@ -285,12 +324,17 @@ class Agent(threading.Thread):
         if self.parts.placement.rank == 0:
             self.run_dir.remove()
 
-    def _wake(self, next_flush: float) -> float:
-        """When the next poll must end: the flush, the end of a rest, or a socket to reopen."""
-        wake = next_flush
-        if self.server.budget.resting():
-            wake = min(wake, self.server.budget.resting_until)
-        for _tcp, _endpoint, at in self._closed_pubs:
+    def _wake(self, next_flush: float, next_shed: float, next_cap: float) -> float:
+        """When the next poll must end: the flush, the end of a rest or the next shedding
+        during one, a socket to reopen, or the TCP sockets' next look at their connections."""
+        wake = min(next_flush, next_cap) if self._tcp_sockets() else next_flush
+        for tcp in (False, True):
+            budget = self.server.budget_of(tcp)
+            if budget.resting():
+                wake = min(wake, budget.resting_until, next_shed)
+            elif self.server.holding(tcp):
+                wake = min(wake, next_shed)
+        for _which, _endpoint, at in self._closed:
             wake = min(wake, at)
         return wake
 
@@ -298,12 +342,13 @@ class Agent(threading.Thread):
         """The poller over the sockets served now, rebuilt only when they change (a rebind, or
         the control plane resting: then the control and authentication sockets are not read)."""
         resting = self.server.budget.resting()
+        tcp_resting = self.server.tcp_budget.resting()
         sockets = tuple(
             sock
             for sock in (
                 None if resting else self._router,
-                None if resting else self._router_tcp,
-                self._zap.socket if self._zap and not resting else None,
+                None if tcp_resting else self._router_tcp,
+                self._zap.socket if self._zap and not tcp_resting else None,
                 self._pub,
                 self._pub_tcp,
                 *self._monitors,
@@ -348,17 +393,57 @@ class Agent(threading.Thread):
                 break
             seen += 1
             if report not in (b"\x01", b"\x00") or seen > SUBSCRIPTION_REPORTS_PER_S:
-                self._reset_pub(sock)
+                endpoint = self._reset(sock)
+                if not self._warned_pub:  # once: a peer that keeps at it must not flood the log
+                    self._warned_pub = True
+                    log.warning(
+                        "memtui: a peer sent the telemetry socket %s what no viewer sends; "
+                        "reset it (counted in requests_refused)",
+                        endpoint,
+                    )
                 return False
             count = count + 1 if report == b"\x01" else max(0, count - 1)
         self._subscribers[id(sock)] = count
         self._reports[id(sock)] = (since, seen)
         return before == 0 and count > 0
 
-    def _reset_pub(self, sock: zmq.Socket) -> None:
-        """Close a telemetry socket a peer misused, freeing the topics ZeroMQ kept (byte by byte,
-        until closed), to bind it again ``PUB_REST_S`` later (viewers reconnect by themselves)."""
-        tcp = sock is self._pub_tcp
+    def _tcp_sockets(self) -> list[zmq.Socket]:
+        """The TCP sockets bound now."""
+        return [sock for sock in (self._router_tcp, self._pub_tcp) if sock is not None]
+
+    def _cap_connections(self) -> None:
+        """Reset a TCP socket that holds more connections than ``MAX_TCP_CONNECTIONS`` (when
+        they are counted: ``ConnectionCap``)."""
+        plan = self.parts.tcp_plan
+        host = plan.address if plan is not None else "127.0.0.1"
+        ports = {_port(sock): sock for sock in self._tcp_sockets()}
+        for port in self._cap.over([(host, port) for port in ports]):
+            now = time.monotonic()
+            recent = now - self._capped_at < CAPPED_REST_S
+            self._capped_rest = min(CAPPED_REST_S, 2 * self._capped_rest if recent else PUB_REST_S)
+            self._capped_at = now
+            endpoint = self._reset(ports[port], self._capped_rest)
+            if not self._warned_connections:  # once, as above
+                self._warned_connections = True
+                log.warning(
+                    "memtui: the TCP socket %s held more than %d connections; reset it, "
+                    "dropping them all (counted in requests_refused)",
+                    endpoint,
+                    self._cap.limit,
+                )
+
+    def _reset(self, sock: zmq.Socket, rest: float = PUB_REST_S) -> str:
+        """Close a socket peers misused (a telemetry socket sent what no viewer sends, whose
+        topics ZeroMQ keeps byte by byte until it is closed; a TCP socket holding too many
+        connections), freeing what ZeroMQ kept for them, to bind it again ``rest`` seconds later
+        (viewers reconnect by themselves); its endpoint."""
+        which = (
+            "pub_tcp"
+            if sock is self._pub_tcp
+            else "control_tcp"
+            if sock is self._router_tcp
+            else "pub"
+        )
         raw = sock.getsockopt(zmq.LAST_ENDPOINT)
         endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._unwatch(sock)
@@ -366,48 +451,49 @@ class Agent(threading.Thread):
         self._reports.pop(id(sock), None)
         with contextlib.suppress(zmq.ZMQError):
             sock.close(0)
-        if tcp:
+        if which == "pub_tcp":
             self._pub_tcp = None
+        elif which == "control_tcp":
+            self._router_tcp = None
         else:
             self._pub = None
-        self._closed_pubs.append((tcp, endpoint, time.monotonic() + PUB_REST_S))
-        self.pub_resets += 1
-        if not self._warned_pub:  # once: a peer that keeps at it must not flood the log
-            self._warned_pub = True
-            log.warning(
-                "memtui: a peer sent the telemetry socket %s what no viewer sends; "
-                "reset it (counted in requests_refused)",
-                endpoint,
-            )
+        self._closed.append((which, endpoint, time.monotonic() + rest))
+        self.socket_resets += 1
+        return endpoint
 
-    def _reopen_pubs(self) -> None:
-        """Bind again the telemetry sockets whose rest is over (retried later if that fails)."""
+    def _reopen(self) -> None:
+        """Bind again the sockets whose rest is over (retried later if that fails)."""
         assert self._context is not None
         now = time.monotonic()
-        for entry in list(self._closed_pubs):
-            tcp, endpoint, at = entry
+        plan = self.parts.tcp_plan
+        for entry in list(self._closed):
+            which, endpoint, at = entry
             if now < at:
                 continue
-            self._closed_pubs.remove(entry)
-            if (self._pub_tcp if tcp else self._pub) is not None:
+            self._closed.remove(entry)
+            bound = {"pub": self._pub, "pub_tcp": self._pub_tcp, "control_tcp": self._router_tcp}
+            if bound[which] is not None:
                 continue  # bound again meanwhile (a rebind)
-            sock = _pub_socket(self._context)
+            control = which == "control_tcp"
+            sock = _router_socket(self._context) if control else _pub_socket(self._context)
             try:
-                if tcp:
-                    plan = self.parts.tcp_plan
+                if which != "pub":
                     make_server(sock, plan.keys if plan is not None else None)
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
                 sock.close(0)
-                self._report(exc, "telemetry socket")
-                self._closed_pubs.append((tcp, endpoint, now + PUB_REST_S))
+                self._report(exc, "control socket" if control else "telemetry socket")
+                self._closed.append((which, endpoint, now + PUB_REST_S))
                 continue
-            if tcp:
-                self._pub_tcp = sock
-                self._watch_handshakes(sock)
-            else:
+            if which == "pub":
                 self._pub = sock
                 _private(endpoint)
+            else:
+                if control:
+                    self._router_tcp = sock
+                else:
+                    self._pub_tcp = sock
+                self._watch_handshakes(sock)
 
     def _watch_handshakes(self, *socks: zmq.Socket | None) -> None:
         """Count the failed handshakes of TCP sockets through a monitor each, read at every
@@ -436,11 +522,11 @@ class Agent(threading.Thread):
                 self._handshake_failures += 1
 
     def _authenticate(self) -> None:
-        """Answer the waiting authentication requests, paid from the control plane's budget."""
+        """Answer the waiting authentication requests, paid from the TCP sockets' budget."""
         assert self._zap is not None
         start = time.thread_time()
         self._zap.handle(limit=64)
-        self.server.budget.spend(time.thread_time() - start)
+        self.server.tcp_budget.spend(time.thread_time() - start)
 
     def _bind(self) -> None:
         """Bind this rank's ipc PUB and ROUTER sockets in the private runtime directory."""
@@ -519,7 +605,7 @@ class Agent(threading.Thread):
                 with contextlib.suppress(zmq.ZMQError):
                     sock.close(0)
         self._pub = self._router = None
-        self._closed_pubs = [entry for entry in self._closed_pubs if entry[0]]  # TCP ones only
+        self._closed = [entry for entry in self._closed if entry[0] != "pub"]  # TCP ones only
         self._bind()
         if self.registered:
             self.register()
@@ -615,10 +701,10 @@ class Agent(threading.Thread):
             errors=parts.errors.count,
             last_error=parts.errors.last,
             recoveries=self.recoveries,
-            requests_refused=server.refused + self.pub_resets + parts.control.refused,
+            requests_refused=server.refused + self.socket_resets + parts.control.refused,
             requests_rate_limited=server.rate_limited,
             auth_failures=self._handshake_failures + (self._zap.denied if self._zap else 0),
-            control_rests=server.budget.rests,
+            control_rests=server.budget.rests + server.tcp_budget.rests,
             tuned_unsaved_step=parts.tuned.unsaved_step,
         )
 

@@ -1,20 +1,24 @@
-"""What peers may make the hook do: the agent's CPU on their behalf, and each peer's rate.
+"""What peers may make the hook do: the agent's CPU on their behalf, each peer's rate, and the
+connections they may hold.
 
 The training run comes first. Every request on the control socket, every authentication and
 every refusal takes the agent thread's CPU (and the GIL) from the training, so all of it is
-paid from one :class:`Budget` of CPU seconds, refilled at a few percent of a core: once it is
-spent, the agent stops reading the control and authentication sockets until it is refilled,
-and ZeroMQ holds what arrives meanwhile (bounded by the sockets' queue limits), or pushes back
-on the senders. Within it, :class:`PeerRates` lets each connection send a few requests a second:
-the viewer and the CLI open a connection per request, so they never meet that limit, while
-one connection that floods gets a cheap "rate limited" answer instead of being served, which
-keeps the budget for everyone else.
+paid from a :class:`Budget` of CPU seconds, refilled at a few percent of a core (one for the
+private ipc socket, one for the TCP sockets): once one is spent, the agent stops serving its
+sockets until it is refilled, and sheds what arrives meanwhile (``hooks.server``). Within it,
+:class:`PeerRates` lets each connection send a few requests a second: the viewer and the CLI open
+a connection per request, so they never meet that limit, while one connection that floods gets
+a cheap "rate limited" answer instead of being served, which keeps the budget for everyone
+else. And :class:`ConnectionCap` bounds the connections a TCP socket holds, whatever they send.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+
+from memtui.transport.peers import connections
 
 BUDGET_SHARE = 0.02
 """The share of one core the agent may spend on peers' requests, sustained."""
@@ -104,5 +108,74 @@ class PeerRates:
             del self._buckets[next(iter(self._buckets))]
         return allowed
 
+    def available(self, peer: bytes) -> bool:
+        """Whether ``peer``'s bucket holds a token now (none taken: ``allow`` takes it)."""
+        tokens, stamp = self._buckets.get(peer, (self.burst, self._clock()))
+        return min(self.burst, tokens + (self._clock() - stamp) * self.rate) >= 1.0
+
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+MAX_TCP_CONNECTIONS = 512
+"""Connections one TCP socket may hold (a viewer takes one on each rank's telemetry socket, a
+request one on the control socket while it is answered). ZeroMQ keeps ~40 KiB for each, so a
+peer holding thousands would grow the training by hundreds of MiB: past the bound the socket
+is reset (closed, and bound again a second later, longer while it keeps happening), and its
+connections with it."""
+CONNECTION_CHECK_S = 1.0
+"""How often the TCP sockets' connections are counted."""
+DESCRIPTOR_STEP = 64
+"""Descriptors the process may gain between two counts before they are counted at once."""
+
+
+def open_descriptors() -> int:
+    """The file descriptors this process holds now (a connection is one)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+class ConnectionCap:
+    """Which TCP ports hold more than ``limit`` connections. The kernel counts them
+    (``transport.peers.connections``, a walk of its connection table: ~3 ms on a busy host) once
+    every ``period``, and at once when the process gained ``step`` descriptors since the last
+    count (cheap to read while they are few): a peer opening connections fast is caught within
+    ``step`` of them, not a period later."""
+
+    def __init__(
+        self,
+        limit: int = MAX_TCP_CONNECTIONS,
+        period: float = CONNECTION_CHECK_S,
+        step: int = DESCRIPTOR_STEP,
+        clock: Callable[[], float] = time.monotonic,
+        descriptors: Callable[[], int] = open_descriptors,
+        count: Callable[[int, str], int | None] = connections,
+    ) -> None:
+        self.limit = limit
+        self.period = period
+        self.step = step
+        self._clock = clock
+        self._descriptors = descriptors
+        self._count = count
+        self._next = 0.0
+        self._counted_at = 0
+        """The descriptors held at the last count (lowered as they are closed)."""
+
+    def over(self, ports: list[tuple[str, int]]) -> list[int]:
+        """The ports of ``ports`` (host, port) holding more than the limit, when a count is due
+        (else none)."""
+        if not ports:
+            return []
+        now, held = self._clock(), self._descriptors()
+        self._counted_at = min(self._counted_at, held)
+        if now < self._next and held < self._counted_at + self.step:
+            return []
+        self._next, self._counted_at = now + self.period, held
+        over = []
+        for host, port in ports:
+            count = self._count(port, host)
+            if count is not None and count > self.limit:
+                over.append(port)
+        return over

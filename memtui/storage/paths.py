@@ -13,10 +13,11 @@ the demo's state   ``$XDG_STATE_HOME/memtui/demo``, or              ``memtui dem
 config file        ``$XDG_CONFIG_HOME/memtui/config.yaml``         ``MEMTUI_CONFIG``
                    (``~/.config``)
 CURVE keys         ``$XDG_CONFIG_HOME/memtui/curve``               ``MEMTUI_KEYS``
+exporter's token   ``$XDG_CONFIG_HOME/memtui/export-token``        ``memtui export --token-file``
 =================  ==============================================  ===========================
 
 Nothing here creates a directory or reads a file: the owners do (``registry``, ``security``,
-``userconfig``).
+``userconfig``, the exporter's ``auth``).
 """
 
 from __future__ import annotations
@@ -82,3 +83,9 @@ def key_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path(env["MEMTUI_KEYS"])
     base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "memtui" / "curve"
+
+
+def export_token_file(env: Mapping[str, str] | None = None) -> Path:
+    """The exporter's bearer token: ``$XDG_CONFIG_HOME/memtui/export-token``."""
+    base = _env(env).get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base).expanduser() / "memtui" / "export-token"

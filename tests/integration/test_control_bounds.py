@@ -11,6 +11,8 @@ this module) and assert its four promises afterwards (``survived``).
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +25,11 @@ import zmq
 
 from memtui.hooks import Options, Tuner
 from memtui.hooks.control import MAX_CHANGES, MAX_REASON, MAX_TEXT, Control
-from memtui.hooks.limits import Budget, PeerRates
+from memtui.hooks.limits import Budget, ConnectionCap, PeerRates
 from memtui.hooks.persist import AuditLog
+from memtui.hooks.server import HELD_REQUESTS, ControlServer
 from memtui.transport.client import ClientError, ControlClient, hello_many
+from memtui.transport.peers import connections, peer_uid
 from memtui.transport.security import keygen, load_keys
 from memtui.wire import (
     CancelRequest,
@@ -136,6 +140,81 @@ def test_the_budget_rests_once_spent_and_each_peer_has_a_rate() -> None:
     for peer in (b"c", b"d", b"e"):
         rates.allow(peer)
     assert len(rates) == 3, "the least recently seen are forgotten"
+
+
+def test_requests_waiting_through_a_rest_are_held_and_the_newest_answered_after_it() -> None:
+    """While the budget rests, the requests waiting are read out of ZeroMQ (which would keep
+    each connection's pipes until then) into a bounded queue: the newest are answered once the
+    rest ends, the older ones beyond the bound are dropped and counted."""
+    control = Control(lambda: Knobs(batch_size=8))
+    served = ControlServer(control, lambda: 0, lambda _h: Snapshot(info=None), lambda *_a: None)  # type: ignore[arg-type]
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind("inproc://control")
+    clients = []
+    for index in range(HELD_REQUESTS + 44):
+        sock = context.socket(zmq.REQ)
+        sock.connect("inproc://control")
+        sock.send(encode(SetRequest(changes={"batch_size": 4}, client=f"c{index}", dry_run=True)))
+        clients.append(sock)
+    served.budget.resting_until = time.monotonic() + 60
+    assert served.hold_waiting(router) == HELD_REQUESTS + 44
+    assert served.shed == 44 and served.holding(tcp=False)
+    assert not router.poll(0), "nothing is left in ZeroMQ's queues"
+    served.budget.resting_until = 0.0
+    while served.holding(tcp=False):
+        served.budget = Budget(burst=10.0)
+        served.serve(router)
+    answered = [index for index, sock in enumerate(clients) if sock.poll(20)]
+    assert answered == list(range(44, HELD_REQUESTS + 44)), "the newest, all of them"
+    for sock in clients:
+        sock.close(0)
+    router.close(0)
+    context.term()
+
+
+def test_the_connection_cap_counts_once_a_period_and_at_once_on_a_jump_of_descriptors() -> None:
+    clock, descriptors, counted = Clock(), [40], []
+
+    def count(port: int, host: str) -> int:
+        counted.append(port)
+        return {1: 600, 2: 10}[port]
+
+    cap = ConnectionCap(
+        limit=512, period=1.0, step=64, clock=clock, descriptors=lambda: descriptors[0], count=count
+    )
+    ports = [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    assert cap.over(ports) == [1] and counted == [1, 2], "the first look counts"
+    clock.now += 0.5
+    descriptors[0] += 63
+    assert cap.over(ports) == [] and counted == [1, 2], "not due, and few more descriptors"
+    descriptors[0] += 1
+    assert cap.over(ports) == [1] and len(counted) == 4, "64 more descriptors: counted at once"
+    descriptors[0] = 10  # the reset closed them: the next jump is from here
+    clock.now += 0.1
+    assert cap.over(ports) == [] and len(counted) == 4
+    descriptors[0] = 80
+    assert cap.over(ports) == [1] and len(counted) == 6
+    clock.now += 1.0
+    assert cap.over(ports) == [1] and len(counted) == 8, "a period passed"
+    assert cap.over([]) == []
+
+
+def test_the_kernel_counts_a_ports_connections_and_names_a_loopback_peer() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        assert connections(port) == 0
+        peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        accepted = [server.accept()[0] for _ in peers]
+        assert connections(port) == 5
+        mine = accepted[0]
+        assert peer_uid(mine.getsockname(), mine.getpeername()) == os.getuid()
+        assert peer_uid(mine.getsockname(), ("127.0.0.1", 1)) is None, "no such connection"
+        for sock in peers + accepted:
+            sock.close()
+        assert connections(port) == 0
 
 
 # ---------------------------------------------------------------------------- a live run
@@ -268,6 +347,54 @@ def test_big_and_foreign_subscriptions(victim: Victim) -> None:
         wait_for(telemetry, 15, 0.1, "the viewer to get telemetry again")
     viewer.close()
     survived(victim, seen)
+
+
+def test_a_socket_reset_with_its_monitor_ready_in_the_same_round_costs_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of viewers on a plain TCP telemetry socket can make it ready together with its
+    monitor (a handshake failed): reading the socket resets it, closing the monitor too, and
+    the round goes on to the monitor it listed. The agent skips the closed socket: no error, no
+    rebinding of every socket (which dropped the run's user's requests over ipc)."""
+    monkeypatch.setenv("MEMTUI_KEYS", str(tmp_path / "nokeys"))
+    options = Options(tcp="127.0.0.1", insecure=True)
+    tuner = Tuner(SimpleNamespace(batch_size=4), state_dir=tmp_path, options=options).start()
+    try:
+        agent = tuner.agent
+        assert agent is not None
+        poller = agent._poller
+
+        class Together:
+            """The agent's poller, listing a socket's monitor as ready whenever the socket is."""
+
+            def poll(self, timeout_ms: int) -> list[tuple[object, int]]:
+                ready = poller().poll(timeout_ms)
+                monitors = [
+                    (monitor, zmq.POLLIN)
+                    for monitor, watched in agent._monitors.items()
+                    if any(sock is watched for sock, _event in ready)
+                ]
+                return [*ready, *monitors]
+
+        together = Together()
+        monkeypatch.setattr(agent, "_poller", lambda: together)
+        peer = zmq.Context.instance().socket(zmq.XSUB)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(tuner.ranks[0].pub_tcp)
+        peer.send(b"\x01memtui")  # a topic no viewer subscribes to: the socket is reset
+        client = ControlClient(tuner.ranks[0].control, timeout_s=5)
+
+        def counted() -> HookCounters:
+            found = client.hello(history=0).counters
+            assert found is not None
+            return found
+
+        wait_for(lambda: counted().requests_refused > 0, 10, 0.2, "the telemetry socket reset")
+        peer.close()
+        time.sleep(1.0)  # a failed round sleeps half a second before it rebinds every socket
+        assert counted().errors == 0, counted().last_error
+    finally:
+        tuner.close()
 
 
 def test_a_request_flood_is_rate_limited(victim: Victim) -> None:

@@ -4,6 +4,7 @@ own parsers and scraped by a real Prometheus server."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -31,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memtui.cli import main
 from memtui.export.fleet import DEFAULT_MAX_RUNS
-from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
+from memtui.export.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, DEFAULT_TIMEOUT_S
 from memtui.export.metrics import COUNTERS, GAUGES
 from memtui.export.serve import parse_listen
 from memtui.storage import registry
@@ -49,6 +51,7 @@ from memtui.wire import (
 )
 from tests.support.cli import memtui_here, status_json
 from tests.support.clock import patience
+from tests.support.other_user import OtherUser, make_other_user
 from tests.support.processes import PLUMBING, ROOT, DemoRun, wait_for
 
 pytestmark = pytest.mark.heavy
@@ -58,6 +61,24 @@ PROMETHEUS = "/usr/bin/prometheus"
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """A scrape: (sample name, sorted labels) -> value."""
+
+TOKEN = "test-token-" + "0123456789abcdef" * 2
+"""The bearer token the exporters of these tests answer (their ``--token-file``'s)."""
+
+
+def token_file() -> Path:
+    """The exporters' token file (0600, made once per process)."""
+    path = Path(tempfile.gettempdir()) / f"mt-export-token-{os.getpid()}"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, TOKEN.encode() + b"\n")
+        os.close(fd)
+    return path
+
+
+def authorized(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """``headers`` with the exporters' bearer token."""
+    return {**(headers or {}), "Authorization": f"Bearer {TOKEN}"}
 
 
 @contextlib.contextmanager
@@ -71,8 +92,9 @@ def exporter(*args: str) -> Iterator[str]:
 def exporter_process(*args: str) -> Iterator[tuple[str, psutil.Process]]:
     """``memtui export`` in a subprocess on a free port; yields its ``/metrics`` URL and its
     process."""
+    command = [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0", *args],
+        [*command, "--token-file", str(token_file()), *args],
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -99,7 +121,8 @@ def exporter_process(*args: str) -> Iterator[tuple[str, psutil.Process]]:
 def fetch(url: str, openmetrics: bool = False) -> str:
     """One scrape's text (OpenMetrics when asked, as Prometheus asks; else the plain format)."""
     headers = {"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+    request = urllib.request.Request(url, headers=authorized(headers))
+    with urllib.request.urlopen(request, timeout=10) as reply:
         return str(reply.read().decode())
 
 
@@ -248,7 +271,7 @@ def test_the_format_follows_the_scrapers_accept_header() -> None:
             ("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
              "application/openmetrics-text", "1.0.0"),
         ):  # fmt: skip
-            request = urllib.request.Request(url, headers={"Accept": accept})
+            request = urllib.request.Request(url, headers=authorized({"Accept": accept}))
             with urllib.request.urlopen(request, timeout=10) as reply:
                 media = reply.headers["Content-Type"]
                 text = reply.read().decode()
@@ -270,8 +293,9 @@ def prometheus(target: str, directory: Path) -> Iterator[str]:
     config = directory / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: memtui\n    static_configs:\n"
-        f"      - targets: ['{target}']\n"
+        f"scrape_configs:\n  - job_name: memtui\n"
+        f"    authorization:\n      credentials_file: {token_file()}\n"
+        f"    static_configs:\n      - targets: ['{target}']\n"
     )
     address = f"127.0.0.1:{free_port()}"
     log = directory / "prometheus.log"
@@ -343,12 +367,19 @@ def test_export_listens_on_loopback_unless_told_and_refuses_a_bad_address() -> N
     assert "127.0.0.1:9464" in shown
     flat = " ".join(shown.split())  # the command's defaults are the package's
     defaults = re.findall(r"\[default: ([\d.]+);", flat)
-    assert defaults == [str(DEFAULT_MAX_RUNS), str(DEFAULT_MAX_CONNECTIONS), str(DEFAULT_TIMEOUT_S)]
+    assert defaults == [
+        str(DEFAULT_MAX_RUNS),
+        str(DEFAULT_MAX_CONNECTIONS),
+        str(DEFAULT_MAX_PER_PEER),
+        str(DEFAULT_TIMEOUT_S),
+    ]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        busy = CliRunner().invoke(main, ["export", "--listen", f"127.0.0.1:{port}"])
+        busy = CliRunner().invoke(
+            main, ["export", "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file())]
+        )
     assert busy.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
 
 
@@ -648,3 +679,153 @@ def test_held_connections_are_bounded_and_closed_and_the_rest_answered_503() -> 
         assert value(samples, "memtui_exporter_http_timeouts_total") == 4
         assert value(samples, "memtui_exporter_http_connections") == 1, "this scrape's"
     assert threads_held <= threads_before + 4, (threads_before, threads_held)
+
+
+# --------------------------------------------------------------------------- who may read it
+
+
+@pytest.fixture(scope="module")
+def other_user() -> Iterator[OtherUser]:
+    """A second real user on this host (skipped, saying why, where none can be made)."""
+    yield from make_other_user()
+
+
+def answer_of(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """A request's status and body (an error's too)."""
+    try:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_over_tcp_only_a_request_with_the_token_is_answered(tmp_path: Path) -> None:
+    """A scrape without the bearer token, or with another, gets 401 (counted) and no metric; the
+    token file is made 0600 on first use; ``--no-token`` serves anyone, and says so."""
+    with exporter() as url:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
+            code, body = answer_of(url, headers)
+            assert code == 401 and "memtui_" not in body and "bearer token" in body, (code, body)
+        assert answer_of(url, authorized())[0] == 200
+        assert value(scrape(url), "memtui_exporter_http_unauthorized_total") == 3
+    made = tmp_path / "config" / "token"
+    result = subprocess.run(
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:1", "--token-file", str(made)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "No such file or directory" in result.stderr, result.stderr
+    made.parent.mkdir()
+    with exporter_process("--token-file", str(made)) as (url, _process):
+        assert made.stat().st_mode & 0o777 == 0o600 and len(made.read_text().strip()) >= 32
+        assert answer_of(url)[0] == 401
+        bearer = {"Authorization": f"Bearer {made.read_text().strip()}"}
+        assert answer_of(url, bearer)[0] == 200
+    made.chmod(0o644)
+    refused = CliRunner().invoke(
+        main, ["export", "--listen", "127.0.0.1:0", "--token-file", str(made)]
+    )
+    assert refused.exit_code == 2 and "can be read by other accounts" in refused.stderr
+    open_to_all = subprocess.Popen(
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", "127.0.0.1:0", "--no-token"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert open_to_all.stderr is not None
+        line = open_to_all.stderr.readline()
+        assert "to anyone who reaches it (no token)" in line, line
+        found = re.search(r"serving (http\S+)", line)
+        assert found and answer_of(found.group(1))[0] == 200
+    finally:
+        open_to_all.terminate()
+        open_to_all.wait(15)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection over a Unix socket."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        """Connect to the socket's path."""
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(10)
+        self.sock.connect(self.path)
+
+
+def test_a_unix_socket_serves_its_user_and_no_other_account(
+    tmp_path: Path, other_user: OtherUser
+) -> None:
+    """``--listen unix:PATH`` serves this user without a token, through a socket made 0600,
+    which another account cannot open even in a directory open to all."""
+    shared = Path(tempfile.mkdtemp(prefix="mtx", dir="/tmp"))
+    shared.chmod(0o755)
+    path = shared / "export.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtui.cli", "export", "--listen", f"unix:{path}"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert f"serving unix:{path}" in line and "this user and root only" in line, line
+        assert path.stat().st_mode & 0o777 == 0o600
+        connection = UnixHTTPConnection(str(path))
+        connection.request("GET", "/metrics")
+        reply = connection.getresponse()
+        assert reply.status == 200 and "memtui_runs 0" in reply.read().decode()
+        probe = (
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1]); print('connected')\n"
+            "except OSError as e:\n    print(type(e).__name__)\n"
+        )
+        seen = other_user.run("-c", probe, str(path))
+        assert seen.stdout.strip() == "PermissionError", seen.stdout + seen.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0
+        shutil.rmtree(shared, ignore_errors=True)
+    assert not path.exists(), "the socket's file is removed at the end"
+
+
+def test_another_accounts_slowloris_never_starves_a_scraper(other_user: OtherUser) -> None:
+    """Another account holds 40 connections dripping their headers, opening new ones as they
+    are closed: it gets 4 at once (its share) and 503s beyond, while a real scrape with the
+    token keeps getting 200 and its metrics, every time."""
+    with exporter_process() as (url, process):
+        address = urllib.parse.urlsplit(url)
+        answers: list[str] = []
+
+        def loris() -> None:
+            done = other_user.run(
+                "-m", "tests.support.flood", "slowloris", address.hostname or "", str(address.port), "12",
+                timeout=60,
+            )  # fmt: skip
+            answers.append(done.stdout + done.stderr)
+
+        thread = threading.Thread(target=loris)
+        thread.start()
+        time.sleep(2.0)  # its connections are held
+        codes = []
+        while thread.is_alive():
+            code, body = answer_of(url, authorized())
+            codes.append(code)
+            assert code != 200 or "memtui_exporter_http_connections" in body
+            time.sleep(0.25)
+        thread.join()
+        seen = json.loads(answers[0].strip().splitlines()[-1])
+        assert set(codes) == {200} and len(codes) >= 20, codes
+        assert seen["connections"] >= 40 and seen.get("HTTP/1.1 503 Service Unavailable", 0) >= 36
+        samples = scrape(url)
+        assert (value(samples, "memtui_exporter_http_peer_refused_total") or 0) >= 36
+        assert process.num_threads() < 20
