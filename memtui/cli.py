@@ -1,6 +1,6 @@
 """The ``memtui`` command: one group, and each command in a module of its own
 (``memtui.commands``: ls, status, set, cancel, autotune, attach, replay, demo, run, export,
-keygen, gpus, estimate).
+keygen, gpus, estimate, report, compare, check).
 
 A public scripting interface: ``--json`` output is stable (fields are added, never renamed),
 errors go to stderr, and the exit status says whether the request succeeded.
@@ -15,6 +15,8 @@ from memtui.commands import (
     attach,
     autotune,
     cancel,
+    check,
+    compare,
     demo,
     estimate,
     export,
@@ -22,6 +24,7 @@ from memtui.commands import (
     keygen,
     ls,
     replay,
+    report,
     run,
     status,
 )
@@ -48,6 +51,9 @@ for _command in (
     run.run_command,
     export.export_command,
     attach.attach_command,
+    report.report_command,
+    compare.compare_command,
+    check.check_command,
 ):
     main.add_command(_command)
 

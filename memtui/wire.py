@@ -185,11 +185,25 @@ class Effect(Struct, omit_defaults=True):
     peak_bytes_before: int | None = None
     peak_bytes_after: int | None = None
     speedup_margin: float | None = None
-    """Half-width of the 95% interval of the relative change of samples/s (None: too few steps)."""
+    """Half-width of the 95% interval of the relative change of samples/s toward its farther end
+    (None: too few steps)."""
     step_time_margin_s: float | None = None
     """Half-width of the 95% interval of the change of the mean step time."""
     data_wait_margin_s: float | None = None
     """Half-width of the 95% interval of the change of the mean data wait per step."""
+    warmup_steps: int | None = None
+    """Steps right after the change left out of the steps compared (None: an older hook)."""
+    warmup_why: str = ""
+    """Why those steps were left out, in words (settling; the rebuilt loader's warm-up)."""
+    speedup_low: float | None = None
+    """The low end of the 95% interval of the relative change of samples/s (None: an older
+    hook's, whose interval is the change plus and minus ``speedup_margin``)."""
+    speedup_high: float | None = None
+    """Its high end: the interval is on the ratio of the speeds, so not symmetric
+    (``speedup_margin`` is then its half-width toward the farther end)."""
+    speed_drift: float | None = None
+    """How much the run's speed moved at an unchanged config between windows a few hundred steps
+    apart (95%, relative), counted in the interval (None: not measured yet)."""
 
 
 class AppliedChange(Struct, omit_defaults=True):
@@ -219,6 +233,10 @@ class AppliedChange(Struct, omit_defaults=True):
     """What every optimizer's LR (and its scheduler's base LRs) was multiplied by (None: kept)."""
     lr_note: str = ""
     """The LR change in words (``lr x2.0 (linear)``), or a warning that it did not follow."""
+    effect_note: str = ""
+    """What the change could not do on this run, in words (``pin_memory does nothing without an
+    accelerator: its effect is not measured``); a change none of whose knobs can act here is
+    never measured, and ``effect`` stays None."""
 
 
 class ModelPoint(Struct, array_like=True, frozen=True):
@@ -540,6 +558,175 @@ class RunInfo(Struct, omit_defaults=True):
     does not send it, or a run not on CUDA."""
 
 
+# --------------------------------------------------------------------------- the run's summary
+
+
+class SummaryWindow(Struct, array_like=True, frozen=True):
+    """One stretch of the run's wall time: its steps' time, data wait and memory (sums, so two
+    neighbours merge exactly when the summary coarsens)."""
+
+    start: float
+    """Wall time (``time.time()``) the stretch begins."""
+    seconds: float
+    """How long the stretch is."""
+    steps: int
+    """Steps that ended in it."""
+    step_time_s: float
+    """Their step times, summed."""
+    data_wait_s: float
+    """Their data waits, summed."""
+    samples: int
+    """Their samples, summed."""
+    slowest_step_s: float
+    """The slowest of them."""
+    device_peak_bytes: int
+    """The device peak sampled in it (CUDA: torch's peak reserve since the last change, plus
+    memory beyond torch; CPU: the process tree's peak; 0: no sample)."""
+    device_used_bytes: int
+    """The most the device held at a sample in it (0: no sample)."""
+    host_peak_bytes: int
+    """The most the process tree held in host memory (main RSS plus the loader workers; 0: no
+    sample)."""
+
+
+class KeptStep(Struct, array_like=True, frozen=True):
+    """One step the summary keeps whole, for the comparison of two runs' distributions."""
+
+    step: int
+    step_time_s: float
+    data_wait_s: float
+    samples: int
+
+
+class VerdictSpan(Struct, omit_defaults=True):
+    """A stretch of the run the verdict held, from one look to the next that differed."""
+
+    state: str
+    """``STARVED``, ``UNDERUSED``, ``BALANCED``, ``OOM_RISK`` or ``HOST_PRESSURE``."""
+    first_step: int
+    last_step: int
+    start: float
+    """When it was first said (wall time)."""
+    end: float
+    """When it was last said."""
+    headline: str = ""
+    """The verdict in one line, when it was first said."""
+    looks: int = 1
+    """How many looks (one every ``SUMMARY_LOOK_S``) said it."""
+
+
+class SummaryOption(Struct, omit_defaults=True):
+    """A recommendation the run had at its last look (untested unless applied)."""
+
+    title: str
+    changes: dict[str, KnobValue] = {}
+    applicable: bool = False
+    why: str = ""
+    speed_delta: float | None = None
+    predicted_peak_bytes: int | None = None
+
+
+class RankFigures(Struct, omit_defaults=True):
+    """One rank's figures over the run, as it last posted them for rank 0."""
+
+    rank: int
+    host: str = ""
+    time: float = 0.0
+    """When the figures were taken (wall time)."""
+    steps: int = 0
+    """Steps the rank closed."""
+    step_time_s: float = 0.0
+    """Its median step time over the steps it kept."""
+    data_wait_fraction: float = 0.0
+    """Its data wait over its step time, over the run."""
+    data_wait_measured: bool = True
+    samples_per_s: float = 0.0
+    """Its samples over its step time, over the run (0: not counted)."""
+    device_peak_bytes: int = 0
+    capacity_bytes: int = 0
+    host_peak_bytes: int = 0
+    ooms: int = 0
+
+
+class MemorySummary(Struct, omit_defaults=True):
+    """The run's peaks, with the room left under its limits."""
+
+    kind: str = "cpu"
+    capacity_bytes: int = 0
+    """The device's memory, or on the CPU the memory limit (a cgroup's, one given, else RAM)."""
+    device_peak_bytes: int = 0
+    """The highest device peak sampled (CUDA: torch's peak reserve plus memory beyond torch)."""
+    device_peak_step: int = 0
+    device_peak_time: float = 0.0
+    host_peak_bytes: int = 0
+    """The most the process tree held in host memory (main RSS plus the loader workers)."""
+    host_limit_bytes: int = 0
+    """The host memory limit that applies to the run (its cgroup's, else RAM)."""
+    ram_used_peak_bytes: int = 0
+    """The most RAM the host had in use (every process)."""
+    swap_peak_bytes: int = 0
+    alloc_retries: int = 0
+    """Allocations torch retried after freeing its cache (CUDA)."""
+    allocator_ooms: int = 0
+    """Out-of-memory errors torch's allocator counted (CUDA)."""
+
+
+SUMMARY_FORMAT = 1
+"""The version of the summary's layout (``RunSummary.format``)."""
+
+
+class RunSummary(Struct, omit_defaults=True):
+    """What a run spent and learnt, bounded whatever its length: written beside its tuned config
+    as it runs (every ``SUMMARY_EVERY_S``) and when it ends, and sent to a client that asks."""
+
+    run: str
+    written: float
+    """When it was written (wall time)."""
+    info: RunInfo
+    ended: str = ""
+    """How the run ended: ``finished``, ``interrupted`` (Ctrl-C), ``out of memory``, ``failed:
+    <error>`` ("": it was still running when this was written)."""
+    first_step: int = 0
+    """The first step recorded (a resumed run starts past 0)."""
+    last_step: int = 0
+    steps: int = 0
+    """Steps recorded (rank 0's)."""
+    step_time_s: float = 0.0
+    """Their step times, summed."""
+    data_wait_s: float = 0.0
+    """Their data waits, summed."""
+    samples: int = 0
+    data_wait_measured: bool = False
+    """Whether any step drew a batch memtui timed (False: the data wait is not known)."""
+    window_s: float = 0.0
+    """How long each of ``windows`` is (it doubles as the run grows)."""
+    windows: list[SummaryWindow] = []
+    kept: list[KeptStep] = []
+    """A uniform random sample of the run's steps (its first steps and those that rebuilt the
+    loader left out): what a comparison of two runs tests."""
+    kept_of: int = 0
+    """The steps ``kept`` was drawn from."""
+    memory: MemorySummary | None = None
+    verdicts: list[VerdictSpan] = []
+    verdicts_dropped: int = 0
+    """Spans left out in the middle of a run whose verdict changed more often than kept."""
+    verdict_seconds: dict[str, float] = {}
+    """Seconds of the run each verdict held, by state (from one look to the next)."""
+    options: list[SummaryOption] = []
+    """The recommendations at the run's last look."""
+    started_config: Knobs | None = None
+    """The knobs when the summary began (the run's start, or its resume)."""
+    control: ControlState | None = None
+    """The control state when written: the config, every change and its effect, the OOMs."""
+    ranks: list[RankFigures] = []
+    """Every rank's figures rank 0 had (its own first)."""
+    counters: HookCounters | None = None
+    records_dropped: int = 0
+    """Step records the hook lost before the summary saw them (a stalled agent)."""
+    format: int = SUMMARY_FORMAT
+    v: int = WIRE_VERSION
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -572,6 +759,8 @@ class Hello(Struct, tag="hello", omit_defaults=True):
     client: str = ""
     history: int = 512
     """How many recent step records the viewer wants (the hook caps it)."""
+    summary: bool = False
+    """Also send the run's summary (``memtui report``; an older hook ignores it)."""
     v: int = WIRE_VERSION
 
 
@@ -590,6 +779,8 @@ class Snapshot(Struct, tag="snapshot", omit_defaults=True):
     host: list[HostSample] = []
     checkpoints: list[CheckpointRecord] = []
     counters: HookCounters | None = None
+    summary: RunSummary | None = None
+    """The run's summary, when the hello asked for it (None: not asked, or an older hook)."""
     v: int = WIRE_VERSION
 
 

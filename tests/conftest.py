@@ -32,6 +32,19 @@ pytest_plugins = ["tests.support.accounts"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_session_runtime() -> Iterator[Path]:
+    """The session's own runtime dir and state home, for the runs a module's or the session's
+    fixtures start before a test's own (``private_runtime``): none lands among the user's runs,
+    and none of theirs in a test's registry."""
+    base = Path(tempfile.mkdtemp(prefix="mts", dir="/tmp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMTUI_RUNTIME_DIR", str(base / "rt"))
+        patch.setenv("XDG_STATE_HOME", str(base / "state"))
+        yield base / "rt"
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def private_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Every test gets its own short runtime dir (ipc paths must stay short) and state home."""

@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from memtui.advice.effect import SETTLE_STEPS, measurable, speed_words, speedup
+from memtui.advice.effect import interval_width, lowest_gain, measurable, speed_words, speedup
 from memtui.advice.measure import EFFECT_STEPS, LONG_STEPS, per_worker_bytes
 from memtui.advice.predict import max_batch, predict_peak
 from memtui.advice.prediction import Prediction
@@ -74,7 +74,10 @@ KEPT, WORSE, REVERTED, OOM, REFUSED, MEASURING, OPERATOR, UNCLEAR, UNCLEAR_REVER
     "no measurable change",
     "reverted inside the noise",
 )
-FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED, UNCLEAR_REVERTED})
+CANNOT_ACT = "cannot act on this run"
+"""The outcome of a change none of whose knobs can act on the run (pinning without an
+accelerator): never measured, so neither kept for a speed-up nor reverted as slower."""
+FAILED = frozenset({WORSE, REVERTED, OOM, REFUSED, UNCLEAR_REVERTED, CANNOT_ACT})
 """Outcomes after which a value is not tried again (a refused one: while the gate would refuse it;
 one reverted inside the noise: until the noise fell)."""
 LOADER_AXES = frozenset({"num_workers", "pin_memory", "prefetch_factor"})
@@ -113,6 +116,8 @@ class Trial:
     safety: bool = False
     """A move out of the memory danger band: kept unless it ran out of memory."""
     effect: Effect | None = None
+    note: str = ""
+    """What the change could not do on the run, as the hook said it (its ``effect_note``)."""
 
     def describe(self) -> str:
         """``kept num_workers=2: +45% +-6% samples/s``: the trial and its outcome in words."""
@@ -121,6 +126,8 @@ class Trial:
             return f"{format_diff_values(self.changes)} ran out of memory: rolled back"
         if self.outcome == REFUSED:
             return f"{format_diff_values(self.changes)} refused by the queue"
+        if self.outcome == CANNOT_ACT:
+            return f"{format_diff_values(self.changes)}: {self.note or CANNOT_ACT}"
         if self.effect is None:
             return words
         words += f": {speed_words(self.effect)}"
@@ -193,15 +200,15 @@ def wait_words(effect: Effect) -> str:
 
 def outcome_of(change: AppliedChange, axis: str) -> str:
     """A measured trial's outcome: kept (faster, or a loader knob that cut the data wait and
-    was not measurably slower), worse (measurably slower, or faster by nothing), or no
-    measurable change."""
+    was not measurably slower), worse (measurably slower), no measurable change, or, for a
+    change the hook never measures because it cannot act on the run, ``CANNOT_ACT``."""
     effect = change.effect
     if effect is None:
-        return MEASURING
+        return CANNOT_ACT if change.effect_note else MEASURING
     if kept_for_speed(effect):
         return KEPT
     if measurable(effect):
-        return WORSE  # slower beyond the noise (or a gain of nothing, measured exactly)
+        return WORSE  # slower beyond the noise
     if axis in LOADER_AXES and waits_less(effect):
         return KEPT
     return UNCLEAR
@@ -272,7 +279,9 @@ def history(
         outcome = outcome_of(change, axis)
         if is_safety and outcome != MEASURING:
             outcome = KEPT
-        trials.append(Trial(axis, changes, change.step, outcome, is_safety, change.effect))
+        trials.append(
+            Trial(axis, changes, change.step, outcome, is_safety, change.effect, change.effect_note)
+        )
     _retry_when_the_noise_fell(trials, applied)
     for request in refused:
         changes = {k: KnobDiff(None, v) for k, v in request.items()}
@@ -283,20 +292,21 @@ def history(
 
 def _retry_when_the_noise_fell(trials: list[Trial], applied: Sequence[AppliedChange]) -> None:
     """Forget the trials reverted inside the noise whose noise has fallen: a change measured
-    after them with an interval at most ``RETRY_NOISE`` of theirs (they may be tried again)."""
+    after them with an interval at most ``RETRY_NOISE`` as wide as theirs (they may be tried
+    again); the widths are those of the intervals the effects state, the run's drift counted."""
     for index, trial in enumerate(trials):
         if trial.outcome != UNCLEAR_REVERTED or trial.effect is None:
             continue
-        margin = trial.effect.speedup_margin
+        width = interval_width(trial.effect)
         later = [
-            a.effect.speedup_margin
+            w
             for a in applied
-            if a.step > trial.step and a.effect is not None and a.effect.speedup_margin is not None
+            if a.step > trial.step
+            and a.effect is not None
+            and (w := interval_width(a.effect)) is not None
         ]
-        if margin is not None and later and min(later) <= RETRY_NOISE * margin:
-            trials[index] = Trial(
-                trial.axis, trial.changes, trial.step, RETRYABLE, trial.safety, trial.effect
-            )
+        if width is not None and later and min(later) <= RETRY_NOISE * width:
+            trials[index] = replace(trial, outcome=RETRYABLE)
 
 
 def operator_changes(applied: Sequence[AppliedChange], config: Knobs) -> tuple[AppliedChange, ...]:
@@ -353,10 +363,10 @@ class Timing:
     """The relative standard deviation of their samples/s, step to step."""
 
 
-def timing_of(records: Sequence[StepRecord], since_step: int) -> Timing:
-    """The timing of the steps after ``since_step`` (the current config's last change) once it
-    settled, over the latest ``LONG_STEPS`` of them."""
-    timed = [r for r in records if r.step > since_step + SETTLE_STEPS and r.step_time_s > 0]
+def timing_of(records: Sequence[StepRecord], settled: int) -> Timing:
+    """The timing of the steps after ``settled`` (the last step the current config's warm-up
+    left out), over the latest ``LONG_STEPS`` of them."""
+    timed = [r for r in records if r.step > settled and r.step_time_s > 0]
     rates = [r.samples / r.step_time_s for r in timed[-LONG_STEPS:]]
     mean = statistics.fmean(rates) if rates else 0.0
     spread = statistics.stdev(rates) / mean if len(rates) > 1 and mean > 0 else 0.0
@@ -536,7 +546,7 @@ def _worth_its_memory(situation: Situation, trial: Trial, safer: Mapping[str, Kn
     estimate = _estimate(situation, safer)
     delta = estimate.delta if estimate is not None else None
     cost = SHRINK_COST_GUESS if delta is None else max(0.0, -delta)
-    return speedup(effect) - (effect.speedup_margin or 0.0) > cost
+    return lowest_gain(effect) > cost
 
 
 def format_diff_values(changes: Mapping[str, KnobDiff]) -> str:
@@ -587,7 +597,10 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     if inputs.host_pressure:
         return {}, "num_workers: host memory is under pressure"
     upper, note = _worker_cap(inputs, max(now * 2, 1))
-    value = doubling(now, upper, situation.tried("num_workers"))
+    tried = situation.tried("num_workers")
+    value = doubling(now, upper, tried)
+    if value is None:
+        value, note = _past_the_noise(inputs, now, tried, note)
     if value is None:
         words = situation.operator_words("num_workers")
         return {}, f"num_workers: nothing left to try above {now}{note}{words}"
@@ -596,6 +609,20 @@ def _workers(situation: Situation) -> tuple[dict[str, KnobValue], str]:
     if no_help:
         return {}, no_help
     return changes, f"{_wait_words(situation)}: num_workers {now} -> {value}{note}"
+
+
+def _past_the_noise(
+    inputs: Inputs, now: int, tried: Mapping[KnobValue, str], note: str
+) -> tuple[int | None, str]:
+    """Twice the one worker count tried above ``now`` when its trial stayed inside the noise (no
+    slower, no clearer faster: one more worker on a loaded machine can hide in it) and nothing
+    lies between to bisect, within the caps; None otherwise."""
+    above = [v for v in tried if isinstance(v, int) and not isinstance(v, bool) and v > now]
+    if len(above) != 1 or tried[above[0]] != UNCLEAR_REVERTED:
+        return None, note
+    want = above[0] * 2
+    allowed, why = _worker_cap(inputs, want)
+    return (want, why) if allowed == want else (None, note)
 
 
 def _wait_words(situation: Situation) -> str:

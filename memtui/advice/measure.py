@@ -8,11 +8,20 @@ before and after each applied change once enough ran.
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from memtui.advice.effect import SETTLE_STEPS, measure
+from memtui.advice.effect import (
+    SETTLE_STEPS,
+    SETTLED_AHEAD,
+    WARMUP_LIMIT,
+    Warmup,
+    drift_of,
+    measure,
+    warmup,
+)
 from memtui.advice.predict import Observation, predict_peak
 from memtui.advice.speed import SpeedBasis, SpeedEstimate, predict_speed
 from memtui.core.knobs import knobs_with, new_values
@@ -210,11 +219,133 @@ def peak_of(window: Sequence[DeviceSample]) -> int | None:
 
 @dataclass(frozen=True)
 class Measured:
-    """An applied change's measured effect and the peak after it."""
+    """An applied change's measured effect and the peak after it; or, for a change that cannot
+    act on this run, no effect and why (``note``)."""
 
     applied: AppliedChange
-    effect: Effect
+    effect: Effect | None
     peak_after: int | None
+    note: str = ""
+    """What the change could not do here (``pin_memory does nothing without an accelerator``)."""
+
+
+def cannot_act_words(change: AppliedChange, cannot_act: Mapping[str, str]) -> tuple[str, bool]:
+    """What ``change`` could not do on this run, from what each knob cannot do here
+    (``cannot_act``: knob -> why), and whether none of its knobs can act ('' and False: all can)."""
+    idle = [k for k in change.changes if k in cannot_act]
+    if not idle:
+        return "", False
+    why = "; ".join(cannot_act[k] for k in idle)
+    if len(idle) == len(change.changes):
+        return f"{why}: its effect is not measured", True
+    others = ", ".join(k for k in change.changes if k not in cannot_act)
+    return f"{why}: the effect measured is {others}'s", False
+
+
+def configs_left(applied: Sequence[AppliedChange], now: Knobs | None) -> list[Knobs | None]:
+    """The config each applied change left (oldest first), worked back from the run's config
+    ``now`` (the latest change's); None for each where ``now`` is not known."""
+    if now is None or not applied:
+        return [None] * len(applied)
+    configs: list[Knobs | None] = [now]
+    for change in reversed(applied[1:]):
+        later = configs[-1]
+        assert later is not None
+        configs.append(knobs_with(later, {k: d.old for k, d in change.changes.items()}))
+    return configs[::-1]
+
+
+def config_before(applied: Sequence[AppliedChange], now: Knobs | None) -> Knobs | None:
+    """The config the first of ``applied`` changed (``now`` itself without changes)."""
+    if now is None or not applied:
+        return now
+    first = configs_left(applied, now)[0]
+    assert first is not None
+    return knobs_with(first, {k: d.old for k, d in applied[0].changes.items()})
+
+
+def _between(records: list[StepRecord], first: int, last: int | None = None) -> list[StepRecord]:
+    """The records (in step order) of steps (first, last]."""
+    start = bisect.bisect_right(records, first, key=lambda r: r.step)
+    end = len(records) if last is None else bisect.bisect_right(records, last, key=lambda r: r.step)
+    return records[start:end]
+
+
+@dataclass(frozen=True)
+class Periods:
+    """The steps at each config of the run: where each applied change's warm-up ended."""
+
+    records: list[StepRecord]
+    """Every step kept, oldest first."""
+    started: Warmup | None
+    """The run's own start, taken as a warm-up like a rebuilt loader's (None: not over yet)."""
+    warmups: list[Warmup | None]
+    """Each applied change's warm-up (None: not over yet)."""
+
+    def between(self, first: int, last: int | None = None) -> list[StepRecord]:
+        """The records of steps (first, last] (to the newest without ``last``)."""
+        return _between(self.records, first, last)
+
+    @classmethod
+    def of(
+        cls,
+        applied: Sequence[AppliedChange],
+        records: list[StepRecord],
+        now: Knobs | None,
+        final: bool = False,
+    ) -> Periods:
+        """The periods of ``records`` between the ``applied`` changes (the run's config ``now``
+        says how many workers each rebuilt loader started)."""
+        lookahead = WARMUP_LIMIT + SETTLED_AHEAD + 1
+        if any(a.step > b.step for a, b in itertools.pairwise(records)):  # a resume went back
+            records = sorted(records, key=lambda r: r.step)
+        first = config_before(applied, now)
+        opening = _between(records, 0, lookahead)
+        started = None
+        if records and records[0].step <= 1:
+            started = warmup(
+                0,
+                opening,
+                first.num_workers if first is not None else None,
+                first.prefetch_factor if first is not None else None,
+                final=final or len(records) > lookahead,
+                started=True,
+            )
+        warmups: list[Warmup | None] = []
+        ends: list[int | None] = [c.step for c in applied[1:]]
+        ends += [None] * bool(applied)
+        for change, config, end in zip(applied, configs_left(applied, now), ends, strict=True):
+            bound = change.step + lookahead if end is None else min(end, change.step + lookahead)
+            after = _between(records, change.step, bound)
+            # a warm-up the next change cut short ends there: what ran until it says
+            done = final or end is not None or bool(records and records[-1].step > bound)
+            workers = config.num_workers if config is not None else None
+            prefetch = config.prefetch_factor if config is not None else None
+            warmups.append(warmup(change.step, after, workers, prefetch, final=done))
+        return cls(records, started, warmups)
+
+    @property
+    def opening(self) -> bool:
+        """Whether the steps kept begin at the run's start (the first segment is its start)."""
+        return bool(self.records) and self.records[0].step <= 1
+
+    def settled(self, applied: Sequence[AppliedChange], index: int) -> int:
+        """The last step left out after the change at ``index`` (-1: the run's start)."""
+        if index < 0:
+            return self.started.last if self.started is not None else 0
+        warm = self.warmups[index]
+        return warm.last if warm is not None else applied[index].step + SETTLE_STEPS
+
+    def segments(self, applied: Sequence[AppliedChange], through: int) -> list[list[StepRecord]]:
+        """The settled steps of each config up to the change at ``through`` (the config before
+        it last), oldest first: what the run's drift is measured over."""
+        out: list[list[StepRecord]] = []
+        for index in range(-1, through):
+            if index >= 0 and self.warmups[index] is None:
+                continue
+            first, last = self.settled(applied, index), applied[index + 1].step
+            out.append(self.between(first, last))
+        return out
 
 
 def effects_due(
@@ -224,19 +355,36 @@ def effects_due(
     records: Callable[[Iterable[RawStepT]], list[StepRecord]],
     *,
     final: bool = False,
+    now: Knobs | None = None,
+    cannot_act: Mapping[str, str] | None = None,
 ) -> list[Measured]:
     """The effects of the applied changes not measured yet whose steps after have run (all that
-    can be measured at all when ``final``); ``records`` makes wire records of raw steps."""
-    later = {id(a): b.step for a, b in itertools.pairwise(applied)}
-    earlier = {id(b): a.step for a, b in itertools.pairwise(applied)}
+    can be measured at all when ``final``); ``records`` makes wire records of raw steps, ``now``
+    is the run's config (how many workers a rebuilt loader started), ``cannot_act`` what each
+    knob that cannot act on this run does not do (a change of those knobs alone is not
+    measured, and says why)."""
+    pending = [
+        i
+        for i, c in enumerate(applied)
+        if c.effect is None and not c.rollback and not c.effect_note
+    ]
+    if not pending:
+        return []
+    periods = Periods.of(applied, records(steps), now, final)
     found: list[Measured] = []
-    for change in applied:
-        if change.effect is not None or change.rollback:
+    for index in pending:
+        change = applied[index]
+        note, idle = cannot_act_words(change, cannot_act or {})
+        next_change = applied[index + 1].step if index + 1 < len(applied) else None
+        if idle:
+            found.append(Measured(change, None, None, note))
             continue
-        start = change.step + SETTLE_STEPS
-        next_change = later.get(id(change))
+        warm = periods.warmups[index]
+        if warm is None:
+            continue
+        start = warm.last
         end = min(start + EFFECT_STEPS, next_change or start + EFFECT_STEPS)
-        after = records(r for r in steps if start < r[0] <= end)
+        after = periods.between(start, end)
         if len(after) < min(EFFECT_STEPS, end - start) and not final:
             continue
         if len(after) < 3:
@@ -247,16 +395,18 @@ def effects_due(
         # carries the step count when it was taken: samples counted ``step`` ran during the
         # step after it, so the last one before the change is ``step - 1``.
         peak_end = next_change - 1 if next_change is not None else None
-        at_new = read_after(samples, start, peak_end)
+        at_new = read_after(samples, change.step + SETTLE_STEPS, peak_end)
         if len(at_new) < PEAK_SAMPLES and next_change is None and not final:
             continue
-        before = records(r for r in steps if change.step - EFFECT_STEPS < r[0] <= change.step)
-        since = earlier.get(id(change), -1) + SETTLE_STEPS
-        peak_before = peak_between(samples, since, change.step - 1)
+        first = max(change.step - EFFECT_STEPS, periods.settled(applied, index - 1))
+        before = periods.between(first, change.step)
+        earlier = applied[index - 1].step if index > 0 else -1
+        peak_before = peak_between(samples, earlier + SETTLE_STEPS, change.step - 1)
+        drift = drift_of(periods.segments(applied, index), EFFECT_STEPS, opening=periods.opening)
         peak_after = peak_of(at_new)
-        effect = measure(before, after, peak_before, peak_after)
+        effect = measure(before, after, peak_before, peak_after, drift=drift, warm=warm)
         if effect is not None:
-            found.append(Measured(change, effect, peak_after))
+            found.append(Measured(change, effect, peak_after, note))
     return found
 
 
@@ -268,7 +418,10 @@ def measuring(applied: Sequence[AppliedChange]) -> bool:
     latest = applied[-1]
     if latest.changes and not latest.rollback and not latest.speed_note:
         return True
-    return any(change.effect is None and not change.rollback for change in applied)
+    return any(
+        change.effect is None and not change.rollback and not change.effect_note
+        for change in applied
+    )
 
 
 def speed_prediction_due(
@@ -277,15 +430,19 @@ def speed_prediction_due(
     records: Callable[[Iterable[RawStepT]], list[StepRecord]],
     knobs: Knobs,
     starved_wait_fraction: float,
+    cannot_act: Mapping[str, str] | None = None,
 ) -> tuple[AppliedChange, SpeedEstimate] | None:
     """The speed prediction of the latest applied change if it has none yet, made from the steps
     before it and the earlier changes' effects only (``knobs``: the config it left; a rollback
-    predicts nothing)."""
+    predicts nothing; a change of knobs that cannot act on this run, ``cannot_act``, none)."""
     if not applied:
         return None
     latest = applied[-1]
     if latest.rollback or latest.speed_note or not latest.changes:
         return None
+    note, idle = cannot_act_words(latest, cannot_act or {})
+    if idle:
+        return latest, SpeedEstimate(None, note)
     before = records(r for r in steps if latest.step - EFFECT_STEPS < r[0] <= latest.step)
     stats = summarize_steps(before, window=len(before) or 1)
     if stats is None:
@@ -347,17 +504,29 @@ def accuracy(applied: Sequence[AppliedChange], ooms: Sequence[OomEvent] = ()) ->
 
 
 def timed_longer(
-    change: AppliedChange, earlier_step: int, steps: Sequence[StepRecord]
+    applied: Sequence[AppliedChange],
+    steps: Sequence[StepRecord],
+    now: Knobs | None = None,
 ) -> Measured | None:
-    """``change``'s effect over every step timed on each side (up to ``LONG_STEPS`` a side: the
-    steps at the config before it since the change at ``earlier_step`` settled, those after it
-    since it settled), its peaks as first measured (None: no effect measured yet, or too few
-    steps)."""
-    if change.effect is None:
+    """The latest of ``applied``'s effect over every step timed on each side (up to
+    ``LONG_STEPS`` a side: the steps at the config before it since the change before settled,
+    those after it since its warm-up ended), its peaks as first measured (None: no effect
+    measured yet, or too few steps); ``now``: the run's config."""
+    if not applied or applied[-1].effect is None:
+        return None
+    change, index = applied[-1], len(applied) - 1
+    assert change.effect is not None
+    periods = Periods.of(applied, list(steps), now)
+    warm = periods.warmups[index]
+    if warm is None:
         return None
     timed = [r for r in steps if r.step_time_s > 0]  # as the effect counts them
-    before = [r for r in timed if earlier_step + SETTLE_STEPS < r.step <= change.step]
-    after = [r for r in timed if r.step > change.step + SETTLE_STEPS]
+    settled = periods.settled(applied, index - 1)
+    before = [r for r in timed if settled < r.step <= change.step]
+    after = [r for r in timed if r.step > warm.last]
     peaks = change.effect.peak_bytes_before, change.effect.peak_bytes_after
-    effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks)
-    return Measured(change, effect, change.observed_peak_bytes) if effect is not None else None
+    drift = drift_of(periods.segments(applied, index), EFFECT_STEPS, opening=periods.opening)
+    effect = measure(before[-LONG_STEPS:], after[:LONG_STEPS], *peaks, drift=drift, warm=warm)
+    if effect is None:
+        return None
+    return Measured(change, effect, change.observed_peak_bytes, change.effect_note)

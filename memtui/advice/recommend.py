@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
-from memtui.advice.effect import measurable, speedup
+from memtui.advice.effect import interval, measurable, speedup, steps_margin
 from memtui.advice.measure import per_worker_bytes
 from memtui.advice.predict import predict_peak, safe_batch
 from memtui.advice.prediction import Prediction
@@ -219,12 +219,10 @@ micro-batches called a faster one no faster)."""
 
 def speed_noise(inputs: Inputs) -> float:
     """A speed estimate's own noise: the widest 95% interval of the measured effects it is made
-    from (the run's applied changes), at least ``NOISE_FLOOR``."""
-    margins = [
-        a.effect.speedup_margin
-        for a in inputs.applied
-        if a.effect is not None and a.effect.speedup_margin is not None
-    ]
+    from (the run's applied changes), from the spread of their steps (the machine's load
+    moving the run's speed makes an effect harder to measure, not an estimate worse), at least
+    ``NOISE_FLOOR``."""
+    margins = [m for a in inputs.applied if a.effect is not None and (m := steps_margin(a.effect))]
     return max([NOISE_FLOOR, *margins])
 
 
@@ -274,12 +272,13 @@ def _revert(harmful: AppliedChange, inputs: Inputs) -> Recommendation:
         {k: KnobDiff(d.new, d.old) for k, d in harmful.changes.items() if d.old is not None}
     )
     effect = harmful.effect
+    bounds = interval(effect)
     return Recommendation(
         title=f"revert {ids}: {shown}",
         changes=back,
         why=(
             f"measured {-speedup(effect):.0%} slower"
-            + (f" (+-{effect.speedup_margin:.0%})" if effect.speedup_margin is not None else "")
+            + (f" ({bounds[0]:+.0%} to {bounds[1]:+.0%})" if bounds is not None else "")
             + f" after it landed at step {harmful.step} "
             f"({effect.samples_per_s_before:.0f} -> {effect.samples_per_s_after:.0f} samples/s "
             f"over {effect.steps_before} and {effect.steps_after} steps)"
@@ -287,7 +286,12 @@ def _revert(harmful: AppliedChange, inputs: Inputs) -> Recommendation:
         speed_delta=effect.samples_per_s_before / effect.samples_per_s_after - 1
         if effect.samples_per_s_after > 0
         else None,
-        speed_note="measured: the speed before the change",
+        speed_note="measured: the speed before the change"
+        + (
+            f" ({1 / (1 + bounds[1]) - 1:+.0%} to {1 / (1 + bounds[0]) - 1:+.0%})"
+            if bounds is not None and bounds[0] > -1
+            else ""
+        ),
         effective_batch=_effective(knobs_with(inputs.config, back), inputs.world_size),
         score=5.0,
     )
@@ -400,7 +404,8 @@ def _loader_options(inputs: Inputs) -> list[Recommendation]:
                 inputs, f"less prefetch: prefetch_factor {prefetch} -> {default}", less, why, 3.1
             )
         )
-    if inputs.host_pressure and config.pin_memory:
+    if inputs.host_pressure and config.pin_memory and inputs.device_kind == "cuda":
+        # without an accelerator torch pins nothing: turning it off would free nothing
         why = "page-locked host memory cannot be swapped out; under host pressure it hurts"
         out.append(_host_relief(inputs, "pin_memory off", {"pin_memory": False}, why, 3.2))
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from memtui.advice.effect import interval
 from memtui.advice.predict import line_fit
 from memtui.advice.verdict import THRESHOLDS
 from memtui.core.stats import StepStats
@@ -248,8 +249,10 @@ def speed_error(applied: AppliedChange) -> float | None:
 def inside_noise(applied: AppliedChange) -> bool:
     """The speed prediction lies inside the measured effect's 95% interval."""
     error = speed_error(applied)
-    margin = applied.effect.speedup_margin if applied.effect is not None else None
-    return error is not None and margin is not None and abs(error) <= margin
+    bounds = interval(applied.effect) if applied.effect is not None else None
+    if error is None or bounds is None or applied.predicted_speed_delta is None:
+        return False
+    return bounds[0] <= applied.predicted_speed_delta <= bounds[1]
 
 
 def speed_accuracy(applied: Sequence[AppliedChange]) -> SpeedAccuracy:

@@ -222,7 +222,7 @@ def _loader_reasons(inputs: Inputs) -> tuple[Reason, ...]:
         if inputs.workers_bytes:
             value += f" holding {format_bytes(inputs.workers_bytes)}"
         out.append(Reason("loader workers", value, 1 if inputs.workers else 0))
-    if inputs.pin_memory:
+    if inputs.pin_memory and inputs.device_kind == "cuda":  # torch pins nothing without one
         out.append(Reason("pin_memory", "on (page-locked, never swapped)", 1))
     return tuple(out)
 
@@ -304,7 +304,7 @@ def decide(
             headline = f"host RAM {ram:.0%} used"
             if held:
                 headline += _held("HOST PRESSURE", "under", t.host_ram_fraction)
-        if inputs.workers or inputs.pin_memory:
+        if inputs.workers or (inputs.pin_memory and inputs.device_kind == "cuda"):
             headline += ": loader workers / pin_memory"
         return Verdict(
             State.HOST_PRESSURE,

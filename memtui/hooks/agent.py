@@ -64,6 +64,7 @@ from memtui.hooks.placement import Placement
 from memtui.hooks.progress import BackwardWatch, Progress, in_backward
 from memtui.hooks.publisher import Publisher, Recorder
 from memtui.hooks.server import SHED_PERIOD_S, ControlServer
+from memtui.hooks.summary import RunSummaries
 from memtui.hooks.threadname import name_native_thread
 from memtui.storage import registry
 from memtui.transport.recording import CONTROL_RANK, RecordingHeader
@@ -119,6 +120,8 @@ class HookParts:
     """Also write the published stream here (``MEMTUI_RECORD``)."""
     autopilot: Autopilot | None = None
     """The autopilot (it acts on rank 0 only)."""
+    summaries: RunSummaries | None = None
+    """The run's summary, written beside its tuned config (rank 0) or posted (the others)."""
 
 
 class Agent(threading.Thread):
@@ -140,7 +143,14 @@ class Agent(threading.Thread):
         self.flush_period_s = flush_period_s
         self.idle_flush_s = max(idle_flush_s, flush_period_s)
         """The flush period while nobody is subscribed and nothing is recorded."""
-        self.publisher = Publisher(parts.ledger, parts.control, parts.sampler, heartbeat_s)
+        self.publisher = Publisher(
+            parts.ledger,
+            parts.control,
+            parts.sampler,
+            heartbeat_s,
+            summary=parts.summaries.builder if parts.summaries is not None else None,
+            report=self._report,
+        )
         self.server = ControlServer(
             parts.control, lambda: parts.placement.rank, self.snapshot, self._report
         )
@@ -297,6 +307,7 @@ class Agent(threading.Thread):
                     next_model = now + 1.0
                     self.post_progress()
                     self.learn()
+                    self.summarize()
             except BaseException as exc:  # never let the thread die silently
                 self._report(exc, "agent")
                 self._stop_event.wait(0.5)
@@ -305,6 +316,7 @@ class Agent(threading.Thread):
         with contextlib.suppress(BaseException):
             self.learn(final=True)
             self.flush(ended=True)
+            self.summarize(final=True)
             time.sleep(0.05)  # let the final frame leave before the socket closes
         self._close()
         if self._recorder is not None:
@@ -696,10 +708,32 @@ class Agent(threading.Thread):
             tuned_unsaved_step=parts.tuned.unsaved_step,
         )
 
-    def snapshot(self, history: int = 512) -> Snapshot:
-        """Everything a new viewer needs, with the last ``history`` step records."""
-        return self.publisher.snapshot(
+    def snapshot(self, history: int = 512, summary: bool = False) -> Snapshot:
+        """Everything a new viewer needs, with the last ``history`` step records (and the run's
+        summary where ``summary``: ``memtui report``)."""
+        snapshot = self.publisher.snapshot(
             self.parts.info(), self.ranks(), self.current_counters(), history
+        )
+        summaries = self.parts.summaries
+        if summary and summaries is not None:
+            summaries.look(lambda: snapshot)
+            snapshot.summary = summaries.summary(
+                snapshot.info, snapshot.counters, self.publisher.records_dropped
+            )
+        return snapshot
+
+    def summarize(self, final: bool = False) -> None:
+        """Take the verdict for the run's summary when a look is due (rank 0), and write the
+        summary (or post this rank's figures) when due or ``final``."""
+        summaries = self.parts.summaries
+        if summaries is None:
+            return
+        try:
+            summaries.look(lambda: self.snapshot(64), force=final)
+        except Exception as exc:
+            self._report(exc, "the run's summary")
+        summaries.save(
+            self.parts.info, self.current_counters, self.publisher.records_dropped, final=final
         )
 
     # ------------------------------------------------------------------ the other ranks
@@ -741,6 +775,7 @@ class Agent(threading.Thread):
                 parts.ledger.records,
                 parts.store.knobs,
                 control.thresholds.starved_wait_fraction,
+                control.cannot_act(),
             )
             if due is not None:
                 control.record_speed_prediction(*due)
@@ -750,6 +785,8 @@ class Agent(threading.Thread):
                 list(publisher.device),
                 parts.ledger.records,
                 final=final,
+                now=parts.store.knobs,
+                cannot_act=control.cannot_act(),
             ):
                 control.record_effect(measured)
         autopilot = parts.autopilot

@@ -522,6 +522,7 @@ def _find_training_loader(tuner: Any) -> None:
     from torch.utils.data import IterableDataset
 
     from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
+    from memtui.hooks import midepoch, streaming
 
     _watch.train, _watch.train_dataset = _weak(loader), _weak(loader.dataset)
     found: dict[str, Any] = {
@@ -529,7 +530,8 @@ def _find_training_loader(tuner: Any) -> None:
         "pin_memory": loader.pin_memory,
         "prefetch_factor": loader.prefetch_factor or DEFAULT_PREFETCH_FACTOR,
     }
-    if isinstance(loader.dataset, IterableDataset):
+    # litdata's StreamingDataset splits its chunks between any number of workers itself
+    if isinstance(loader.dataset, IterableDataset) and not streaming.splits_itself(loader):
         del found["num_workers"]
         store.refuse("num_workers", ITERABLE, held.get("num_workers"))
         if not loader.num_workers:
@@ -537,15 +539,14 @@ def _find_training_loader(tuner: Any) -> None:
             store.refuse("prefetch_factor", ITERABLE)
     store.adopt(found)
     tuner.follows_loader = True
-    from memtui.hooks.midepoch import why_not_continued
-
-    why = _watch.why_not_mid = why_not_continued(loader)
+    judge = streaming if streaming.is_streaming(loader) else midepoch
+    why = _watch.why_not_mid = judge.why_not_continued(loader)
     tuner.control.boundary = WHEN_SAVED if not why else f"{WHEN} ({why}: a save takes no change)"
     tuner.boundary.loader_words = TAKEN
 
 
-def _set_knobs(loader: Any, knobs: Any) -> bool:
-    """Give ``loader`` the run's worker knobs before it makes its iterator; whether it changed."""
+def _wanted(loader: Any, knobs: Any) -> dict[str, Any]:
+    """The worker knobs of the run that ``loader`` does not hold yet."""
     wanted = {
         name: value
         for name, value in (
@@ -559,7 +560,13 @@ def _set_knobs(loader: Any, knobs: Any) -> bool:
     if not workers:
         wanted.pop("prefetch_factor", None)  # unused without workers: the loader keeps its own
     now = {name: getattr(loader, name, None) for name in wanted}
-    if now == wanted:
+    return {} if now == wanted else wanted
+
+
+def _set_knobs(loader: Any, knobs: Any) -> bool:
+    """Give ``loader`` the run's worker knobs before it makes its iterator; whether it changed."""
+    wanted = _wanted(loader, knobs)
+    if not wanted:
         return False
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:  # persistent workers were started with the old values
@@ -567,6 +574,11 @@ def _set_knobs(loader: Any, knobs: Any) -> bool:
 
         _keep_seed(loader, iterator)
         shutdown_workers(iterator, loader)
+    from memtui.hooks import streaming
+
+    if streaming.is_streaming(loader):
+        streaming.set_knobs(loader, wanted)
+        return True
     for name, value in wanted.items():
         setattr(loader, name, value)
     return True
@@ -735,6 +747,11 @@ def _continue_epoch(tuner: Any, loader: Any) -> None:
 
     knobs = tuner.store.knobs
     owner, iterator = _watch.live[0](), _watch.live[1]()
+    from memtui.hooks import streaming
+
+    if streaming.is_streaming(loader):
+        _continue_pass(tuner, loader, owner, iterator)
+        return
     if owner is not loader or iterator is None or exhausted(loader, iterator):
         if _set_knobs(loader, knobs):  # the next epoch starts with them
             tuner.loader_changed()
@@ -753,6 +770,40 @@ def _continue_epoch(tuner: Any, loader: Any) -> None:
     setattr(iterator, COUNTED, continuation)
     _watch.continued.add(continuation)
     tuner.loader_changed()
+
+
+def _continue_pass(tuner: Any, loader: Any, owner: Any, iterator: Any) -> None:
+    """Give litdata's ``StreamingDataLoader`` the knobs a save applied: the rest of the pass
+    under way from its own resumption with them (``streaming``), the next pass from its own
+    attributes."""
+    from memtui.hooks import streaming
+    from memtui.hooks.midepoch import Continuation
+
+    counted = getattr(iterator, COUNTED, False) if iterator is not None else False
+    continuation = counted if isinstance(counted, Continuation) else None
+    current = iterator if continuation is None else continuation.current
+    if owner is not loader or current is None or streaming.ended(current):
+        if _set_knobs(loader, tuner.store.knobs):  # between passes: the next one takes them
+            tuner.loader_changed()
+        return
+    wanted = _wanted(loader, tuner.store.knobs)
+    if not wanted or _watch.own_next is None:
+        return
+    fresh, then = streaming.continue_with(loader, current, wanted, _own_iter)
+    if continuation is None:
+        continuation = Continuation(iterator, loader, _watch.own_next, _watch.count)
+    continuation.replace(fresh, then)
+    setattr(iterator, COUNTED, continuation)
+    _watch.continued.add(continuation)
+    tuner.loader_changed()
+
+
+def _own_iter(loader: Any) -> Any:
+    """torch's own ``DataLoader.__iter__`` of ``loader`` (an iterator of this pass, not a new
+    epoch of the training loader)."""
+    from torch.utils.data import DataLoader
+
+    return getattr(DataLoader.__iter__, "__wrapped__", DataLoader.__iter__)(loader)
 
 
 def _watch_tuner() -> Any:

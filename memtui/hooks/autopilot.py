@@ -24,8 +24,7 @@ from memtui.advice.autopilot import (
     history,
     timing_of,
 )
-from memtui.advice.effect import SETTLE_STEPS
-from memtui.advice.measure import EFFECT_STEPS, timed_longer
+from memtui.advice.measure import EFFECT_STEPS, Periods, timed_longer
 from memtui.advice.recommend import Inputs, bands
 from memtui.core.knobs import format_changes, knobs_with, new_values, parse_value
 from memtui.core.stats import summarize_steps
@@ -141,10 +140,11 @@ class Autopilot:
         change = applied[-1] if applied else None
         if change is None or change.effect is None:
             return
-        earlier = applied[-2].step if len(applied) > 1 else -1
-        measured = timed_longer(change, earlier, steps)
+        measured = timed_longer(applied, steps, self._control.current)
         recorded = change.effect.steps_after
-        if measured is not None and measured.effect.steps_after >= min(2 * recorded, wanted):
+        if measured is None or measured.effect is None:
+            return
+        if measured.effect.steps_after >= min(2 * recorded, wanted):
             self._control.record_effect(measured)
 
     def _situation(
@@ -153,7 +153,9 @@ class Autopilot:
         """The policy's inputs: the steps since the last change settled, and the history."""
         control, state = self._control, self.state()
         applied = control.applied_changes()
-        since = max((a.step for a in applied), default=-1) + SETTLE_STEPS
+        # the steps since the latest change's warm-up ended (its loader's new workers running)
+        periods = Periods.of(applied, list(steps), control.current)
+        since = periods.settled(applied, len(applied) - 1)
         recent = [r for r in steps if r.step > since][-EFFECT_STEPS:]
         stats = (
             summarize_steps(recent, window=EFFECT_STEPS) if len(recent) >= EFFECT_STEPS else None
@@ -197,7 +199,7 @@ class Autopilot:
             ),
             pending=bool(own.pending),
             budget=state.budget,
-            timing=timing_of(steps, since - SETTLE_STEPS),
+            timing=timing_of(steps, since),
         )
 
     def _queue(self, decision: Decision) -> None:

@@ -77,6 +77,12 @@ NO_PINNING = (
     "speeds copies to a GPU), and it will warn at every loader rebuild"
 )
 """The note on a change that turns pinning on in a run without an accelerator."""
+NO_UNPINNING = (
+    "pin_memory=false has no effect on this run: torch sees no accelerator, so nothing was pinned"
+)
+"""The note on a change that turns pinning off in a run without an accelerator."""
+PINNING_IDLE = "pin_memory does nothing without an accelerator"
+"""What pinning cannot do on a run without an accelerator: its change's effect is not measured."""
 
 
 class Pilot(Protocol):
@@ -306,9 +312,10 @@ class Control:
             parsed = parse_changes(request.changes)
             if self.disabled:
                 raise KnobError(f"changes are off for this run: {self.disabled}")
-            no_effect = (
-                NO_PINNING if parsed.get("pin_memory") is True and not self._pinning() else ""
-            )
+            pin = parsed.get("pin_memory")
+            no_effect = ""
+            if pin is not None and not self._pinning():
+                no_effect = NO_PINNING if pin is True else NO_UNPINNING
             rule = self._lr.resolve(request.lr_scale)
             with self._lock:
                 if self.ended:  # under the lock: ``close`` takes what is pending under it
@@ -526,24 +533,35 @@ class Control:
                 self.model = model
                 self._changes += 1
 
+    def cannot_act(self) -> dict[str, str]:
+        """The knobs whose change cannot act on this run, and why (their effect is not measured,
+        and never credited): pinning without an accelerator."""
+        return {} if self._pinning() else {"pin_memory": PINNING_IDLE}
+
     def record_effect(self, measured: Measured) -> None:
-        """Publish and audit an applied change's measured effect."""
+        """Publish and audit an applied change's measured effect (or why it has none: a change
+        that cannot act on this run)."""
         applied, peak = measured.applied, measured.peak_after
         with self._lock:
             applied.effect = measured.effect
-            applied.observed_peak_bytes = peak
+            if measured.effect is not None:
+                applied.observed_peak_bytes = peak
+            applied.effect_note = measured.note
             self._changes += 1
         record: dict[str, object] = {
             "ids": applied.ids,
             "step": applied.step,
             "predicted_peak_bytes": applied.predicted_peak_bytes,
-            "observed_peak_bytes": peak,
-            "effect": to_builtins(measured.effect),
-            "summary": describe(measured.effect),
+            "observed_peak_bytes": applied.observed_peak_bytes,
         }
+        if measured.effect is not None:
+            record["effect"] = to_builtins(measured.effect)
+            record["summary"] = describe(measured.effect)
+        if measured.note:
+            record["effect_note"] = measured.note
         if applied.predicted_peak_bytes and peak:
             record["prediction_error"] = applied.predicted_peak_bytes / peak - 1
-        if applied.speed_note:
+        if applied.speed_note and measured.effect is not None:
             record["predicted_speed_delta"] = applied.predicted_speed_delta
             record["speed_note"] = applied.speed_note
             record["speed_error"] = speed_error(applied)

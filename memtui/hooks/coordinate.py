@@ -211,6 +211,17 @@ class Coordinator:
         except msgspec.DecodeError:
             return None
 
+    def post_figures(self, figures: bytes) -> None:
+        """Post this rank's figures over the run (one key, overwritten), for rank 0's summary."""
+        self.store.set(f"figures/{self.rank}", figures)
+
+    def figures_of(self, rank: int) -> bytes | None:
+        """``rank``'s figures as it last posted them (None: nothing posted yet)."""
+        key = f"figures/{rank}"
+        if not self.store.check([key]):  # a get would wait for the key
+            return None
+        return bytes(self.store.get(key))
+
     def learn_abort(self) -> str:
         """Why changes are off, once an abort is posted for the boundary this rank has not
         reached (it went past it: it may never call it); "" while none is, or when this rank

@@ -135,6 +135,9 @@ class Continuation:
         self.draining: list[Any] = [first]
         """Iterators whose dispatched batches are still to deliver, oldest first."""
         self.current: Any = None
+        self.then: Callable[[], Any] | None = None
+        """Makes the iterator of the epoch's last batches, once ``current`` delivered its own
+        (None: ``current``'s are the last)."""
         self.rest: Iterator[Any] | None = None
         self.seed = int(getattr(first, "_base_seed", 0))
 
@@ -155,6 +158,16 @@ class Continuation:
         own_iter = getattr(DataLoader.__iter__, "__wrapped__", DataLoader.__iter__)
         self.current = own_iter(fresh)
 
+    def replace(self, iterator: Any, then: Callable[[], Any] | None = None) -> None:
+        """Continue the epoch from now on with ``iterator``, whose place covers the batches the
+        iterators before it were given (they are shut down, their batches not delivered), then
+        with the iterator ``then`` makes, if any."""
+        for old in (*self.draining, self.current):
+            if old is not None and old is not iterator:
+                self._retire(old)
+        self.draining = []
+        self.current, self.then = iterator, then
+
     def __call__(self) -> Any:
         """The next batch of the epoch (StopIteration at its end)."""
         draining = self.draining
@@ -163,6 +176,13 @@ class Continuation:
                 return self._deliver(draining[0])
             except StopIteration:
                 self._retire(draining.pop(0))
+        try:
+            return self._deliver(self.current)
+        except StopIteration:
+            if self.then is None:
+                raise
+        then, self.then = self.then, None
+        self.current = then()
         return self._deliver(self.current)
 
     def _deliver(self, iterator: Any) -> Any:

@@ -1,4 +1,5 @@
-"""What a run keeps on disk: the audit log of changes (JSONL) and the tuned config (YAML).
+"""What a run keeps on disk: the audit log of changes (JSONL), the tuned config (YAML) and the
+run's summary (JSON, ``memtui report``).
 
 Both live in the run's state directory (``install(state_dir=...)``, by default
 ``~/.local/state/memtui/runs/<run id>``); the tuned config can also be written to a path the
@@ -28,12 +29,14 @@ import yaml
 from memtui.core.knobs import KNOBS, KnobError, as_dict, parse_value
 from memtui.core.stats import one_line
 from memtui.storage import ownfiles, paths, safeyaml
-from memtui.wire import Ceiling, Knobs, to_builtins
+from memtui.wire import Ceiling, Knobs, RunSummary, to_builtins
 
 log = logging.getLogger("memtui")
 
 AUDIT_FILE = "memtui-audit.jsonl"
 TUNED_FILE = "memtui-tuned.yaml"
+SUMMARY_FILE = "memtui-summary.json"
+"""The run's summary (``memtui report``), beside the tuned config."""
 UNSAVED_WARN_S = 60.0
 """While the tuned config or audit lines are not saved, this is said again at most this often."""
 
@@ -272,6 +275,15 @@ def write_tuned(
     ownfiles.replace_file(path, text.encode("utf-8"))
 
 
+def write_summary(path: Path, summary: RunSummary) -> None:
+    """Write the run's summary atomically (a new 0600 temp file renamed over it, flushed to the
+    disk: a run killed at any moment leaves the previous summary or this one, whole); raise
+    OSError if it is not written."""
+    _private_dir(path.parent)
+    warn_if_shared(path.parent)
+    ownfiles.replace_file(path, msgspec.json.encode(summary) + b"\n")
+
+
 def read_section(path: Path, name: str) -> Any:
     """One section of a tuned-config file as YAML reads it (None: none, unreadable, or not the
     user's own)."""
@@ -339,6 +351,12 @@ class Persisted(Protocol):
     def persisted(self) -> dict[str, Any]: ...
 
 
+class ScriptDir(str):
+    """A state directory memtui took from the script (a Trainer's ``output_dir``, Lightning's
+    ``default_root_dir``) rather than one it was given: memtui writes there only once it changed
+    the run, so the script's directory holds what it would hold without memtui."""
+
+
 class StateFiles:
     """Where one run keeps its audit log and tuned config: the state directory given (else the
     run's own under the state home), and a second tuned config path if one was given."""
@@ -353,6 +371,7 @@ class StateFiles:
         """The run the files belong to now (rank 0's once the job coordinates)."""
         self._state_dir = Path(state_dir) if state_dir else None
         self._tuned_path = Path(tuned_path) if tuned_path else None
+        self._borrowed = isinstance(state_dir, ScriptDir)
 
     @property
     def state_dir(self) -> Path:
@@ -363,6 +382,14 @@ class StateFiles:
     def audit_path(self) -> Path:
         """The run's audit log."""
         return self.state_dir / AUDIT_FILE
+
+    @property
+    def summary_path(self) -> Path:
+        """The run's summary: beside its tuned config, or in the run's own directory under the
+        state home when the state directory is the script's (``ScriptDir``), which the summary
+        written from the start would change where memtui changed nothing."""
+        home = paths.state_home() / self.run_id() if self._borrowed else self.state_dir
+        return home / SUMMARY_FILE
 
     def tuned_paths(self) -> list[Path]:
         """Every file the tuned config is written to."""

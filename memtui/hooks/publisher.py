@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
+from memtui.advice.summary import SummaryBuilder
 from memtui.hooks.control import Control
 from memtui.hooks.errors import Report
 from memtui.hooks.ledger import CHECKPOINT_RECORDS, OUTBOX_RECORDS, RawStep, StepLedger
@@ -52,11 +53,16 @@ class Publisher:
         control: Control,
         sampler: Callable[[], Sampler | None],
         heartbeat_s: float = 1.0,
+        summary: SummaryBuilder | None = None,
+        report: Report | None = None,
     ) -> None:
         self._ledger = ledger
         self._control = control
         self._sampler = sampler
         self.heartbeat_s = heartbeat_s
+        self._summary = summary
+        """The run's summary, fed every step and sample drained (``hooks.summary``)."""
+        self._report = report
         self._unsent: deque[RawStep] = deque(maxlen=HISTORY_STEPS)
         """Records drained (by a flush or a snapshot) and not yet published: nobody watching,
         the history's worth of them waits for a viewer (the deque's bound drops the older ones,
@@ -94,22 +100,27 @@ class Publisher:
         it took waits in the unsent buffers for the next flush.
         """
         sampler = self._sampler()
+        devices: list[DeviceSample] = []
+        hosts: list[HostSample] = []
         if sampler is not None:
             device = sampler.device_samples
             while device:
                 sample = device.popleft()
                 self.device.append(sample)
                 self._unsent_device.append(sample)
+                devices.append(sample)
             del self._unsent_device[: -(device.maxlen or 512)]
             host = sampler.host_samples
             while host:
                 self._unsent_host = host.popleft()
                 self.host.append(self._unsent_host)
+                hosts.append(self._unsent_host)
         for checkpoint in self._ledger.drain_checkpoints():
             self.checkpoints.append(checkpoint)
             self._unsent_checkpoints.append(checkpoint)
         del self._unsent_checkpoints[:-CHECKPOINT_RECORDS]
         taken = self._ledger.drain_steps()
+        self._summarize(taken, devices, hosts)
         if not taken:
             return taken
         # a full outbox drops its oldest records, so a gap can only open before the first
@@ -121,6 +132,22 @@ class Publisher:
         if keep:
             self._unsent.extend(taken)
         return taken
+
+    def _summarize(
+        self, steps: list[RawStep], devices: list[DeviceSample], hosts: list[HostSample]
+    ) -> None:
+        """Fold what was drained into the run's summary (a failure is reported, never raised:
+        the steps still go out)."""
+        summary = self._summary
+        if summary is None or not (steps or devices or hosts):
+            return
+        try:
+            summary.add_device(devices)
+            summary.add_host(hosts)
+            summary.add_steps(steps)
+        except Exception as exc:
+            if self._report is not None:
+                self._report(exc, "the run's summary")
 
     def telemetry(
         self, *, run: str, rank: int, counters: HookCounters, watched: bool, ended: bool = False

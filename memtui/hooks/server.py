@@ -101,7 +101,7 @@ class ControlServer:
         self,
         control: Control,
         rank: Callable[[], int],
-        snapshot: Callable[[int], Snapshot],
+        snapshot: Callable[[int, bool], Snapshot],
         report: Report,
     ) -> None:
         self._control = control
@@ -231,7 +231,7 @@ class ControlServer:
         control, rank = self._control, self._rank()
         try:
             if isinstance(request, Hello):
-                return self._snapshot(request.history)
+                return self._snapshot(request.history, request.summary)
             if isinstance(request, (SetRequest, CancelRequest, AutotuneRequest)) and rank != 0:
                 return ErrorReply(reason=f"rank {rank} takes no changes: rank 0 does")
             if isinstance(request, SetRequest):
@@ -300,6 +300,7 @@ class ControlServer:
         if isinstance(reply, Snapshot):
             reply.info = public_info(reply.info)
             reply.ranks = public_ranks(reply.ranks)
+            reply.summary = None  # it holds the command line, cwd and paths too
         return reply
 
 

@@ -62,6 +62,7 @@ from memtui.hooks.restart import (
 )
 from memtui.hooks.sampler import CudaDeviceProbe, Sampler, usable_cpus
 from memtui.hooks.settings import HookSettings, Options
+from memtui.hooks.summary import RunSummaries, how_it_ended
 from memtui.hooks.tracker import EventCallback
 from memtui.storage import registry
 from memtui.storage.ownfiles import UnsafeFile
@@ -128,6 +129,10 @@ class Tuner:
         self.info: RunInfo | None = None
         self.sampler: Sampler | None = None
         self.agent: Agent | None = None
+        self.summaries: RunSummaries | None = None
+        """The run's summary (``memtui report``), kept by the agent thread once it starts."""
+        self._exit_exc: BaseException | None = None
+        """The exception that left the ``with`` block this Tuner closed at (None: none)."""
         self._loaders: list[weakref.ref[TunedLoader]] = []
         self._loaders_made = 0
         """Loaders made by ``loader()`` (every rank makes them in the same order)."""
@@ -287,7 +292,9 @@ class Tuner:
                 tcp_plan=self.tcp_plan,
                 record_path=options.record,
                 autopilot=self.autopilot,
+                summaries=RunSummaries(self.files, self.placement, self.control, self.report),
             )
+            self.summaries = parts.summaries
             self.agent = Agent(
                 parts,
                 registry.run_dir(self.run_id),
@@ -320,6 +327,11 @@ class Tuner:
             self._say_pending_at_exit()
         except Exception as exc:
             self.report(exc, "the changes pending at exit")
+        if self.summaries is not None and not self.summaries.ended:
+            try:  # the agent's last summary says how the run ended
+                self.summaries.ended = how_it_ended(self._exit_exc)
+            except Exception as exc:
+                self.report(exc, "the run's summary")
         try:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
@@ -364,11 +376,14 @@ class Tuner:
         self._closed = True
         self.sampler = None
         self.agent = None
+        self.summaries = None
 
     def __enter__(self) -> Tuner:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        error = exc[1] if len(exc) > 1 else None
+        self._exit_exc = error if isinstance(error, BaseException) else None
         self.close()
 
     # ------------------------------------------------------------------ where it runs

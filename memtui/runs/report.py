@@ -166,6 +166,9 @@ class Applied(Struct):
     """What the LR was multiplied by with the change (None: it stayed)."""
     lr_note: str = ""
     """The LR change in words, or the warning that it did not follow the effective batch."""
+    effect_note: str = ""
+    """What the change could not do on this run (``pin_memory does nothing without an
+    accelerator: its effect is not measured``)."""
 
 
 class VerdictReport(Struct):
@@ -389,7 +392,8 @@ def _config(known: KnownConfig) -> Config:
     return dict(known.values)
 
 
-def _applied(applied: AppliedChange) -> Applied:
+def applied_of(applied: AppliedChange) -> Applied:
+    """The report's form of an applied change: its prediction's error and its effect in words."""
     error = prediction_error(applied)
     effect = None
     if applied.effect is not None:
@@ -413,6 +417,7 @@ def _applied(applied: AppliedChange) -> Applied:
         origin=applied.origin,
         lr_factor=applied.lr_factor,
         lr_note=applied.lr_note,
+        effect_note=applied.effect_note,
     )
 
 
@@ -475,7 +480,7 @@ def _rank(rank: RankInfo, snapshot: Snapshot | None, steps: StepStats | None) ->
     if snapshot is not None:
         entry.step = snapshot.step
         entry.config = _config(_known(snapshot))
-        entry.applied = [_applied(a) for a in snapshot.control.applied]
+        entry.applied = [applied_of(a) for a in snapshot.control.applied]
         entry.metrics = _metrics(steps)
         entry.memory = _memory(snapshot)
         entry.host_memory = snapshot.host[-1] if snapshot.host else None
@@ -549,7 +554,7 @@ def build_status(
         effective_batch=known.effective_batch(),
         pending=list(control.pending),
         unapplied=list(control.unapplied),
-        applied=[_applied(a) for a in control.applied],
+        applied=[applied_of(a) for a in control.applied],
         rejected=list(control.rejected),
         cancelled=list(control.cancelled),
         metrics=_metrics(own_steps),
@@ -805,19 +810,30 @@ def _change_lines(report: StatusReport) -> list[str]:
             line += f" by the {applied.origin}"
         elif not applied.rollback:
             line += " by an operator"
-        if applied.effect is not None:
-            line += f": {applied.effect.summary}"
-        if applied.prediction_error is not None and applied.predicted_peak_bytes:
-            line += (
-                f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
-                f"({error_words(applied.prediction_error)})"
-            )
-        if applied.predicted_speed_delta is not None:
-            line += "; " + predicted_speed_words(applied.predicted_speed_delta, applied.effect)
-        if applied.lr_note:
-            line += f"; {applied.lr_note}"
-        lines.append(line)
+        lines.append(line + outcome_words(applied))
     return lines
+
+
+def outcome_words(applied: Applied) -> str:
+    """What an applied change did and what was predicted of it, to follow its line:
+    ``: +6% samples/s ...; predicted peak 596 MiB (1% high)`` ('' when nothing is known)."""
+    words = ""
+    if applied.effect is not None:
+        words += f": {applied.effect.summary}"
+    if applied.effect_note:
+        words += (
+            f"; {applied.effect_note}" if applied.effect is not None else f": {applied.effect_note}"
+        )
+    if applied.prediction_error is not None and applied.predicted_peak_bytes:
+        words += (
+            f"; predicted peak {format_bytes(applied.predicted_peak_bytes)} "
+            f"({error_words(applied.prediction_error)})"
+        )
+    if applied.predicted_speed_delta is not None:
+        words += "; " + predicted_speed_words(applied.predicted_speed_delta, applied.effect)
+    if applied.lr_note:
+        words += f"; {applied.lr_note}"
+    return words
 
 
 def _accuracy_lines(report: StatusReport) -> list[str]:

@@ -5,8 +5,8 @@ torch's global hooks record, as JSON lines in ``$MEMTUI_WITNESS_OUT``:
 
 * ``step``: before every optimizer step, its number in this process (``call``), the optimizer's
   own step count (Adam's ``step`` state + 1: it continues across a resume; null for a stateless
-  optimizer), the LR of every param group (what the step uses) and the live child processes
-  (the loader's workers);
+  optimizer), the LR of every param group (what the step uses), the live child processes
+  (the loader's workers) and the process's resident memory read then (``rss``);
 * ``forward``: every call of a top-level module (none other running): the shape of its first
   tensor input (or of the first inside a batch handed whole), whether in training mode (for a
   ``DistributedDataParallel`` wrapper: the module it wraps), and the step (``call``) it feeds: the one running, for
@@ -90,6 +90,7 @@ class Witness:
             lrs=[float(group["lr"]) for group in optimizer.param_groups],
             optimizer=type(optimizer).__name__,
             workers=self.workers(),
+            rss=self.process.memory_info().rss,
         )
         self.stepping = True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -125,7 +126,10 @@ def main() -> None:
     seconds = time.perf_counter() - started
     done = {"rank": fabric.global_rank, "steps": steps, "micro": micro, "samples": samples,
             "evaluations": evaluations, "seconds": seconds}  # fmt: skip
-    print("DONE " + json.dumps(done), flush=True)
+    # one write, newline included: the ranks share one unbuffered stdout, where print's text and
+    # its newline are two writes another rank's line can fall between
+    sys.stdout.write("DONE " + json.dumps(done) + "\n")
+    sys.stdout.flush()
     held = Path(cli.held)
     deadline = time.monotonic() + 120
     while held.exists() and time.monotonic() < deadline:

@@ -53,8 +53,8 @@ class Launched:
         def both() -> list[dict[str, Any]] | None:
             if self.proc.poll() is not None:
                 pytest.fail(f"the job ended early:\n{self.log.read_text()}")
-            lines = [ln[5:] for ln in self.log.read_text().splitlines() if ln.startswith("DONE ")]
-            return [json.loads(line) for line in lines] if len(lines) == RANKS else None
+            records = re.findall(r"DONE (\{[^\n]*?\})", self.log.read_text())
+            return [json.loads(record) for record in records] if len(records) == RANKS else None
 
         found = wait_for(both, 180, 0.1, "both ranks' training")
         assert isinstance(found, list)

@@ -205,6 +205,25 @@ def test_the_exporter_serves_every_rank_as_status_sees_it(
         assert hosts == {status_json(demo.run_id)["host"]}
 
 
+def test_the_report_of_a_live_job_lists_each_ranks_own_figures(
+    two_ranks: SharedDemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memtui report --json`` on the module's job: rank 0's summary holds both ranks' figures,
+    rank 1's as it posted them through the job's store, each its own steps and memory."""
+    demo = two_ranks.adopt(monkeypatch)
+
+    def both_ranks() -> list[dict[str, Any]] | None:
+        result = memtui_here("report", demo.run_id, "--json")
+        assert result.exit_code == 0, result.output
+        ranks = json.loads(result.stdout)["ranks"]
+        return ranks if len(ranks) == 2 and all(r["steps"] for r in ranks) else None
+
+    ranks = wait_for(both_ranks, 60, 0.5, "both ranks' figures in the run's summary")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for figures in ranks:
+        assert figures["step_time_s"] > 0 and figures["device_peak_bytes"] > 0, figures
+
+
 @pytest.mark.slow
 def test_twenty_trials_no_hang_no_mismatch(start_demo: Callable[..., DemoRun]) -> None:
     demo = start_demo(

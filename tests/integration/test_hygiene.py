@@ -88,7 +88,16 @@ def test_clients_import_no_torch(module: str) -> None:
 def test_cli_import_loads_no_transport_and_no_parsers() -> None:
     """``memtui --version`` starts like ``nvidia-smi``: each command imports what it uses."""
     loaded = loaded_after("import memtui.cli")
-    assert not loaded & {"zmq", "psutil", "yaml", "textual", "rich", "msgspec"}, loaded
+    assert not loaded & {
+        "zmq",
+        "psutil",
+        "yaml",
+        "textual",
+        "rich",
+        "msgspec",
+        "matplotlib",
+        "numpy",
+    }, loaded
 
 
 def test_status_loads_no_psutil_and_without_a_config_file_no_yaml() -> None:

@@ -3,6 +3,7 @@ a word from memtui (its close neither fails nor says that training goes on while
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -75,6 +76,10 @@ def assert_only_the_users_traceback(code: int, stderr: str) -> None:
 
 def test_ctrl_c_shows_the_users_traceback_once_and_nothing_from_memtui(tmp_path: Path) -> None:
     assert_only_the_users_traceback(*interrupted(tmp_path))
+    # and the run's last summary, beside its tuned config, says how it ended
+    summary = json.loads((tmp_path / "ckpt" / "memtui-summary.json").read_text())
+    assert summary["ended"] == "interrupted"
+    assert summary["last_step"] >= 1000
 
 
 @pytest.mark.parametrize("again_after_s", [0.0, 0.02])

@@ -226,8 +226,10 @@ def _child(request: dict[str, Any]) -> None:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code
-    except BaseException:  # as the interpreter: the excepthook (the hook may have set it), 1
-        sys.excepthook(*sys.exc_info())
+    except BaseException:  # as the interpreter: the exception kept as the last one, the
+        kind, error, trace = sys.exc_info()  # excepthook (the hook may have set it), 1
+        sys.last_type, sys.last_value, sys.last_traceback = kind, error, trace
+        sys.excepthook(kind, error, trace)  # type: ignore[arg-type]
         code = 1
     finally:
         import atexit

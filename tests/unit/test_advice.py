@@ -284,6 +284,21 @@ def test_a_change_measured_slower_is_followed_by_its_revert_not_more_of_the_same
     assert options[0].changes == {"num_workers": 0} and options[0].title.startswith("revert #1")
     assert "52% slower" in options[0].why and options[0].speed_delta == pytest.approx(266 / 128 - 1)
     assert not [o for o in options if (o.changes.get("num_workers") or 0) > 2], options
+    # the revert quotes the measured interval, and what undoing the change is expected to give
+    ranged = msgspec.structs.replace(slower, speedup_low=-0.7, speedup_high=-0.2)
+    undone = dataclasses.replace(inputs, applied=(msgspec.structs.replace(change, effect=ranged),))
+    revert = recommend(undone)[0]
+    assert "52% slower (-70% to -20%)" in revert.why, revert.why
+    assert revert.speed_note.endswith("(+25% to +233%)"), revert.speed_note
+    # an interval that holds zero (the run's drift counted) is no measured harm, whatever the
+    # point estimate, and neither is a change that could not act on the run (never measured)
+    unsure = msgspec.structs.replace(slower, speedup_low=-0.7, speedup_high=0.05)
+    spans = dataclasses.replace(inputs, applied=(msgspec.structs.replace(change, effect=unsure),))
+    assert not any(o.title.startswith("revert") for o in recommend(spans)), "inside the noise"
+    idle = AppliedChange(ids=[1], step=50, time=0.0, changes={"pin_memory": KnobDiff(False, True)},
+                         effect_note="pin_memory does nothing without an accelerator")  # fmt: skip
+    pinned = dataclasses.replace(inputs, applied=(idle,), config=Knobs(16, 2, 2, True))
+    assert not any(o.title.startswith("revert") for o in recommend(pinned)), "never measured"
     faster = dataclasses.replace(inputs, applied=(msgspec.structs.replace(
         change, effect=msgspec.structs.replace(slower, samples_per_s_after=255)),))  # fmt: skip
     assert not any(o.title.startswith("revert") for o in recommend(faster)), "-4%: not worth it"
@@ -428,11 +443,14 @@ def test_host_pressure_recommends_fewer_workers_and_no_pinning() -> None:
             workers_uss_bytes=8 * GIB,
         ),
         host_pressure=True,
+        device_kind="cuda",
     )
     options = recommend(inputs)
     assert options[0].changes == {"num_workers": 4}
     assert options[0].host_delta_bytes == -4 * GIB
     assert any(o.changes == {"pin_memory": False} for o in options)
+    on_cpu = recommend(dataclasses.replace(inputs, device_kind="cpu"))
+    assert not any("pin_memory" in o.changes for o in on_cpu), "torch pins nothing on a CPU run"
     assert not any("prefetch_factor" in o.changes for o in options), "not tunable here"
 
     ahead = dataclasses.replace(

@@ -10,6 +10,7 @@ import msgspec
 from memtui.advice.autopilot import (
     AUTOPILOT,
     AXES,
+    CANNOT_ACT,
     KEPT,
     MEASURING,
     OOM,
@@ -132,6 +133,57 @@ def test_a_trial_is_kept_only_when_its_interval_is_above_zero() -> None:
     assert history([clear]).trials[0].outcome == KEPT
 
 
+def ranged(before: float, after: float, low: float, high: float) -> Effect:
+    """A measured effect whose 95% interval (``low`` to ``high``) is on the ratio of the speeds,
+    so not symmetric, and counts the run's drift at an unchanged config."""
+    return Effect(20, 20, before, after, 0.1, 0.1, 0.0, 0.0, speedup_margin=high - after / before + 1,
+                  speedup_low=low, speedup_high=high, speed_drift=0.2)  # fmt: skip
+
+
+def test_a_trial_is_kept_or_called_worse_only_when_its_stated_interval_excludes_zero() -> None:
+    """+60% (-5% to +90%): its margin toward the far end (0.3) is under the gain, but the
+    interval the effect states holds zero: no measurable change, timed longer, never kept;
+    -40% (-70% to +5%) is no slower beyond the noise either."""
+
+    def outcome(measured: Effect) -> str:
+        return history([change(50, measured, num_workers=(1, 2))]).trials[0].outcome
+
+    spans = change(50, ranged(100, 160, -0.05, 0.9), num_workers=(1, 2))
+    assert outcome(ranged(100, 160, -0.05, 0.9)) == UNCLEAR
+    now = Knobs(16, 2, 2, False)
+    assert decide(situation(now, applied=(spans,), timing=NOISY)).action == "time"
+    assert outcome(ranged(100, 160, 0.2, 0.9)) == KEPT
+    assert outcome(ranged(100, 60, -0.7, 0.05)) == UNCLEAR
+    assert outcome(ranged(100, 60, -0.7, -0.1)) == WORSE
+
+
+def test_a_change_that_cannot_act_on_the_run_is_neither_kept_nor_reverted_nor_waited_for() -> None:
+    """Pinning on a run without an accelerator is never measured (the hook says why instead):
+    the autopilot does not wait for an effect that never comes, credits it with nothing, does not
+    revert it as slower, says why, and does not try the value again."""
+    note = "pin_memory does nothing without an accelerator: its effect is not measured"
+    idle = change(50, None, pin_memory=(False, True))
+    idle.effect_note = note
+    done = history([idle])
+    trial = done.trials[0]
+    assert trial.outcome == CANNOT_ACT and trial.describe() == f"pin_memory=true: {note}"
+    assert done.tried("pin_memory") == {True: CANNOT_ACT}
+    decision = decide(situation(Knobs(16, 2, 0, True), applied=(idle,)))
+    assert (decision.action, decision.changes) == ("try", {"num_workers": 1}), decision
+
+
+def test_the_trial_timed_longer_keeps_what_its_change_could_not_do() -> None:
+    """A change of two knobs, one of which cannot act here, measured again over more steps still
+    says the effect is the other knob's."""
+    steps = [StepRecord(n, n, 0.1 if n <= 100 else 0.08, 0.0, 8, 1) for n in range(1, 300)]
+    both = change(100, timed(80, 100, 0.2, 20), num_workers=(1, 2), pin_memory=(False, True))
+    both.effect_note = (
+        "pin_memory does nothing without an accelerator: the effect measured is num_workers's"
+    )
+    measured = timed_longer([both], steps)
+    assert measured is not None and measured.note == both.effect_note
+
+
 def test_after_a_failed_doubling_it_bisects_once_then_stops() -> None:
     trials = (
         change(50, effect(200, 300, 0.05), num_workers=(0, 2)),
@@ -145,6 +197,21 @@ def test_after_a_failed_doubling_it_bisects_once_then_stops() -> None:
     decision = decide(situation(Knobs(16, 2, 2, False), applied=trials))
     assert decision.changes == {"num_workers": 3}
     assert doubling(3, 8, {4: REVERTED, 3: KEPT}) is None
+
+
+def test_one_worker_inside_the_noise_is_passed_over_for_two() -> None:
+    """From no worker, one that read no measurable change (a loaded machine hides it) is
+    reverted, then two are tried; two inside the noise as well end the search."""
+    one = change(50, effect(300, 306, 0.12), num_workers=(0, 1))
+    back = change(100, effect(306, 300, 0.12), num_workers=(1, 0))
+    done = history([one, back])
+    assert done.tried("num_workers") == {1: UNCLEAR_REVERTED}
+    decision = decide(situation(START, applied=(one, back)))
+    assert (decision.action, decision.changes) == ("try", {"num_workers": 2}), decision
+    two = change(150, effect(300, 303, 0.12), num_workers=(0, 2))
+    back2 = change(200, effect(303, 300, 0.12), num_workers=(2, 0))
+    after = decide(situation(START, applied=(one, back, two, back2)))
+    assert after.changes.get("num_workers") is None, after
 
 
 def test_workers_stay_within_the_cpus_the_run_may_use() -> None:
@@ -483,6 +550,15 @@ def test_a_trial_reverted_inside_the_noise_is_tried_again_once_the_noise_fell() 
     quieter = change(150, effect(300, 330, 0.06), prefetch_factor=(2, 4))
     retried = decide(situation(now, applied=(trial, revert, quieter)))
     assert retried.changes == {"num_workers": 4}, retried.why
+    # the widths compared are the stated intervals' on the ratio of the speeds: a later +400%
+    # (+350% to +460%) is measured with far less noise than -10% (-30% to +50%), though its
+    # interval spans more points; a later +10% (-15% to +45%) is not
+    wide = change(50, ranged(300, 270, -0.3, 0.5), num_workers=(2, 4))
+    back = change(100, ranged(270, 300, -0.3, 0.5), num_workers=(4, 2))
+    precise = change(150, ranged(100, 500, 3.5, 4.6), prefetch_factor=(2, 4))
+    assert decide(situation(now, applied=(wide, back, precise))).changes == {"num_workers": 4}
+    noisy = change(150, ranged(300, 330, -0.15, 0.45), prefetch_factor=(2, 4))
+    assert decide(situation(now, applied=(wide, back, noisy))).changes != {"num_workers": 4}
     # a trial measured slower beyond its noise is not tried again, however quiet the run is now
     worse = change(50, effect(300, 240, 0.05), num_workers=(2, 4))
     back = change(100, effect(240, 300, 0.05), num_workers=(4, 2))
@@ -583,16 +659,17 @@ def test_the_trial_timed_longer_is_measured_over_every_step_on_each_side() -> No
     steps since the trial settled, up to ``LONG_STEPS`` a side."""
     steps = [StepRecord(n, n, 0.1 if n <= 300 else 0.08, 0.0, 8, 1) for n in range(1, 700)]
     steps[350] = StepRecord(351, 351, 0.0, 0.0, 8, 1)  # untimed: the after side counts past it
+    earlier = change(100, timed(70, 80, 0.1, 20), num_workers=(0, 1))
     trial = change(300, timed(80, 100, 0.2, 20), num_workers=(1, 2))
     trial.observed_peak_bytes = 5 * MIB
-    measured = timed_longer(trial, 100, steps)
-    assert measured is not None
+    measured = timed_longer([earlier, trial], steps)
+    assert measured is not None and measured.effect is not None
     got = measured.effect
     assert (got.steps_before, got.steps_after) == (198, LONG_STEPS)
     assert round(got.samples_per_s_before) == 80 and round(got.samples_per_s_after) == 100
     assert measured.peak_after == 5 * MIB
-    assert timed_longer(change(300, None, num_workers=(1, 2)), 100, steps) is None
-    timing = timing_of(steps[:340], 300)
+    assert timed_longer([earlier, change(300, None, num_workers=(1, 2))], steps) is None
+    timing = timing_of(steps[:340], 302)
     assert (timing.steps, round(timing.spread, 3)) == (38, 0.0)  # steps 303-340
 
 
@@ -616,7 +693,8 @@ def test_the_loop_times_a_trial_inside_the_noise_over_more_steps_and_records_it(
     state = pilot.state()
     assert state.phase == "timing" and "over 20 of 124 steps a side" in state.why, state.why
     assert control.seq > seq and trial.effect is not None
-    assert (trial.effect.steps_before, trial.effect.steps_after) == (99, 198)
+    # before: steps 3-100 (the run's first two are its loader's start), after: 103-300
+    assert (trial.effect.steps_before, trial.effect.steps_after) == (98, 198)
     assert not control.pending
     pilot.tick(steps, HOST, info)
     assert history([trial]).trials[0].outcome == KEPT

@@ -159,3 +159,21 @@ def test_status_reads_each_prediction_next_to_its_measurement_in_words() -> None
     ), line
     assert "predicted peak 430 MiB (2% high); predicted speed +118%, measured +233%" in line
     assert "off by" not in line and " - -> " not in line and "points" not in line
+
+
+def test_status_says_why_a_change_has_no_effect() -> None:
+    """A change that cannot act on the run (pinning without an accelerator) is never measured:
+    its line says why instead of an effect, in the text and the JSON."""
+    from memtui.runs.report import Applied, Diff
+
+    report = _reports(RECORDINGS[0])[-1]
+    note = "pin_memory does nothing without an accelerator: its effect is not measured"
+    applied = Applied(
+        ids=[4], step=60, time=0.0, changes={"pin_memory": Diff(False, True)}, note="",
+        rollback=False, predicted_peak_bytes=None, observed_peak_bytes=None,
+        prediction_error=None, effect=None, effect_note=note,
+    )  # fmt: skip
+    shown = msgspec.structs.replace(report, applied=[applied])
+    line = next(line for line in render_status(shown).splitlines() if "step 60" in line)
+    assert line.endswith(f"by an operator: {note}"), line
+    assert json.loads(status_json(shown))["applied"][0]["effect_note"] == note

@@ -54,6 +54,7 @@ import msgspec
 from transformers import TrainerCallback
 
 from memtui.hooks.batches import batch_samples, missed_once
+from memtui.hooks.persist import ScriptDir
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
 from memtui.storage import ownfiles
@@ -684,7 +685,7 @@ def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
     tuner_kwargs.pop("knobs", None)
     tuner_kwargs.pop("auto_step", None)
     if tuner_kwargs.get("state_dir") is None:
-        tuner_kwargs["state_dir"] = trainer.args.output_dir
+        tuner_kwargs["state_dir"] = ScriptDir(trainer.args.output_dir)
     tuner_kwargs.pop("model", None)
     tuner_kwargs.pop("optimizer", None)
     return HFAdapter(trainer, tuner_kwargs).tuner

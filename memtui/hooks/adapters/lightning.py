@@ -68,6 +68,7 @@ from memtui.core.knobs import DEFAULT_PREFETCH_FACTOR
 from memtui.hooks.batches import batch_samples, missed_once
 from memtui.hooks.knobstore import LOADER_KNOBS, loader_values
 from memtui.hooks.loader import TunedLoader
+from memtui.hooks.persist import ScriptDir
 from memtui.hooks.rebuild import OWN_LOADER, rebuild_factory, why_not_rebuilt
 from memtui.hooks.tracker import TAG, TrackerEvent, event_text, event_values
 from memtui.hooks.tuner import Tuner
@@ -653,7 +654,7 @@ def install(trainer: Any, **tuner_kwargs: Any) -> Tuner:
     if tuner_kwargs.get("state_dir") is None:
         root = str(getattr(trainer, "default_root_dir", "") or "")
         if root and "://" not in root:
-            tuner_kwargs["state_dir"] = root
+            tuner_kwargs["state_dir"] = ScriptDir(root)
     module = type(trainer).__module__
     package = "pytorch_lightning" if module.startswith("pytorch_lightning") else "lightning.pytorch"
     return LightningAdapter(trainer, package, tuner_kwargs).tuner

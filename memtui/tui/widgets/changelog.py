@@ -109,6 +109,8 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
     and no longer expected: a hook that does not measure)."""
     effect: Effect | None = applied.effect
     speed, peak = applied.predicted_speed_delta, applied.predicted_peak_bytes
+    if effect is None and applied.effect_note:  # a change that cannot act here: never measured
+        return [Chip(Text(applied.effect_note, "dim"))]
     if effect is None and speed is None and peak is None:
         if step - applied.step > MEASURED_WITHIN:
             return None
@@ -129,6 +131,8 @@ def effect_chips(applied: AppliedChange, step: int) -> list[Chip] | None:
         missed = "dim" if inside_noise(applied) else "yellow"
         measured.append(f"(predicted {signed(speed)})", missed)
     chips = [Chip(measured)]
+    if applied.effect_note:
+        chips.append(Chip(Text(applied.effect_note, "dim"), " · "))
     if effect.peak_bytes_before is not None and effect.peak_bytes_after is not None:
         moved = f"peak {format_bytes(effect.peak_bytes_before)} → "
         chips.append(Chip(Text(moved + format_bytes(effect.peak_bytes_after)), ", "))

@@ -158,3 +158,13 @@ def test_a_prediction_reads_next_to_the_measurement_and_the_accuracy_sits_under_
     crowded = attached(ControlState(config=CONFIG, tunable=TUNABLE, applied=[applied, *many]))
     shown = lines_of(crowded, limit=8)
     assert len(shown) == 8 and shown[-1].startswith("memory predictions off by 2.4%"), shown
+
+
+def test_a_change_that_cannot_act_reads_why_instead_of_an_effect() -> None:
+    """Pinning on a run without an accelerator: no effect to wait for, and the row says why."""
+    note = "pin_memory does nothing without an accelerator: its effect is not measured"
+    applied = AppliedChange([1], 50, T0 + 1, {"pin_memory": KnobDiff(False, True)},
+                            effect_note=note)  # fmt: skip
+    lines = lines_of(attached(ControlState(config=CONFIG, tunable=TUNABLE, applied=[applied])))
+    assert any(note in line for line in lines), lines
+    assert not any("measuring the effect" in line for line in lines), lines
