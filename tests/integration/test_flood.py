@@ -32,7 +32,8 @@ from types import SimpleNamespace
 import pytest
 
 from memtui.hooks import Options, Tuner
-from memtui.transport.client import ControlClient
+from memtui.transport.client import ClientError, ControlClient
+from memtui.wire import HookCounters
 from tests.support.clock import load_factor
 from tests.support.flood import ROOT, RssCurve, Step, Training
 from tests.support.other_user import OtherUser, make_other_user
@@ -191,8 +192,15 @@ def watch_flood(
         0.2,
         "the steps after the flood",
     )
-    counters = client.hello(history=0).counters
-    assert counters is not None
+
+    def counted() -> HookCounters | None:
+        try:  # after a flood over ipc, the ipc socket may rest a few seconds more
+            return client.hello(history=0).counters
+        except ClientError:
+            return None
+
+    counters = wait_for(counted, 30, 0.5, "the hook's counters after the flood")
+    assert isinstance(counters, HookCounters)
     errors = f"{counters.errors}: {counters.last_error}" if counters.errors else ""
     return Flooded(
         curve,
